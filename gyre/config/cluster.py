@@ -1,0 +1,68 @@
+"""Cluster shape and the timing model of its cells.
+
+The shape fields (`num_cells`, `cell_size`, `cell_capacity`, `separate_capacity`) feed the capacity
+ledger of Eq. 1. The timing fields describe how long the cluster takes to train, publish and change
+roles; the simulator uses them, the real runtime measures them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gyre.config.checks import require
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    num_cells: int = 8
+    """K: elastic cells, numbered core first (cell 0 is the core and owns the optimizer)."""
+    cell_size: int = 4
+    """Nodes (or GPUs) per cell; every cell shares one training parallel layout."""
+    cell_capacity: int = 144
+    """C_e: concurrent executions one cell serves in the rollout role."""
+    separate_capacity: int = 0
+    """C_s: concurrent executions of the separate rollout pool (0: no pool)."""
+    separate_size: int = 0
+    """Nodes of the separate rollout pool (for utilization only)."""
+
+    # Timing model (seconds). Defaults for transitions are the paper's measured means.
+    to_training_s: float = 8.52
+    """Role transition rollout -> training: free KV and engine weights, restore trainer state."""
+    to_rollout_s: float = 3.46
+    """Role transition training -> rollout: offload trainer state, restore the engine."""
+    train_group_s: float = 1800.0
+    """Seconds one cell needs for the forward-backward work of one rollout group."""
+    microsteps_per_group: int = 4
+    """Micro-steps one group is packed into; cells claim micro-steps one at a time."""
+    join_s: float = 30.0
+    """A satellite's pull of the core's weights before it claims its first micro-step."""
+    update_s: float = 60.0
+    """Gradient reduction, clipping, the optimizer update and the broadcast to satellites, per step."""
+    publish_s: float = 120.0
+    """Publication of new weights to every rollout engine at the end of a burst."""
+
+    def __post_init__(self) -> None:
+        require(self.num_cells >= 1, "cluster.num_cells", self.num_cells, "an integer >= 1")
+        require(self.cell_size >= 1, "cluster.cell_size", self.cell_size, "an integer >= 1")
+        require(self.cell_capacity > 0, "cluster.cell_capacity", self.cell_capacity, "an integer > 0")
+        require(self.separate_capacity >= 0, "cluster.separate_capacity", self.separate_capacity, "an integer >= 0")
+        require(self.separate_size >= 0, "cluster.separate_size", self.separate_size, "an integer >= 0")
+        if self.separate_capacity > 0:
+            require(
+                self.separate_size >= 1,
+                "cluster.separate_size",
+                self.separate_size,
+                ">= 1 when cluster.separate_capacity > 0",
+            )
+        for name in ("to_training_s", "to_rollout_s", "join_s", "update_s", "publish_s"):
+            value = getattr(self, name)
+            require(value >= 0, f"cluster.{name}", value, "a duration >= 0 seconds")
+        require(self.train_group_s > 0, "cluster.train_group_s", self.train_group_s, "a duration > 0 seconds")
+        require(
+            self.microsteps_per_group >= 1, "cluster.microsteps_per_group", self.microsteps_per_group, "an integer >= 1"
+        )
+
+    @property
+    def total_rollout_capacity(self) -> int:
+        """C_R with every cell in the rollout role (Eq. 1 at k = 0)."""
+        return self.separate_capacity + self.num_cells * self.cell_capacity

@@ -1,0 +1,94 @@
+"""Execution-duration model of a workload, for the simulator.
+
+An execution's raw duration is log-normal: a per-query factor (queries differ in difficulty, so the
+N executions of a group are correlated) times a per-execution factor. `mixture` adds a heavy tail:
+a fraction of queries is `tail_factor` times slower. A harness timeout is a ceiling: an execution
+that would run past it ends there (clustered just after it by the evaluation time) and is still
+scored. A fraction of executions exhausts the overall budget and is discarded; a fraction fails
+totally and becomes a zero-reward placeholder. `replay` draws durations from a CSV instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gyre.config.checks import require
+
+DISTRIBUTIONS = ("lognormal", "mixture", "replay")
+
+
+@dataclass(kw_only=True)
+class WorkloadConfig:
+    name: str = "default"
+    """Label for summaries and plots."""
+    distribution: str = "lognormal"
+    """lognormal | mixture (lognormal with a slow fraction of queries) | replay (CSV of durations)."""
+    median_s: float = 3600.0
+    """Median raw execution duration in seconds."""
+    sigma: float = 0.6
+    """Log-space standard deviation of the per-execution factor."""
+    query_sigma: float = 0.4
+    """Log-space standard deviation of the per-query factor shared by a group's executions."""
+    tail_fraction: float = 0.0
+    """mixture: fraction of queries in the slow component."""
+    tail_factor: float = 3.0
+    """mixture: duration multiplier of the slow component."""
+    harness_timeout_s: float = 0.0
+    """The harness's own budget (0: none). Executions reaching it end there and are still scored."""
+    eval_s: float = 60.0
+    """Mean evaluation time after an execution ends (exponential); spreads the clustered timeouts."""
+    overall_timeout_s: float = 0.0
+    """The overall budget (0: none). Executions exhausting it get no valid reward and are discarded."""
+    overall_timeout_rate: float = 0.0
+    """Fraction of executions that exhaust the overall budget (needs overall_timeout_s > 0)."""
+    failure_rate: float = 0.0
+    """Fraction of executions that fail totally (zero-reward placeholder), at a uniform point of their run."""
+    tokens_per_s: float = 100.0
+    """Tokens an execution processes per second; weights the token-weighted staleness."""
+    replay_csv: str = ""
+    """replay: path of a CSV with a `duration_s` column (optional `outcome`: ok|harness_timeout|
+    overall_timeout|failed, optional `query` to keep a group's executions together)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.distribution in DISTRIBUTIONS,
+            "workload.distribution",
+            self.distribution,
+            f"one of {', '.join(DISTRIBUTIONS)}",
+        )
+        require(self.median_s > 0, "workload.median_s", self.median_s, "a duration > 0 seconds")
+        require(self.sigma >= 0, "workload.sigma", self.sigma, "a number >= 0")
+        require(self.query_sigma >= 0, "workload.query_sigma", self.query_sigma, "a number >= 0")
+        require(0 <= self.tail_fraction < 1, "workload.tail_fraction", self.tail_fraction, "a fraction in [0, 1)")
+        require(self.tail_factor >= 1, "workload.tail_factor", self.tail_factor, "a number >= 1")
+        if self.distribution == "mixture":
+            require(self.tail_fraction > 0, "workload.tail_fraction", self.tail_fraction, "> 0 for a mixture")
+        require(self.harness_timeout_s >= 0, "workload.harness_timeout_s", self.harness_timeout_s, ">= 0 (0: none)")
+        require(self.eval_s >= 0, "workload.eval_s", self.eval_s, "a duration >= 0 seconds")
+        require(self.overall_timeout_s >= 0, "workload.overall_timeout_s", self.overall_timeout_s, ">= 0 (0: none)")
+        if self.overall_timeout_s and self.harness_timeout_s:
+            require(
+                self.overall_timeout_s > self.harness_timeout_s,
+                "workload.overall_timeout_s",
+                self.overall_timeout_s,
+                f"more than workload.harness_timeout_s ({self.harness_timeout_s:g})",
+            )
+        for name in ("overall_timeout_rate", "failure_rate"):
+            value = getattr(self, name)
+            require(0 <= value < 1, f"workload.{name}", value, "a fraction in [0, 1)")
+        if self.overall_timeout_rate > 0:
+            require(
+                self.overall_timeout_s > 0,
+                "workload.overall_timeout_s",
+                self.overall_timeout_s,
+                "> 0 when workload.overall_timeout_rate > 0",
+            )
+        require(
+            math.isfinite(self.tokens_per_s) and self.tokens_per_s > 0,
+            "workload.tokens_per_s",
+            self.tokens_per_s,
+            "a number > 0",
+        )
+        if self.distribution == "replay":
+            require(bool(self.replay_csv), "workload.replay_csv", self.replay_csv, "a CSV path for replay")

@@ -1,0 +1,1 @@
+"""Observability: pictures and summaries of what a gyre run did over time."""

@@ -1,0 +1,43 @@
+"""Pure scheduling policy (stdlib only): capacity ledger (Eq. 1), counters d/p/f, boundary dispatch,
+waterlevel (Eq. 2), supply check, end of burst (Eq. 3), destination choice, staleness.
+
+State and events in, actions out; no clock, no IO. Elastic, Colocate and Async share one interface.
+"""
+
+from gyre.sched.ledger import CapacityLedger
+from gyre.sched.scheduler import Scheduler
+from gyre.sched.staleness import StalenessLog
+from gyre.sched.types import (
+    POOL,
+    Action,
+    BeginStep,
+    BeginTransition,
+    Cancel,
+    Dispatch,
+    Outcome,
+    Publish,
+    Reroute,
+    Role,
+    SchedSpec,
+    Start,
+    WakeAt,
+)
+
+__all__ = [
+    "POOL",
+    "Action",
+    "BeginStep",
+    "BeginTransition",
+    "Cancel",
+    "CapacityLedger",
+    "Dispatch",
+    "Outcome",
+    "Publish",
+    "Reroute",
+    "Role",
+    "SchedSpec",
+    "Scheduler",
+    "StalenessLog",
+    "Start",
+    "WakeAt",
+]
