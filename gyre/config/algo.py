@@ -41,7 +41,9 @@ class AlgoConfig:
     """boundary: (phi + mu) N B at start, mu N B after each publication; continuous: one group
     dispatched for every group consumed, keeping (phi + mu) B groups outstanding."""
     streaming: bool = True
-    """Training cells claim micro-steps as groups become ready (True) or wait for B ready groups."""
+    """True: training cells claim micro-steps as groups become ready. False: the trainer waits until
+    the burst's data (mu B ready groups) is present before its first update, as a global shuffle
+    across the burst's minibatches needs; with mu = 1 that is the classic wait for a full batch."""
     train_cells: int = 0
     """Async only: cells in the training role (0: half of the cells, at least one)."""
 

@@ -25,13 +25,16 @@ class ClusterConfig:
     separate_size: int = 0
     """Nodes of the separate rollout pool (for utilization only)."""
 
-    # Timing model (seconds). Defaults for transitions are the paper's measured means.
+    # Timing model (seconds). Transitions: the paper's measured means. group_train_node_s and
+    # publish_s: calibrated on rows A0 and C0 of the paper's Table 2 (docs/simulator.md);
+    # join_s and update_s: assumed, not fitted.
     to_training_s: float = 8.52
     """Role transition rollout -> training: free KV and engine weights, restore trainer state."""
     to_rollout_s: float = 3.46
     """Role transition training -> rollout: offload trainer state, restore the engine."""
-    train_group_s: float = 1800.0
-    """Seconds one cell needs for the forward-backward work of one rollout group."""
+    group_train_node_s: float = 1800.0
+    """Node-seconds of forward-backward work for one rollout group; a cell of `cell_size` nodes
+    trains a group in group_train_node_s / cell_size seconds."""
     microsteps_per_group: int = 4
     """Micro-steps one group is packed into; cells claim micro-steps one at a time."""
     join_s: float = 30.0
@@ -57,7 +60,9 @@ class ClusterConfig:
         for name in ("to_training_s", "to_rollout_s", "join_s", "update_s", "publish_s"):
             value = getattr(self, name)
             require(value >= 0, f"cluster.{name}", value, "a duration >= 0 seconds")
-        require(self.train_group_s > 0, "cluster.train_group_s", self.train_group_s, "a duration > 0 seconds")
+        require(
+            self.group_train_node_s > 0, "cluster.group_train_node_s", self.group_train_node_s, "a duration > 0 seconds"
+        )
         require(
             self.microsteps_per_group >= 1, "cluster.microsteps_per_group", self.microsteps_per_group, "an integer >= 1"
         )

@@ -4,8 +4,10 @@ An execution's raw duration is log-normal: a per-query factor (queries differ in
 N executions of a group are correlated) times a per-execution factor. `mixture` adds a heavy tail:
 a fraction of queries is `tail_factor` times slower. A harness timeout is a ceiling: an execution
 that would run past it ends there (clustered just after it by the evaluation time) and is still
-scored. A fraction of executions exhausts the overall budget and is discarded; a fraction fails
-totally and becomes a zero-reward placeholder. `replay` draws durations from a CSV instead.
+scored. An over-budget execution that the harness does not stop (a share of them: a hung tool, a
+stuck evaluation) exhausts the overall budget instead and is discarded, so both kinds of timeout
+cluster in the slow queries. A fraction of executions fails totally and becomes a zero-reward
+placeholder. `replay` draws durations from a CSV instead.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class WorkloadConfig:
     """Mean evaluation time after an execution ends (exponential); spreads the clustered timeouts."""
     overall_timeout_s: float = 0.0
     """The overall budget (0: none). Executions exhausting it get no valid reward and are discarded."""
-    overall_timeout_rate: float = 0.0
-    """Fraction of executions that exhaust the overall budget (needs overall_timeout_s > 0)."""
+    overall_timeout_share: float = 0.0
+    """Share of over-budget executions (raw duration past harness_timeout_s) that exhaust the overall
+    budget instead of being stopped by the harness; without a harness budget, every execution past
+    overall_timeout_s does. The overall-timeout rate is P(raw > harness_timeout_s) * share."""
     failure_rate: float = 0.0
     """Fraction of executions that fail totally (zero-reward placeholder), at a uniform point of their run."""
     tokens_per_s: float = 100.0
@@ -74,15 +78,19 @@ class WorkloadConfig:
                 self.overall_timeout_s,
                 f"more than workload.harness_timeout_s ({self.harness_timeout_s:g})",
             )
-        for name in ("overall_timeout_rate", "failure_rate"):
-            value = getattr(self, name)
-            require(0 <= value < 1, f"workload.{name}", value, "a fraction in [0, 1)")
-        if self.overall_timeout_rate > 0:
+        require(
+            0 <= self.overall_timeout_share <= 1,
+            "workload.overall_timeout_share",
+            self.overall_timeout_share,
+            "a fraction in [0, 1]",
+        )
+        require(0 <= self.failure_rate < 1, "workload.failure_rate", self.failure_rate, "a fraction in [0, 1)")
+        if self.overall_timeout_share > 0:
             require(
-                self.overall_timeout_s > 0,
-                "workload.overall_timeout_s",
-                self.overall_timeout_s,
-                "> 0 when workload.overall_timeout_rate > 0",
+                self.overall_timeout_s > 0 and self.harness_timeout_s > 0,
+                "workload.overall_timeout_share",
+                self.overall_timeout_share,
+                "0 unless both workload.harness_timeout_s and workload.overall_timeout_s are set",
             )
         require(
             math.isfinite(self.tokens_per_s) and self.tokens_per_s > 0,

@@ -168,7 +168,9 @@ class Scheduler:
         if not self.step_active or self.claimed_in_batch >= self.spec.batch_groups:
             return None, []
         if not self.batch_open:
-            if self.ready_unclaimed < self.spec.batch_groups:
+            # Without streaming the trainer waits for the data of the rest of the burst, as a global
+            # shuffle across the burst's minibatches needs (mu B groups at a burst's first step).
+            if self.ready_unclaimed < self.spec.batch_groups * (self.spec.mu - self.step_in_burst):
                 return None, []
             self.batch_open = True
         if not self._ready:
@@ -232,7 +234,9 @@ class Scheduler:
             if outcome is not Outcome.FAILED:
                 g.tokens += tokens
         per = self.spec.executions_per_group
-        if g.slots >= self.spec.group_size and g.closed < per:
+        # Only a slot-closing outcome can complete the N; a cancellation never re-enters here, so every
+        # Cancel of the surplus is returned by the one `_cancel_surplus` call that closes them all.
+        if outcome.closes_group_slot and g.slots >= self.spec.group_size and g.closed < per:
             actions += self._cancel_surplus(group)
         if g.closed == per and not g.ready:
             g.ready = True

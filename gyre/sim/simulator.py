@@ -2,7 +2,7 @@
 
 The scheduler decides; the simulator carries the decisions out with a timing model: executions
 last what the workload model samples, role transitions take `to_training_s` / `to_rollout_s`,
-training cells claim micro-steps (`train_group_s / microsteps_per_group` seconds each) from one
+training cells claim micro-steps (`group_train_node_s / cell_size / microsteps_per_group` s each) from one
 queue fed by the scheduler's `claim_group`, a satellite pulls weights for `join_s` before its first
 micro-step, each step ends with `update_s` on the core, and a burst ends with `publish_s`.
 """
@@ -100,7 +100,8 @@ class Simulator:
         self._updating = False
         self.cells = [_Cell(role=role) for role in self.sched.roles]
         self.trace = Trace()
-        self.microstep_s = cfg.cluster.train_group_s / cfg.cluster.microsteps_per_group
+        cl = cfg.cluster
+        self.microstep_s = cl.group_train_node_s / cl.cell_size / cl.microsteps_per_group
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> Trace:

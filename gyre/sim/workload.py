@@ -53,14 +53,18 @@ class DurationModel:
         overall_u = rng.random(size)
         point_u = rng.random(size)
         evals = rng.exponential(cfg.eval_s, size) if cfg.eval_s > 0 else np.zeros(size)
+        harness, overall = cfg.harness_timeout_s, cfg.overall_timeout_s
         plans = []
         for i in range(size):
             if fail_u[i] < cfg.failure_rate:
                 duration, outcome = raw[i] * point_u[i], Outcome.FAILED
-            elif overall_u[i] < cfg.overall_timeout_rate:
-                duration, outcome = cfg.overall_timeout_s, Outcome.OVERALL_TIMEOUT
-            elif cfg.harness_timeout_s and raw[i] >= cfg.harness_timeout_s:
-                duration, outcome = cfg.harness_timeout_s + evals[i], Outcome.HARNESS_TIMEOUT
+            elif harness and raw[i] >= harness:
+                if overall_u[i] < cfg.overall_timeout_share:
+                    duration, outcome = overall, Outcome.OVERALL_TIMEOUT
+                else:
+                    duration, outcome = harness + evals[i], Outcome.HARNESS_TIMEOUT
+            elif overall and raw[i] + evals[i] >= overall:
+                duration, outcome = overall, Outcome.OVERALL_TIMEOUT
             else:
                 duration, outcome = raw[i] + evals[i], Outcome.COMPLETED
             plans.append(ExecutionPlan(float(duration), outcome, float(duration) * cfg.tokens_per_s))
