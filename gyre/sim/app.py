@@ -1,0 +1,312 @@
+"""The simulator app, `python -m gyre.sim [overrides]`: a Hydra app over `conf/sim.yaml`.
+
+Contract
+    * Configuration comes from `conf/` (groups `cluster`, `workload`, `algo`, `experiment`) and Hydra
+      overrides only. It is checked by converting it to `gyre.config.SimConfig`, which runs the
+      dataclasses' `__post_init__` checks.
+    * A config the user can fix (a bad value, a wrong type, a missing required value, an unknown
+      field or group option, an unreadable replay CSV) prints ONE line `gyre.sim: config error: ...` to
+      stderr and exits with status 2; a run that cannot finish prints `gyre.sim: simulation error:
+      ...` and exits with status 3. Neither prints a traceback. In a `-m` sweep the first failing
+      job stops the sweep with its status.
+    * Each run writes into its Hydra run directory: `config.yaml` (resolved), `summary.json`,
+      `role_timeline.png` (when `timeline` is true) and `sim.log`.
+    * Progress is logged to stderr (`gyre.obs.logging`); the last line of stdout is the summary as one
+      compact JSON line. Non-finite numbers in the summary (e.g. staleness of a run too short to
+      leave the warm-up burst) are written as null, so the line is strict JSON.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from gyre.config import ConfigError, SimConfig, register_configs
+from gyre.obs.logging import setup_logging
+from gyre.obs.timeline import Segment, write_role_timeline
+from gyre.sched import POOL
+from gyre.sim.simulator import SimulationError, Simulator, simulate
+from gyre.sim.workload import read_replay_csv
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The repository's conf/ (the package is installed editable from the repository)."""
+EXIT_CONFIG_ERROR = 2
+EXIT_SIMULATION_ERROR = 3
+ROLLOUT_BINS = 200
+"""Rollout lanes are cut into about this many time bins per run, each shaded by its occupancy."""
+
+
+# -- entry point ------------------------------------------------------------------------------------
+def main() -> None:
+    """Register the config schemas, then run the Hydra app; errors in composing the config exit 2."""
+    # Let composition errors reach us as exceptions instead of Hydra's multi-line report (exit 1).
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    setup_logging(rank=_rank())
+    register_configs()
+    try:
+        _hydra_main()
+    except (HydraException, OmegaConfBaseException) as exc:
+        _exit("config error", describe_config_error(exc), EXIT_CONFIG_ERROR)
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="sim")
+def _hydra_main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run(cfg, Path(hydra_cfg.runtime.output_dir), experiment_choice=hydra_cfg.runtime.choices.get("experiment"))
+
+
+def run(cfg: DictConfig, run_dir: Path, *, experiment_choice: str | None = None) -> dict[str, Any]:
+    """Check `cfg`, simulate it, write the run directory and print the summary line; returns the summary."""
+    if not cfg.get("experiment") and experiment_choice:
+        cfg.experiment = experiment_choice  # label the run by the preset it came from
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # to_object would quietly fall back to the dataclass default
+        key = missing[0]
+        _exit("config error", f"{key}=??? is not allowed: expected a value ({key}=...)", EXIT_CONFIG_ERROR)
+    unknown = unknown_keys(cfg)
+    if unknown:  # to_object would quietly set them as plain attributes
+        _exit("config error", unknown[0], EXIT_CONFIG_ERROR)
+    try:
+        sim_cfg = OmegaConf.to_object(cfg)
+    except ConfigError as exc:
+        _exit("config error", str(exc), EXIT_CONFIG_ERROR)
+    except OmegaConfBaseException as exc:
+        _exit("config error", describe_config_error(exc), EXIT_CONFIG_ERROR)
+    assert isinstance(sim_cfg, SimConfig), type(sim_cfg)
+    if sim_cfg.workload.distribution == "replay":
+        try:  # read once up front so a bad CSV stops the run before it logs anything
+            read_replay_csv(sim_cfg.workload.replay_csv)
+        except ConfigError as exc:
+            _exit("config error", str(exc), EXIT_CONFIG_ERROR)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(rank=_rank(), log_file=run_dir / "sim.log")
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    log.info("simulating %s -> %s", config_label(sim_cfg), run_dir)
+    started = time.perf_counter()
+    try:
+        summary, sim = simulate(sim_cfg)
+    except SimulationError as exc:
+        _exit("simulation error", str(exc), EXIT_SIMULATION_ERROR)
+    summary = json_safe(summary)
+
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if sim_cfg.timeline:
+        write_timeline(sim, summary, run_dir / "role_timeline.png")
+    log.info(
+        "done: %d steps in %.2f simulated hours (wall %.1f s), outputs in %s",
+        summary["steps"],
+        summary["total_time_h"],
+        time.perf_counter() - started,
+        run_dir,
+    )
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+# -- errors -----------------------------------------------------------------------------------------
+def _exit(kind: str, message: str, status: int) -> NoReturn:
+    print(f"gyre.sim: {kind}: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def describe_config_error(exc: BaseException) -> str:
+    """One line for a Hydra or OmegaConf error: the field, the value and what is allowed."""
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and exc.options:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        options = [name for name in exc.options if not name.startswith("base_")]  # schemas, not choices
+        if group:
+            return f"{group}={option!r} is not allowed: expected one of {', '.join(options)}"
+    cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        message = _one_line(str(cause.msg or cause).splitlines()[0])
+        if isinstance(cause, ValidationError) and cause.value is not None:
+            expected = _NODE_TYPES.get(type(cause.child_node).__name__)
+            allowed = f"expected {expected} ({message})" if expected else message
+            return f"{cause.full_key}={cause.value!r} is not allowed: {allowed}"
+        return f"{cause.full_key}: {message}"
+    return _one_line(str(exc))
+
+
+_NODE_TYPES = {"IntegerNode": "an integer", "FloatNode": "a number", "BooleanNode": "true or false"}
+
+
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Keys that no dataclass field declares (added with `+key=value`), each described in one line."""
+    schema = OmegaConf.get_type(node)
+    fields = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else None
+    problems = []
+    for key in node:
+        full_key = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            problems.append(
+                f"{full_key}={node[key]!r} is not allowed: expected one of the {schema.__name__} fields "
+                f"({', '.join(fields)})"
+            )
+        elif isinstance(child := node[key], DictConfig):
+            problems.extend(unknown_keys(child, f"{full_key}."))
+    return problems
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines()]
+    return "; ".join(line for line in lines if line and not line.startswith("Config search path"))
+
+
+# -- summary and labels -----------------------------------------------------------------------------
+def json_safe(value: Any) -> Any:
+    """`value` with non-finite floats replaced by None, so json.dumps writes strict JSON."""
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def config_label(cfg: SimConfig) -> str:
+    cl, al = cfg.cluster, cfg.algo
+    pool = f" + pool C_s={cl.separate_capacity}" if cl.separate_capacity else ""
+    return (
+        f"experiment={cfg.experiment or '-'} mode={al.mode} phi={al.phi:g} mu={al.mu} N={al.group_size} "
+        f"B={al.batch_groups} cells={cl.num_cells}x{cl.cell_size} C_e={cl.cell_capacity}{pool} "
+        f"workload={cfg.workload.name} steps={cfg.steps} seed={cfg.seed}"
+    )
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+# -- role timeline ----------------------------------------------------------------------------------
+def cell_lane(cell: int) -> str:
+    return "cell 0 (core)" if cell == 0 else f"cell {cell}"
+
+
+def write_timeline(sim: Simulator, summary: dict[str, Any], path: Path) -> None:
+    cfg = sim.cfg
+    segments, lanes = timeline_segments(sim)
+    title = (
+        f"{cfg.experiment or 'gyre.sim'}: {cfg.algo.mode}, phi={cfg.algo.phi:g}, mu={cfg.algo.mu}, "
+        f"{summary['steps']} steps in {summary['total_time_h']:.2f} h ({cfg.workload.name}, "
+        f"{cfg.cluster.num_cells} cells x {cfg.cluster.cell_size})"
+    )
+    write_role_timeline(
+        path,
+        segments,
+        lanes,
+        title=title,
+        waterlevel=_hold_to_end(sim.trace.waterlevel, sim.now),
+        capacity=_hold_to_end(sim.trace.capacity, sim.now),
+        step_ends_s=sim.trace.step_ends_s,
+    )
+
+
+def _hold_to_end(series: list[tuple[float, float]], end_s: float) -> list[tuple[float, float]]:
+    """A step series (recorded only when it changes) extended to the end of the run, so a constant
+    series still draws as a line."""
+    if series and series[-1][0] < end_s:
+        return [*series, (end_s, series[-1][1])]
+    return list(series)
+
+
+def timeline_segments(sim: Simulator) -> tuple[list[Segment], list[str]]:
+    """Lanes and segments of the role timeline from a finished simulation's trace.
+
+    A cell's "training" time is split into "training" (computing micro-steps) and "training_wait"
+    (in the training role, waiting for data or for the step's update); rollout time is cut into
+    about `ROLLOUT_BINS` bins per run, each with its occupancy (busy slot-seconds / capacity-seconds).
+    The separate pool, when there is one, is a lane that is always in rollout.
+    """
+    cl, trace, end_s = sim.cfg.cluster, sim.trace, sim.now
+    bin_s = end_s / ROLLOUT_BINS if end_s > 0 else 1.0
+    busy: dict[int, list[tuple[float, float]]] = {}
+    for cell, start, stop in trace.busy_segments:
+        busy.setdefault(cell, []).append((start, stop))
+
+    lanes = [cell_lane(c) for c in range(cl.num_cells)]
+    segments: list[Segment] = []
+    for cell, start, stop, state in trace.role_segments:
+        lane = cell_lane(cell)
+        if state == "training":
+            for piece_start, piece_stop, piece_state in _split_training(start, stop, busy.get(cell, [])):
+                segments.append(Segment(lane, piece_start, piece_stop, piece_state))
+        elif state == "rollout":
+            load = LoadCurve(trace.load_changes.get(cell, []))
+            segments.extend(_rollout_bins(lane, start, stop, bin_s, load, cl.cell_capacity))
+        else:
+            segments.append(Segment(lane, start, stop, state))
+    if cl.separate_capacity > 0:
+        lanes.append("pool")
+        load = LoadCurve(trace.load_changes.get(POOL, []))
+        segments.extend(_rollout_bins("pool", 0.0, end_s, bin_s, load, cl.separate_capacity))
+    return segments, lanes
+
+
+def _split_training(start: float, stop: float, busy: list[tuple[float, float]]) -> Iterator[tuple[float, float, str]]:
+    """Cut [start, stop] into "training" where it overlaps `busy` (sorted, disjoint) and "training_wait"."""
+    cursor = start
+    for busy_start, busy_stop in busy:
+        lo, hi = max(busy_start, start), min(busy_stop, stop)
+        if hi <= lo:
+            continue
+        if lo > cursor:
+            yield cursor, lo, "training_wait"
+        yield lo, hi, "training"
+        cursor = hi
+    if cursor < stop:
+        yield cursor, stop, "training_wait"
+
+
+def _rollout_bins(
+    lane: str, start: float, stop: float, bin_s: float, load: LoadCurve, capacity: int
+) -> Iterator[Segment]:
+    piece_start = start
+    while piece_start < stop:
+        piece_stop = min(stop, (math.floor(piece_start / bin_s) + 1) * bin_s)
+        if piece_stop <= piece_start:  # float rounding at a bin edge
+            piece_stop = min(stop, piece_start + bin_s)
+        occupancy = load.slot_seconds(piece_start, piece_stop) / (capacity * (piece_stop - piece_start))
+        yield Segment(lane, piece_start, piece_stop, "rollout", min(1.0, max(0.0, occupancy)))
+        piece_start = piece_stop
+
+
+class LoadCurve:
+    """A step function of (time_s, load) changes; slot-seconds over any window in O(log n).
+
+    Over [0, t] it agrees with `gyre.sim.simulator.integrate_load(changes, t)`.
+    """
+
+    def __init__(self, changes: list[tuple[float, int]]) -> None:
+        self.times = [t for t, _ in changes]
+        self.loads = [load for _, load in changes]
+        self.cumulative = [0.0]  # slot-seconds from the first change up to times[i]
+        for i in range(1, len(changes)):
+            self.cumulative.append(self.cumulative[-1] + self.loads[i - 1] * (self.times[i] - self.times[i - 1]))
+
+    def integral_to(self, t: float) -> float:
+        i = bisect.bisect_right(self.times, t) - 1
+        if i < 0:
+            return 0.0
+        return self.cumulative[i] + self.loads[i] * (t - self.times[i])
+
+    def slot_seconds(self, start: float, stop: float) -> float:
+        return self.integral_to(stop) - self.integral_to(start)
