@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -10,5 +11,8 @@ class ConfigError(ValueError):
 
 
 def require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    """Raise ConfigError unless `ok`; a non-finite float is never allowed (an infinite duration hangs a run)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{field}={value!r} is not allowed: expected a finite number, {allowed}")
     if not ok:
         raise ConfigError(f"{field}={value!r} is not allowed: expected {allowed}")

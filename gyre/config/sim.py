@@ -29,6 +29,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         require(self.steps >= 1, "steps", self.steps, "an integer >= 1")
         require(self.max_sim_hours > 0, "max_sim_hours", self.max_sim_hours, "a number > 0")
+        require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
         check_capacity(self.cluster, self.algo)
 
 

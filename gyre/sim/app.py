@@ -18,7 +18,6 @@ Contract
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import logging
@@ -26,7 +25,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -38,19 +36,15 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from gyre.config import ConfigError, SimConfig, register_configs
 from gyre.obs.logging import setup_logging
-from gyre.obs.timeline import Segment, write_role_timeline
-from gyre.sched import POOL
-from gyre.sim.simulator import SimulationError, Simulator, simulate
+from gyre.sim.presets import CONF_DIR
+from gyre.sim.simulator import SimulationError, simulate
+from gyre.sim.timeline import write_timeline
 from gyre.sim.workload import read_replay_csv
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-"""The repository's conf/ (the package is installed editable from the repository)."""
 EXIT_CONFIG_ERROR = 2
 EXIT_SIMULATION_ERROR = 3
-ROLLOUT_BINS = 200
-"""Rollout lanes are cut into about this many time bins per run, each shaded by its occupancy."""
 
 
 # -- entry point ------------------------------------------------------------------------------------
@@ -58,12 +52,16 @@ def main() -> None:
     """Register the config schemas, then run the Hydra app; errors in composing the config exit 2."""
     # Let composition errors reach us as exceptions instead of Hydra's multi-line report (exit 1).
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    if not CONF_DIR.is_dir():
+        _exit("setup error", f"no conf/ at {CONF_DIR}: install gyre editable from its repository (pip install -e .)", 2)
     setup_logging(rank=_rank())
     register_configs()
     try:
         _hydra_main()
     except (HydraException, OmegaConfBaseException) as exc:
         _exit("config error", describe_config_error(exc), EXIT_CONFIG_ERROR)
+    except OSError as exc:  # Hydra creates the run directory before `run` sees it
+        _exit("config error", f"cannot write the run directory (hydra.run.dir): {exc}", EXIT_CONFIG_ERROR)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="sim")
@@ -96,9 +94,13 @@ def run(cfg: DictConfig, run_dir: Path, *, experiment_choice: str | None = None)
         except ConfigError as exc:
             _exit("config error", str(exc), EXIT_CONFIG_ERROR)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(rank=_rank(), log_file=run_dir / "sim.log")
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(rank=_rank(), log_file=run_dir / "sim.log")
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    except OSError as exc:
+        message = f"hydra.run.dir={str(run_dir)!r} is not allowed: expected a writable directory ({exc})"
+        _exit("config error", message, EXIT_CONFIG_ERROR)
     log.info("simulating %s -> %s", config_label(sim_cfg), run_dir)
     started = time.perf_counter()
     try:
@@ -194,119 +196,3 @@ def config_label(cfg: SimConfig) -> str:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-# -- role timeline ----------------------------------------------------------------------------------
-def cell_lane(cell: int) -> str:
-    return "cell 0 (core)" if cell == 0 else f"cell {cell}"
-
-
-def write_timeline(sim: Simulator, summary: dict[str, Any], path: Path) -> None:
-    cfg = sim.cfg
-    segments, lanes = timeline_segments(sim)
-    title = (
-        f"{cfg.experiment or 'gyre.sim'}: {cfg.algo.mode}, phi={cfg.algo.phi:g}, mu={cfg.algo.mu}, "
-        f"{summary['steps']} steps in {summary['total_time_h']:.2f} h ({cfg.workload.name}, "
-        f"{cfg.cluster.num_cells} cells x {cfg.cluster.cell_size})"
-    )
-    write_role_timeline(
-        path,
-        segments,
-        lanes,
-        title=title,
-        waterlevel=_hold_to_end(sim.trace.waterlevel, sim.now),
-        capacity=_hold_to_end(sim.trace.capacity, sim.now),
-        step_ends_s=sim.trace.step_ends_s,
-    )
-
-
-def _hold_to_end(series: list[tuple[float, float]], end_s: float) -> list[tuple[float, float]]:
-    """A step series (recorded only when it changes) extended to the end of the run, so a constant
-    series still draws as a line."""
-    if series and series[-1][0] < end_s:
-        return [*series, (end_s, series[-1][1])]
-    return list(series)
-
-
-def timeline_segments(sim: Simulator) -> tuple[list[Segment], list[str]]:
-    """Lanes and segments of the role timeline from a finished simulation's trace.
-
-    A cell's "training" time is split into "training" (computing micro-steps) and "training_wait"
-    (in the training role, waiting for data or for the step's update); rollout time is cut into
-    about `ROLLOUT_BINS` bins per run, each with its occupancy (busy slot-seconds / capacity-seconds).
-    The separate pool, when there is one, is a lane that is always in rollout.
-    """
-    cl, trace, end_s = sim.cfg.cluster, sim.trace, sim.now
-    bin_s = end_s / ROLLOUT_BINS if end_s > 0 else 1.0
-    busy: dict[int, list[tuple[float, float]]] = {}
-    for cell, start, stop in trace.busy_segments:
-        busy.setdefault(cell, []).append((start, stop))
-
-    lanes = [cell_lane(c) for c in range(cl.num_cells)]
-    segments: list[Segment] = []
-    for cell, start, stop, state in trace.role_segments:
-        lane = cell_lane(cell)
-        if state == "training":
-            for piece_start, piece_stop, piece_state in _split_training(start, stop, busy.get(cell, [])):
-                segments.append(Segment(lane, piece_start, piece_stop, piece_state))
-        elif state == "rollout":
-            load = LoadCurve(trace.load_changes.get(cell, []))
-            segments.extend(_rollout_bins(lane, start, stop, bin_s, load, cl.cell_capacity))
-        else:
-            segments.append(Segment(lane, start, stop, state))
-    if cl.separate_capacity > 0:
-        lanes.append("pool")
-        load = LoadCurve(trace.load_changes.get(POOL, []))
-        segments.extend(_rollout_bins("pool", 0.0, end_s, bin_s, load, cl.separate_capacity))
-    return segments, lanes
-
-
-def _split_training(start: float, stop: float, busy: list[tuple[float, float]]) -> Iterator[tuple[float, float, str]]:
-    """Cut [start, stop] into "training" where it overlaps `busy` (sorted, disjoint) and "training_wait"."""
-    cursor = start
-    for busy_start, busy_stop in busy:
-        lo, hi = max(busy_start, start), min(busy_stop, stop)
-        if hi <= lo:
-            continue
-        if lo > cursor:
-            yield cursor, lo, "training_wait"
-        yield lo, hi, "training"
-        cursor = hi
-    if cursor < stop:
-        yield cursor, stop, "training_wait"
-
-
-def _rollout_bins(
-    lane: str, start: float, stop: float, bin_s: float, load: LoadCurve, capacity: int
-) -> Iterator[Segment]:
-    piece_start = start
-    while piece_start < stop:
-        piece_stop = min(stop, (math.floor(piece_start / bin_s) + 1) * bin_s)
-        if piece_stop <= piece_start:  # float rounding at a bin edge
-            piece_stop = min(stop, piece_start + bin_s)
-        occupancy = load.slot_seconds(piece_start, piece_stop) / (capacity * (piece_stop - piece_start))
-        yield Segment(lane, piece_start, piece_stop, "rollout", min(1.0, max(0.0, occupancy)))
-        piece_start = piece_stop
-
-
-class LoadCurve:
-    """A step function of (time_s, load) changes; slot-seconds over any window in O(log n).
-
-    Over [0, t] it agrees with `gyre.sim.simulator.integrate_load(changes, t)`.
-    """
-
-    def __init__(self, changes: list[tuple[float, int]]) -> None:
-        self.times = [t for t, _ in changes]
-        self.loads = [load for _, load in changes]
-        self.cumulative = [0.0]  # slot-seconds from the first change up to times[i]
-        for i in range(1, len(changes)):
-            self.cumulative.append(self.cumulative[-1] + self.loads[i - 1] * (self.times[i] - self.times[i - 1]))
-
-    def integral_to(self, t: float) -> float:
-        i = bisect.bisect_right(self.times, t) - 1
-        if i < 0:
-            return 0.0
-        return self.cumulative[i] + self.loads[i] * (t - self.times[i])
-
-    def slot_seconds(self, start: float, stop: float) -> float:
-        return self.integral_to(stop) - self.integral_to(start)

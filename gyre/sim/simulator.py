@@ -9,6 +9,7 @@ micro-step, each step ends with `update_s` on the core, and a burst ends with `p
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import itertools
@@ -276,12 +277,24 @@ class Simulator:
         self._load_all()
 
 
-def integrate_load(changes: list[tuple[float, int]], end_s: float) -> float:
-    """Slot-seconds under a step function of (time, load) changes up to end_s."""
-    total = 0.0
-    for (t0, load), (t1, _) in itertools.pairwise([*changes, (end_s, 0)]):
-        total += load * max(0.0, min(t1, end_s) - t0)
-    return total
+class LoadCurve:
+    """A step function of (time_s, load) changes; slot-seconds over any window in O(log n)."""
+
+    def __init__(self, changes: list[tuple[float, int]]) -> None:
+        self.times = [t for t, _ in changes]
+        self.loads = [load for _, load in changes]
+        self.cumulative = [0.0]  # slot-seconds from the first change up to times[i]
+        for i in range(1, len(changes)):
+            self.cumulative.append(self.cumulative[-1] + self.loads[i - 1] * (self.times[i] - self.times[i - 1]))
+
+    def integral_to(self, t: float) -> float:
+        i = bisect.bisect_right(self.times, t) - 1
+        if i < 0:
+            return 0.0
+        return self.cumulative[i] + self.loads[i] * (t - self.times[i])
+
+    def slot_seconds(self, start: float, stop: float) -> float:
+        return self.integral_to(stop) - self.integral_to(start)
 
 
 def utilization(sim: Simulator) -> dict[str, float]:
@@ -291,11 +304,10 @@ def utilization(sim: Simulator) -> dict[str, float]:
     nodes = cl.num_cells * cl.cell_size + (cl.separate_size if cl.separate_capacity else 0)
     if end <= 0 or nodes == 0:
         return {"rollout": 0.0, "training": 0.0, "idle": 1.0}
-    rollout = sum(
-        integrate_load(sim.trace.load_changes[c], end) / cl.cell_capacity * cl.cell_size for c in range(cl.num_cells)
-    )
+    loads = sim.trace.load_changes
+    rollout = sum(LoadCurve(loads[c]).integral_to(end) / cl.cell_capacity * cl.cell_size for c in range(cl.num_cells))
     if cl.separate_capacity:
-        rollout += integrate_load(sim.trace.load_changes[POOL], end) / cl.separate_capacity * cl.separate_size
+        rollout += LoadCurve(loads[POOL]).integral_to(end) / cl.separate_capacity * cl.separate_size
     training = sum(state.busy_s for state in sim.cells) * cl.cell_size
     r, t = rollout / (nodes * end), training / (nodes * end)
     return {"rollout": r, "training": t, "idle": max(0.0, 1.0 - r - t)}

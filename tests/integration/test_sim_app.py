@@ -18,8 +18,8 @@ import pytest
 
 from gyre.config import AlgoConfig, ClusterConfig, SimConfig, WorkloadConfig
 from gyre.sched import POOL
-from gyre.sim.app import timeline_segments
-from gyre.sim.simulator import integrate_load, simulate
+from gyre.sim.simulator import simulate
+from gyre.sim.timeline import timeline_segments
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TIMEOUT_S = 120
@@ -118,6 +118,8 @@ def test_experiment_group_applies_preset_and_labels_run(tmp_path):
         (["algo.streaming=maybe"], "algo.streaming='maybe'"),
         (["+algo.phii=1"], "algo.phii=1"),
         (["cluster=nope"], "cluster='nope'"),
+        (["seed=-1"], "seed=-1"),
+        (["algo.tau_s=inf"], "algo.tau_s=inf"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, overrides, names):
@@ -130,6 +132,15 @@ def test_bad_config_exits_2_with_one_line(tmp_path, overrides, names):
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_unwritable_run_dir_exits_2_with_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = run_sim(*TINY, f"hydra.run.dir={blocker / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("gyre.sim: config error: cannot write the run directory"), proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_replay_csv_drives_the_durations(tmp_path):
@@ -186,4 +197,12 @@ def test_timeline_segments_tile_each_lane_and_keep_the_work():
         computed = sum(s.end_s - s.start_s for s in segments if s.lane == lanes[cell] and s.state == "training")
         assert computed == pytest.approx(state.busy_s)
     pool_slot_s = sum(s.occupancy * 8 * (s.end_s - s.start_s) for s in segments if s.lane == "pool")
-    assert pool_slot_s == pytest.approx(integrate_load(sim.trace.load_changes[POOL], sim.now))
+    assert pool_slot_s == pytest.approx(_slot_seconds(sim.trace.load_changes[POOL], sim.now))
+
+
+def _slot_seconds(changes, end_s):
+    """Plain left-Riemann sum of a step function of (time, load) changes up to end_s."""
+    total = 0.0
+    for (t0, load), (t1, _) in zip(changes, [*changes[1:], (end_s, 0)], strict=True):
+        total += load * (min(t1, end_s) - t0)
+    return total

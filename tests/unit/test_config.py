@@ -17,6 +17,10 @@ from gyre.config import AlgoConfig, ClusterConfig, ConfigError, SimConfig
         (lambda: AlgoConfig(mode="colocate", phi=0.5), "algo.phi=0.5"),
         (lambda: AlgoConfig(phi=0.3, batch_groups=5), "algo.phi=0.3"),
         (lambda: SimConfig(cluster=ClusterConfig(num_cells=1, cell_capacity=8)), "cluster.cell_capacity=8"),
+        (lambda: AlgoConfig(tau_s=float("inf")), "algo.tau_s=inf"),
+        (lambda: ClusterConfig(publish_s=float("inf")), "cluster.publish_s=inf"),
+        (lambda: SimConfig(max_sim_hours=float("inf")), "max_sim_hours=inf"),
+        (lambda: SimConfig(seed=-1), "seed=-1"),
     ],
 )
 def test_bad_value_names_field_value_and_allowed(build, field):
