@@ -11,7 +11,6 @@ CALIBRATION rows only; every other row is a validation row, judged by its ratio 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import platform
 import statistics
@@ -21,22 +20,21 @@ from pathlib import Path
 from gyre.sim.presets import TABLE2_ROWS, compose_sim_config
 from gyre.sim.simulator import simulate
 
-PAPER_CSV = Path(__file__).resolve().parents[2] / "shared" / "paper" / "table2_ablation.csv"
 CALIBRATION = ("A0", "C0")  # fitted on their ratio vs E0; E0 is the reference
 TOLERANCE = 0.15  # validation rows: |ratio - paper ratio| / paper ratio
 
-# The paper's 12-step totals (hours), Table 2; read from shared/paper when present.
+# The paper's 12-step totals (hours), Table 2 (../shared/paper/table2_ablation.csv).
 PAPER_HOURS = {
     "A0": 25.08, "A1": 27.01, "A2": 32.58, "A3": 22.18, "C0": 23.23, "C1": 22.56,
     "C2": 19.23, "C3": 20.69, "E0": 16.12, "E1": 17.87, "E2": 16.47,
 }  # fmt: skip
 
 
-def paper_hours() -> dict[str, float]:
-    if PAPER_CSV.is_file():
-        with PAPER_CSV.open() as f:
-            return {row["id"]: float(row["total_12_steps_h"]) for row in csv.DictReader(f)}
-    return dict(PAPER_HOURS)
+# The paper's single-step effects quoted in the summary's ablation text: (from, to, paper to/from).
+PAIRS = (
+    ("A0", "A1"), ("A0", "A2"), ("A0", "A3"), ("C0", "C1"), ("C1", "C2"), ("C2", "C3"),
+    ("C2", "E0"), ("E0", "E1"), ("E0", "E2"), ("A3", "E1"), ("C2", "E1"),
+)  # fmt: skip
 
 
 def run_rows(seeds: int, steps: int = 12) -> tuple[dict[str, list[float]], float, float]:
@@ -65,7 +63,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
     args = parser.parse_args()
 
-    paper = paper_hours()
+    paper = PAPER_HOURS
     hours, wall_s, one_seed_s = run_rows(args.seeds)
     mean = {row: statistics.fmean(v) for row, v in hours.items()}
     e0, paper_e0 = mean["E0"], paper["E0"]
@@ -92,6 +90,13 @@ def main() -> None:
             f"{paper[row]:7.2f} {paper_ratio:6.3f} | {err:+9.1%}"
         )
 
+    pairs = {}
+    print(f"{'effect':9} {'sim':>7} {'paper':>7}   (to / from - 1, total hours)")
+    for a, b in PAIRS:
+        sim_effect, paper_effect = mean[b] / mean[a] - 1, paper[b] / paper[a] - 1
+        pairs[f"{a}->{b}"] = {"sim": round(sim_effect, 4), "paper": round(paper_effect, 4)}
+        print(f"{a}->{b:5} {sim_effect:+7.1%} {paper_effect:+7.1%}")
+
     validation = [r for r, v in rows.items() if v["role"] == "validation"]
     checks = {
         "E0_fastest": all(mean["E0"] <= mean[r] for r in TABLE2_ROWS),
@@ -113,6 +118,7 @@ def main() -> None:
         "calibration_rows": list(CALIBRATION),
         "validation_rows": validation,
         "rows": rows,
+        "pairwise_effects": pairs,
         "checks": checks,
         "wall_s": round(wall_s, 2),
         "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},

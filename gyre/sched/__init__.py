@@ -6,7 +6,7 @@ State and events in, actions out; no clock, no IO. Elastic, Colocate and Async s
 
 from gyre.sched.ledger import CapacityLedger
 from gyre.sched.scheduler import Scheduler
-from gyre.sched.staleness import StalenessLog
+from gyre.sched.staleness import StalenessLog, warmup_steps
 from gyre.sched.types import (
     POOL,
     Action,
@@ -40,4 +40,5 @@ __all__ = [
     "StalenessLog",
     "Start",
     "WakeAt",
+    "warmup_steps",
 ]

@@ -70,7 +70,7 @@ class Scheduler:
         self.batch_open = False  # claims allowed (streaming: from step start; else once B are ready)
         self.claimed_in_batch = 0
         self.step_in_burst = 0
-        self.burst = 0
+        self.outcomes: collections.Counter[str] = collections.Counter()  # closed executions by Outcome value
         self.publishing = False
         self._return_after_join: set[int] = set()
         self._supply_since: float | None = None
@@ -138,6 +138,8 @@ class Scheduler:
 
     def execution_finished(self, now: float, execution: int, outcome: Outcome, tokens: float = 0.0) -> list[Action]:
         assert outcome is not Outcome.CANCELLED, "cancellations are the scheduler's own decision"
+        if execution in self._finished:
+            return []  # a finish that raced its own cancellation (surplus): already closed, nothing to do
         self.ledger.remove(execution)
         actions = self._close(execution, outcome, tokens)
         return actions + self._settle(now)
@@ -225,6 +227,7 @@ class Scheduler:
         assert execution not in self._finished, f"execution {execution} closed twice"
         self._finished.add(execution)
         self.f += 1
+        self.outcomes[outcome.value] += 1
         group = self.group_of(execution)
         g = self.groups[group]
         g.closed += 1
@@ -285,7 +288,6 @@ class Scheduler:
 
     def _end_burst(self, now: float) -> list[Action]:
         spec = self.spec
-        self.burst += 1
         self.step_in_burst = 0
         self.publishing = True
         actions: list[Action] = [Publish(self.trainer_version)]

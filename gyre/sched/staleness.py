@@ -7,7 +7,17 @@ steady-state group-weighted mean is phi + (mu - 1) / 2.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+
+def warmup_steps(mu: int, extra_groups: int, batch_groups: int) -> int:
+    """Steps before boundary dispatch reaches its steady state (Theorem A.1 holds after them).
+
+    The initial (phi + mu) B groups all carry version 0; the version-0 groups beyond the first burst's
+    mu B take ceil(phi) more bursts to drain, so mu * max(1, ceil(phi)) steps are warm-up.
+    """
+    return mu * max(1, math.ceil(extra_groups / batch_groups))
 
 
 @dataclass

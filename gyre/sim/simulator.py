@@ -23,7 +23,6 @@ from gyre.sched import (
     BeginTransition,
     Cancel,
     Dispatch,
-    Outcome,
     Publish,
     Reroute,
     Role,
@@ -31,6 +30,7 @@ from gyre.sched import (
     Scheduler,
     Start,
     WakeAt,
+    warmup_steps,
 )
 from gyre.sim.workload import DurationModel, ExecutionPlan
 
@@ -63,7 +63,6 @@ def spec_from_config(cfg: SimConfig) -> SchedSpec:
 class _Cell:
     busy_until: float | None = None  # in a micro-step until then
     ready_at: float = 0.0  # after joining (weight pull)
-    waiting: bool = False  # a claim found nothing; retry when a group becomes ready
     busy_s: float = 0.0  # time spent computing micro-steps (utilization)
     role_since: float = 0.0
     role: Role = Role.ROLLOUT
@@ -79,9 +78,8 @@ class Trace:
     waterlevel: list[tuple[float, float]] = field(default_factory=list)
     capacity: list[tuple[float, float]] = field(default_factory=list)
     step_ends_s: list[float] = field(default_factory=list)
-    reroutes: int = 0
-    cancels: int = 0
-    outcomes: collections.Counter = field(default_factory=collections.Counter)
+    reroutes: collections.Counter = field(default_factory=collections.Counter)  # (burst, execution) -> moves
+    bursts: int = 0  # publications so far
 
 
 class Simulator:
@@ -146,12 +144,10 @@ class Simulator:
                     for i, plan in enumerate(self.model.sample_group(per)):
                         self._plans[group * per + i] = plan
             elif isinstance(action, Reroute):
-                self.trace.reroutes += 1
+                self.trace.reroutes[self.trace.bursts, action.execution] += 1
                 self._load_changed(action.source)
                 self._load_changed(action.destination)
             elif isinstance(action, Cancel):
-                self.trace.cancels += 1
-                self.trace.outcomes[Outcome.CANCELLED.value] += 1
                 self._running.discard(action.execution)
                 self._load_all()
             elif isinstance(action, BeginTransition):
@@ -164,6 +160,7 @@ class Simulator:
                 self._microsteps_done = 0
                 work_may_appear = True
             elif isinstance(action, Publish):
+                self.trace.bursts += 1
                 self._at(self.now + self.cfg.cluster.publish_s, "publish_end")
             elif isinstance(action, WakeAt):
                 self._at(max(action.time_s, self.now), "wake")
@@ -177,7 +174,6 @@ class Simulator:
         self._running.discard(execution)
         engine = self.sched.ledger.engine_of(execution)
         plan = self._plans.pop(execution)
-        self.trace.outcomes[plan.outcome.value] += 1
         ready_before = self.sched.ready_unclaimed
         self._apply(self.sched.execution_finished(self.now, execution, plan.outcome, plan.tokens))
         self._load_changed(engine)
@@ -316,9 +312,11 @@ def utilization(sim: Simulator) -> dict[str, float]:
 def summarize(sim: Simulator) -> dict:
     ends = sim.trace.step_ends_s
     steps = [b - a for a, b in itertools.pairwise([0.0, *ends])]
-    warmup = sim.spec.mu  # steps of the first burst: the dispatch queue is still filling
+    spec = sim.spec
+    warmup = warmup_steps(spec.mu, spec.extra_groups, spec.batch_groups)
     steady = sim.sched.staleness.summary(skip_steps=warmup)
     overall = sim.sched.staleness.summary()
+    moves = sim.trace.reroutes
     return {
         "experiment": sim.cfg.experiment,
         "mode": sim.spec.mode,
@@ -329,18 +327,24 @@ def summarize(sim: Simulator) -> dict:
         "steps": len(ends),
         "step_times_s": steps,
         "staleness": {
-            "target": sim.cfg.algo.target_staleness,
+            # Theorem A.1 holds under boundary dispatch only.
+            "target": None if spec.continuous_dispatch else sim.cfg.algo.target_staleness,
             "group_mean": steady["group_mean"],
             "token_mean": steady["token_mean"],
             "max": overall["max"],
             "group_mean_all_steps": overall["group_mean"],
             "groups_counted": steady["groups"],
+            "warmup_steps": warmup,
         },
         "utilization": utilization(sim),
         "counters": {"dispatched": sim.sched.d, "started": sim.sched.p, "finished": sim.sched.f},
-        "outcomes": dict(sim.trace.outcomes),
+        "outcomes": dict(sim.sched.outcomes),
         "transitions": len(sim.sched.transitions),
-        "reroutes": sim.trace.reroutes,
+        "reroutes": {
+            "total": sum(moves.values()),
+            "executions": len({execution for _, execution in moves}),
+            "max_per_execution_in_a_burst": max(moves.values(), default=0),
+        },
     }
 
 

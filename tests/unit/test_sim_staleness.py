@@ -32,7 +32,7 @@ def small(mode: str = "elastic", dispatch: str = "boundary", **algo) -> SimConfi
 def test_elastic_boundary_staleness_identity(phi, mu):
     summary, _ = simulate(small(phi=phi, mu=mu))
     staleness = summary["staleness"]
-    assert abs(staleness["group_mean"] - (phi + (mu - 1) / 2)) <= 0.05, staleness
+    assert abs(staleness["group_mean"] - (phi + (mu - 1) / 2)) <= 0.02, staleness
     assert staleness["max"] >= staleness["group_mean"]
     assert staleness["token_mean"] >= 0
 
