@@ -11,11 +11,11 @@ CALIBRATION rows only; every other row is a validation row, judged by its ratio 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
+
+from report import emit
 
 from gyre.sim.presets import TABLE2_ROWS, compose_sim_config
 from gyre.sim.simulator import simulate
@@ -121,12 +121,8 @@ def main() -> None:
         "pairwise_effects": pairs,
         "checks": checks,
         "wall_s": round(wall_s, 2),
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

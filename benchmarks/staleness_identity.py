@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import platform
 import time
 from pathlib import Path
+
+from report import emit
 
 from gyre.config import AlgoConfig, ClusterConfig, SimConfig, WorkloadConfig
 from gyre.sim.simulator import simulate
@@ -72,12 +72,8 @@ def main() -> None:
         "max_abs_error": worst,
         "within_0.05": worst <= 0.05,
         "wall_s": round(time.perf_counter() - start, 2),
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
