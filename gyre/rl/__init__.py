@@ -1,0 +1,17 @@
+"""Advantages and the policy loss (paper Eq. 5-6): tensors in, tensors out.
+
+- `group_advantages(reward_BN, valid_BN, normalize_std=...)`: group-relative advantages of B groups of
+  N raw executions; executions with no valid reward get 0 and stay out of the group statistics.
+- `policy_loss(logp_T, behavior_logp_T, execution_T, advantage_E, num_executions, config)`: the
+  execution-level loss (GSPO variant with token-level importance correction) over the target tokens of
+  a packed batch, and a dict of detached metrics. `LossConfig` holds the caps and the clip interval.
+- `sequence_ratio`, `sequence_clip_keep`: the pieces of Eq. 5 and the shared clipping mask, for
+  monitoring and tests.
+
+Imports torch only: no torch.distributed, no IO. See docs/loss.md.
+"""
+
+from gyre.rl.advantages import group_advantages
+from gyre.rl.loss import LossConfig, policy_loss, sequence_clip_keep, sequence_ratio
+
+__all__ = ["LossConfig", "group_advantages", "policy_loss", "sequence_clip_keep", "sequence_ratio"]
