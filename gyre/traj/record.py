@@ -1,0 +1,174 @@
+"""TITO records: provenance, context segments, sampled responses and call metadata.
+
+Role: the vocabulary shared by the proxy (which builds records as model calls complete), the
+trajectory tree (`gyre.traj.tree`, which stores them) and the on-disk format (`gyre.traj.store`).
+
+Contract (DESIGN.md contract 3): a record carries the exact token ids the engine saw and produced
+and the behavior log-probs of the produced tokens. A request's context is a sequence of
+**segments** - one per chat message/turn or injected block - each a run of token ids with ONE
+`Provenance`. A response is one SAMPLED run with per-token log-probs and a finish reason.
+
+Segment keys: `segment_key` is a 16-byte blake2b digest of the provenance code and the ids as
+native 32-bit ints. A `Segment` computes its key once, at construction, unless the caller passes a
+precomputed one; a proxy that keeps its `Segment` objects across calls therefore never rehashes
+history. Keys are process-local (native byte order) and never written to disk.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+KEY_BYTES = 16
+_INT32_MAX = 2**31 - 1
+
+
+class Provenance(enum.IntEnum):
+    """Who supplied a run of tokens. Only SAMPLED tokens with recorded log-probs become targets."""
+
+    SYSTEM = 0  # system prompts and mid-conversation system reminders
+    USER = 1  # user turns, task prompts, harness-written user text (e.g. a compaction summary request)
+    TOOL = 2  # tool results
+    HARNESS_ASSISTANT = 3  # assistant content injected or rewritten by the harness, never sampled by us
+    SAMPLED = 4  # our engine's output (restored exactly by the proxy when the harness echoes it)
+    EVALUATOR = 5  # evaluator critiques fed back to the policy: condition only, never targets
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def from_label(cls, label: str) -> Provenance:
+        try:
+            return cls[label.upper()]
+        except KeyError:
+            known = ", ".join(p.label for p in cls)
+            raise ValueError(f"unknown provenance {label!r}; expected one of: {known}") from None
+
+
+def as_token_array(ids: Sequence[int] | array, what: str) -> array:
+    """Copy ids into an `array('i')` (32-bit ints); range errors become a ValueError naming `what`."""
+    if isinstance(ids, array) and ids.typecode == "i":
+        return ids
+    try:
+        return array("i", ids)
+    except OverflowError:
+        raise ValueError(f"{what}: token ids must lie in [0, {_INT32_MAX}]; got an id outside int32") from None
+    except TypeError as err:
+        raise TypeError(f"{what}: token ids must be integers ({err})") from None
+
+
+def segment_key(provenance: Provenance, ids: array) -> bytes:
+    """blake2b-128 of (provenance code, ids as native int32 bytes): equal keys <=> equal segment."""
+    digest = hashlib.blake2b(bytes((int(provenance),)), digest_size=KEY_BYTES)
+    digest.update(ids.tobytes())
+    return digest.digest()
+
+
+class Segment:
+    """One context segment: a run of token ids with one provenance, and its key.
+
+    `key` may be passed by a caller that already has it (the proxy's cache); it is then trusted.
+    """
+
+    __slots__ = ("ids", "key", "provenance")
+
+    def __init__(self, provenance: Provenance, ids: Sequence[int] | array, key: bytes | None = None) -> None:
+        self.provenance = Provenance(provenance)
+        self.ids = as_token_array(ids, f"{self.provenance.label} segment")
+        if key is not None and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
+            raise ValueError(f"segment key must be {KEY_BYTES} bytes; got {key!r}")
+        self.key = key if key is not None else segment_key(self.provenance, self.ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Segment):
+            return NotImplemented
+        return self.provenance is other.provenance and self.ids == other.ids
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"Segment({self.provenance.name}, {list(self.ids)!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class Response:
+    """One model call's output: the sampled ids, their behavior log-probs and the finish reason."""
+
+    ids: array
+    logprobs: array  # natural-log behavior probabilities, one per id, float64
+    finish_reason: str
+
+    @classmethod
+    def build(cls, ids: Sequence[int] | array, logprobs: Sequence[float] | array, finish_reason: str) -> Response:
+        return cls(as_token_array(ids, "response.ids"), array("d", logprobs), str(finish_reason))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Response):
+            return NotImplemented
+        return (self.ids, self.logprobs, self.finish_reason) == (other.ids, other.logprobs, other.finish_reason)
+
+
+@dataclass(frozen=True)
+class CallMeta:
+    """Metadata of one model call. `role_signals` is opaque here: the role classifiers read it."""
+
+    execution: str
+    request_id: str
+    policy_version: int = 0
+    engine: str = ""
+    timings: Mapping[str, float] = field(default_factory=dict)  # seconds, e.g. queued_s, first_token_s, total_s
+    role_signals: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class CallRecord:
+    """One recorded model call as the tree keeps it (and as one line of the store holds it).
+
+    `parent` is the deepest node that existed before this call and that `segments` extend: the
+    call's exact context is `path(parent)` followed by `segments`. `context_node` is the node the
+    response hangs from and `response_node` the SAMPLED node holding the output.
+    """
+
+    index: int
+    parent: int
+    segments: tuple[Segment, ...]
+    response: Response
+    meta: CallMeta
+    context_node: int
+    response_node: int
+
+
+def validate_ids(ids: array, vocab_size: int, what: str) -> None:
+    """ValueError naming `what` if any id is negative or >= vocab_size."""
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
+    if low < 0:
+        raise ValueError(f"{what}: token id {low} is negative")
+    if high >= vocab_size:
+        raise ValueError(f"{what}: token id {high} is out of vocabulary (vocab_size={vocab_size})")
+
+
+def validate_response(response: Response, vocab_size: int) -> None:
+    """Empty output, length mismatch, out-of-vocabulary ids, NaN/inf or positive log-probs."""
+    if len(response.ids) == 0:
+        raise ValueError("response.ids is empty: a model call must produce at least one token")
+    if len(response.ids) != len(response.logprobs):
+        raise ValueError(
+            f"response.logprobs has {len(response.logprobs)} values for {len(response.ids)} response.ids; "
+            "expected one behavior log-prob per output token"
+        )
+    validate_ids(response.ids, vocab_size, "response.ids")
+    for position, logprob in enumerate(response.logprobs):
+        if not math.isfinite(logprob) or logprob > 0.0:
+            raise ValueError(f"response.logprobs[{position}] = {logprob!r}: behavior log-probs must be finite and <= 0")

@@ -1,0 +1,273 @@
+"""The trajectory tree of one execution: a trie over context segments (paper: "TITO and trajectory trees").
+
+Role: store every recorded model call of an execution so that each shared prefix is stored once,
+every call's exact context and output stay recoverable, and candidate trajectories (root-to-leaf
+paths) can be materialized on demand.
+
+Contract:
+- A node is one segment: its token ids, its provenance, and for SAMPLED nodes created by a response
+  the recorded calls (log-probs, metadata). Node 0 is the root (no tokens). Node ids are assigned
+  in creation order, so replaying the same inserts in the same order gives the same ids.
+- Children are keyed by the segment key (`gyre.traj.record.segment_key`). `insert` walks from the
+  root (or from a `parent` the caller knows the context extends) matching keys, reuses matched
+  nodes, creates the rest as a branch and hangs the response, a SAMPLED node, from the deepest
+  context node. A request that matches nothing attaches to the root; a retry with a different
+  output is a sibling; an identical output reuses its node but is still its own call record.
+- Cost (DESIGN.md contract 4): O(#segments passed) dict lookups plus hashing of segments built
+  without a key and of the response. With `parent` the caller passes only the new segments, so a
+  700K-token history is neither walked nor rehashed.
+- Everything is validated before any mutation: on ValueError the tree is unchanged. A request id
+  already recorded is rejected: a call is recorded exactly once (DESIGN.md contract 3), so a proxy
+  that retries a request transparently records only the attempt that answered the harness.
+- Not thread-safe: the caller serializes inserts of one execution (and appends the record line
+  in the same critical section, so the file order is the insertion order).
+- A SAMPLED context segment that matches no recorded output (our earlier output echoed into a new
+  context, e.g. a compaction tail) is stored as an unrecorded SAMPLED node: it has no behavior
+  log-probs at that position, so it conditions only. If the call that produced it is inserted later
+  (any order), the node is reused and becomes a target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gyre.traj.record import (
+    CallMeta,
+    CallRecord,
+    Provenance,
+    Response,
+    Segment,
+    segment_key,
+    validate_ids,
+    validate_response,
+)
+
+ROOT = 0
+NOT_SAMPLED_LOGPROB = float("nan")
+
+
+class Node:
+    """One stored segment. `depth` counts nodes from the root (root 0); `prefix_tokens` counts tokens
+    from the root through this node; `calls` lists the call records whose response is this node."""
+
+    __slots__ = ("calls", "children", "depth", "id", "ids", "key", "parent", "prefix_tokens", "provenance")
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: int,
+        provenance: Provenance | None,
+        segment: Segment | None,
+        depth: int,
+        prefix_tokens: int,
+    ) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.provenance = provenance
+        self.ids = segment.ids if segment is not None else None
+        self.key = segment.key if segment is not None else b""
+        self.depth = depth
+        self.prefix_tokens = prefix_tokens
+        self.children: dict[bytes, int] = {}
+        self.calls: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.ids is None else len(self.ids)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children and self.provenance is Provenance.SAMPLED
+
+
+@dataclass(frozen=True)
+class PathTokens:
+    """A root-to-node path flattened to tokens (all arrays have one entry per token).
+
+    `target_mask` is True exactly on SAMPLED tokens that carry a recorded behavior log-prob at this
+    position; system, user, tool, harness-assistant and evaluator tokens condition only.
+    """
+
+    ids: np.ndarray  # int32
+    provenance: np.ndarray  # int8, `Provenance` codes
+    behavior_logprobs: np.ndarray  # float64, NaN where not a target
+    target_mask: np.ndarray  # bool
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    requests: int  # recorded model calls
+    unique_nodes: int  # stored nodes, root excluded
+    node_occurrences_expanded: int  # sum over leaves of path length (nodes), i.e. if every path were expanded
+    tokens_stored: int
+    tokens_expanded: int  # sum over leaves of path length (tokens)
+    target_tokens_stored: int  # tokens of recorded SAMPLED nodes
+    leaves: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class TrajectoryTree:
+    """The trie of one execution. `vocab_size` bounds every token id."""
+
+    def __init__(self, execution: str, vocab_size: int) -> None:
+        if not execution:
+            raise ValueError("execution must be a non-empty id")
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive; got {vocab_size}")
+        self.execution = execution
+        self.vocab_size = vocab_size
+        self.nodes: list[Node] = [Node(ROOT, -1, None, None, 0, 0)]
+        self.calls: list[CallRecord] = []
+        self.call_of_request: dict[str, int] = {}
+        self.tokens_stored = 0
+
+    # -- matching and insertion ---------------------------------------------------------------------
+    def match(self, segments: Sequence[Segment], parent: int | None = None) -> tuple[int, int]:
+        """Read-only walk: (deepest matched node, number of leading segments matched)."""
+        node = self._start(parent)
+        matched = 0
+        nodes = self.nodes
+        for segment in segments:
+            child = nodes[node].children.get(segment.key)
+            if child is None:
+                break
+            node = child
+            matched += 1
+        return node, matched
+
+    def insert(
+        self, segments: Sequence[Segment], response: Response, meta: CallMeta, parent: int | None = None
+    ) -> CallRecord:
+        """Record one model call whose context is `path(parent)` (the root if None) + `segments`.
+
+        Returns the call record; only the segments not already stored are kept in it. Raises
+        ValueError (tree unchanged) on bad input.
+        """
+        if meta.execution != self.execution:
+            raise ValueError(f"meta.execution {meta.execution!r} is unknown here: this tree records {self.execution!r}")
+        if meta.request_id in self.call_of_request:
+            raise ValueError(
+                f"meta.request_id {meta.request_id!r} is already recorded as call "
+                f"{self.call_of_request[meta.request_id]} of execution {self.execution!r}"
+            )
+        segments = tuple(segments)
+        for position, segment in enumerate(segments):
+            if not isinstance(segment, Segment):
+                raise TypeError(f"segments[{position}] is a {type(segment).__name__}; expected a Segment")
+        if self._start(parent) == ROOT and not segments:
+            raise ValueError("segments is empty and the parent is the root: a request needs a context")
+        if not isinstance(response, Response):
+            raise TypeError(f"response is a {type(response).__name__}; expected a Response")
+        validate_response(response, self.vocab_size)
+        fork, matched = self.match(segments, parent)
+        new_segments = segments[matched:]
+        for position, segment in enumerate(new_segments, start=matched):
+            what = f"segments[{position}] ({segment.provenance.label})"
+            if len(segment) == 0:
+                raise ValueError(f"{what} is empty: every segment needs at least one token")
+            validate_ids(segment.ids, self.vocab_size, what)
+        # Validated: mutate from here on.
+        context_node = fork
+        for segment in new_segments:
+            context_node = self._add_child(context_node, segment)
+        output = Segment(Provenance.SAMPLED, response.ids)  # hashes the new output once
+        response_node = self.nodes[context_node].children.get(output.key)
+        if response_node is None:
+            response_node = self._add_child(context_node, output)
+        record = CallRecord(len(self.calls), fork, new_segments, response, meta, context_node, response_node)
+        self.calls.append(record)
+        self.call_of_request[meta.request_id] = record.index
+        self.nodes[response_node].calls.append(record.index)
+        return record
+
+    def _start(self, parent: int | None) -> int:
+        if parent is None:
+            return ROOT
+        if not isinstance(parent, int) or not 0 <= parent < len(self.nodes):
+            raise ValueError(f"parent node {parent!r} is unknown in execution {self.execution!r}")
+        return parent
+
+    def _add_child(self, parent: int, segment: Segment) -> int:
+        above = self.nodes[parent]
+        node = Node(
+            len(self.nodes), parent, segment.provenance, segment, above.depth + 1, above.prefix_tokens + len(segment)
+        )
+        self.nodes.append(node)
+        above.children[segment.key] = node.id
+        self.tokens_stored += len(segment)
+        return node.id
+
+    # -- reading ------------------------------------------------------------------------------------
+    def path(self, node_id: int) -> list[int]:
+        """Node ids from the root's child down to `node_id` (empty for the root)."""
+        self._start(node_id)
+        out: list[int] = []
+        while node_id != ROOT:
+            out.append(node_id)
+            node_id = self.nodes[node_id].parent
+        out.reverse()
+        return out
+
+    def leaves(self) -> list[int]:
+        """Candidate trajectories: nodes without children that hold a response (creation order)."""
+        return [node.id for node in self.nodes if node.is_leaf]
+
+    def behavior_logprobs(self, node_id: int) -> Any:
+        """The recorded log-probs of a SAMPLED node (its first call's), or None if it has no call."""
+        node = self.nodes[node_id]
+        return self.calls[node.calls[0]].response.logprobs if node.calls else None
+
+    def path_tokens(self, node_id: int) -> PathTokens:
+        """Flatten the root-to-`node_id` path: ids, provenance codes, behavior log-probs, target mask."""
+        nodes = [self.nodes[i] for i in self.path(node_id)]
+        if not nodes:
+            empty = np.zeros(0)
+            return PathTokens(empty.astype(np.int32), empty.astype(np.int8), empty, empty.astype(bool))
+        ids = np.concatenate([np.frombuffer(node.ids, dtype=np.int32) for node in nodes])
+        provenance = np.concatenate([np.full(node.num_tokens, int(node.provenance), np.int8) for node in nodes])
+        logprobs = np.full(len(ids), NOT_SAMPLED_LOGPROB)
+        start = 0
+        for node in nodes:
+            recorded = self.behavior_logprobs(node.id) if node.provenance is Provenance.SAMPLED else None
+            if recorded is not None:
+                logprobs[start : start + node.num_tokens] = recorded
+            start += node.num_tokens
+        return PathTokens(ids, provenance, logprobs, ~np.isnan(logprobs))
+
+    def call_tokens(self, call: int) -> tuple[list[int], list[int]]:
+        """The exact (context ids, output ids) of recorded call `call`."""
+        record = self.calls[call]
+        context: list[int] = []
+        for node_id in self.path(record.context_node):
+            context.extend(self.nodes[node_id].ids)
+        return context, list(record.response.ids)
+
+    def stats(self) -> TreeStats:
+        leaves = [self.nodes[i] for i in self.leaves()]
+        return TreeStats(
+            requests=len(self.calls),
+            unique_nodes=len(self.nodes) - 1,
+            node_occurrences_expanded=sum(leaf.depth for leaf in leaves),
+            tokens_stored=self.tokens_stored,
+            tokens_expanded=sum(leaf.prefix_tokens for leaf in leaves),
+            target_tokens_stored=sum(node.num_tokens for node in self.nodes if node.calls),
+            leaves=len(leaves),
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the trie invariants (tests call this): keys match content, depths and totals add up."""
+        total = 0
+        for node in self.nodes[1:]:
+            above = self.nodes[node.parent]
+            assert above.children[node.key] == node.id
+            assert node.key == segment_key(node.provenance, node.ids)
+            assert node.depth == above.depth + 1 and node.prefix_tokens == above.prefix_tokens + node.num_tokens
+            assert node.children or node.provenance is Provenance.SAMPLED, "every branch ends in a response"
+            total += node.num_tokens
+        assert total == self.tokens_stored

@@ -1,0 +1,134 @@
+"""The record format: append as calls complete, replay into an identical tree, reject bad lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gyre.traj import (
+    FORMAT_VERSION,
+    CallMeta,
+    Provenance,
+    RecordWriter,
+    Response,
+    Segment,
+    TrajectoryTree,
+    dump_tree,
+    load_tree,
+)
+from gyre.traj.synthetic import synthetic_execution
+
+SYS, USR, TOOL, OUT = Provenance.SYSTEM, Provenance.USER, Provenance.TOOL, Provenance.SAMPLED
+
+
+def write_small(path) -> TrajectoryTree:
+    tree = TrajectoryTree("ex", 100)
+    meta = CallMeta("ex", "r0", policy_version=3, engine="cell-1", timings={"total_s": 0.5}, role_signals={"a": 1})
+    with RecordWriter(path, "ex", 100) as writer:
+        writer.append(tree.insert([Segment(SYS, [1, 2]), Segment(USR, [10])], Response.build([20], [-0.25], "x"), meta))
+        full = [Segment(SYS, [1, 2]), Segment(USR, [10]), Segment(OUT, [20]), Segment(TOOL, [30, 31])]
+        writer.append(tree.insert(full, Response.build([40, 41], [-1.5, -0.125], "stop"), CallMeta("ex", "r1")))
+    return tree
+
+
+def test_each_line_holds_only_what_is_new(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    write_small(path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0] == {"v": FORMAT_VERSION, "kind": "execution", "execution": "ex", "vocab_size": 100}
+    assert lines[1]["parent"] == 0 and [s["p"] for s in lines[1]["segments"]] == ["system", "user"]
+    assert lines[1]["policy_version"] == 3 and lines[1]["role_signals"] == {"a": 1}
+    assert lines[2] == {
+        "v": 1,
+        "kind": "call",
+        "execution": "ex",
+        "call": 1,
+        "parent": 3,
+        "segments": [{"p": "tool", "ids": [30, 31]}],
+        "response": {"ids": [40, 41], "logprobs": [-1.5, -0.125], "finish": "stop"},
+        "request_id": "r1",
+        "policy_version": 0,
+        "engine": "",
+        "timings": {},
+        "role_signals": {},
+    }
+
+
+def test_replay_rebuilds_an_identical_tree(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    tree = write_small(path)
+    loaded = load_tree(path)
+    assert dump_tree(loaded) == dump_tree(tree)
+    assert [loaded.call_tokens(i) for i in range(2)] == [tree.call_tokens(i) for i in range(2)]
+    assert loaded.calls[0].meta == tree.calls[0].meta
+    assert loaded.calls[1].response == tree.calls[1].response
+
+
+def test_synthetic_execution_round_trip(tmp_path):
+    execution = synthetic_execution(seed=3)
+    tree = TrajectoryTree(execution.execution, execution.vocab_size)
+    path = tmp_path / "synthetic.jsonl"
+    with RecordWriter(path, execution.execution, execution.vocab_size) as writer:
+        for call in execution.calls:
+            writer.append(tree.insert(call.context, call.response, call.meta))
+    loaded = load_tree(path)
+    assert dump_tree(loaded) == dump_tree(tree)
+    assert loaded.stats() == tree.stats()
+    for index in (0, 100, 635):
+        assert loaded.call_tokens(index) == tree.call_tokens(index)
+        assert loaded.calls[index].meta == tree.calls[index].meta
+        assert loaded.calls[index].response == tree.calls[index].response
+    leaf = loaded.leaves()[0]
+    for a, b in zip(loaded.path_tokens(leaf).__dict__.values(), tree.path_tokens(leaf).__dict__.values(), strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_appending_to_an_existing_file_continues_it(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    tree = write_small(path)
+    with RecordWriter(path, "ex", 100) as writer:
+        writer.append(tree.insert([Segment(TOOL, [32])], Response.build([42], [-0.5], "stop"), CallMeta("ex", "r2"), 3))
+    assert dump_tree(load_tree(path)) == dump_tree(tree)
+    with pytest.raises(ValueError, match="records execution 'ex'"):
+        RecordWriter(path, "other", 100)
+
+
+def corrupt(path, lineno, edit) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    lines[lineno - 1] = edit(lines[lineno - 1])
+    path.write_text("".join(lines))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda line: line[:40], ":3: not valid JSON (torn final line"),
+        (lambda line: line.replace('"call":1', '"call":2'), ":3: call index 2, expected 1 (a record is lost"),
+        (lambda line: line.replace('"execution":"ex"', '"execution":"zz"'), ":3: meta.execution 'zz' is unknown"),
+        (lambda line: line.replace('"parent":3', '"parent":77'), ":3: parent node 77 is unknown"),
+        (lambda line: line.replace("-0.125", "0.5"), ":3: response.logprobs[1] = 0.5"),
+        (lambda line: line.replace('"p":"tool"', '"p":"robot"'), ":3: unknown provenance 'robot'"),
+        (lambda line: line.replace('"v":1', '"v":2'), ":3: record format version 2"),
+        (lambda line: line.replace('"ids":[30,31]', '"ids":[30,3.5]'), ":3: tool segment: token ids must be integers"),
+        (lambda line: line.replace('"request_id":"r1"', '"request_id":7'), ":3: field 'request_id' = 7"),
+    ],
+)
+def test_bad_lines_name_file_and_line(tmp_path, edit, message):
+    path = tmp_path / "ex.jsonl"
+    write_small(path)
+    corrupt(path, 3, edit)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_tree(path)
+
+
+def test_missing_header_and_empty_file(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty file"):
+        load_tree(empty)
+    path = tmp_path / "ex.jsonl"
+    write_small(path)
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[1:]))
+    with pytest.raises(ValueError, match="first line must be the execution header"):
+        load_tree(path)
