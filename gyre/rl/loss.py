@@ -6,10 +6,14 @@ the gradient flows back through the boolean index. Per-execution tensors carry t
 number of executions this call knows about, `num_executions` the number of raw executions of the whole
 batch (B * N), the denominator of the batch mean.
 
-Contract: every target of an execution is in the same call. L_i and s_i (Eq. 5) are taken over the targets
-present, so splitting one execution across calls would change its weight. With that contract the loss of
-a batch split by execution into micro-steps is the sum of the micro-step losses, each computed with the
-batch's `num_executions`.
+Contract. By default L_i and s_i (Eq. 5) are taken over the targets present in the call, so every target
+of an execution must be in the same call; a batch split by execution into micro-steps then sums to the
+batch loss, each micro-step computed with the batch's `num_executions`. An execution too long for one
+micro-step (xLong: ~700K tokens) may be split across micro-steps and cells when the caller passes what
+the call cannot see: `num_targets_E` (L_i over the whole admitted target set, known at admission) fixes
+the 1/L_i normalization, and `seq_ratio_E` (s_i over all the execution's targets, accumulated beforehand
+with `sequence_log_ratio_sums` and `finalize_sequence_ratio`) fixes the shared mask m_i. With both, the
+micro-step losses and their accumulated gradients sum to the loss and gradient of one call over the batch.
 
 Gradient (see docs/loss.md): d loss / d logp_u = -m_i * w_u * A_i / (L_i * num_executions) where the
 token-loss cap does not bind, and 0 where it binds (raw token loss > cap: the min picks the constant).
@@ -26,7 +30,14 @@ from torch import Tensor
 
 from gyre.config.checks import require
 
-__all__ = ["LossConfig", "policy_loss", "sequence_clip_keep", "sequence_ratio"]
+__all__ = [
+    "LossConfig",
+    "finalize_sequence_ratio",
+    "policy_loss",
+    "sequence_clip_keep",
+    "sequence_log_ratio_sums",
+    "sequence_ratio",
+]
 
 
 @dataclass(kw_only=True)
@@ -48,18 +59,92 @@ class LossConfig:
 
 
 def sequence_ratio(log_ratio_T: Tensor, execution_T: Tensor, num_local: int) -> tuple[Tensor, Tensor]:
-    """Eq. 5: s_i = exp(mean over the execution's targets of log rho_u), detached.
+    """Eq. 5: s_i = exp(mean over the execution's targets of log rho_u), detached, over the targets given.
 
     Returns (s_E, count_E): s_E in float64 (accumulated in float64 so the clipping decision of a long
     execution does not depend on the order of its tokens), count_E = L_i as int64. An execution with
-    L_i = 0 has s_i = 1.
+    L_i = 0 has s_i = 1. For an execution split across calls use `sequence_log_ratio_sums` per part and
+    `finalize_sequence_ratio` on the accumulated sums.
     """
+    sum_E, count_E = _log_ratio_sums(log_ratio_T, execution_T, num_local)
+    return _finalize(sum_E, count_E), count_E
+
+
+def sequence_log_ratio_sums(log_ratio_T: Tensor, execution_T: Tensor, num_local: int) -> tuple[Tensor, Tensor]:
+    """The additive pieces of Eq. 5 over the targets given: (sum_E, count_E), detached.
+
+    sum_E[i] = sum of log rho_u over the targets of execution i in this call (float64), count_E[i] = their
+    number (int64). Both are sums, so a caller accumulates them over the micro-steps of a batch (mapping
+    local execution indices to batch-wide ones with `index_add_`) and over cells with one all_reduce(SUM)
+    of `torch.stack([sum_E, count_E.double()])` (counts are exact in float64 below 2^53), then calls
+    `finalize_sequence_ratio` to get s_i over the execution's whole target set. Weights are frozen during
+    gradient accumulation, so a no-grad pass over the micro-steps at the current weights gives the s_i of
+    one call over the whole batch, up to float64 summation order and forward-kernel nondeterminism.
+
+    log_ratio_T: logp - behavior_logp of the target tokens (finite, floating), [T].
+    execution_T: int64 index of each token's execution, in [0, num_local), [T].
+    """
+    if not isinstance(log_ratio_T, Tensor) or not log_ratio_T.is_floating_point() or log_ratio_T.dim() != 1:
+        raise ValueError(f"log_ratio_T must be a 1-D floating-point tensor, got {_describe(log_ratio_T)}")
+    if not isinstance(execution_T, Tensor) or execution_T.dtype != torch.int64 or execution_T.dim() != 1:
+        raise ValueError(f"execution_T must be a 1-D int64 tensor, got {_describe(execution_T)}")
+    if execution_T.shape != log_ratio_T.shape or execution_T.device != log_ratio_T.device:
+        raise ValueError(
+            "log_ratio_T and execution_T must have the same shape [T] on one device, got "
+            f"{_describe(log_ratio_T)}, {_describe(execution_T)}"
+        )
+    num_local = _non_negative_int("num_local", num_local)
+    with torch.no_grad():
+        bad = ~torch.isfinite(log_ratio_T)
+        if bool(bad.any()):
+            raise ValueError(f"log_ratio_T has non-finite values at target tokens {_where(bad)}")
+        bad = (execution_T < 0) | (execution_T >= num_local)
+        if bool(bad.any()):
+            raise ValueError(
+                f"execution_T must be in [0, {num_local}); out of range at target tokens {_where(bad)} "
+                f"(values {execution_T[bad][:5].tolist()})"
+            )
+    return _log_ratio_sums(log_ratio_T, execution_T, num_local)
+
+
+def finalize_sequence_ratio(sum_E: Tensor, count_E: Tensor) -> Tensor:
+    """Eq. 5 from accumulated sums: s_i = exp(sum_E / count_E) in float64; s_i = 1 where count_E = 0.
+
+    sum_E: float sums of log rho_u per execution (finite), [E]; count_E: target counts (integer or
+    integral float, >= 0), [E] -- as returned by `sequence_log_ratio_sums`, possibly accumulated.
+    """
+    if not isinstance(sum_E, Tensor) or not sum_E.is_floating_point() or sum_E.dim() != 1:
+        raise ValueError(f"sum_E must be a 1-D floating-point tensor, got {_describe(sum_E)}")
+    if not isinstance(count_E, Tensor) or count_E.dtype == torch.bool or count_E.dim() != 1:
+        raise ValueError(f"count_E must be a 1-D numeric tensor, got {_describe(count_E)}")
+    if count_E.shape != sum_E.shape:
+        raise ValueError(
+            f"sum_E and count_E must have the same shape [E], got {_describe(sum_E)}, {_describe(count_E)}"
+        )
+    sum_E = sum_E.detach().to(torch.float64)
+    count_E = count_E.detach().to(torch.float64)
+    with torch.no_grad():
+        bad = ~torch.isfinite(sum_E)
+        if bool(bad.any()):
+            raise ValueError(f"sum_E has non-finite values at executions {_where(bad)}")
+        bad = ~(torch.isfinite(count_E) & (count_E >= 0))
+        if bool(bad.any()):
+            raise ValueError(f"count_E must be finite and >= 0; not at executions {_where(bad)}")
+    return _finalize(sum_E, count_E)
+
+
+def _finalize(sum_E: Tensor, count_E: Tensor) -> Tensor:
+    """Unchecked exp(sum / count) in float64, 1 where count = 0."""
+    mean_E = sum_E.to(torch.float64) / count_E.clamp(min=1)  # L_i = 0: sum 0, mean 0, s_i = 1
+    return torch.exp(mean_E)
+
+
+def _log_ratio_sums(log_ratio_T: Tensor, execution_T: Tensor, num_local: int) -> tuple[Tensor, Tensor]:
+    """Unchecked (sum_E float64, count_E int64) over the targets given; inputs already validated."""
     log_ratio_T = log_ratio_T.detach().to(torch.float64)
     count_E = torch.bincount(execution_T, minlength=num_local)
     sum_E = torch.zeros(num_local, dtype=torch.float64, device=log_ratio_T.device)
-    sum_E = sum_E.index_add(0, execution_T, log_ratio_T)
-    mean_E = sum_E / count_E.clamp(min=1)  # L_i = 0: sum 0, mean 0, s_i = 1
-    return torch.exp(mean_E), count_E
+    return sum_E.index_add(0, execution_T, log_ratio_T), count_E
 
 
 def sequence_clip_keep(s_E: Tensor, advantage_E: Tensor, config: LossConfig) -> Tensor:
@@ -79,28 +164,46 @@ def policy_loss(
     advantage_E: Tensor,
     num_executions: int,
     config: LossConfig,
+    *,
+    num_targets_E: Tensor | None = None,
+    seq_ratio_E: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The batch loss L(theta) = (1 / num_executions) sum_i L_i (Eq. 6) and detached metrics.
+    """The batch loss L(theta) = (1 / num_executions) sum_i L_i (Eq. 6), or this call's share of it, and
+    detached metrics.
 
     logp_T: current log-probs of the target tokens (requires grad), [T].
     behavior_logp_T: recorded behavior log-probs of the same tokens (finite, <= 0), [T].
     execution_T: int64 index of each token's execution, in [0, E), [T].
     advantage_E: group-relative advantage A_i per execution (finite), [E].
     num_executions: raw executions of the batch (B * N); executions with no targets count in it.
+    num_targets_E: optional integer L_i per execution over its WHOLE admitted target set (known at
+        admission), >= the targets present here, [E]. Given, each present target is weighted 1/L_i with this
+        L_i, so the calls over the micro-steps an execution is split into sum to its unsplit loss and
+        gradient. Default: L_i = the targets present (every target of an execution must be in this call).
+    seq_ratio_E: optional s_i per execution over its whole target set (finite, > 0; detached, used in
+        float64), [E], e.g. `finalize_sequence_ratio` of sums accumulated over the batch's micro-steps by
+        a no-grad pass. Given, it decides the mask m_i and is what the seq_ratio metrics report. Not given,
+        s_i is computed from the targets present; with `num_targets_E` for a split execution that is an
+        approximation: each micro-step then decides m_i from its own part, so the parts may disagree and
+        the sum differs from the unsplit loss wherever a part's s_i falls on the other side of the clip
+        interval than the whole execution's.
 
     Arithmetic is in float32 (float64 if an input is float64); the loss has that dtype.
     """
     num_executions = _validate(logp_T, behavior_logp_T, execution_T, advantage_E, num_executions, config)
+    num_local = advantage_E.shape[0]
+    _validate_split(execution_T, num_local, num_targets_E, seq_ratio_E)
     dtype = torch.promote_types(torch.promote_types(logp_T.dtype, behavior_logp_T.dtype), torch.float32)
     dtype = torch.promote_types(dtype, advantage_E.dtype)
     logp_T = logp_T.to(dtype)
     behavior_logp_T = behavior_logp_T.to(dtype)
     advantage_E = advantage_E.to(dtype)
-    num_local = advantage_E.shape[0]
 
     log_ratio_T = (logp_T - behavior_logp_T).detach()  # log rho_u (Eq. 5)
     rho_T = torch.exp(log_ratio_T)  # may overflow to inf; the cap below makes the weight finite
-    s_E, count_E = sequence_ratio(log_ratio_T, execution_T, num_local)  # Eq. 5, gradient-free
+    s_E, count_E = sequence_ratio(log_ratio_T, execution_T, num_local)  # Eq. 5 over the present targets
+    if seq_ratio_E is not None:
+        s_E = seq_ratio_E.detach().to(torch.float64)  # Eq. 5 over the whole target set, from the caller
     keep_E = sequence_clip_keep(s_E, advantage_E, config)  # m_i
 
     weight_T = rho_T.clamp(max=config.token_ratio_cap)  # w_u = sg(min(rho_u, 5))
@@ -111,9 +214,11 @@ def policy_loss(
     loss_capped_T = raw_T.detach() > config.token_loss_cap
     token_loss_T = torch.where(loss_capped_T, torch.full_like(raw_T, config.token_loss_cap), raw_T)
 
-    # Eq. 6: L_i = (1 / L_i) sum_{u in T_i} l_u, whatever rows carry the targets; L_i = 0 gives 0.
+    # Eq. 6: L_i = (1 / L_i) sum_{u in T_i} l_u, whatever rows (or micro-steps, with num_targets_E) carry the
+    # targets; L_i = 0 gives 0.
     sum_E = torch.zeros(num_local, dtype=dtype, device=logp_T.device).index_add(0, execution_T, token_loss_T)
-    execution_loss_E = sum_E / count_E.clamp(min=1).to(dtype)
+    denominator_E = count_E if num_targets_E is None else num_targets_E
+    execution_loss_E = sum_E / denominator_E.clamp(min=1).to(dtype)
     loss = execution_loss_E.sum() / num_executions
 
     metrics = _metrics(log_ratio_T, rho_T, s_E, count_E, keep_E, loss_capped_T, config)
@@ -236,6 +341,63 @@ def _validate(
             "it must be the batch's raw execution count B * N"
         )
     return num_executions
+
+
+def _validate_split(
+    execution_T: Tensor, num_local: int, num_targets_E: Tensor | None, seq_ratio_E: Tensor | None
+) -> None:
+    """Check the optional per-execution inputs of a split execution against [E] and the present targets."""
+    for name, t in (("num_targets_E", num_targets_E), ("seq_ratio_E", seq_ratio_E)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.shape != (num_local,):
+            raise ValueError(f"{name} must have shape [E] = ({num_local},) like advantage_E, got {tuple(t.shape)}")
+        if t.device != execution_T.device:
+            raise ValueError(f"{name} must be on the inputs' device {execution_T.device}, got {t.device}")
+    if num_targets_E is not None:
+        if num_targets_E.is_floating_point() or num_targets_E.is_complex() or num_targets_E.dtype == torch.bool:
+            raise ValueError(f"num_targets_E must be an integer tensor (L_i per execution), got {num_targets_E.dtype}")
+        with torch.no_grad():
+            present_E = torch.bincount(execution_T, minlength=num_local)
+            bad = num_targets_E < present_E
+            if bool(bad.any()):
+                raise ValueError(
+                    "num_targets_E must be >= the targets present per execution (L_i over the whole admitted "
+                    f"target set); smaller at executions {_where(bad)}: num_targets_E "
+                    f"{num_targets_E[bad][:5].tolist()} < present {present_E[bad][:5].tolist()}"
+                )
+    if seq_ratio_E is not None:
+        if not seq_ratio_E.is_floating_point():
+            raise ValueError(f"seq_ratio_E must be a floating-point tensor, got dtype {seq_ratio_E.dtype}")
+        with torch.no_grad():
+            bad = ~torch.isfinite(seq_ratio_E)
+            if bool(bad.any()):
+                raise ValueError(f"seq_ratio_E has non-finite values at executions {_where(bad)}")
+            bad = seq_ratio_E <= 0
+            if bool(bad.any()):
+                raise ValueError(
+                    f"seq_ratio_E must be > 0 (s_i = exp(mean log rho)); not at executions {_where(bad)} "
+                    f"(values {seq_ratio_E[bad][:5].tolist()})"
+                )
+
+
+def _non_negative_int(name: str, value: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _describe(t: object) -> str:
+    """Dtype and shape of a tensor, or the type of anything else, for an error message."""
+    if isinstance(t, Tensor):
+        return f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
 
 
 def _where(bad: Tensor, limit: int = 5) -> str:
