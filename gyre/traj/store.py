@@ -13,6 +13,8 @@ Contract:
   one that wrote them (same node ids, same calls). A bad line raises ValueError naming file:line.
 - Call indices must run 0, 1, 2, ... : a gap or a repeat means a lost or duplicated record
   (DESIGN.md contract 3) and is an error.
+- A torn final line (no newline: the writer died mid-line) is skipped with a warning, so a crash
+  loses at most the call being written, never the execution.
 
 Why one file per execution: executions live for hours and close independently; a finished
 execution's file is complete and immutable, can be read, shipped or deleted on its own, and node
@@ -23,6 +25,7 @@ line is detected.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -31,6 +34,8 @@ from gyre.traj.record import CallMeta, CallRecord, Provenance, Response, Segment
 from gyre.traj.tree import TrajectoryTree
 
 FORMAT_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 def header_line(execution: str, vocab_size: int) -> str:
@@ -113,8 +118,12 @@ def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as err:
-                torn = "" if text.endswith("\n") else " (torn final line: the writer stopped mid-line)"
-                raise ValueError(f"{path}:{lineno}: not valid JSON{torn}: {err.msg}") from None
+                if not text.endswith("\n"):  # only the last line can lack its newline
+                    # The writer died mid-line: that call was never completely recorded. Keep every
+                    # complete call rather than lose the execution (as if the crash came a moment earlier).
+                    log.warning("%s:%d: torn final line skipped (the writer stopped mid-line)", path, lineno)
+                    return
+                raise ValueError(f"{path}:{lineno}: not valid JSON: {err.msg}") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             if obj.get("v") != FORMAT_VERSION:

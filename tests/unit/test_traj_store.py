@@ -103,7 +103,7 @@ def corrupt(path, lineno, edit) -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda line: line[:40], ":3: not valid JSON (torn final line"),
+        (lambda line: line[:40] + "\n", ":3: not valid JSON"),
         (lambda line: line.replace('"call":1', '"call":2'), ":3: call index 2, expected 1 (a record is lost"),
         (lambda line: line.replace('"execution":"ex"', '"execution":"zz"'), ":3: meta.execution 'zz' is unknown"),
         (lambda line: line.replace('"parent":3', '"parent":77'), ":3: parent node 77 is unknown"),
@@ -120,6 +120,18 @@ def test_bad_lines_name_file_and_line(tmp_path, edit, message):
     corrupt(path, 3, edit)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_tree(path)
+
+
+def test_torn_final_line_is_skipped_and_the_rest_kept(tmp_path, caplog):
+    path = tmp_path / "ex.jsonl"
+    write_small(path)
+    complete = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(complete[:-1]) + complete[-1][:40])  # the writer died mid-line
+    tree = load_tree(path)
+    assert len(tree.calls) == len(complete) - 2  # header and the torn call are not calls
+    assert "torn final line skipped" in caplog.text
+    path.write_text("".join(complete[:-1]))
+    assert dump_tree(tree) == dump_tree(load_tree(path))
 
 
 def test_missing_header_and_empty_file(tmp_path):
