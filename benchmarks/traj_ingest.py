@@ -8,7 +8,11 @@ Measured side by side in one run (calls alternate between the two trees):
 - naive: rebuild every history segment from its ids (rehash the history) each call; what the
   design avoids, a few repetitions only.
 Also: stored / unique tokens after ingest (target 1.0) at 700K and on the 636-call synthetic
-execution, and the time to load that execution from its record file.
+execution, the time to load that execution from its record file, and admission on it:
+- `admit_ms`: `gyre.traj.admission.admit` with J_max = 5 (generic roles), including the boolean
+  `targets` mask of each admitted trajectory; median over repetitions with different seeds.
+- `materialize_ms`: `TrajectoryTree.path_tokens` of the 5 admitted leaves (ids, provenance,
+  behavior log-probs: the token rows the packing buffer consumes). Target for both: well under 100 ms.
 
     python benchmarks/traj_ingest.py [--reps 2000]
 
@@ -28,7 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre.traj import CallMeta, Provenance, RecordWriter, Response, Segment, TrajectoryTree, load_tree
+from gyre.traj import (
+    CallMeta,
+    Provenance,
+    RecordWriter,
+    Response,
+    Segment,
+    TrajectoryTree,
+    admit,
+    classifier_for,
+    load_tree,
+)
 from gyre.traj.synthetic import synthetic_execution
 
 VOCAB = 151_936
@@ -141,6 +155,28 @@ def synthetic_benchmark(seed: int) -> dict[str, object]:
         "build_from_full_contexts_s": round(build_s, 4),
         "record_file_bytes": size,
         "load_from_disk_s": round(statistics.median(load_s), 4),
+        "admission_j_max_5": admission_benchmark(loaded, seed),
+    }
+
+
+def admission_benchmark(tree: TrajectoryTree, seed: int, reps: int = 20) -> dict[str, object]:
+    classify = classifier_for("generic")
+    admit_s, materialize_s = [], []
+    for rep in range(reps):
+        start = time.perf_counter()
+        admitted = admit(tree, classify, j_max=5, rng=seed + rep)
+        admit_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        rows = [tree.path_tokens(trajectory.leaf) for trajectory in admitted]
+        materialize_s.append(time.perf_counter() - start)
+    return {
+        "reps": reps,
+        "admit_ms": round(statistics.median(admit_s) * 1e3, 3),
+        "materialize_ms": round(statistics.median(materialize_s) * 1e3, 3),
+        "admitted": len(admitted),
+        "admitted_targets": sum(trajectory.num_targets for trajectory in admitted),
+        "materialized_tokens": sum(len(row.ids) for row in rows),
+        "target_tokens_stored": tree.stats().target_tokens_stored,
     }
 
 
@@ -155,7 +191,6 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "ingest": ingest_benchmark(args.reps, rng),
         "synthetic_636": synthetic_benchmark(args.seed),
-        "not_measured": "admission and materialization of J_max=5 trajectories (not built yet)",
     }
     print(json.dumps(report))
 

@@ -1,17 +1,20 @@
-"""`python -m gyre.traj.inspect PATH [PATH...] [--dump]`: summarize recorded executions.
+"""`python -m gyre.traj.inspect PATH [PATH...] [--dump] [--harness H] [--j-max J] [--seed S]`.
 
 Reads one record file per execution (`docs/record-format.md`), rebuilds each trajectory tree and
 prints one JSON object to stdout:
 
     {"executions": [{"path", "execution", "requests", "unique_nodes", "node_occurrences_expanded",
                      "tokens_stored", "tokens_expanded", "target_tokens_stored", "leaves",
-                     "leaves_by_role", "leaf_path_nodes"}, ...],
-     "total": {...the same counts summed...}}
+                     "leaves_by_role", "leaf_path_nodes", "admitted", "admitted_targets"}, ...],
+     "total": {...the counts summed, "leaves_by_role", "admitted_trajectories", "admitted_targets"}}
 
-Role classification is not built yet, so every leaf is counted under "unclassified"; admission
-is not built yet either, so no admitted trajectories are reported. `--dump` prints the readable
-tree of each execution (`gyre.traj.dump`) to stdout before the JSON object. A missing or
-malformed file prints one line `error: ...` to stderr and exits with status 2.
+"leaves_by_role" counts leaves per role (all four, in the priority order of Eq. 4) as the
+`--harness` classifier (`gyre.traj.roles.classifier_for`; default generic) decides. "admitted"
+lists the trajectories `gyre.traj.admission.admit` draws with `--j-max` (default 5) and `--seed`
+(default 0; every execution uses the same seed, so its result does not depend on the other files
+listed), in draw order: {"leaf", "role", "num_targets"}. `--dump` prints the readable tree of each
+execution (`gyre.traj.dump`) to stdout before the JSON object. A missing or malformed file, or
+role signals the classifier rejects, print one line `error: ...` to stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gyre.traj.admission import DEFAULT_J_MAX, admit
 from gyre.traj.dump import dump_tree
+from gyre.traj.roles import PRIORITY, RoleClassifier, classifier_for, classify_leaves, count_by_role
 from gyre.traj.store import load_tree
 from gyre.traj.tree import TrajectoryTree
 
@@ -38,23 +43,43 @@ SUMMED = (
 )
 
 
-def summarize(tree: TrajectoryTree, path: str) -> dict[str, Any]:
+def summarize(
+    tree: TrajectoryTree, path: str, classify: RoleClassifier, j_max: int = DEFAULT_J_MAX, seed: int = 0
+) -> dict[str, Any]:
     stats = tree.stats().as_dict()
     leaves = tree.leaves()
+    admitted = admit(tree, classify, j_max, seed)
     return {
         "path": path,
         "execution": tree.execution,
         **stats,
-        "leaves_by_role": {"unclassified": len(leaves)},
+        "leaves_by_role": count_by_role(classify_leaves(tree, classify)),
         "leaf_path_nodes": sorted(tree.nodes[leaf].depth for leaf in leaves),
+        "admitted": [{"leaf": t.leaf, "role": t.role, "num_targets": t.num_targets} for t in admitted],
+        "admitted_targets": sum(t.num_targets for t in admitted),
     }
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gyre.traj.inspect", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", metavar="PATH", help="record file of one execution (JSONL)")
     parser.add_argument("--dump", action="store_true", help="print the readable tree of each execution first")
+    parser.add_argument(
+        "--harness", default="generic", help="role classifier: claude_code, codex, builtin or generic (default)"
+    )
+    parser.add_argument(
+        "--j-max", type=positive_int, default=DEFAULT_J_MAX, help="admitted trajectories per execution at most"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="admission seed (the same for every execution)")
     args = parser.parse_args(argv)
+    classify = classifier_for(args.harness)
     trees = []
     for raw in args.paths:  # load everything first: a bad file prints nothing but its error
         path = Path(raw)
@@ -68,11 +93,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     summaries = []
     for raw, tree in zip(args.paths, trees, strict=True):
-        if args.dump:
+        try:
+            summaries.append(summarize(tree, raw, classify, args.j_max, args.seed))
+        except ValueError as err:  # role signals the classifier rejects
+            print(f"error: {raw}: {' '.join(str(err).split())}", file=sys.stderr)
+            return 2
+    if args.dump:
+        for tree in trees:
             sys.stdout.write(dump_tree(tree))
-        summaries.append(summarize(tree, raw))
     total: dict[str, Any] = {key: sum(s[key] for s in summaries) for key in SUMMED}
-    total["leaves_by_role"] = {"unclassified": total["leaves"]}
+    total["leaves_by_role"] = {role.value: sum(s["leaves_by_role"][role.value] for s in summaries) for role in PRIORITY}
+    total["admitted_trajectories"] = sum(len(s["admitted"]) for s in summaries)
+    total["admitted_targets"] = sum(s["admitted_targets"] for s in summaries)
     print(json.dumps({"executions": summaries, "total": total}))
     return 0
 

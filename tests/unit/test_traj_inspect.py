@@ -1,4 +1,5 @@
-"""`python -m gyre.traj.inspect`: one JSON object, `--dump`, and a one-line error with exit 2."""
+"""`python -m gyre.traj.inspect`: one JSON object (with roles and admission), `--dump`, and a one-line
+error with exit 2."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from gyre.traj.synthetic import synthetic_execution
 
 
 def write_small(path, execution="ex") -> None:
+    """Two calls on one context: leaves 3 (output [20]) and 4 (output [21, 22]); r1 is a summary request."""
     tree = TrajectoryTree(execution, 100)
     with RecordWriter(path, execution, 100) as writer:
         context = [Segment(Provenance.SYSTEM, [1, 2]), Segment(Provenance.USER, [10])]
         writer.append(tree.insert(context, Response.build([20], [-0.5], "stop"), CallMeta(execution, "r0")))
-        writer.append(tree.insert(context, Response.build([21, 22], [-0.5, -1.0], "stop"), CallMeta(execution, "r1")))
+        summary = CallMeta(execution, "r1", role_signals={"request_kind": "compaction"})
+        writer.append(tree.insert(context, Response.build([21, 22], [-0.5, -1.0], "stop"), summary))
 
 
 def test_summary_of_two_executions(tmp_path, capsys):
@@ -36,8 +39,42 @@ def test_summary_of_two_executions(tmp_path, capsys):
         "leaves": 2,
     }
     assert (first["tokens_stored"], first["tokens_expanded"]) == (6, 4 + 5)
-    assert first["leaves_by_role"] == {"unclassified": 2}
-    assert report["total"]["requests"] == 4 and report["total"]["leaves_by_role"] == {"unclassified": 4}
+    assert first["leaves_by_role"] == {"main": 1, "main-summary": 1, "sub-agent": 0, "sub-agent-summary": 0}
+    assert first["admitted"] == [
+        {"leaf": 3, "role": "main", "num_targets": 1},
+        {"leaf": 4, "role": "main-summary", "num_targets": 2},
+    ]
+    assert first["admitted_targets"] == 3
+    total = report["total"]
+    assert total["requests"] == 4
+    assert total["leaves_by_role"] == {"main": 2, "main-summary": 2, "sub-agent": 0, "sub-agent-summary": 0}
+    assert (total["admitted_trajectories"], total["admitted_targets"]) == (4, 6)
+
+
+def test_harness_j_max_and_seed_options(tmp_path, capsys):
+    write_small(tmp_path / "a.jsonl", "a")
+    assert main(["--harness", "claude_code", "--j-max", "1", "--seed", "3", str(tmp_path / "a.jsonl")]) == 0
+    first = json.loads(capsys.readouterr().out)["executions"][0]
+    # Claude Code reads no `request_kind`: both leaves are main; one is drawn.
+    assert first["leaves_by_role"] == {"main": 2, "main-summary": 0, "sub-agent": 0, "sub-agent-summary": 0}
+    assert len(first["admitted"]) == 1 and first["admitted"][0]["role"] == "main"
+
+
+def test_signals_the_classifier_rejects_are_one_line_and_exit_2(tmp_path, capsys):
+    write_small(tmp_path / "a.jsonl", "a")
+    assert main(["--harness", "builtin", str(tmp_path / "a.jsonl")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: {tmp_path / 'a.jsonl'}: request 'r0' has no role signal 'gyre_role': " + (
+        "the builtin harness sends one of main, main-summary, sub-agent, sub-agent-summary\n"
+    )
+
+
+def test_j_max_must_be_positive(tmp_path):
+    write_small(tmp_path / "a.jsonl", "a")
+    with pytest.raises(SystemExit) as raised:
+        main(["--j-max", "0", str(tmp_path / "a.jsonl")])
+    assert raised.value.code == 2
 
 
 def test_dump_then_json(tmp_path, capsys):
@@ -67,6 +104,9 @@ def test_synthetic_execution_through_the_command_line(tmp_path):
     report = json.loads(done.stdout)["executions"][0]
     assert report["requests"] == 636 and report["leaves"] == 10
     assert report["unique_nodes"] == tree.stats().unique_nodes
+    assert report["leaves_by_role"] == {"main": 4, "main-summary": 1, "sub-agent": 4, "sub-agent-summary": 1}
+    assert [t["role"] for t in report["admitted"]] == ["main"] * 4 + ["main-summary"]
+    assert report["admitted_targets"] == sum(t["num_targets"] for t in report["admitted"]) > 0
 
 
 @pytest.mark.parametrize("content", [None, "not json\n", '{"v": 1, "kind": "call"}\n'])
@@ -102,3 +142,5 @@ def test_ingest_benchmark_smoke():
     assert report["ingest"]["stored_over_unique_tokens_700k"] == 1.0
     assert report["ingest"]["history_tokens"] == {"7000": 7000, "700000": 700000}
     assert report["synthetic_636"]["requests"] == 636 and report["synthetic_636"]["stored_over_unique_tokens"] == 1.0
+    admission = report["synthetic_636"]["admission_j_max_5"]
+    assert admission["admitted"] == 5 and admission["admit_ms"] > 0 and admission["materialize_ms"] > 0
