@@ -1,0 +1,31 @@
+"""The training data plane on the controller: trajectory buffer, stream packing buffer, micro-step queue.
+
+- `trajectory_buffer`: rollout groups (v_d, executions and their trees, rewards once ready, admitted
+  trajectories); ready groups leave oldest policy version first, each once.
+- `packing`: the stream packing buffer: pulls one ready group at a time, computes advantages,
+  materializes admitted trajectories into token rows, packs them into micro-steps under a token budget
+  and closes the batch's stream after its B-th group.
+- `microstep`: `TokenRow` and `MicroStep`, the packed training input (flat tokens, row offsets, targets,
+  behavior log-probs, per-execution A_i and L_i, B * N).
+- `queue`: `MicroStepQueue`, atomic disjoint claims by training cells.
+
+Pure: imports gyre.traj, gyre.rl (torch) and numpy; no IO, no torch.distributed, no HTTP. See docs/data.md.
+"""
+
+from gyre.data.microstep import MicroStep, TokenRow, build_microstep
+from gyre.data.packing import PackingConfig, StreamPackingBuffer, first_fit_decreasing, materialize_group
+from gyre.data.queue import MicroStepQueue
+from gyre.data.trajectory_buffer import RolloutGroup, TrajectoryBuffer
+
+__all__ = [
+    "MicroStep",
+    "MicroStepQueue",
+    "PackingConfig",
+    "RolloutGroup",
+    "StreamPackingBuffer",
+    "TokenRow",
+    "TrajectoryBuffer",
+    "build_microstep",
+    "first_fit_decreasing",
+    "materialize_group",
+]

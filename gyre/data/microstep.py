@@ -1,0 +1,150 @@
+"""Token rows and micro-steps: the training input the stream packing buffer emits.
+
+A `TokenRow` is one admitted trajectory materialized: the root-to-leaf path's token ids, its frozen
+target mask, the behavior log-probs at the targets, its execution's advantage A_i and L_i (the number of
+admitted targets of the execution over ALL its trajectories, Eq. 6).
+
+A `MicroStep` is rows packed back to back into flat arrays of U tokens (suffix `_U`), with a local table
+of the E executions it touches (suffix `_E`). Conventions:
+- Row r spans `ids_U[row_offsets_R1[r]:row_offsets_R1[r + 1]]`. Positions and attention restart at every
+  row boundary: the trainer builds per-row position ids (`positions_U()`) and a block-diagonal causal
+  mask (or varlen cu_seqlens = `row_offsets_R1`); a token never attends across rows.
+- Targets are token-aligned: `target_U[u]` says token u is trained, `behavior_logp_U[u]` is the recorded
+  log-prob of `ids_U[u]` given the row's tokens before it (0.0 where not a target). The trainer takes
+  the log-prob of token u from the logits at u - 1 of the same row; a row's first token is never a target.
+- `execution_U` indexes the local table for every token (targets or not). `num_targets_E` is L_i over
+  the execution's whole admitted target set, which may be larger than its targets here when its rows
+  are spread over several micro-steps: pass it as `policy_loss(..., num_targets_E=...)`.
+- `num_executions` is the batch's B * N raw executions, excluded ones included: the batch-mean denominator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["MicroStep", "TokenRow", "build_microstep"]
+
+
+@dataclass(frozen=True, eq=False)
+class TokenRow:
+    """One admitted trajectory as a training row (arrays have one entry per path token)."""
+
+    group_id: int
+    execution: str
+    leaf: int
+    role: str
+    ids: np.ndarray  # int64
+    targets: np.ndarray  # bool: the admitted trajectory's frozen targets
+    behavior_logprobs: np.ndarray  # float64: recorded log-probs at targets, 0.0 elsewhere
+    advantage: float  # A_i of the execution
+    execution_num_targets: int  # L_i: admitted targets of the execution over all its trajectories
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.targets.sum())
+
+
+@dataclass(frozen=True, eq=False)
+class MicroStep:
+    """Packed rows of one micro-step of batch `batch` (see the module docstring for the conventions)."""
+
+    batch: int  # the batch (stream) this micro-step belongs to
+    index: int  # emission order within the batch, from 0
+    ids_U: np.ndarray  # int64 [U]
+    row_offsets_R1: np.ndarray  # int64 [R + 1], row_offsets_R1[0] = 0, row_offsets_R1[-1] = U
+    target_U: np.ndarray  # bool [U]
+    behavior_logp_U: np.ndarray  # float64 [U], 0.0 where not a target
+    execution_U: np.ndarray  # int64 [U], index into the local execution table
+    row_execution_R: np.ndarray  # int64 [R], local execution of each row
+    row_leaf_R: np.ndarray  # int64 [R], leaf node of each row in its execution's tree
+    advantage_E: np.ndarray  # float64 [E], A_i
+    num_targets_E: np.ndarray  # int64 [E], L_i over the execution's whole admitted target set
+    execution_ids: tuple[str, ...]  # [E] global execution ids
+    group_ids: tuple[int, ...]  # [E] group of each local execution
+    num_executions: int  # B * N raw executions of the batch
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets_R1.shape[0] - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids_U.shape[0])
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.target_U.sum())
+
+    def row_lengths_R(self) -> np.ndarray:
+        return np.diff(self.row_offsets_R1)
+
+    def positions_U(self) -> np.ndarray:
+        """Position of every token within its row (restarts at 0 at each row boundary)."""
+        starts_U = np.repeat(self.row_offsets_R1[:-1], self.row_lengths_R())
+        return np.arange(self.num_tokens, dtype=np.int64) - starts_U
+
+    def loss_inputs(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """The target-side arguments of `gyre.rl.policy_loss` as tensors, flat over this micro-step's targets:
+        `policy_loss(logp_U[target_U], **step.loss_inputs(), config=...)`."""
+        target = self.target_U
+        return {
+            "behavior_logp_T": torch.from_numpy(self.behavior_logp_U[target]).to(dtype),
+            "execution_T": torch.from_numpy(self.execution_U[target]).to(torch.int64),
+            "advantage_E": torch.from_numpy(self.advantage_E).to(dtype),
+            "num_executions": self.num_executions,
+            "num_targets_E": torch.from_numpy(self.num_targets_E).to(torch.int64),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"MicroStep(batch={self.batch}, index={self.index}, rows={self.num_rows}, tokens={self.num_tokens}, "
+            f"targets={self.num_targets}, executions={len(self.execution_ids)})"
+        )
+
+
+def build_microstep(batch: int, index: int, rows: Sequence[TokenRow], num_executions: int) -> MicroStep:
+    """Concatenate `rows` (in the order given) into a micro-step; executions are numbered by first appearance."""
+    if not rows:
+        raise ValueError("a micro-step needs at least one row")
+    local: dict[str, int] = {}
+    advantage: list[float] = []
+    num_targets: list[int] = []
+    groups: list[int] = []
+    row_execution: list[int] = []
+    for row in rows:
+        e = local.get(row.execution)
+        if e is None:
+            e = local[row.execution] = len(local)
+            advantage.append(row.advantage)
+            num_targets.append(row.execution_num_targets)
+            groups.append(row.group_id)
+        row_execution.append(e)
+    lengths = np.array([row.num_tokens for row in rows], dtype=np.int64)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    row_execution_R = np.array(row_execution, dtype=np.int64)
+    return MicroStep(
+        batch=batch,
+        index=index,
+        ids_U=np.concatenate([row.ids for row in rows]).astype(np.int64, copy=False),
+        row_offsets_R1=offsets,
+        target_U=np.concatenate([row.targets for row in rows]),
+        behavior_logp_U=np.concatenate([row.behavior_logprobs for row in rows]).astype(np.float64, copy=False),
+        execution_U=np.repeat(row_execution_R, lengths),
+        row_execution_R=row_execution_R,
+        row_leaf_R=np.array([row.leaf for row in rows], dtype=np.int64),
+        advantage_E=np.array(advantage, dtype=np.float64),
+        num_targets_E=np.array(num_targets, dtype=np.int64),
+        execution_ids=tuple(local),
+        group_ids=tuple(groups),
+        num_executions=num_executions,
+    )
