@@ -6,6 +6,7 @@ Pure: imports the standard library only (and hydra inside `register_configs`).
 from gyre.config.algo import AlgoConfig
 from gyre.config.checks import ConfigError
 from gyre.config.cluster import ClusterConfig
+from gyre.config.loss import LossConfig
 from gyre.config.sim import SimConfig, async_train_cells
 from gyre.config.workload import WorkloadConfig
 
@@ -13,6 +14,7 @@ __all__ = [
     "AlgoConfig",
     "ClusterConfig",
     "ConfigError",
+    "LossConfig",
     "SimConfig",
     "WorkloadConfig",
     "async_train_cells",
@@ -29,3 +31,4 @@ def register_configs() -> None:
     cs.store(group="cluster", name="base_cluster", node=ClusterConfig)
     cs.store(group="workload", name="base_workload", node=WorkloadConfig)
     cs.store(group="algo", name="base_algo", node=AlgoConfig)
+    cs.store(group="loss", name="base_loss", node=LossConfig)

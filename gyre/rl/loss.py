@@ -23,12 +23,11 @@ token-loss cap does not bind, and 0 where it binds (raw token loss > cap: the mi
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from gyre.config.checks import require
+from gyre.config.loss import LossConfig
 
 __all__ = [
     "LossConfig",
@@ -38,24 +37,6 @@ __all__ = [
     "sequence_log_ratio_sums",
     "sequence_ratio",
 ]
-
-
-@dataclass(kw_only=True)
-class LossConfig:
-    token_ratio_cap: float = 5.0
-    """Cap on the token importance weight: w_u = sg(min(rho_u, cap)) (> 0; paper: 5)."""
-    seq_clip_low: float = 0.995
-    """An execution with A_i < 0 and s_i < seq_clip_low is masked (m_i = 0); in [0, 1) (paper: 0.995)."""
-    seq_clip_high: float = 1.005
-    """An execution with A_i > 0 and s_i > seq_clip_high is masked (m_i = 0); > 1 (paper: 1.005)."""
-    token_loss_cap: float = 100.0
-    """Cap on the token loss: l_u = min(cap, raw_u); where it binds the token's gradient is 0 (> 0; paper: 100)."""
-
-    def __post_init__(self) -> None:
-        require(self.token_ratio_cap > 0, "loss.token_ratio_cap", self.token_ratio_cap, "a number > 0")
-        require(0 <= self.seq_clip_low < 1, "loss.seq_clip_low", self.seq_clip_low, "a number in [0, 1)")
-        require(self.seq_clip_high > 1, "loss.seq_clip_high", self.seq_clip_high, "a number > 1")
-        require(self.token_loss_cap > 0, "loss.token_loss_cap", self.token_loss_cap, "a number > 0")
 
 
 def sequence_ratio(log_ratio_T: Tensor, execution_T: Tensor, num_local: int) -> tuple[Tensor, Tensor]:
