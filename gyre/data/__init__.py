@@ -4,9 +4,11 @@
   trajectories); ready groups leave oldest policy version first, each once.
 - `packing`: the stream packing buffer: pulls one ready group at a time, computes advantages,
   materializes admitted trajectories into token rows, packs them into micro-steps under a token budget
-  and closes the batch's stream after its B-th group.
+  (an execution that fits stays in one micro-step; a larger one is split over consecutive ones, never
+  held back in part), sets aside groups that fail a check, and closes the batch's stream after its
+  B-th group.
 - `microstep`: `TokenRow` and `MicroStep`, the packed training input (flat tokens, row offsets, targets,
-  behavior log-probs, per-execution A_i and L_i, B * N).
+  behavior log-probs, per-execution A_i, L_i, batch slot and split flag, B * N).
 - `queue`: `MicroStepQueue`, atomic disjoint claims by training cells.
 
 Pure: imports gyre.traj, gyre.rl (torch) and numpy; no IO, no torch.distributed, no HTTP. See docs/data.md.

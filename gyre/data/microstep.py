@@ -13,14 +13,21 @@ of the E executions it touches (suffix `_E`). Conventions:
   log-prob of `ids_U[u]` given the row's tokens before it (0.0 where not a target). The trainer takes
   the log-prob of token u from the logits at u - 1 of the same row; a row's first token is never a target.
 - `execution_U` indexes the local table for every token (targets or not). `num_targets_E` is L_i over
-  the execution's whole admitted target set, which may be larger than its targets here when its rows
-  are spread over several micro-steps: pass it as `policy_loss(..., num_targets_E=...)`.
+  the execution's whole admitted target set, which is larger than its targets here when its rows are
+  spread over several micro-steps (`split_E`): pass it as `policy_loss(..., num_targets_E=...)`.
+- `batch_execution_E` is each execution's slot in the batch, in [0, num_executions): the position of its
+  group in the batch's pull order times N plus its member index. It is the same in every micro-step and
+  cell, so a trainer accumulates the s_i sums of split executions (`gyre.rl.sequence_log_ratio_sums`)
+  into a [2, num_executions] tensor with `index_add_`, all-reduces it and calls `finalize_sequence_ratio`.
+- `split_E` marks the executions whose rows are in several micro-steps: their s_i (Eq. 5, hence the
+  shared mask m_i) cannot be computed from this micro-step alone, so `loss_inputs` requires `seq_ratio_E`
+  when any is set.
 - `num_executions` is the batch's B * N raw executions, excluded ones included: the batch-mean denominator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +50,7 @@ class TokenRow:
     behavior_logprobs: np.ndarray  # float64: recorded log-probs at targets, 0.0 elsewhere
     advantage: float  # A_i of the execution
     execution_num_targets: int  # L_i: admitted targets of the execution over all its trajectories
+    batch_execution: int  # the execution's slot in its batch, in [0, B * N) (see MicroStep.batch_execution_E)
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +79,8 @@ class MicroStep:
     execution_ids: tuple[str, ...]  # [E] global execution ids
     group_ids: tuple[int, ...]  # [E] group of each local execution
     num_executions: int  # B * N raw executions of the batch
+    batch_execution_E: np.ndarray  # int64 [E], slot of each execution in the batch, in [0, num_executions)
+    split_E: np.ndarray  # bool [E], the execution's rows are in several micro-steps (s_i needs them all)
 
     @property
     def num_rows(self) -> int:
@@ -92,17 +102,56 @@ class MicroStep:
         starts_U = np.repeat(self.row_offsets_R1[:-1], self.row_lengths_R())
         return np.arange(self.num_tokens, dtype=np.int64) - starts_U
 
-    def loss_inputs(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """The target-side arguments of `gyre.rl.policy_loss` as tensors, flat over this micro-step's targets:
-        `policy_loss(logp_U[target_U], **step.loss_inputs(), config=...)`."""
+    @property
+    def has_split(self) -> bool:
+        """Some execution here has rows in other micro-steps too: `loss_inputs` needs `seq_ratio_E`."""
+        return bool(self.split_E.any())
+
+    def target_inputs(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """`behavior_logp_T` and `execution_T` over this micro-step's targets, and `num_local` (E): what the
+        no-grad s_i pass needs, `sequence_log_ratio_sums(logp_T - behavior_logp_T, execution_T, num_local)`."""
         target = self.target_U
         return {
             "behavior_logp_T": torch.from_numpy(self.behavior_logp_U[target]).to(dtype),
             "execution_T": torch.from_numpy(self.execution_U[target]).to(torch.int64),
-            "advantage_E": torch.from_numpy(self.advantage_E).to(dtype),
-            "num_executions": self.num_executions,
-            "num_targets_E": torch.from_numpy(self.num_targets_E).to(torch.int64),
+            "num_local": len(self.execution_ids),
         }
+
+    def loss_inputs(
+        self,
+        dtype: torch.dtype = torch.float32,
+        *,
+        seq_ratio_E: torch.Tensor | None = None,
+        allow_partial_seq_ratio: bool = False,
+    ) -> dict[str, Any]:
+        """The target-side arguments of `gyre.rl.policy_loss` as tensors, flat over this micro-step's targets:
+        `policy_loss(logp_U[target_U], **step.loss_inputs(...), config=...)`.
+
+        seq_ratio_E: s_i per local execution over its WHOLE target set, [E] (float64), e.g.
+            `finalize_sequence_ratio(acc_2B[0], acc_2B[1])[step.batch_execution_E]` after a no-grad pass.
+            Required when the micro-step has split executions (`split_E`): a ValueError otherwise, since
+            s_i of the part here would decide the shared mask m_i. Optional otherwise.
+        allow_partial_seq_ratio: accept that approximation instead (m_i decided per micro-step).
+        """
+        if self.has_split and seq_ratio_E is None and not allow_partial_seq_ratio:
+            split = [e for e, s in zip(self.execution_ids, self.split_E.tolist(), strict=True) if s]
+            raise ValueError(
+                f"micro-step {self.index} of batch {self.batch} carries part of split executions {split[:5]!r} "
+                "(rows in several micro-steps): pass seq_ratio_E, s_i over each execution's whole target set "
+                "(accumulate gyre.rl.sequence_log_ratio_sums over the batch's micro-steps by batch_execution_E, "
+                "all-reduce, then gyre.rl.finalize_sequence_ratio), or allow_partial_seq_ratio=True to accept "
+                "a mask m_i decided per micro-step"
+            )
+        inputs = self.target_inputs(dtype)
+        del inputs["num_local"]
+        inputs["advantage_E"] = torch.from_numpy(self.advantage_E).to(dtype)
+        inputs["num_executions"] = self.num_executions
+        inputs["num_targets_E"] = torch.from_numpy(self.num_targets_E).to(torch.int64)
+        if seq_ratio_E is not None:
+            inputs["seq_ratio_E"] = seq_ratio_E
+        if allow_partial_seq_ratio:
+            inputs["allow_partial_seq_ratio"] = True
+        return inputs
 
     def __repr__(self) -> str:
         return (
@@ -111,14 +160,18 @@ class MicroStep:
         )
 
 
-def build_microstep(batch: int, index: int, rows: Sequence[TokenRow], num_executions: int) -> MicroStep:
-    """Concatenate `rows` (in the order given) into a micro-step; executions are numbered by first appearance."""
+def build_microstep(
+    batch: int, index: int, rows: Sequence[TokenRow], num_executions: int, split: Collection[str] = ()
+) -> MicroStep:
+    """Concatenate `rows` (in the order given) into a micro-step; executions are numbered by first appearance.
+    `split`: the executions whose rows are in other micro-steps too (`split_E`)."""
     if not rows:
         raise ValueError("a micro-step needs at least one row")
     local: dict[str, int] = {}
     advantage: list[float] = []
     num_targets: list[int] = []
     groups: list[int] = []
+    slots: list[int] = []
     row_execution: list[int] = []
     for row in rows:
         e = local.get(row.execution)
@@ -127,6 +180,7 @@ def build_microstep(batch: int, index: int, rows: Sequence[TokenRow], num_execut
             advantage.append(row.advantage)
             num_targets.append(row.execution_num_targets)
             groups.append(row.group_id)
+            slots.append(row.batch_execution)
         row_execution.append(e)
     lengths = np.array([row.num_tokens for row in rows], dtype=np.int64)
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -147,4 +201,6 @@ def build_microstep(batch: int, index: int, rows: Sequence[TokenRow], num_execut
         execution_ids=tuple(local),
         group_ids=tuple(groups),
         num_executions=num_executions,
+        batch_execution_E=np.array(slots, dtype=np.int64),
+        split_E=np.array([e in split for e in local], dtype=np.bool_),
     )

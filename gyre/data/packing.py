@@ -13,19 +13,28 @@ Choices, written down (docs/data.md has the reasons):
   (reward None) gets no rows but counts in `num_executions` = B * N of every micro-step of the batch.
   An execution with no admitted targets (L_i = 0) gets no rows either (it would add zero loss).
 - Packing: first-fit decreasing by token count (longest unit first, into the first micro-step with
-  room). A unit is one row, or with `keep_executions_together` all rows of one execution. A row is
-  never split: its tail would lose the context it was sampled under, so a row longer than the budget
-  is a ValueError (raise the budget or bound the path length at admission). With rows of one execution
-  in several micro-steps each carries L_i (`num_targets_E`) for `policy_loss`.
+  room). With `keep_executions_together` (default) a unit is all rows of one execution, so s_i and m_i
+  (Eq. 5) are computed within one micro-step; an execution larger than the budget is split: its rows
+  are packed first into micro-steps of its own (other whole executions may fill their room), emitted in
+  the same pull, consecutively, and flagged in `split_E`. With `keep_executions_together=False` a unit is
+  one row: rows pack freely, an execution may land in several micro-steps of the same pull (not
+  necessarily consecutive), flagged in `split_E`. A row is never split: its tail would lose the context
+  it was sampled under, so a row longer than the budget is rejected (at `mark_ready` once the trajectory
+  buffer knows the budget, else the group is set aside at `pull`).
 - Hold-back: after a pull only micro-steps filled to at least `min_fill` of the budget are emitted; the
-  rest of the rows wait for the next group so that micro-steps stay full. The B-th group, `flush`, and
-  `top_up` when the queue is short and no group is ready emit everything pending.
-- Every check runs before any mutation: on ValueError the group stays in the trajectory buffer.
+  rest of the rows wait for the next group so that micro-steps stay full. Part of an execution is never
+  held back: a micro-step holding rows of an execution that is (partly) emitted is emitted too, and a
+  split execution's micro-steps always are. The B-th group, `flush`, and `top_up` when the queue is short
+  and no group is ready emit everything pending.
+- A ready group that fails a check (N, a row over the budget, targets that do not fit the path) is set
+  aside (`rejected_groups()`, logged) and the next ready group is pulled: one bad group never blocks the
+  stream. Checks run before the group joins the batch: a set-aside group adds nothing to it.
 - Not thread-safe: the controller owns it; training cells only touch the queue.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +50,8 @@ from gyre.rl.advantages import group_advantages
 
 __all__ = ["PackingConfig", "StreamPackingBuffer", "first_fit_decreasing", "materialize_group"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(kw_only=True)
 class PackingConfig:
@@ -50,8 +61,10 @@ class PackingConfig:
     """[N] executions per group (>= 1); every group taken must have this N. num_executions = B * N."""
     max_tokens_per_microstep: int
     """Token budget of one micro-step, rows included whole (>= 1); the longest admitted row must fit."""
-    keep_executions_together: bool = False
-    """True: all rows of an execution go into one micro-step (needed by a loss without num_targets_E)."""
+    keep_executions_together: bool = True
+    """True: all rows of an execution go into one micro-step when they fit the budget (s_i and the mask m_i
+    then need no pre-pass); a larger execution is split over consecutive micro-steps, flagged in `split_E`.
+    False: rows pack freely (fuller micro-steps; every execution over several is flagged in `split_E`)."""
     min_fill: float = 0.75
     """After a pull, emit only micro-steps holding >= min_fill * budget tokens; in [0, 1] (0: emit all)."""
     normalize_std: bool = False
@@ -60,16 +73,23 @@ class PackingConfig:
     """eps of the std normalization (> 0)."""
 
     def __post_init__(self) -> None:
-        require(self.batch_groups >= 1, "packing.batch_groups", self.batch_groups, "an integer >= 1 (B)")
-        require(self.group_size >= 1, "packing.group_size", self.group_size, "an integer >= 1 (N)")
+        for name, value, what in (
+            ("batch_groups", self.batch_groups, "an integer >= 1 (B)"),
+            ("group_size", self.group_size, "an integer >= 1 (N)"),
+            ("max_tokens_per_microstep", self.max_tokens_per_microstep, "an integer >= 1"),
+        ):
+            require(_is_int(value) and value >= 1, f"packing.{name}", value, what)
         require(
-            self.max_tokens_per_microstep >= 1,
-            "packing.max_tokens_per_microstep",
-            self.max_tokens_per_microstep,
-            "an integer >= 1",
+            isinstance(self.keep_executions_together, bool),
+            "packing.keep_executions_together",
+            self.keep_executions_together,
+            "a bool",
         )
-        require(0 <= self.min_fill <= 1, "packing.min_fill", self.min_fill, "a number in [0, 1]")
-        require(self.std_eps > 0, "packing.std_eps", self.std_eps, "a number > 0")
+        for name, value, ok, what in (
+            ("min_fill", self.min_fill, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+            ("std_eps", self.std_eps, lambda v: v > 0, "a number > 0"),
+        ):
+            require(_is_number(value) and ok(value), f"packing.{name}", value, what)
 
     @property
     def num_executions(self) -> int:
@@ -77,8 +97,21 @@ class PackingConfig:
         return self.batch_groups * self.group_size
 
 
-def materialize_group(group: RolloutGroup, *, normalize_std: bool = False, eps: float = 1e-6) -> list[TokenRow]:
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def materialize_group(
+    group: RolloutGroup, *, normalize_std: bool = False, eps: float = 1e-6, slot_offset: int = 0
+) -> list[TokenRow]:
     """Token rows of a ready group: members in reward order, each member's trajectories in admission order.
+
+    A row's `batch_execution` is `slot_offset` + its member's index (the packer passes the group's
+    position in the batch times N).
 
     ValueError when rewards are missing, or a trajectory's targets do not fit its path (wrong length,
     or a target on a token that is not an engine-sampled token with a recorded log-prob).
@@ -91,7 +124,7 @@ def materialize_group(group: RolloutGroup, *, normalize_std: bool = False, eps: 
     valid_1N = torch.tensor([[r is not None for r in group.rewards.values()]], dtype=torch.bool)
     advantage_N = group_advantages(reward_1N, valid_1N, normalize_std=normalize_std, eps=eps)[0].tolist()
     rows: list[TokenRow] = []
-    for execution, advantage in zip(members, advantage_N, strict=True):
+    for member, (execution, advantage) in enumerate(zip(members, advantage_N, strict=True)):
         if group.rewards[execution] is None:
             continue  # excluded: counts in B * N, trains nothing
         trajectories = [t for t in group.admitted.get(execution, ()) if t.num_targets > 0]
@@ -123,6 +156,7 @@ def materialize_group(group: RolloutGroup, *, normalize_std: bool = False, eps: 
                     behavior_logprobs=np.where(t.targets, path.behavior_logprobs, 0.0),
                     advantage=float(advantage),
                     execution_num_targets=num_targets,
+                    batch_execution=slot_offset + member,
                 )
             )
     return rows
@@ -157,11 +191,14 @@ class StreamPackingBuffer:
             raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
         self.trajectories = trajectories
         self.config = config
+        # From now on mark_ready rejects a trajectory whose row would not fit a micro-step.
+        trajectories.limit_row_tokens(config.max_tokens_per_microstep)
         self._batch = 0
         self._queue: MicroStepQueue[MicroStep] = MicroStepQueue()
         self._groups: list[int] = []  # groups pulled into the current batch, in pull order
-        self._pending: list[tuple[TokenRow, ...]] = []  # packing units not yet emitted
+        self._pending: list[tuple[TokenRow, ...]] = []  # packing units not yet emitted (whole executions)
         self._emitted = 0  # micro-steps emitted in the current batch
+        self._rejected: list[tuple[int, str]] = []  # groups set aside by pull, with the reason
 
     # -- state --------------------------------------------------------------------------------------
     @property
@@ -187,32 +224,44 @@ class StreamPackingBuffer:
     def pending_rows(self) -> int:
         return sum(len(unit) for unit in self._pending)
 
+    def rejected_groups(self) -> list[tuple[int, str]]:
+        """(group id, reason) of every ready group `pull` set aside instead of packing, in order."""
+        return list(self._rejected)
+
     # -- pulling ------------------------------------------------------------------------------------
     def pull(self, group_id: int | None = None) -> int | None:
         """Pull one ready group into the batch (the oldest, or `group_id`) and enqueue its micro-steps.
 
-        Returns the group id, or None when no group is ready or the stream is already closed.
+        Returns the group id, or None when no group is ready or the stream is already closed. A ready
+        group that fails a check is taken out of the trajectory buffer and set aside
+        (`rejected_groups()`, logged); without `group_id` the next ready group is pulled instead, with
+        `group_id` the ValueError is raised (after setting the group aside).
         """
         if self.closed:
             if group_id is not None:
                 raise ValueError(f"the stream of batch {self._batch} is closed (B groups pulled); call next_batch")
             return None
-        chosen = self.trajectories.peek_oldest_ready() if group_id is None else group_id
-        if chosen is None:
-            return None
-        group = self.trajectories.group(chosen)  # ValueError if unknown or already handed out
-        if group.group_size != self.config.group_size:
-            raise ValueError(
-                f"group {chosen} has N={group.group_size} executions, the batch expects "
-                f"packing.group_size={self.config.group_size}"
-            )
-        units = self._units(materialize_group(group, normalize_std=self.config.normalize_std, eps=self.config.std_eps))
+        while True:
+            chosen = self.trajectories.peek_oldest_ready() if group_id is None else group_id
+            if chosen is None:
+                return None
+            group = self.trajectories.group(chosen)  # ValueError if unknown or already handed out
+            if not group.ready:
+                raise ValueError(f"group {chosen} is not ready: rewards missing (mark_ready first)")
+            try:
+                whole, split = self._units(group)
+            except ValueError as error:
+                self._set_aside(chosen, str(error))
+                if group_id is not None:
+                    raise ValueError(f"group {chosen} was set aside (see rejected_groups()): {error}") from error
+                continue
+            break
         taken = self.trajectories.take(chosen)  # checks done: mutate from here on
         assert taken is group
         self._groups.append(chosen)
-        self._pending.extend(units)
+        self._pending.extend(whole)
         final = len(self._groups) == self.config.batch_groups
-        self._emit(everything=final)
+        self._emit(split, everything=final)
         if final:
             self._queue.close()
         return chosen
@@ -236,7 +285,7 @@ class StreamPackingBuffer:
         """Emit every pending row now (the trainer is starving and no group is ready); returns micro-steps put."""
         if self.closed:
             return 0
-        return self._emit(everything=True)
+        return self._emit([], everything=True)
 
     def next_batch(self) -> MicroStepQueue[MicroStep]:
         """Open the next batch's stream on a new queue (the current stream must be closed)."""
@@ -251,45 +300,106 @@ class StreamPackingBuffer:
         return self._queue
 
     # -- internals ----------------------------------------------------------------------------------
-    def _units(self, rows: list[TokenRow]) -> list[tuple[TokenRow, ...]]:
-        """Packing units (rows, or an execution's rows), checked against the budget."""
-        budget = self.config.max_tokens_per_microstep
-        if self.config.keep_executions_together:
-            by_execution: dict[str, list[TokenRow]] = {}
-            for row in rows:
-                by_execution.setdefault(row.execution, []).append(row)
-            units = [tuple(unit) for unit in by_execution.values()]
-        else:
-            units = [(row,) for row in rows]
-        for unit in units:
-            tokens = sum(row.num_tokens for row in unit)
-            if tokens <= budget:
-                continue
-            if len(unit) == 1:
+    def _set_aside(self, group_id: int, reason: str) -> None:
+        self.trajectories.take(group_id)
+        self._rejected.append((group_id, reason))
+        log.warning("packing: group %d set aside, not trained: %s", group_id, reason)
+
+    def _units(self, group: RolloutGroup) -> tuple[list[tuple[TokenRow, ...]], list[list[tuple[TokenRow, ...]]]]:
+        """Check a ready group and cut its rows into packing units: (whole units, split executions' row units).
+
+        With `keep_executions_together` a whole unit is all rows of an execution that fits the budget, and
+        each larger execution is a list of one-row units; otherwise every row is a whole unit."""
+        config = self.config
+        if group.group_size != config.group_size:
+            raise ValueError(
+                f"group {group.group_id} has N={group.group_size} executions, the batch expects "
+                f"packing.group_size={config.group_size}"
+            )
+        rows = materialize_group(
+            group,
+            normalize_std=config.normalize_std,
+            eps=config.std_eps,
+            slot_offset=len(self._groups) * config.group_size,
+        )
+        budget = config.max_tokens_per_microstep
+        for row in rows:
+            if row.num_tokens > budget:
                 raise ValueError(
-                    f"the row of execution {unit[0].execution!r} (leaf {unit[0].leaf}) has {tokens} tokens, more "
+                    f"the row of execution {row.execution!r} (leaf {row.leaf}) has {row.num_tokens} tokens, more "
                     f"than packing.max_tokens_per_microstep={budget}: a row is never split (its tail would lose "
                     "the context it was sampled under); raise the budget above the longest admitted path"
                 )
-            raise ValueError(
-                f"the {len(unit)} rows of execution {unit[0].execution!r} have {tokens} tokens, more than "
-                f"packing.max_tokens_per_microstep={budget}: set keep_executions_together=False (the loss takes "
-                "num_targets_E) or raise the budget"
-            )
-        return units
+        if not config.keep_executions_together:
+            return [(row,) for row in rows], []
+        by_execution: dict[str, list[TokenRow]] = {}
+        for row in rows:
+            by_execution.setdefault(row.execution, []).append(row)
+        whole: list[tuple[TokenRow, ...]] = []
+        split: list[list[tuple[TokenRow, ...]]] = []
+        for execution_rows in by_execution.values():
+            if sum(row.num_tokens for row in execution_rows) <= budget:
+                whole.append(tuple(execution_rows))
+            else:
+                split.append([(row,) for row in execution_rows])
+        return whole, split
 
-    def _emit(self, *, everything: bool) -> int:
+    def _emit(self, split: list[list[tuple[TokenRow, ...]]], *, everything: bool) -> int:
+        """Pack and enqueue: each split execution's rows first into micro-steps of its own, then the pending
+        units first-fit decreasing into any micro-step with room. Emit split executions' micro-steps, those
+        filled to min_fill (all if `everything`) and, transitively, any sharing an execution with an emitted
+        one; the rest stays pending."""
         budget = self.config.max_tokens_per_microstep
-        lengths = [sum(row.num_tokens for row in unit) for unit in self._pending]
-        keep: list[tuple[TokenRow, ...]] = []
+        bins: list[list[tuple[TokenRow, ...]]] = []
+        loads: list[int] = []
+
+        def place(unit: tuple[TokenRow, ...], first_bin: int) -> None:
+            n = sum(row.num_tokens for row in unit)
+            for b in range(first_bin, len(bins)):
+                if loads[b] + n <= budget:
+                    bins[b].append(unit)
+                    loads[b] += n
+                    return
+            bins.append([unit])
+            loads.append(n)
+
+        def by_length(units: list[tuple[TokenRow, ...]]) -> list[tuple[TokenRow, ...]]:
+            order = sorted(range(len(units)), key=lambda i: (-sum(row.num_tokens for row in units[i]), i))
+            return [units[i] for i in order]
+
+        for execution_units in split:  # micro-steps of its own: consecutive, never shared with another split
+            first = len(bins)
+            for unit in by_length(execution_units):
+                place(unit, first)
+        num_split_bins = len(bins)
+        for unit in by_length(self._pending):
+            place(unit, 0)
+
+        fill = self.config.min_fill * budget
+        emit = [everything or b < num_split_bins or load >= fill for b, load in enumerate(loads)]
+        bins_of: dict[tuple[int, str], set[int]] = {}  # (group, execution) -> its micro-steps
+        for b, units in enumerate(bins):
+            for unit in units:
+                for row in unit:
+                    bins_of.setdefault((row.group_id, row.execution), set()).add(b)
+        changed = True
+        while changed:  # never hold back part of an execution
+            changed = False
+            for members in bins_of.values():
+                if any(emit[b] for b in members) and not all(emit[b] for b in members):
+                    for b in members:
+                        emit[b] = True
+                    changed = True
+        split_executions = {e for (_, e), members in bins_of.items() if len(members) > 1}
+        self._pending = [unit for b, units in enumerate(bins) if not emit[b] for unit in units]
         put = 0
-        for bin_units in first_fit_decreasing(lengths, budget):
-            if not everything and sum(lengths[i] for i in bin_units) < self.config.min_fill * budget:
-                keep.extend(self._pending[i] for i in bin_units)
+        for b, units in enumerate(bins):
+            if not emit[b]:
                 continue
-            rows = [row for i in bin_units for row in self._pending[i]]
-            self._queue.put(build_microstep(self._batch, self._emitted, rows, self.config.num_executions))
+            rows = [row for unit in units for row in unit]
+            self._queue.put(
+                build_microstep(self._batch, self._emitted, rows, self.config.num_executions, split_executions)
+            )
             self._emitted += 1
             put += 1
-        self._pending = keep
         return put

@@ -14,7 +14,11 @@ Contract:
   no reward, advantage 0 and no rows; its admitted trajectories, if any were passed, are dropped.
 - Admission is not run here: admitted trajectories are input (`gyre.traj.admission.AdmittedTrajectory`).
   `mark_ready` checks what it can without materializing a path (member, tree, leaf, the length of the
-  target mask); `gyre.data.packing.materialize_group` checks the targets against the path's tokens.
+  target mask, and the row length against `max_row_tokens`, the micro-step budget a `StreamPackingBuffer`
+  sets when it is built on this buffer); `gyre.data.packing.materialize_group` checks the targets against
+  the path's tokens.
+- Execution ids are str (tree ids); `mark_ready_from_outcomes` converts the int ids `GroupOutcomes` may
+  carry with `str()`.
 - Every check runs before any mutation: on ValueError the buffer is unchanged.
 - Not thread-safe: the controller owns it (one thread); cells never touch it.
 - Holds references to the trees, not copies; the trees of a group are released when it is taken.
@@ -61,12 +65,28 @@ class RolloutGroup:
 class TrajectoryBuffer:
     """Rollout groups by id; ready groups leave oldest policy version first, then in ready order."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_row_tokens: int | None = None) -> None:
+        self._max_row_tokens: int | None = None
+        if max_row_tokens is not None:
+            self.limit_row_tokens(max_row_tokens)
         self._groups: dict[int, RolloutGroup] = {}
         self._group_of: dict[str, int] = {}  # execution -> group
         self._ready: list[tuple[int, int, int]] = []  # heap of (version, ready order, group id)
         self._ready_count = 0
         self._taken: set[int] = set()
+
+    @property
+    def max_row_tokens(self) -> int | None:
+        """The longest row (root-to-leaf path of a trajectory with targets) `mark_ready` accepts; None: any."""
+        return self._max_row_tokens
+
+    def limit_row_tokens(self, max_row_tokens: int) -> None:
+        """Reject, from now on at `mark_ready`, trajectories whose row is longer than `max_row_tokens` (a
+        stricter earlier limit stays). Groups already ready are not re-checked; the packer sets a bad one aside."""
+        if isinstance(max_row_tokens, bool) or not isinstance(max_row_tokens, int) or max_row_tokens < 1:
+            raise ValueError(f"max_row_tokens must be an int >= 1, got {max_row_tokens!r}")
+        if self._max_row_tokens is None or max_row_tokens < self._max_row_tokens:
+            self._max_row_tokens = max_row_tokens
 
     # -- events -------------------------------------------------------------------------------------
     def add_group(self, group_id: int, version: int, executions: Sequence[str], group_size: int | None = None) -> None:
@@ -134,7 +154,7 @@ class TrajectoryBuffer:
             trajectories = tuple(trajectories)
             if rewards[e] is None:
                 continue  # excluded: no rows
-            checked[e] = self._check_trajectories(e, group.trees[e], trajectories)
+            checked[e] = self._check_trajectories(e, group.trees[e], trajectories, self._max_row_tokens)
         group.rewards = {e: (None if r is None else float(r)) for e, r in rewards.items()}
         group.admitted = checked
         group.ready_order = self._ready_count
@@ -144,11 +164,22 @@ class TrajectoryBuffer:
     def mark_ready_from_outcomes(
         self, group_id: int, outcomes: GroupOutcomes, admitted: Mapping[str, Sequence[AdmittedTrajectory]]
     ) -> None:
-        """`mark_ready` with `outcomes.rewards()` (a ValueError while the outcomes are not ready)."""
+        """`mark_ready` with `outcomes.rewards()` (a ValueError while the outcomes are not ready).
+
+        Int execution ids of the outcomes are converted with `str()` to the buffer's str ids; members
+        that still are not executions of the group are a ValueError listing both sides."""
         group = self._open_group(group_id, "mark ready")
         if outcomes.group_size != group.group_size:
             raise ValueError(f"outcomes have N={outcomes.group_size}, group {group_id} has N={group.group_size}")
-        self.mark_ready(group_id, outcomes.rewards(), admitted)
+        raw = outcomes.rewards()
+        rewards = {(str(e) if isinstance(e, int) and not isinstance(e, bool) else e): r for e, r in raw.items()}
+        unknown = [e for e in rewards if e not in group.trees]
+        if unknown or len(rewards) != len(raw):
+            raise ValueError(
+                f"the outcomes' members {list(raw)!r} (as buffer ids {list(rewards)!r}) do not match the executions "
+                f"of group {group_id}: {list(group.trees)!r}; not in the group: {unknown!r}"
+            )
+        self.mark_ready(group_id, rewards, admitted)
 
     # -- handing out --------------------------------------------------------------------------------
     def ready_groups(self) -> list[int]:
@@ -213,7 +244,10 @@ class TrajectoryBuffer:
 
     @staticmethod
     def _check_trajectories(
-        execution: str, tree: TrajectoryTree | None, trajectories: tuple[AdmittedTrajectory, ...]
+        execution: str,
+        tree: TrajectoryTree | None,
+        trajectories: tuple[AdmittedTrajectory, ...],
+        max_row_tokens: int | None,
     ) -> tuple[AdmittedTrajectory, ...]:
         if trajectories and tree is None:
             raise ValueError(f"execution {execution!r} has admitted trajectories but no tree attached")
@@ -238,5 +272,11 @@ class TrajectoryBuffer:
                 raise ValueError(
                     f"{what}: targets has {targets.shape[0]} entries but the path to leaf {t.leaf} has "
                     f"{path_length} tokens (one entry per path token)"
+                )
+            if max_row_tokens is not None and path_length > max_row_tokens and bool(targets.any()):
+                raise ValueError(
+                    f"{what}: its row (the path to leaf {t.leaf}) has {path_length} tokens, more than the "
+                    f"micro-step budget max_row_tokens={max_row_tokens} (packing.max_tokens_per_microstep): a row "
+                    "is never split; raise the budget or bound the path length at admission"
                 )
         return trajectories

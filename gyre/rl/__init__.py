@@ -5,7 +5,8 @@
 - `policy_loss(logp_T, behavior_logp_T, execution_T, advantage_E, num_executions, config)`: the
   execution-level loss (GSPO variant with token-level importance correction) over the target tokens of
   a packed batch, and a dict of detached metrics. `LossConfig` holds the caps and the clip interval.
-  Optional `num_targets_E` / `seq_ratio_E` let one execution's targets span several micro-steps and cells.
+  Optional `num_targets_E` / `seq_ratio_E` let one execution's targets span several micro-steps and cells;
+  a split execution without `seq_ratio_E` is a ValueError unless `allow_partial_seq_ratio=True`.
 - `sequence_ratio`, `sequence_clip_keep`: the pieces of Eq. 5 and the shared clipping mask, for
   monitoring and tests.
 - `sequence_log_ratio_sums`, `finalize_sequence_ratio`: s_i (Eq. 5) of an execution split across

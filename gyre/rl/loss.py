@@ -14,6 +14,8 @@ the call cannot see: `num_targets_E` (L_i over the whole admitted target set, kn
 the 1/L_i normalization, and `seq_ratio_E` (s_i over all the execution's targets, accumulated beforehand
 with `sequence_log_ratio_sums` and `finalize_sequence_ratio`) fixes the shared mask m_i. With both, the
 micro-step losses and their accumulated gradients sum to the loss and gradient of one call over the batch.
+A split execution without `seq_ratio_E` is a ValueError unless `allow_partial_seq_ratio=True` (s_i, hence
+m_i, is then decided per part: an approximation).
 
 Gradient (see docs/loss.md): d loss / d logp_u = -m_i * w_u * A_i / (L_i * num_executions) where the
 token-loss cap does not bind, and 0 where it binds (raw token loss > cap: the min picks the constant).
@@ -148,6 +150,7 @@ def policy_loss(
     *,
     num_targets_E: Tensor | None = None,
     seq_ratio_E: Tensor | None = None,
+    allow_partial_seq_ratio: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
     """The batch loss L(theta) = (1 / num_executions) sum_i L_i (Eq. 6), or this call's share of it, and
     detached metrics.
@@ -164,16 +167,18 @@ def policy_loss(
     seq_ratio_E: optional s_i per execution over its whole target set (finite, > 0; detached, used in
         float64), [E], e.g. `finalize_sequence_ratio` of sums accumulated over the batch's micro-steps by
         a no-grad pass. Given, it decides the mask m_i and is what the seq_ratio metrics report. Not given,
-        s_i is computed from the targets present; with `num_targets_E` for a split execution that is an
-        approximation: each micro-step then decides m_i from its own part, so the parts may disagree and
-        the sum differs from the unsplit loss wherever a part's s_i falls on the other side of the clip
-        interval than the whole execution's.
+        s_i is computed from the targets present.
+    allow_partial_seq_ratio: keyword only. A split execution (some `num_targets_E` larger than its
+        targets present, which are > 0) without `seq_ratio_E` is a ValueError: s_i of the part present is
+        not the s_i of Eq. 5, so the shared mask m_i would be decided per part. True accepts that
+        approximation: the parts may then disagree on m_i, and the sum differs from the unsplit loss
+        wherever a part's s_i falls on the other side of the clip interval than the whole execution's.
 
     Arithmetic is in float32 (float64 if an input is float64); the loss has that dtype.
     """
     num_executions = _validate(logp_T, behavior_logp_T, execution_T, advantage_E, num_executions, config)
     num_local = advantage_E.shape[0]
-    _validate_split(execution_T, num_local, num_targets_E, seq_ratio_E)
+    _validate_split(execution_T, num_local, num_targets_E, seq_ratio_E, allow_partial_seq_ratio)
     dtype = torch.promote_types(torch.promote_types(logp_T.dtype, behavior_logp_T.dtype), torch.float32)
     dtype = torch.promote_types(dtype, advantage_E.dtype)
     logp_T = logp_T.to(dtype)
@@ -325,9 +330,15 @@ def _validate(
 
 
 def _validate_split(
-    execution_T: Tensor, num_local: int, num_targets_E: Tensor | None, seq_ratio_E: Tensor | None
+    execution_T: Tensor,
+    num_local: int,
+    num_targets_E: Tensor | None,
+    seq_ratio_E: Tensor | None,
+    allow_partial_seq_ratio: bool,
 ) -> None:
     """Check the optional per-execution inputs of a split execution against [E] and the present targets."""
+    if not isinstance(allow_partial_seq_ratio, bool):
+        raise TypeError(f"allow_partial_seq_ratio must be a bool, got {type(allow_partial_seq_ratio).__name__}")
     for name, t in (("num_targets_E", num_targets_E), ("seq_ratio_E", seq_ratio_E)):
         if t is None:
             continue
@@ -348,6 +359,15 @@ def _validate_split(
                     "num_targets_E must be >= the targets present per execution (L_i over the whole admitted "
                     f"target set); smaller at executions {_where(bad)}: num_targets_E "
                     f"{num_targets_E[bad][:5].tolist()} < present {present_E[bad][:5].tolist()}"
+                )
+            partial = (present_E > 0) & (num_targets_E > present_E)
+            if seq_ratio_E is None and not allow_partial_seq_ratio and bool(partial.any()):
+                raise ValueError(
+                    f"executions {_where(partial)} are split (num_targets_E {num_targets_E[partial][:5].tolist()} > "
+                    f"present {present_E[partial][:5].tolist()}) and no seq_ratio_E was given: s_i of the part "
+                    "present would decide the shared mask m_i (Eq. 5 takes s_i over ALL the execution's targets). "
+                    "Pass seq_ratio_E = finalize_sequence_ratio of sequence_log_ratio_sums accumulated over the "
+                    "batch's micro-steps, or allow_partial_seq_ratio=True to accept the per-part approximation"
                 )
     if seq_ratio_E is not None:
         if not seq_ratio_E.is_floating_point():

@@ -23,10 +23,17 @@ leaves below it with two binary searches. Only the drawn leaves' `targets` array
 
 Determinism: for one tree (same node ids) and one seed the result is identical; the leaf is
 picked by one integer draw `rng.integers(total)` over the candidates in depth-first order.
+
+Seeding: `admit` has no default seed; a fixed seed for every execution would give every execution
+the same random stream. The controller seeds each execution's admission with
+`execution_seed(run_seed, execution)`, a blake2b digest of the run's seed and the execution id:
+distinct per execution, and the same in every process and Python run (unlike `hash()`), so an
+admission can be replayed from the run seed and the execution id alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +42,27 @@ from gyre.traj.roles import PRIORITY, RoleClassifier, classify_leaves
 from gyre.traj.tree import ROOT, TrajectoryTree
 
 DEFAULT_J_MAX = 5
+_SEED_PERSON = b"gyre.admission"  # blake2b personalization: these digests differ from any other use
+
+
+def execution_seed(run_seed: int, execution: str) -> int:
+    """The admission seed of `execution` in a run seeded `run_seed`: `admit(tree, classify, rng=seed)`.
+
+    A 64-bit blake2b digest of the decimal `run_seed` and the UTF-8 execution id: different
+    executions get independent streams, and the value is stable across processes, machines and
+    Python runs (it never uses `hash()`, which is salted per process). TypeError for a non-integer
+    `run_seed` (bools included) or a non-string `execution`, ValueError for an empty `execution`.
+    """
+    if isinstance(run_seed, bool) or not isinstance(run_seed, (int, np.integer)):
+        raise TypeError(f"run_seed must be an integer; got {type(run_seed).__name__}")
+    if not isinstance(execution, str):
+        raise TypeError(f"execution must be a string id; got {type(execution).__name__}")
+    if not execution:
+        raise ValueError("execution must be a non-empty id")
+    digest = hashlib.blake2b(str(int(run_seed)).encode("ascii"), digest_size=8, person=_SEED_PERSON)
+    digest.update(b"\x00")  # the decimal seed never contains NUL, so (seed, execution) pairs never collide
+    digest.update(execution.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(digest.digest(), "big")
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,12 +89,16 @@ def admit(
     tree: TrajectoryTree,
     classify: RoleClassifier,
     j_max: int = DEFAULT_J_MAX,
-    rng: np.random.Generator | int = 0,
+    *,
+    rng: np.random.Generator | int,
 ) -> list[AdmittedTrajectory]:
     """Admit at most `j_max` trajectories of `tree` in draw order (see the module docstring).
 
     `classify` assigns each leaf its role (`gyre.traj.roles.classifier_for(harness)`); `rng` is a
-    numpy Generator or an integer seed. ValueError for `j_max` < 1, TypeError for a bad `rng`.
+    numpy Generator or an integer seed and is required: the controller passes
+    `execution_seed(run_seed, tree.execution)` so that executions draw independently (a shared
+    constant seed would correlate every execution's draws). ValueError for `j_max` < 1, TypeError
+    for a bad `rng`.
     """
     if isinstance(j_max, bool) or not isinstance(j_max, (int, np.integer)) or j_max < 1:
         raise ValueError(f"j_max must be a positive integer; got {j_max!r}")

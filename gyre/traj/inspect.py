@@ -10,23 +10,26 @@ prints one JSON object to stdout:
 
 "leaves_by_role" counts leaves per role (all four, in the priority order of Eq. 4) as the
 `--harness` classifier (`gyre.traj.roles.classifier_for`; default generic) decides. "admitted"
-lists the trajectories `gyre.traj.admission.admit` draws with `--j-max` (default 5) and `--seed`
-(default 0; every execution uses the same seed, so its result does not depend on the other files
-listed), in draw order: {"leaf", "role", "num_targets"}. `--dump` prints the readable tree of each
-execution (`gyre.traj.dump`) to stdout before the JSON object. A missing or malformed file, or
-role signals the classifier rejects, print one line `error: ...` to stderr and exit with status 2.
+lists the trajectories `gyre.traj.admission.admit` draws with `--j-max` (default 5), in draw
+order: {"leaf", "role", "num_targets"}; each execution draws with `execution_seed(--seed,
+execution)` (default 0), so its result depends neither on the other files listed nor on their
+order. `--dump` prints the readable tree of each execution (`gyre.traj.dump`) to stdout before
+the JSON object. A missing path, a directory, a malformed or binary file, or role signals the
+classifier rejects print one line `error: ...` naming the file to stderr and exit with status 2.
+A closed stdout (piped into `head`) ends the command quietly with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gyre.traj.admission import DEFAULT_J_MAX, admit
+from gyre.traj.admission import DEFAULT_J_MAX, admit, execution_seed
 from gyre.traj.dump import dump_tree
 from gyre.traj.roles import PRIORITY, RoleClassifier, classifier_for, classify_leaves, count_by_role
 from gyre.traj.store import load_tree
@@ -48,7 +51,7 @@ def summarize(
 ) -> dict[str, Any]:
     stats = tree.stats().as_dict()
     leaves = tree.leaves()
-    admitted = admit(tree, classify, j_max, seed)
+    admitted = admit(tree, classify, j_max, rng=execution_seed(seed, tree.execution))
     return {
         "path": path,
         "execution": tree.execution,
@@ -77,19 +80,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--j-max", type=positive_int, default=DEFAULT_J_MAX, help="admitted trajectories per execution at most"
     )
-    parser.add_argument("--seed", type=int, default=0, help="admission seed (the same for every execution)")
+    parser.add_argument("--seed", type=int, default=0, help="run seed (per execution: execution_seed)")
     args = parser.parse_args(argv)
     classify = classifier_for(args.harness)
     trees = []
     for raw in args.paths:  # load everything first: a bad file prints nothing but its error
         path = Path(raw)
+        if path.is_dir():
+            print(f"error: {raw}: is a directory, expected a record file", file=sys.stderr)
+            return 2
         if not path.is_file():
             print(f"error: {raw}: no such record file", file=sys.stderr)
             return 2
         try:
             trees.append(load_tree(path))
-        except (ValueError, OSError, UnicodeDecodeError) as err:
-            print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        except (ValueError, OSError) as err:  # ValueError includes UnicodeDecodeError
+            message = " ".join(str(err).split())
+            print(f"error: {message if raw in message else f'{raw}: {message}'}", file=sys.stderr)
             return 2
     summaries = []
     for raw, tree in zip(args.paths, trees, strict=True):
@@ -109,5 +116,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def run() -> int:
+    """`main` for the command line: a reader that closes the pipe early (`| head`) is not an error."""
+    try:
+        status = main()
+        sys.stdout.flush()  # surface a broken pipe here rather than at interpreter exit
+    except BrokenPipeError:
+        # The standard handling (Python docs, "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's final flush does not raise again, and exit quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

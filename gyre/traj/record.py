@@ -11,7 +11,14 @@ and the behavior log-probs of the produced tokens. A request's context is a sequ
 Segment keys: `segment_key` is a 16-byte blake2b digest of the provenance code and the ids as
 native 32-bit ints. A `Segment` computes its key once, at construction, unless the caller passes a
 precomputed one; a proxy that keeps its `Segment` objects across calls therefore never rehashes
-history. Keys are process-local (native byte order) and never written to disk.
+history. Keys are process-local (native byte order) and never written to disk. A caller-supplied
+key is not rehashed, but the tree compares a segment whose key matches a stored node against that
+node's content (provenance, length, ids) and rejects a mismatch.
+
+Ownership: `Segment` and `Response` copy the token/log-prob sequences they are given (a C-level
+copy of a few KB per segment), so a caller mutating its own array afterwards cannot change a stored
+record. The copies are owned by the `Segment`/`Response`; mutating `segment.ids` or
+`response.ids` in place is a caller bug.
 """
 
 from __future__ import annotations
@@ -52,9 +59,10 @@ class Provenance(enum.IntEnum):
 
 
 def as_token_array(ids: Sequence[int] | array, what: str) -> array:
-    """Copy ids into an `array('i')` (32-bit ints); range errors become a ValueError naming `what`."""
-    if isinstance(ids, array) and ids.typecode == "i":
-        return ids
+    """Copy ids into a new `array('i')` (32-bit ints); range errors become a ValueError naming `what`.
+
+    Always a copy, even of an `array('i')`: the result must not alias the caller's buffer.
+    """
     try:
         return array("i", ids)
     except OverflowError:
@@ -73,7 +81,9 @@ def segment_key(provenance: Provenance, ids: array) -> bytes:
 class Segment:
     """One context segment: a run of token ids with one provenance, and its key.
 
-    `key` may be passed by a caller that already has it (the proxy's cache); it is then trusted.
+    `key` may be passed by a caller that already has it (the proxy's cache); it is then not
+    rehashed, but `TrajectoryTree` checks a segment whose key matches a stored node against that
+    node's content and raises ValueError on a mismatch. `ids` is always a copy of the argument.
     """
 
     __slots__ = ("ids", "key", "provenance")
@@ -102,15 +112,24 @@ class Segment:
 
 @dataclass(frozen=True, eq=False)
 class Response:
-    """One model call's output: the sampled ids, their behavior log-probs and the finish reason."""
+    """One model call's output: the sampled ids, their behavior log-probs and the finish reason.
+
+    The constructor copies `ids` into an `array('i')` and `logprobs` into an `array('d')` (never
+    keeping the caller's arrays), whichever of `Response(...)` and `Response.build(...)` is used.
+    """
 
     ids: array
     logprobs: array  # natural-log behavior probabilities, one per id, float64
     finish_reason: str
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", as_token_array(self.ids, "response.ids"))
+        object.__setattr__(self, "logprobs", array("d", self.logprobs))
+        object.__setattr__(self, "finish_reason", str(self.finish_reason))
+
     @classmethod
     def build(cls, ids: Sequence[int] | array, logprobs: Sequence[float] | array, finish_reason: str) -> Response:
-        return cls(as_token_array(ids, "response.ids"), array("d", logprobs), str(finish_reason))
+        return cls(ids, logprobs, finish_reason)  # type: ignore[arg-type]  # __post_init__ converts
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Response):

@@ -14,7 +14,13 @@ Contract:
 - Call indices must run 0, 1, 2, ... : a gap or a repeat means a lost or duplicated record
   (DESIGN.md contract 3) and is an error.
 - A torn final line (no newline: the writer died mid-line) is skipped with a warning, so a crash
-  loses at most the call being written, never the execution.
+  loses at most the call being written, never the execution. `RecordWriter` reopening such a file
+  truncates it back to the last newline first (with a warning naming the file and the bytes
+  dropped), so the next record starts on a line of its own.
+- `RecordWriter.append` checks that the record belongs to the file's execution and carries the
+  next call index (existing calls are counted on reopen); otherwise ValueError, nothing written.
+- `load_tree` returns an open tree (`TrajectoryTree.closed` is False), so a resumed controller can
+  keep inserting into it; call `close()` on it if the execution is over.
 
 Why one file per execution: executions live for hours and close independently; a finished
 execution's file is complete and immutable, can be read, shipped or deleted on its own, and node
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -77,24 +84,101 @@ class RecordWriter:
 
     Each call is one `write` of a full line followed by a flush, so a reader sees whole lines only
     (a crash can at worst leave one torn final line, which `load_tree` reports).
+
+    Reopening an existing file (resume): the header must name the same execution and vocab_size;
+    the existing call lines are counted (not parsed) to know the next call index; a torn final
+    line is truncated away (warning) so the next record is not glued onto it. A final line that
+    lacks only its newline (complete JSON, which the reader accepts) gets the newline instead. A
+    zero-byte file counts as new; a non-empty file without a complete header line (only
+    whitespace, or one unterminated line) is a ValueError and is left untouched.
     """
 
     def __init__(self, path: str | Path, execution: str, vocab_size: int) -> None:
         self.path = Path(path)
+        self.execution = execution
         fresh = not self.path.exists() or self.path.stat().st_size == 0
+        self._next_call = 0
         if not fresh:
-            header = next(_lines(self.path))[1]
-            if header.get("execution") != execution or header.get("vocab_size") != vocab_size:
-                raise ValueError(
-                    f"{self.path} records execution {header.get('execution')!r} (vocab_size "
-                    f"{header.get('vocab_size')}); cannot append execution {execution!r} (vocab_size {vocab_size})"
-                )
+            self._next_call = self._resume(execution, vocab_size)
         self._file: IO[str] = self.path.open("a", encoding="utf-8")
         if fresh:
             self._write(header_line(execution, vocab_size))
 
+    @property
+    def next_call(self) -> int:
+        """The call index the next `append` must carry."""
+        return self._next_call
+
+    def _resume(self, execution: str, vocab_size: int) -> int:
+        """Check the header, count the calls, repair the tail; returns the next call index."""
+        path = self.path
+        header: dict[str, Any] | None = None
+        calls = 0
+        complete_end = 0  # byte offset just past the last newline
+        tail = b""  # bytes after the last newline
+        with path.open("rb") as file:
+            for lineno, raw in enumerate(file, start=1):
+                if not raw.endswith(b"\n"):
+                    tail = raw
+                    break
+                complete_end += len(raw)
+                if not raw.strip():
+                    continue
+                if header is None:
+                    header = _header_of(raw, f"{path}:{lineno}")
+                else:
+                    calls += 1
+        if header is None:
+            if tail.strip():
+                raise ValueError(
+                    f"{path}: no complete header line ({len(tail)} bytes without a newline); not a record "
+                    "file, or the writer died writing the header - remove it to start the execution afresh"
+                )
+            raise ValueError(
+                f"{path}: holds only whitespace, no header line; expected an empty file or a record file "
+                "starting with the execution header"
+            )
+        if header.get("execution") != execution or header.get("vocab_size") != vocab_size:
+            raise ValueError(
+                f"{path} records execution {header.get('execution')!r} (vocab_size "
+                f"{header.get('vocab_size')}); cannot append execution {execution!r} (vocab_size {vocab_size})"
+            )
+        # Checked: repair the tail from here on.
+        if tail.strip():
+            try:
+                complete = isinstance(json.loads(tail), dict)
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                complete = False
+            if complete:
+                # Only the newline is missing: the reader accepts this line, so keep it and end it.
+                with path.open("ab") as file:
+                    file.write(b"\n")
+                return calls + 1
+        if tail:
+            os.truncate(path, complete_end)
+            log.warning(
+                "%s: truncated a torn final line (%d bytes dropped) before appending: the writer had stopped mid-line",
+                path,
+                len(tail),
+            )
+        return calls
+
     def append(self, record: CallRecord) -> None:
+        """Write one call's line. ValueError (nothing written) if the record is of another
+        execution or does not carry the next call index of this file."""
+        got_execution = record.meta.execution
+        if got_execution != self.execution:
+            raise ValueError(
+                f"{self.path}: record of execution {got_execution!r} appended to the file of "
+                f"execution {self.execution!r} (expected {self.execution!r}, got {got_execution!r})"
+            )
+        if record.index != self._next_call:
+            raise ValueError(
+                f"{self.path}: call index {record.index} appended, expected {self._next_call} "
+                "(records must be appended once each, in insertion order)"
+            )
         self._write(call_line(record))
+        self._next_call += 1
 
     def _write(self, line: str) -> None:
         self._file.write(line + "\n")
@@ -110,9 +194,35 @@ class RecordWriter:
         self.close()
 
 
+def _header_of(raw: bytes, where: str) -> dict[str, Any]:
+    """The header object of a record file's first line (the writer's check on reopen)."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start}); not a record file") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON: {err.msg}; not a record file") from None
+    if not isinstance(obj, dict) or obj.get("kind") != "execution":
+        raise ValueError(f"{where}: first line must be the execution header")
+    if obj.get("v") != FORMAT_VERSION:
+        raise ValueError(f"{where}: record format version {obj.get('v')!r}; expected {FORMAT_VERSION}")
+    return obj
+
+
 def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open("r", encoding="utf-8") as file:
-        for lineno, text in enumerate(file, start=1):
+    # Binary lines, decoded one by one: a decode error names its exact line, and only "\n" ends a line.
+    with path.open("rb") as file:
+        for lineno, raw in enumerate(file, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                if not raw.endswith(b"\n"):  # torn mid-character: the same torn final line as below
+                    text = raw.decode("utf-8", errors="replace")
+                else:
+                    raise ValueError(
+                        f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start} of the line); "
+                        "expected a JSONL record file"
+                    ) from None
             if not text.strip():
                 continue
             try:

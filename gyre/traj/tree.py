@@ -16,6 +16,13 @@ Contract:
 - Cost (DESIGN.md contract 4): O(#segments passed) dict lookups plus hashing of segments built
   without a key and of the response. With `parent` the caller passes only the new segments, so a
   700K-token history is neither walked nor rehashed.
+- Keys are checked, not trusted: a passed segment whose key matches a stored child must equal that
+  node (provenance, length, ids: one memcmp of the passed segment's tokens), otherwise ValueError
+  "segment key collides with a stored node of different content" (a stale or forged cached key
+  would otherwise silently record a context the engine never saw, DESIGN.md contract 3). Only
+  segments actually passed are compared, so the `parent` path stays flat in history length.
+- `close()` freezes the tree when its execution closes: later inserts raise ValueError. A tree
+  rebuilt by `gyre.traj.store.load_tree` is open (resume appends to it); close it if it is final.
 - Everything is validated before any mutation: on ValueError the tree is unchanged. A request id
   already recorded is rejected: a call is recorded exactly once (DESIGN.md contract 3), so a proxy
   that retries a request transparently records only the attempt that answered the harness.
@@ -126,10 +133,25 @@ class TrajectoryTree:
         self.calls: list[CallRecord] = []
         self.call_of_request: dict[str, int] = {}
         self.tokens_stored = 0
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once `close()` was called: the committed records are frozen."""
+        return self._closed
+
+    def close(self) -> None:
+        """Freeze the tree (the execution closed): every later `insert` raises ValueError. Idempotent;
+        reading (paths, stats, admission) is unaffected."""
+        self._closed = True
 
     # -- matching and insertion ---------------------------------------------------------------------
     def match(self, segments: Sequence[Segment], parent: int | None = None) -> tuple[int, int]:
-        """Read-only walk: (deepest matched node, number of leading segments matched)."""
+        """Read-only walk: (deepest matched node, number of leading segments matched).
+
+        ValueError if a segment's key matches a stored node whose content differs (a wrong key).
+        """
         node = self._start(parent)
         matched = 0
         nodes = self.nodes
@@ -137,6 +159,15 @@ class TrajectoryTree:
             child = nodes[node].children.get(segment.key)
             if child is None:
                 break
+            stored = nodes[child]
+            # Cheap checks first; the ids comparison is a memcmp of the passed segment only.
+            if stored.provenance is not segment.provenance or stored.ids != segment.ids:
+                raise ValueError(
+                    f"segments[{matched}] ({segment.provenance.label}): segment key collides with stored node "
+                    f"{child} of different content (stored: {stored.provenance.label}, {stored.num_tokens} "
+                    f"tokens; passed: {segment.provenance.label}, {len(segment)} tokens); "
+                    "a cached key must be the segment_key of its own ids"
+                )
             node = child
             matched += 1
         return node, matched
@@ -147,8 +178,10 @@ class TrajectoryTree:
         """Record one model call whose context is `path(parent)` (the root if None) + `segments`.
 
         Returns the call record; only the segments not already stored are kept in it. Raises
-        ValueError (tree unchanged) on bad input.
+        ValueError (tree unchanged) on bad input or if the tree is closed.
         """
+        if self._closed:
+            raise ValueError(f"execution {self.execution!r} is closed: its trajectory tree accepts no more calls")
         if meta.execution != self.execution:
             raise ValueError(f"meta.execution {meta.execution!r} is unknown here: this tree records {self.execution!r}")
         if meta.request_id in self.call_of_request:

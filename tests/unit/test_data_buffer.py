@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import re
 
 import numpy as np
 import pytest
@@ -151,3 +152,47 @@ def test_registration_errors():
         buffer.attach_tree(one_call_tree("a"))
     with pytest.raises(ValueError, match="unknown group 5"):
         buffer.take(5)
+
+
+def ready_outcomes(group_size: int, executions: list, scores: dict) -> GroupOutcomes:
+    outcomes = GroupOutcomes(group_size, executions)
+    for e in executions:
+        outcomes.start(e, 10.0)
+    for e, score in scores.items():
+        state = EvaluatedState(execution=e, artifact_version="v1", branch="main")
+        outcomes.close(e, CloseKind.COMPLETED, now=1.0, final_state=state)
+        outcomes.record(
+            Evaluation(
+                score=score,
+                validity=Validity.VALID,
+                state=state,
+                attempt=1,
+                evaluator="t",
+                evaluator_version="1",
+                created_at=2.0,
+            )
+        )
+    return outcomes
+
+
+def test_int_execution_ids_of_outcomes_are_converted_to_the_buffers_str_ids():
+    # The scheduler's integer execution indices in GroupOutcomes; the trees (and the buffer) use str ids.
+    buffer = TrajectoryBuffer()
+    buffer.add_group(0, 0, ["0", "1"])
+    for e in ("0", "1"):
+        buffer.attach_tree(one_call_tree(e))
+    buffer.mark_ready_from_outcomes(0, ready_outcomes(2, [0, 1], {1: 0.25, 0: 0.75}), {"0": [full("0")]})
+    group = buffer.take(0)
+    assert group.rewards == {"1": 0.25, "0": 0.75} and group.admitted.keys() == {"0"}
+
+
+def test_outcomes_of_other_executions_name_both_sides():
+    buffer = TrajectoryBuffer()
+    buffer.add_group(0, 0, ["q0-a", "q0-b"])
+    message = (
+        "the outcomes' members [0, 1] (as buffer ids ['0', '1']) do not match the executions of group 0: "
+        "['q0-a', 'q0-b']; not in the group: ['0', '1']"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        buffer.mark_ready_from_outcomes(0, ready_outcomes(2, [0, 1], {1: 0.25, 0: 0.75}), {})
+    assert not buffer.group(0).ready

@@ -1,10 +1,11 @@
 """End to end: micro-steps emitted by the stream packing buffer, fed to `gyre.rl.policy_loss`, sum to the loss
 and gradients of one call over all rows of the batch (Eq. 6 with the batch's B * N denominator).
 
-Two ways a trainer may use the micro-steps, both checked:
-- rows of one execution spread over micro-steps: each call gets L_i (`num_targets_E`) from the micro-step
-  and s_i (`seq_ratio_E`) accumulated by a no-grad pass over the batch's micro-steps;
-- `keep_executions_together`: every execution's targets are in one call, the loss's default contract.
+With the default `PackingConfig` an execution that fits the budget is kept in one micro-step (its s_i and
+mask m_i need nothing else); one larger than the budget is split over consecutive micro-steps and flagged in
+`split_E`. For the micro-steps with split executions the trainer accumulates s_i (`seq_ratio_E`) over them by
+`batch_execution_E` in a no-grad pass; `loss_inputs()` refuses to build the per-part mask without it.
+Also checked: `keep_executions_together=False` (rows pack freely), and that the per-part mask differs.
 """
 
 from __future__ import annotations
@@ -84,17 +85,11 @@ def reference(logps: dict[tuple[str, int], torch.Tensor], config: LossConfig) ->
     return policy_loss(logp, behavior, execution[target], advantage, 6, config)
 
 
-def run_stream(keep_executions_together: bool) -> list[MicroStep]:
-    config = PackingConfig(
-        batch_groups=2,
-        group_size=3,
-        max_tokens_per_microstep=26 if keep_executions_together else 20,
-        keep_executions_together=keep_executions_together,
-        min_fill=0.0,
-    )
+def run_stream(budget: int, **overrides) -> list[MicroStep]:
+    config = PackingConfig(batch_groups=2, group_size=3, max_tokens_per_microstep=budget, **overrides)
     packer = StreamPackingBuffer(build_buffer(), config)
     packer.top_up(min_pending=1000)
-    assert packer.closed
+    assert packer.closed and packer.rejected_groups() == []
     steps = []
     while (step := packer.queue.claim(0)) is not None:
         steps.append(step)
@@ -106,8 +101,18 @@ def step_logp(step: MicroStep, logps: dict[tuple[str, int], torch.Tensor]) -> to
     return torch.cat([logps[(step.execution_ids[e], leaf)] for e, leaf in rows])
 
 
-@pytest.mark.parametrize("keep_executions_together", [False, True])
-def test_micro_step_losses_sum_to_the_one_call_loss(keep_executions_together):
+# Executions a..f have 21, 23, -, 22, 24, 26 tokens (two rows each; c is excluded). Budget 21 with the
+# defaults keeps a whole and splits b, d, e, f; 26 keeps every execution whole; rows packed freely at 20.
+CASES = {
+    "defaults, some split": (21, {}, set("bdef")),
+    "defaults, none split": (26, {}, set()),
+    "rows packed freely": (20, {"keep_executions_together": False}, set("abdef")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_micro_step_losses_sum_to_the_one_call_loss(case):
+    budget, overrides, expected_split = CASES[case]
     config = LossConfig()
     logps = current_logps()
     expected, metrics = reference(logps, config)
@@ -117,40 +122,51 @@ def test_micro_step_losses_sum_to_the_one_call_loss(keep_executions_together):
     for t in logps.values():
         t.grad = None
 
-    steps = run_stream(keep_executions_together)
-    split = {e for e in "abdef" if sum(e in step.execution_ids for step in steps) > 1}
-    assert len(steps) > 1 and (split == set() if keep_executions_together else len(split) > 0)
-
-    # No-grad pass: s_i over each execution's whole target set (Eq. 5), accumulated over the micro-steps.
-    log_sum = {e: torch.zeros((), dtype=torch.float64) for e in "abdef"}
-    count = dict.fromkeys("abdef", 0)
+    steps = run_stream(budget, **overrides)
+    where = {e: [k for k, step in enumerate(steps) if e in step.execution_ids] for e in "abdef"}
+    assert {e for e, ks in where.items() if len(ks) > 1} == expected_split
+    slot = {"a": 0, "b": 1, "d": 3, "e": 4, "f": 5}  # group position * N + member index (c: 2, excluded)
     for step in steps:
-        inputs = step.loss_inputs(torch.float64)
+        assert step.split_E.tolist() == [e in expected_split for e in step.execution_ids]
+        assert step.batch_execution_E.tolist() == [slot[e] for e in step.execution_ids]
+        if step.has_split:
+            with pytest.raises(ValueError, match=r"sequence_log_ratio_sums .* batch_execution_E"):
+                step.loss_inputs()
+    if not overrides:  # with the defaults a split execution's micro-steps are consecutive
+        assert all(ks == list(range(ks[0], ks[0] + len(ks))) for ks in where.values())
+
+    # No-grad pass over the micro-steps with split executions: s_i over each execution's whole target set
+    # (Eq. 5), accumulated by batch slot (then all-reduced over cells: one cell here).
+    acc_2B = torch.zeros(2, steps[0].num_executions, dtype=torch.float64)
+    for step in steps:
+        if not step.has_split:
+            continue
+        inputs = step.target_inputs(torch.float64)
         with torch.no_grad():
             log_ratio_T = step_logp(step, logps)[torch.from_numpy(step.target_U)] - inputs["behavior_logp_T"]
-        sums_E, counts_E = sequence_log_ratio_sums(log_ratio_T, inputs["execution_T"], len(step.execution_ids))
-        for k, e in enumerate(step.execution_ids):
-            log_sum[e] = log_sum[e] + sums_E[k]
-            count[e] += int(counts_E[k])
-    assert all(count[e] == step.num_targets_E[k] for step in steps for k, e in enumerate(step.execution_ids))
-    s = {e: finalize_sequence_ratio(log_sum[e].reshape(1), torch.tensor([count[e]]))[0] for e in log_sum}
+        sum_E, count_E = sequence_log_ratio_sums(log_ratio_T, inputs["execution_T"], inputs["num_local"])
+        acc_2B.index_add_(1, torch.from_numpy(step.batch_execution_E), torch.stack([sum_E, count_E.double()]))
+    for step in steps:
+        if step.has_split:
+            assert acc_2B[1][step.batch_execution_E].tolist() == step.num_targets_E.tolist()
+    s_B = finalize_sequence_ratio(acc_2B[0], acc_2B[1])
 
     total = torch.zeros((), dtype=torch.float64)
     per_part_mask = torch.zeros((), dtype=torch.float64)
     for step in steps:
-        inputs = step.loss_inputs(torch.float64)  # num_executions (B * N = 6), behavior, execution, A_i, L_i
-        assert inputs["num_executions"] == 6
-        if keep_executions_together:
-            inputs.pop("num_targets_E")  # the loss's default contract: L_i = the targets present
         logp_T = step_logp(step, logps)[torch.from_numpy(step.target_U)]
         with torch.no_grad():
-            per_part_mask += policy_loss(logp_T, **inputs, config=config)[0]
-        if not keep_executions_together:
-            inputs["seq_ratio_E"] = torch.stack([s[e] for e in step.execution_ids])
+            partial = step.loss_inputs(torch.float64, allow_partial_seq_ratio=True)
+            per_part_mask += policy_loss(logp_T, **partial, config=config)[0]
+        if step.has_split:
+            inputs = step.loss_inputs(torch.float64, seq_ratio_E=s_B[torch.from_numpy(step.batch_execution_E)])
+        else:
+            inputs = step.loss_inputs(torch.float64)  # every execution whole here: nothing else needed
+        assert inputs["num_executions"] == 6  # B * N, c included
         loss, _ = policy_loss(logp_T, **inputs, config=config)
         total = total + loss
     total.backward()
-    if not keep_executions_together:  # the case needs s_i over the whole execution: per-part masks differ
+    if expected_split:  # d (split in every such case): its first row alone is outside the clip interval
         assert abs(per_part_mask.item() - expected.item()) > 1e-4
     torch.testing.assert_close(total, expected)
     for key, t in logps.items():

@@ -68,34 +68,59 @@ def test_every_row_lands_once_within_budget(rewards, calls, batch_groups, budget
     config = PackingConfig(
         batch_groups=batch_groups,
         group_size=2,
-        max_tokens_per_microstep=budget if not together else 30 + budget,  # an execution: <= 3 rows of <= 10
+        max_tokens_per_microstep=budget,  # a row has <= 10 tokens; an execution <= 3 rows may exceed the budget
         keep_executions_together=together,
         min_fill=min_fill,
     )
     packer = StreamPackingBuffer(buffer, config)
     pulled: list[int] = []
+    step_pull: list[int] = []  # the pull (or flush) that emitted each micro-step of the batch
     while True:
         group_id = packer.pull()
         if group_id is None and not packer.closed:
             packer.flush()  # the last, incomplete batch: nothing more will come
+            step_pull += [len(pulled)] * (packer.queue.num_put - len(step_pull))
             break
         if group_id is not None:
             pulled.append(group_id)
+        step_pull += [len(pulled)] * (packer.queue.num_put - len(step_pull))
         if packer.closed:
             assert len(packer.groups) == batch_groups
             steps = []
             while (step := packer.queue.claim(0)) is not None:
                 steps.append(step)
-            check_batch(steps, packer.groups, expected_rows, num_targets, config)
+            check_batch(steps, packer.groups, expected_rows, num_targets, config, step_pull)
+            step_pull = []
             if buffer.num_ready == 0:
                 break
             packer.next_batch()
+    assert packer.rejected_groups() == []
     # Oldest version first: pull order is sorted by (v_d = g % 2, ready order = g).
     assert pulled == sorted(range(len(rewards)), key=lambda g: (g % 2, g))
 
 
-def check_batch(steps, batch_groups, expected_rows, num_targets, config):
+def check_batch(steps, batch_groups, expected_rows, num_targets, config, step_pull):
     seen: list[tuple[str, int]] = []
+    steps_of: dict[str, list[int]] = {}
+    slot_of: dict[str, int] = {}
+    for k, step in enumerate(steps):
+        for e, slot in zip(step.execution_ids, step.batch_execution_E.tolist(), strict=True):
+            steps_of.setdefault(e, []).append(k)
+            assert slot_of.setdefault(e, slot) == slot and 0 <= slot < step.num_executions
+    assert len(set(slot_of.values())) == len(slot_of)  # one batch slot per execution
+    for e, ks in steps_of.items():
+        # Flagged iff the execution's rows are in several micro-steps; all emitted by one pull (never part of
+        # an execution held back); with keep_executions_together consecutively, and only when over the budget.
+        assert all(steps[k].split_E[steps[k].execution_ids.index(e)] == (len(ks) > 1) for k in ks)
+        assert len({step_pull[k] for k in ks}) == 1
+        if config.keep_executions_together:
+            assert ks == list(range(ks[0], ks[0] + len(ks)))
+            rows = sum(int((steps[k].row_execution_R == steps[k].execution_ids.index(e)).sum()) for k in ks)
+            tokens = sum(
+                int(steps[k].row_lengths_R()[steps[k].row_execution_R == steps[k].execution_ids.index(e)].sum())
+                for k in ks
+            )
+            assert (len(ks) > 1) == (tokens > config.max_tokens_per_microstep), (e, rows, tokens)
     for step in steps:
         assert step.num_tokens <= config.max_tokens_per_microstep
         assert step.num_executions == config.batch_groups * 2
@@ -108,8 +133,6 @@ def check_batch(steps, batch_groups, expected_rows, num_targets, config):
         seen += [
             (step.execution_ids[e], int(leaf)) for e, leaf in zip(step.row_execution_R, step.row_leaf_R, strict=True)
         ]
-        if config.keep_executions_together:
-            assert all(sum(e in s.execution_ids for s in steps) == 1 for e in step.execution_ids)
     assert sorted(seen) == sorted(row for g in batch_groups for row in expected_rows[g])
 
 

@@ -6,6 +6,7 @@ losses and their accumulated gradients must equal one call over the whole batch.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -93,6 +94,7 @@ def run_micro_steps(logp_T, behavior_T, execution_T, advantage_E, steps, num_exe
             CFG,
             num_targets_E=num_targets_E[local_ids],
             seq_ratio_E=None if s_E is None else s_E[local_ids],
+            allow_partial_seq_ratio=s_E is None,
         )
         loss.backward()
         total = total + loss.detach()
@@ -167,10 +169,35 @@ def test_larger_num_targets_scales_an_execution_down():
         2,
         CFG,
         num_targets_E=torch.tensor([4], dtype=torch.int32),
+        seq_ratio_E=torch.tensor([1.0], dtype=torch.float64),
     )
     loss.backward()
     assert_close(loss, torch.tensor(2.0 / (4 * 2), dtype=torch.float64))
     assert_close(logp_T.grad, torch.tensor([-1.0 / (4 * 2)], dtype=torch.float64))
+
+
+def test_a_split_execution_without_seq_ratio_is_an_error_unless_allowed():
+    # e0 has 1 of its 3 targets here, e1 all of its 2: s_i of e0's part is not Eq. 5's s_i.
+    args = (
+        torch.tensor([-1.0, -2.0, -0.5], requires_grad=True),
+        torch.tensor([-1.1, -2.0, -0.4]),
+        torch.tensor([0, 1, 1]),
+        torch.tensor([1.0, -1.0]),
+        4,
+        CFG,
+    )
+    with pytest.raises(ValueError, match=re.escape("executions [0] are split (num_targets_E [3] > present [1])")):
+        policy_loss(*args, num_targets_E=torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match=r"sequence_log_ratio_sums .* allow_partial_seq_ratio=True"):
+        policy_loss(*args, num_targets_E=torch.tensor([3, 2]))
+    approx, _ = policy_loss(*args, num_targets_E=torch.tensor([3, 2]), allow_partial_seq_ratio=True)
+    exact, _ = policy_loss(*args, num_targets_E=torch.tensor([3, 2]), seq_ratio_E=torch.tensor([1.0, 1.0]))
+    assert torch.isfinite(approx) and torch.isfinite(exact)
+    # Nothing split (every execution's targets all present, or none present): no seq_ratio_E needed.
+    policy_loss(*args, num_targets_E=torch.tensor([1, 2]))
+    policy_loss(*args[:3], torch.tensor([1.0, -1.0, 0.5]), 4, CFG, num_targets_E=torch.tensor([1, 2, 7]))
+    with pytest.raises(TypeError, match="allow_partial_seq_ratio must be a bool"):
+        policy_loss(*args, allow_partial_seq_ratio=1)
 
 
 def test_seq_ratio_decides_the_mask():

@@ -7,13 +7,17 @@ creation order; each expected `targets` mask is written over the leaf's path tok
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from traj_strategies import CONDITION_ONLY, all_trainable, covered_targets, path_positions, role_trees
 
 from gyre.traj import (
-    PRIORITY,
     CallMeta,
     Provenance,
     Response,
@@ -23,9 +27,11 @@ from gyre.traj import (
     classifier_for,
     classify_leaves,
 )
+from gyre.traj.admission import execution_seed
 from gyre.traj.synthetic import synthetic_execution
 
 SYS, USR, TOOL, OUT = Provenance.SYSTEM, Provenance.USER, Provenance.TOOL, Provenance.SAMPLED
+HARNESS, EVAL = Provenance.HARNESS_ASSISTANT, Provenance.EVALUATOR
 BUILTIN = classifier_for("builtin")
 T, F = True, False
 
@@ -63,7 +69,7 @@ def test_one_leaf_per_class_is_drawn_in_priority_order():
             (6, "sub-agent", [F, F, T, T]),
             (3, "sub-agent-summary", [F, F, T]),
         ]
-    assert [t.leaf for t in admit(rec.tree, BUILTIN, j_max=2)] == [12, 9]
+    assert [t.leaf for t in admit(rec.tree, BUILTIN, j_max=2, rng=0)] == [12, 9]
 
 
 def two_main_leaves() -> Recorder:
@@ -117,15 +123,15 @@ def test_context_tokens_and_an_unrecorded_echoed_output_never_become_targets():
     rec = Recorder()
     # OUT[25, 26] is echoed into the context but no recorded call produced it: it conditions only.
     rec.call([seg(SYS, 1), seg(USR, 10), seg(OUT, 25, 26), seg(TOOL, 30)], [40, 41])
-    assert summary(admit(rec.tree, BUILTIN)) == [(5, "main", [F, F, F, F, F, T, T])]
+    assert summary(admit(rec.tree, BUILTIN, rng=0)) == [(5, "main", [F, F, F, F, F, T, T])]
     # Once the call that produced it is recorded, that node becomes a target of a later draw.
     rec.call([seg(SYS, 1), seg(USR, 10)], [25, 26])
     assert rec.tree.leaves() == [5]
-    assert summary(admit(rec.tree, BUILTIN)) == [(5, "main", [F, F, T, T, F, T, T])]
+    assert summary(admit(rec.tree, BUILTIN, rng=0)) == [(5, "main", [F, F, T, T, F, T, T])]
 
 
 def test_an_empty_tree_admits_nothing():
-    assert admit(TrajectoryTree("ex", 10), BUILTIN) == []
+    assert admit(TrajectoryTree("ex", 10), BUILTIN, rng=0) == []
 
 
 def test_a_generator_and_its_seed_give_the_same_draws():
@@ -139,13 +145,89 @@ def test_a_generator_and_its_seed_give_the_same_draws():
 @pytest.mark.parametrize("j_max", [0, -1, 2.5, True, "5"])
 def test_bad_j_max(j_max):
     with pytest.raises(ValueError, match="j_max must be a positive integer"):
-        admit(two_main_leaves().tree, BUILTIN, j_max=j_max)
+        admit(two_main_leaves().tree, BUILTIN, j_max=j_max, rng=0)
 
 
 @pytest.mark.parametrize("rng", ["seed", 1.5, None, False])
 def test_bad_rng(rng):
     with pytest.raises(TypeError, match="rng must be a numpy Generator or an integer seed"):
         admit(two_main_leaves().tree, BUILTIN, rng=rng)
+
+
+def test_rng_is_a_required_keyword():
+    tree = two_main_leaves().tree
+    with pytest.raises(TypeError, match="rng"):
+        admit(tree, BUILTIN)
+    with pytest.raises(TypeError):
+        admit(tree, BUILTIN, 5, 11)  # positional: refused, so a j_max is never taken for a seed
+    assert summary(admit(tree, BUILTIN, j_max=5, rng=11)) == summary(admit(tree, BUILTIN, j_max=5, rng=11))
+
+
+# Pinned: a change of the derivation changes every recorded run's admissions.
+PINNED_SEEDS = [
+    ((0, "ex"), 17033177658437770347),
+    ((12345, "f3ad38e5"), 15183810082147652623),
+    ((-1, "ex"), 4329557941907403262),
+]
+
+
+def test_execution_seed_is_pinned_and_distinct_per_execution_and_run():
+    for (run_seed, execution), expected in PINNED_SEEDS:
+        assert execution_seed(run_seed, execution) == expected
+        assert execution_seed(np.int64(run_seed), execution) == expected
+    seeds = {execution_seed(run, f"ex-{i}") for run in range(20) for i in range(50)}
+    assert len(seeds) == 20 * 50
+    assert all(0 <= seed < 2**64 for seed in seeds)
+    # Not a concatenation: (1, "2x") and (12, "x") differ.
+    assert execution_seed(1, "2x") != execution_seed(12, "x")
+    np.random.default_rng(execution_seed(0, "ex"))  # a valid numpy seed
+
+
+def test_execution_seed_is_the_same_in_another_process_with_another_hash_salt():
+    code = "\n".join(
+        [
+            "from gyre.traj.admission import execution_seed",
+            f"print([execution_seed(s, e) for s, e in {[key for key, _ in PINNED_SEEDS]!r}])",
+        ]
+    )
+    for salt in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": salt}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=True
+        )
+        assert out.stdout.strip() == str([expected for _, expected in PINNED_SEEDS])
+
+
+@pytest.mark.parametrize(
+    ("run_seed", "execution", "error", "match"),
+    [
+        (1.0, "ex", TypeError, "run_seed must be an integer"),
+        (True, "ex", TypeError, "run_seed must be an integer"),
+        ("1", "ex", TypeError, "run_seed must be an integer"),
+        (1, b"ex", TypeError, "execution must be a string"),
+        (1, "", ValueError, "execution must be a non-empty id"),
+    ],
+)
+def test_bad_execution_seed(run_seed, execution, error, match):
+    with pytest.raises(error, match=match):
+        execution_seed(run_seed, execution)
+
+
+def test_harness_injected_and_evaluator_content_never_becomes_a_target():
+    rec = Recorder()
+    context = [seg(SYS, 1), seg(USR, 10)]
+    rec.call(context, [20, 21])  # 3 OUT
+    # The harness injects assistant content with the very ids of our output, then an evaluator critique.
+    rec.call([*context, seg(HARNESS, 20, 21), seg(EVAL, 50, 51), seg(USR, 11)], [40])  # 4 HARNESS 5 EVAL 6 USR 7 OUT
+    rec.call([*context, seg(OUT, 20, 21), seg(EVAL, 52), seg(TOOL, 30)], [41, 42])  # 8 EVAL 9 TOOL 10 OUT
+    assert rec.tree.leaves() == [7, 10]
+    for seed in range(20):
+        admitted = admit(rec.tree, BUILTIN, rng=seed)
+        check_disjoint_sampled_targets(rec.tree, admitted)
+        assert covered_targets(rec.tree, admitted) == {(3, 0), (3, 1), (7, 0), (10, 0), (10, 1)}
+        # Path of leaf 7: [1, 10, 20h, 21h, 50e, 51e, 11, 40]: only the output 40 is ever its target.
+        targets = {t.leaf: t.targets.tolist() for t in admitted}
+        assert targets[7] == [F, F, F, F, F, F, F, T]
 
 
 def test_synthetic_execution_admits_main_first_and_everything_with_a_large_j_max():
@@ -164,57 +246,6 @@ def test_synthetic_execution_admits_main_first_and_everything_with_a_large_j_max
 
 # -- properties --------------------------------------------------------------------------------------
 
-VOCAB = 4
-ROLES = [role.value for role in PRIORITY]
-CONTEXT_KINDS = [Provenance.SYSTEM, Provenance.USER, Provenance.TOOL, Provenance.SAMPLED]
-ids_strategy = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3).map(tuple)
-segment_strategy = st.tuples(st.sampled_from(CONTEXT_KINDS), ids_strategy)  # SAMPLED here: an unrecorded echo
-
-
-@st.composite
-def role_trees(draw) -> TrajectoryTree:
-    """Random calls: fresh contexts, continuations (echoing an earlier output) and cuts (retries,
-    branches), each with a random role; tiny vocabulary so prefixes and outputs collide often."""
-    requests: list[tuple[list, tuple[int, ...]]] = []
-    tree = TrajectoryTree("ex", VOCAB)
-    for index in range(draw(st.integers(1, 12))):
-        new = draw(st.lists(segment_strategy, min_size=0, max_size=3))
-        mode = draw(st.sampled_from(["fresh", "extend", "cut"])) if requests else "fresh"
-        if mode == "fresh":
-            context = new or [draw(segment_strategy)]
-        else:
-            earlier_context, earlier_output = requests[draw(st.integers(0, len(requests) - 1))]
-            if mode == "extend":
-                context = [*earlier_context, (Provenance.SAMPLED, earlier_output), *new]
-            else:
-                context = earlier_context[: draw(st.integers(1, len(earlier_context)))] + new
-        output = draw(ids_strategy)
-        requests.append((context, output))
-        meta = CallMeta("ex", f"r{index}", role_signals={"gyre_role": draw(st.sampled_from(ROLES))})
-        tree.insert([Segment(p, ids) for p, ids in context], Response.build(output, [-0.5] * len(output), "stop"), meta)
-    return tree
-
-
-def path_positions(tree: TrajectoryTree, leaf: int) -> list[tuple[int, int]]:
-    """(node, offset) of every token of `path_tokens(leaf)`."""
-    return [(node, offset) for node in tree.path(leaf) for offset in range(tree.nodes[node].num_tokens)]
-
-
-def covered_targets(tree: TrajectoryTree, admitted) -> set[tuple[int, int]]:
-    out: set[tuple[int, int]] = set()
-    for trajectory in admitted:
-        positions = path_positions(tree, trajectory.leaf)
-        out.update(positions[i] for i in np.flatnonzero(trajectory.targets))
-    return out
-
-
-def all_trainable(tree: TrajectoryTree) -> set[tuple[int, int]]:
-    out: set[tuple[int, int]] = set()
-    for leaf in tree.leaves():
-        positions = path_positions(tree, leaf)
-        out.update(positions[i] for i in np.flatnonzero(tree.path_tokens(leaf).target_mask))
-    return out
-
 
 def check_disjoint_sampled_targets(tree: TrajectoryTree, admitted) -> None:
     seen: set[tuple[int, int]] = set()
@@ -223,6 +254,8 @@ def check_disjoint_sampled_targets(tree: TrajectoryTree, admitted) -> None:
         assert trajectory.execution == tree.execution and len(trajectory.targets) == len(tokens.ids)
         chosen = np.flatnonzero(trajectory.targets)
         assert (tokens.provenance[chosen] == int(Provenance.SAMPLED)).all()
+        condition_only = np.isin(tokens.provenance, [int(p) for p in CONDITION_ONLY])
+        assert not (trajectory.targets & condition_only).any(), "a harness/evaluator/context token is a target"
         assert np.isfinite(tokens.behavior_logprobs[chosen]).all()
         positions = path_positions(tree, trajectory.leaf)
         mine = {positions[i] for i in chosen}

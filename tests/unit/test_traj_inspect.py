@@ -144,3 +144,40 @@ def test_ingest_benchmark_smoke():
     assert report["synthetic_636"]["requests"] == 636 and report["synthetic_636"]["stored_over_unique_tokens"] == 1.0
     admission = report["synthetic_636"]["admission_j_max_5"]
     assert admission["admitted"] == 5 and admission["admit_ms"] > 0 and admission["materialize_ms"] > 0
+
+
+def test_a_directory_is_named_as_such(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: {tmp_path}: is a directory, expected a record file\n"
+
+
+def test_a_binary_file_names_the_file(tmp_path, capsys):
+    path = tmp_path / "blob.jsonl"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\n")
+    assert main([str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"error: {path}:1: not UTF-8 text") and captured.err.count("\n") == 1
+
+
+def test_a_closed_pipe_is_not_an_error(tmp_path):
+    """`inspect ... | head -1`: the reader goes away mid-output; no traceback, status 0."""
+    execution = synthetic_execution(seed=0)
+    tree = TrajectoryTree(execution.execution, execution.vocab_size)
+    path = tmp_path / "synthetic.jsonl"
+    with RecordWriter(path, execution.execution, execution.vocab_size) as writer:
+        for call in execution.calls[:40]:
+            writer.append(tree.insert(call.context, call.response, call.meta))
+    # Far more output than a pipe buffers (64 KiB), so the writer is still writing when the pipe closes.
+    args = [sys.executable, "-m", "gyre.traj.inspect", "--dump", *[str(path)] * 200]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout is not None and process.stderr is not None
+        first = process.stdout.readline()
+        process.stdout.close()
+        stderr = process.stderr.read().decode()
+        status = process.wait(timeout=60)
+    assert first.startswith(b"execution ")
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+    assert stderr == "" and status == 0

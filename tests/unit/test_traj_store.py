@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -144,3 +145,109 @@ def test_missing_header_and_empty_file(tmp_path):
     path.write_text("".join(path.read_text().splitlines(keepends=True)[1:]))
     with pytest.raises(ValueError, match="first line must be the execution header"):
         load_tree(path)
+
+
+def test_reopening_after_a_torn_line_truncates_it_before_appending(tmp_path, caplog):
+    path = tmp_path / "ex.jsonl"
+    write_small(path)
+    complete = path.read_bytes()
+    last_line = complete.splitlines(keepends=True)[-1]
+    path.write_bytes(complete[: -len(last_line)] + last_line[:40])  # call 1 torn: the writer died mid-line
+    # Replay what the file holds (call 0), then the controller resumes and records a new call 1.
+    resumed = load_tree(path)
+    assert len(resumed.calls) == 1
+    caplog.clear()
+    with RecordWriter(path, "ex", 100) as writer:
+        assert writer.next_call == 1
+        writer.append(
+            resumed.insert([Segment(TOOL, [33])], Response.build([43], [-0.5], "stop"), CallMeta("ex", "r9"), 3)
+        )
+    assert f"{path}: truncated a torn final line (40 bytes dropped)" in caplog.text
+    loaded = load_tree(path)
+    assert [call.meta.request_id for call in loaded.calls] == ["r0", "r9"]
+    assert loaded.call_tokens(1) == ([1, 2, 10, 20, 33], [43])
+    assert dump_tree(loaded) == dump_tree(resumed)
+    assert path.read_bytes().startswith(complete[: -len(last_line)]) and path.read_bytes().endswith(b"\n")
+
+
+def test_reopening_a_line_missing_only_its_newline_keeps_it(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    tree = write_small(path)
+    path.write_bytes(path.read_bytes()[:-1])  # complete JSON, no newline: the reader accepts it
+    with RecordWriter(path, "ex", 100) as writer:
+        assert writer.next_call == 2
+        writer.append(tree.insert([Segment(TOOL, [32])], Response.build([42], [-0.5], "stop"), CallMeta("ex", "r2"), 3))
+    assert dump_tree(load_tree(path)) == dump_tree(tree)
+
+
+def test_append_checks_execution_and_call_index(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    tree = write_small(path)
+    other = TrajectoryTree("zz", 100)
+    foreign = other.insert([Segment(SYS, [1])], Response.build([20], [-0.5], "stop"), CallMeta("zz", "z0"))
+    size = path.stat().st_size
+    with RecordWriter(path, "ex", 100) as writer:
+        assert writer.next_call == 2  # counted on reopen
+        with pytest.raises(ValueError, match=r"ex\.jsonl: record of execution 'zz' .* \(expected 'ex', got 'zz'\)"):
+            writer.append(foreign)
+        with pytest.raises(ValueError, match=r"ex\.jsonl: call index 1 appended, expected 2"):
+            writer.append(tree.calls[1])  # a duplicate
+        ahead = tree.insert([Segment(TOOL, [32])], Response.build([42], [-0.5], "stop"), CallMeta("ex", "r2"), 3)
+        tree.insert([Segment(TOOL, [34])], Response.build([44], [-0.5], "stop"), CallMeta("ex", "r3"), 3)
+        with pytest.raises(ValueError, match=r"call index 3 appended, expected 2"):
+            writer.append(tree.calls[3])  # a gap
+        assert path.stat().st_size == size  # nothing written
+        writer.append(ahead)
+        writer.append(tree.calls[3])
+    assert dump_tree(load_tree(path)) == dump_tree(tree)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\n  \n", "holds only whitespace, no header line"),
+        (b"   ", "holds only whitespace, no header line"),
+        (b'{"v":1,"kind":"exec', "no complete header line (19 bytes without a newline)"),
+        (b"not json\n", ":1: not valid JSON"),
+        (b"\x89PNG\r\n\x1a\n", ":1: not UTF-8 text"),
+    ],
+)
+def test_reopening_a_file_without_a_header_is_a_clear_error(tmp_path, content, message):
+    path = tmp_path / "ex.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(message)) as raised:
+        RecordWriter(path, "ex", 100)
+    assert str(path) in str(raised.value)
+    assert path.read_bytes() == content  # left untouched
+
+
+def test_reopening_a_zero_byte_file_starts_it(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    path.write_bytes(b"")
+    with RecordWriter(path, "ex", 100) as writer:
+        assert writer.next_call == 0
+    assert load_tree(path).execution == "ex"
+
+
+def test_a_binary_file_names_file_and_line(tmp_path):
+    path = tmp_path / "blob.jsonl"
+    path.write_bytes(b'{"v":1,"kind":"execution","execution":"ex","vocab_size":100}\n\xff\xfe\x00\n')
+    with pytest.raises(ValueError, match=r"blob\.jsonl:2: not UTF-8 text"):
+        load_tree(path)
+
+
+def test_load_tree_returns_an_open_tree(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    write_small(path)
+    assert not load_tree(path).closed
+
+
+def test_reopening_with_another_execution_leaves_a_torn_file_untouched(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    write_small(path)
+    complete = path.read_bytes()
+    for content in (complete[:-40], complete[:-1]):  # torn, and complete JSON missing only its newline
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match="records execution 'ex'"):
+            RecordWriter(path, "other", 100)
+        assert path.read_bytes() == content

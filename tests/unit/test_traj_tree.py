@@ -8,8 +8,10 @@ creation order, so every expected id below can be read off the insert sequence.
 from __future__ import annotations
 
 import math
+from array import array
 
 import numpy as np
+import pytest
 
 import gyre.traj.record as record_module
 from gyre.traj import ROOT, CallMeta, Provenance, Response, Segment, TrajectoryTree
@@ -187,3 +189,48 @@ def test_ingest_with_parent_hashes_only_the_new_content(monkeypatch):
     monkeypatch.setattr(record_module, "segment_key", counting_key)
     tree.insert([seg(TOOL, 31, 32, 33)], out(44, 45), meta("new"), parent=last)
     assert hashed == [3, 2]  # the new tool result and the new output, nothing of the 600-node history
+
+
+def test_segment_and_response_copy_the_callers_arrays():
+    tree = TrajectoryTree("ex", 100)
+    ids = array("i", [1, 2, 3])
+    output, logprobs = array("i", [20, 21]), array("d", [-0.5, -0.25])
+    tree.insert([Segment(SYS, ids)], Response.build(output, logprobs, "stop"), meta("r0"))
+    raw_ids, raw_logprobs = array("i", [22]), array("d", [-0.5])
+    tree.insert([Segment(SYS, ids)], Response(raw_ids, raw_logprobs, "stop"), meta("r1"))  # direct constructor
+    ids[0], output[0], logprobs[0], raw_ids[0], raw_logprobs[0] = 9, 29, -9.0, 23, -9.0
+    tree.check_invariants()
+    assert tree.call_tokens(0) == ([1, 2, 3], [20, 21]) and tree.call_tokens(1) == ([1, 2, 3], [22])
+    assert list(tree.calls[0].response.logprobs) == [-0.5, -0.25]
+    assert list(tree.calls[1].response.logprobs) == [-0.5]
+    assert tree.nodes[1].ids.tolist() == [1, 2, 3]
+
+
+def test_a_caller_supplied_key_that_collides_is_rejected():
+    tree = tree_with_first_call()
+    stored = tree.nodes[1]  # SYSTEM [1, 2, 3]
+    before = (len(tree.nodes), len(tree.calls), tree.tokens_stored)
+    for forged in (Segment(SYS, [1, 2, 4], key=stored.key), Segment(SYS, [1, 2], key=stored.key)):
+        with pytest.raises(ValueError, match=r"segments\[0\] \(system\): segment key collides with stored node 1"):
+            tree.insert([forged, seg(USR, 10, 11)], out(22), meta("bad"))
+        with pytest.raises(ValueError, match="segment key collides"):
+            tree.match([forged])
+    # Same key under a different provenance is a collision too.
+    with pytest.raises(ValueError, match="segment key collides"):
+        tree.insert([Segment(USR, [1, 2, 3], key=stored.key)], out(22), meta("bad"))
+    assert (len(tree.nodes), len(tree.calls), tree.tokens_stored) == before
+    # A correct cached key is fine.
+    assert tree.insert([Segment(SYS, [1, 2, 3], key=stored.key)], out(22), meta("ok")).parent == 1
+    tree.check_invariants()
+
+
+def test_close_freezes_the_tree():
+    tree = tree_with_first_call()
+    assert not tree.closed
+    tree.close()
+    tree.close()  # idempotent
+    assert tree.closed
+    with pytest.raises(ValueError, match="execution 'ex' is closed"):
+        tree.insert([seg(TOOL, 30)], out(40), meta("r1"), parent=3)
+    assert len(tree.calls) == 1
+    assert tree.call_tokens(0) == ([1, 2, 3, 10, 11], [20, 21])  # reading still works
