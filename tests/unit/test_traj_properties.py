@@ -10,33 +10,11 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from traj_strategies import VOCAB, request_sequences
 
 from gyre.traj import CallMeta, Provenance, Response, Segment, TrajectoryTree, dump_tree
 
-VOCAB = 4
-CONTEXT_KINDS = [p for p in Provenance if p is not Provenance.SAMPLED]
-
 Seg = tuple[Provenance, tuple[int, ...]]
-ids_strategy = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3).map(tuple)
-segment_strategy = st.tuples(st.sampled_from(CONTEXT_KINDS), ids_strategy)
-
-
-@st.composite
-def request_sequences(draw) -> list[tuple[list[Seg], tuple[int, ...]]]:
-    requests: list[tuple[list[Seg], tuple[int, ...]]] = []
-    for _ in range(draw(st.integers(1, 12))):
-        new = draw(st.lists(segment_strategy, min_size=0, max_size=3))
-        mode = draw(st.sampled_from(["fresh", "extend", "cut"])) if requests else "fresh"
-        if mode == "fresh":
-            context = new or [draw(segment_strategy)]
-        else:
-            earlier_context, earlier_output = requests[draw(st.integers(0, len(requests) - 1))]
-            if mode == "extend":
-                context = [*earlier_context, (Provenance.SAMPLED, earlier_output), *new]
-            else:
-                context = earlier_context[: draw(st.integers(1, len(earlier_context)))] + new
-        requests.append((context, draw(ids_strategy)))
-    return requests
 
 
 def build(requests, order) -> TrajectoryTree:

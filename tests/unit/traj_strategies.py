@@ -32,12 +32,14 @@ ids_strategy = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3).map(t
 segment_strategy = st.tuples(st.sampled_from(CONTEXT_KINDS), ids_strategy)
 
 
+Request = tuple[list[tuple[Provenance, tuple[int, ...]]], tuple[int, ...]]  # (context segments, output ids)
+
+
 @st.composite
-def role_trees(draw, max_calls: int = 12) -> TrajectoryTree:
-    """A tree of 1..`max_calls` random calls of execution `EXECUTION` (see the module docstring)."""
-    requests: list[tuple[list, tuple[int, ...]]] = []
-    tree = TrajectoryTree(EXECUTION, VOCAB)
-    for index in range(draw(st.integers(1, max_calls))):
+def request_sequences(draw, max_calls: int = 12) -> list[Request]:
+    """1..`max_calls` random requests: fresh contexts, continuations echoing an earlier output, cuts."""
+    requests: list[Request] = []
+    for _ in range(draw(st.integers(1, max_calls))):
         new = draw(st.lists(segment_strategy, min_size=0, max_size=3))
         mode = draw(st.sampled_from(["fresh", "extend", "cut"])) if requests else "fresh"
         if mode == "fresh":
@@ -48,8 +50,15 @@ def role_trees(draw, max_calls: int = 12) -> TrajectoryTree:
                 context = [*earlier_context, (Provenance.SAMPLED, earlier_output), *new]
             else:
                 context = earlier_context[: draw(st.integers(1, len(earlier_context)))] + new
-        output = draw(ids_strategy)
-        requests.append((context, output))
+        requests.append((context, draw(ids_strategy)))
+    return requests
+
+
+@st.composite
+def role_trees(draw, max_calls: int = 12) -> TrajectoryTree:
+    """A tree of 1..`max_calls` random calls of execution `EXECUTION` (see the module docstring)."""
+    tree = TrajectoryTree(EXECUTION, VOCAB)
+    for index, (context, output) in enumerate(draw(request_sequences(max_calls))):
         meta = CallMeta(EXECUTION, f"r{index}", role_signals={"gyre_role": draw(st.sampled_from(ROLES))})
         tree.insert([Segment(p, ids) for p, ids in context], Response.build(output, [-0.5] * len(output), "stop"), meta)
     return tree
