@@ -1,0 +1,246 @@
+"""`DecoderConfig`: the shape of a dense Llama/Qwen2/Qwen3-style decoder, read from and written to HF `config.json`.
+
+Contract: `DecoderConfig.from_hf(config_dict)` accepts the `config.json` of a dense `llama`, `qwen2` or `qwen3`
+checkpoint as written by transformers 4 or 5, fills the fields a file may omit with the defaults of the matching
+transformers config class, and rejects with a `ValueError` naming the field everything the native model would
+compute differently from transformers (mixture of experts, sliding-window attention, RoPE scaling types other
+than `linear` and `llama3`, activations other than SiLU). `to_hf()` writes a transformers-4-style dict that
+`from_hf` reads back to an equal config. Pure: stdlib only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Defaults of the transformers config classes for fields a config.json may omit.
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config(head_dim=128): not hidden_size // num_attention_heads
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4", "olmoe")
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling; `rope_type="default"` is plain RoPE."""
+
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0  # linear: positions divided by factor; llama3: low frequencies divided by factor
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only: the pre-extension context length
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Architecture of a dense pre-norm decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP)."""
+
+    model_type: str  # llama | qwen2 | qwen3 (selects HF defaults and the architectures name on save)
+    vocab_size: int  # rows of the embedding and of the lm_head
+    hidden_size: int  # residual stream width
+    intermediate_size: int  # SwiGLU inner width
+    num_hidden_layers: int
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # key/value heads (GQA); divides num_attention_heads
+    head_dim: int  # per-head width; hidden_size // num_attention_heads unless the config says otherwise
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 32768  # context limit the checkpoint was trained for (not enforced here)
+    tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
+    attention_qkv_bias: bool = False  # q/k/v projections carry a bias (qwen2: always)
+    attention_out_bias: bool = False  # o_proj carries a bias (llama/qwen3 attention_bias)
+    mlp_bias: bool = False  # gate/up/down carry a bias (llama mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str = "float32"  # dtype the weights were saved in (informational; load_pretrained casts)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, value, "a positive integer")
+        _require(
+            isinstance(self.num_key_value_heads, int)
+            and self.num_key_value_heads > 0
+            and self.num_attention_heads % self.num_key_value_heads == 0,
+            "num_key_value_heads",
+            self.num_key_value_heads,
+            f"a positive divisor of num_attention_heads={self.num_attention_heads}",
+        )
+        _require(
+            isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
+            "head_dim",
+            self.head_dim,
+            "a positive even integer (RoPE rotates pairs)",
+        )
+        _require(self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps), "rms_norm_eps", self.rms_norm_eps, "> 0")
+        _require(self.rope_theta > 0 and math.isfinite(self.rope_theta), "rope_theta", self.rope_theta, "> 0")
+        _require(
+            self.model_type in SUPPORTED_MODEL_TYPES, "model_type", self.model_type, f"one of {SUPPORTED_MODEL_TYPES}"
+        )
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
+        """Read an HF `config.json` dict; raise ValueError naming the field for anything unsupported."""
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be the dict of a config.json, got {type(config).__name__}")
+        model_type = config.get("model_type")
+        if model_type in MOE_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is a mixture-of-experts model; the native decoder is dense only "
+                f"(supported: {SUPPORTED_MODEL_TYPES})"
+            )
+        _require(model_type in SUPPORTED_MODEL_TYPES, "model_type", model_type, f"one of {SUPPORTED_MODEL_TYPES}")
+        for name in MOE_FIELDS:
+            if config.get(name):
+                raise ValueError(
+                    f"{name}={config[name]!r}: mixture-of-experts configs are not supported; the native decoder "
+                    "is dense only"
+                )
+        if config.get("use_sliding_window"):
+            raise ValueError(
+                f"use_sliding_window={config['use_sliding_window']!r} "
+                f"(sliding_window={config.get('sliding_window')!r}) is not supported: the native decoder "
+                "attends to the full context and would compute different logits"
+            )
+        if model_type == "llama" and config.get("sliding_window"):
+            raise ValueError(f"sliding_window={config['sliding_window']!r} is not supported by the native decoder")
+        layer_types = config.get("layer_types")
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"layer_types={sorted(set(layer_types))!r} is not supported: every layer must be 'full_attention'"
+            )
+        act = config.get("hidden_act", "silu")
+        _require(act == "silu", "hidden_act", act, "'silu' (SwiGLU MLP)")
+        if config.get("pretraining_tp", 1) not in (1, None):
+            raise ValueError(f"pretraining_tp={config['pretraining_tp']!r} is not supported: expected 1")
+
+        def required(name: str) -> Any:
+            if name not in config or config[name] is None:
+                raise ValueError(f"config.json is missing required field {name!r} (model_type={model_type!r})")
+            return config[name]
+
+        hidden_size = required("hidden_size")
+        num_heads = required("num_attention_heads")
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            head_dim = QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else hidden_size // num_heads
+        num_kv_heads = config.get("num_key_value_heads")
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        rope_theta, rope_scaling = _read_rope(config)
+        attention_bias = bool(config.get("attention_bias", False))
+        dtype = config.get("torch_dtype", config.get("dtype")) or "float32"
+        return cls(
+            model_type=model_type,
+            vocab_size=required("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=required("intermediate_size"),
+            num_hidden_layers=required("num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type])),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # Qwen2Attention hard-codes bias=True on q/k/v and False on o_proj; llama and qwen3 use attention_bias.
+            attention_qkv_bias=True if model_type == "qwen2" else attention_bias,
+            attention_out_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=config.get("eos_token_id"),
+            torch_dtype=str(dtype).removeprefix("torch."),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A transformers-4-style config.json dict (transformers 5 reads it too) that `from_hf` maps back to self."""
+        config: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.rope_scaling.rope_type != "default":
+            scaling = asdict(self.rope_scaling)
+            if self.rope_scaling.rope_type == "linear":
+                scaling = {"rope_type": "linear", "factor": self.rope_scaling.factor}
+            config["rope_scaling"] = scaling
+        if self.model_type == "qwen2":
+            config["use_sliding_window"] = False
+        else:
+            if self.attention_qkv_bias != self.attention_out_bias:
+                raise ValueError(
+                    f"model_type={self.model_type!r} has one attention_bias for q/k/v and o_proj; got "
+                    f"attention_qkv_bias={self.attention_qkv_bias}, attention_out_bias={self.attention_out_bias}"
+                )
+            config["attention_bias"] = self.attention_qkv_bias
+        if self.model_type == "qwen3":
+            config["use_sliding_window"] = False
+        if self.model_type == "llama":
+            config["mlp_bias"] = self.mlp_bias
+        return config
+
+
+def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """rope_theta and scaling from transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ValueError(f"rope_parameters/rope_scaling must be a dict or null, got {params!r} / {scaling!r}")
+    merged = {**scaling, **params}
+    theta = config.get("rope_theta", merged.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported: expected one of {SUPPORTED_ROPE_TYPES} "
+            "(yarn, dynamic, longrope and others change attention in ways the native decoder does not implement)"
+        )
+    if rope_type == "default":
+        return float(theta), RopeScaling()
+    factor = merged.get("factor")
+    _require(isinstance(factor, (int, float)) and factor >= 1.0, "rope_scaling.factor", factor, "a number >= 1")
+    if rope_type == "linear":
+        return float(theta), RopeScaling(rope_type="linear", factor=float(factor))
+    missing = [name for name in LLAMA3_ROPE_FIELDS if merged.get(name) is None]
+    if missing:
+        raise ValueError(f"rope_scaling type 'llama3' needs fields {missing}")
+    return float(theta), RopeScaling(
+        rope_type="llama3",
+        factor=float(factor),
+        low_freq_factor=float(merged["low_freq_factor"]),
+        high_freq_factor=float(merged["high_freq_factor"]),
+        original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+    )
+
+
+def _require(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not supported: expected {expected}")

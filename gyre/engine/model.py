@@ -1,0 +1,301 @@
+"""The native dense decoder: a pure-torch Llama/Qwen2/Qwen3-style causal LM with an explicit KV cache.
+
+Contract
+- `DecoderLM(config)(input_ids_BT, positions_BT, kv_cache=None, attention_mask=None)` returns
+  `(logits_BTV, kv_cache)`. Positions are explicit (RoPE angle = position * frequency), so a row may hold
+  several packed sequences whose positions restart at 0, or continue a request from any offset.
+- `kv_cache` holds, per layer, the keys (RoPE already applied) and values of every earlier token of each row:
+  `[B, num_key_value_heads, S_past, head_dim]`. The returned cache is a new object holding past + these
+  tokens; the input cache is not modified, so a caller can keep, fork or drop it per request.
+- Without `attention_mask`, token t of the call attends to every cached token and to the call's tokens up to t
+  (causal in cache order). With it, `attention_mask` is a bool `[B, T, S_past + T]` (or `[B, 1, T, S]`),
+  True = may attend; `block_causal_mask(segment_ids_BT)` builds the block-diagonal mask for packed rows.
+  A query row with no True entry has no defined output (softmax over nothing): give every query a key.
+- Parameter names equal HF's (`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints and weight updates
+  by name need no translation. With tied embeddings there is no `lm_head` parameter.
+- Device-agnostic: everything follows the device of the parameters and inputs; no CUDA calls. Token ids are
+  not range-checked here (that costs a device sync); the engine validates requests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gyre.engine.hf_config import DecoderConfig
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys (RoPE applied) and values per layer, each `[B, num_key_value_heads, S, head_dim]`."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def length(self) -> int:
+        """Tokens cached per row (S)."""
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def block_causal_mask(segment_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Bool `[B, T, T]`: token i may attend to token j iff j <= i and both belong to the same segment."""
+    if segment_ids_BT.dim() != 2:
+        raise ValueError(f"segment_ids_BT must be [B, T], got shape {tuple(segment_ids_BT.shape)}")
+    T = segment_ids_BT.shape[1]
+    same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=segment_ids_BT.device).tril()
+    return same_BTT & causal_TT
+
+
+def segments_from_positions(positions_BT: torch.Tensor) -> torch.Tensor:
+    """Segment ids `[B, T]` of packed rows: a new segment starts wherever the position is 0."""
+    return (positions_BT == 0).long().cumsum(dim=1)
+
+
+def rope_inv_freq(config: DecoderConfig, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies `[head_dim / 2]` in fp32 (HF: theta ** -(2i / head_dim), then rope scaling)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = config.rope_scaling
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor  # same as dividing positions by factor
+    elif scaling.rope_type == "llama3":
+        # transformers `_compute_llama3_parameters`: long wavelengths slowed by `factor`, short ones kept,
+        # the band between interpolated smoothly.
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(
+    positions_BT: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[B, 1, T, head_dim]`, computed in fp32 and cast to `dtype` (as HF does)."""
+    freqs_BTF = positions_BT.float()[:, :, None] * inv_freq[None, None, :]
+    emb_BTD = torch.cat((freqs_BTF, freqs_BTF), dim=-1)
+    return emb_BTD.cos().to(dtype)[:, None], emb_BTD.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF convention: the pairs rotated together are (i, i + head_dim/2), not adjacent lanes."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, normalized in fp32 and cast back before the weight (HF order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        qkv_bias = config.attention_qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x_BTC: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        B, T, _ = x_BTC.shape
+        q_BHTD = self.q_proj(x_BTC).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BKTD = self.k_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BKTD = self.v_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:  # qwen3: per-head RMSNorm before RoPE
+            q_BHTD, k_BKTD = self.q_norm(q_BHTD), self.k_norm(k_BKTD)
+        q_BHTD = q_BHTD * cos + rotate_half(q_BHTD) * sin
+        k_BKTD = k_BKTD * cos + rotate_half(k_BKTD) * sin
+        if past is not None:
+            k_BKSD = torch.cat((past[0], k_BKTD), dim=2)
+            v_BKSD = torch.cat((past[1], v_BKTD), dim=2)
+        else:
+            k_BKSD, v_BKSD = k_BKTD, v_BKTD
+        groups = self.num_heads // self.num_kv_heads
+        # GQA: query head h reads key/value head h // groups (HF repeat_kv order).
+        k_BHSD = k_BKSD.repeat_interleave(groups, dim=1) if groups > 1 else k_BKSD
+        v_BHSD = v_BKSD.repeat_interleave(groups, dim=1) if groups > 1 else v_BKSD
+        is_causal = mask is None and past is None and T > 1
+        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, is_causal=is_causal)
+        out_BTC = out_BHTD.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out_BTC), (k_BKSD, v_BKSD)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, past, mask):
+        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, past, mask)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class DecoderStack(nn.Module):
+    """Embedding, layers and final norm; named `model` inside `DecoderLM` so parameter names equal HF's."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Causal LM over `DecoderStack`; see the module docstring for the forward contract."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        # Tied: logits use model.embed_tokens.weight; no separate parameter exists (nor in state_dict).
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_logits_to_keep: int = 0,
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Logits `[B, T, V]` (or of the last `num_logits_to_keep` tokens) in the parameter dtype, and the cache."""
+        self._check_inputs(input_ids_BT, positions_BT, kv_cache, attention_mask)
+        T = input_ids_BT.shape[1]
+        past_len = kv_cache.length if kv_cache is not None else 0
+        x_BTC = self.model.embed_tokens(input_ids_BT)
+        inv_freq = rope_inv_freq(self.config, device=x_BTC.device)
+        cos, sin = rope_cos_sin(positions_BT.to(x_BTC.device), inv_freq, x_BTC.dtype)
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
+        elif past_len > 0 and T > 1:  # chunk on top of a cache: causal in cache order
+            keys = torch.arange(past_len + T, device=x_BTC.device)
+            queries = torch.arange(T, device=x_BTC.device) + past_len
+            mask = (keys[None, :] <= queries[:, None])[None, None]
+        keys_out, values_out = [], []
+        for i, layer in enumerate(self.model.layers):
+            past = (kv_cache.keys[i], kv_cache.values[i]) if kv_cache is not None and past_len > 0 else None
+            x_BTC, (k, v) = layer(x_BTC, cos, sin, past, mask)
+            keys_out.append(k)
+            values_out.append(v)
+        if num_logits_to_keep > 0:
+            x_BTC = x_BTC[:, -num_logits_to_keep:]
+        logits_BTV = F.linear(self.model.norm(x_BTC), self.output_weight)
+        return logits_BTV, KVCache(tuple(keys_out), tuple(values_out))
+
+    def _check_inputs(self, input_ids_BT, positions_BT, kv_cache, attention_mask) -> None:
+        if input_ids_BT.dim() != 2 or input_ids_BT.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"input_ids_BT must be an integer [B, T] tensor, got {input_ids_BT.dtype} {tuple(input_ids_BT.shape)}"
+            )
+        B, T = input_ids_BT.shape
+        if T == 0:
+            raise ValueError("input_ids_BT has no tokens (T = 0)")
+        if positions_BT.shape != input_ids_BT.shape or positions_BT.is_floating_point():
+            raise ValueError(
+                f"positions_BT must be an integer tensor shaped like input_ids_BT {tuple(input_ids_BT.shape)}, "
+                f"got {positions_BT.dtype} {tuple(positions_BT.shape)}"
+            )
+        past_len = 0
+        if kv_cache is not None:
+            if len(kv_cache.keys) != self.config.num_hidden_layers or len(kv_cache.values) != len(kv_cache.keys):
+                raise ValueError(
+                    f"kv_cache has {len(kv_cache.keys)} key / {len(kv_cache.values)} value layers, "
+                    f"expected {self.config.num_hidden_layers}"
+                )
+            past_len = kv_cache.length
+            if past_len > 0 and kv_cache.keys[0].shape[0] != B:
+                raise ValueError(f"kv_cache holds {kv_cache.keys[0].shape[0]} rows, input_ids_BT has {B}")
+        if attention_mask is not None:
+            expected = (B, T, past_len + T)
+            shape = tuple(attention_mask.shape)
+            ok = shape == expected or (
+                len(shape) == 4 and shape[0] == B and shape[1] == 1 and shape[2:] == expected[1:]
+            )
+            if attention_mask.dtype != torch.bool or not ok:
+                raise ValueError(
+                    f"attention_mask must be bool [B, T, S_past + T] = {list(expected)} (True = may attend), "
+                    f"got {attention_mask.dtype} {list(shape)}"
+                )
+
+
+def build_model(
+    config: DecoderConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
+) -> DecoderLM:
+    """A randomly initialized model (normal(0, 0.02) matrices, unit norms, zero biases); deterministic in `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    model = DecoderLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model.to(device=device, dtype=dtype)

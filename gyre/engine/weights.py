@@ -1,0 +1,140 @@
+"""Load and save the native decoder in HF layout: `config.json` + safetensors with HF parameter names.
+
+Contract
+- `load_pretrained(path, dtype, device)` reads `config.json` (via `DecoderConfig.from_hf`) and either the
+  shards named by `model.safetensors.index.json` or every `*.safetensors` file in the directory. It is strict:
+  any missing or unexpected tensor name, or a shape that does not match the config, raises a ValueError that
+  lists them. Tolerated extras, as in transformers: `*.rotary_emb.inv_freq` buffers of old checkpoints, and
+  an `lm_head.weight` equal to the embedding in a tied checkpoint.
+- `save_pretrained(model, path, max_shard_bytes=None)` writes the same layout (`model.safetensors`, or
+  `model-0000k-of-0000n.safetensors` + index when the tensors exceed `max_shard_bytes`), loadable by
+  transformers' `AutoModelForCausalLM.from_pretrained` as well as by `load_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from gyre.engine.hf_config import DecoderConfig
+from gyre.engine.model import DecoderLM
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints carry
+
+
+def read_config(path: str | Path) -> DecoderConfig:
+    """The `DecoderConfig` of an HF-layout directory."""
+    config_path = Path(path) / CONFIG_NAME
+    if not config_path.is_file():
+        raise ValueError(f"{config_path} not found: expected an HF-layout directory (config.json + *.safetensors)")
+    return DecoderConfig.from_hf(json.loads(config_path.read_text()))
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """Safetensors files of a checkpoint: the index's shards if an index exists, else every `*.safetensors`."""
+    path = Path(path)
+    index_path = path / INDEX_NAME
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path} has no 'weight_map'")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index_path} names shards that are not in {path}: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    return files
+
+
+def read_state_dict(path: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint by HF name, cast to `dtype` on `device`; a name in two files is an error."""
+    state: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name in state:
+                    raise ValueError(f"tensor {name!r} appears in more than one file of {path} (last: {file.name})")
+                state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
+    return state
+
+
+def load_pretrained(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DecoderLM:
+    """The model of an HF-layout directory, in eval mode, with parameters of `dtype` on `device`."""
+    config = read_config(path)
+    state = read_state_dict(path, dtype=dtype, device=device)
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    for name in [n for n in state if n.endswith(IGNORED_SUFFIXES)]:
+        del state[name]
+    if config.tie_word_embeddings and "lm_head.weight" in state:
+        embed = state.get("model.embed_tokens.weight")
+        if embed is None or not torch.equal(state["lm_head.weight"], embed):
+            raise ValueError(
+                f"{path}: tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight; "
+                "set tie_word_embeddings=false in config.json if the checkpoint has a separate lm_head"
+            )
+        del state["lm_head.weight"]
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = sorted(
+        f"{n}: file {tuple(state[n].shape)} vs config {expected[n]}"
+        for n in set(expected) & set(state)
+        if tuple(state[n].shape) != expected[n]
+    )
+    if missing or unexpected or wrong_shape:
+        raise ValueError(
+            f"checkpoint {path} does not match its config.json (model_type={config.model_type!r}): "
+            f"missing {missing}; unexpected {unexpected}; wrong shape {wrong_shape}"
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def save_pretrained(model: DecoderLM, path: str | Path, *, max_shard_bytes: int | None = None) -> list[Path]:
+    """Write config.json and safetensors (sharded with an index past `max_shard_bytes`); returns the files."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    dtype = next(iter(state.values())).dtype
+    hf_config = model.config.to_hf()
+    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    # Remove files of an earlier save in another layout, so the directory holds exactly one checkpoint.
+    for old in [*path.glob("*.safetensors"), path / INDEX_NAME]:
+        old.unlink(missing_ok=True)
+    metadata = {"format": "pt"}  # transformers refuses safetensors without it
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
+        return [path / CONFIG_NAME, path / SINGLE_FILE]
+    files, weight_map = [], {}
+    for k, shard in enumerate(shards, start=1):
+        name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+        files.append(path / name)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return [path / CONFIG_NAME, *files, path / INDEX_NAME]
