@@ -1,0 +1,270 @@
+"""Build gyre's tiny default model, tokenizer included, as one HF-layout directory; deterministic, no downloads.
+
+`build_tiny_model(out_dir, spec=None, seed=0)` trains the tokenizer (`build_tokenizer`), sizes a Qwen3-style
+decoder from `TinyModelSpec` and the tokenizer's vocabulary, initializes it with `gyre.engine.build_model`
+(seeded) and writes `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
+`special_tokens_map.json` into `out_dir`. Contract:
+- `gyre.engine.load_pretrained(out_dir)` and `load_tokenizer(out_dir)` load it, like a real local checkpoint;
+- `config.json` carries `bos_token_id`, `eos_token_id` and `pad_token_id` equal to the tokenizer's ids of
+  `BOS_TOKEN`, `EOS_TOKEN` and `PAD_TOKEN`, and `vocab_size` equal to the tokenizer's vocabulary;
+- the same spec and seed give byte-identical files (for one version of torch, safetensors and tokenizers);
+- `out_dir` must be absent, empty, or hold only the files a build writes: a build never deletes a user's
+  checkpoint (`save_pretrained` removes `*.safetensors` it finds).
+`tiny_model_dir(cache_root=None, spec=None, seed=0)` builds once per (spec, seed, tokenizer inputs, library
+versions) under a cache root and returns the directory; concurrent callers are safe (staging directory, then
+an atomic rename). Importing this module imports neither torch nor tokenizers. See docs/tiny-model.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from gyre.models.chat_template import TEMPLATE_PATH
+from gyre.models.tokenizer import (
+    BOS_TOKEN,
+    CORPUS_DIR,
+    DEFAULT_VOCAB_SIZE,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    build_tokenizer,
+)
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)
+CACHE_ENV = "GYRE_CACHE"  # overrides the default cache root ~/.cache/gyre
+CACHE_PREFIX = "tiny-"
+# Bump when the build changes its output for the same inputs in a way the hashed sources do not capture.
+BUILD_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyModelSpec:
+    """Shape of the tiny decoder. Defaults follow DESIGN.md's prototype that learned tool use on 2 cores.
+
+    `model_type` is `qwen3` (no attention biases, per-head RMSNorm on q and k before RoPE): QK-norm bounds the
+    attention logits, which keeps a tiny model stable under the high warm-start learning rate (1e-3) and under
+    RL updates, and Qwen3 is the architecture of the real checkpoints gyre serves, so the tiny model exercises
+    the same code path (`qwen2` would add q/k/v biases and no QK-norm; `llama` is also accepted).
+    """
+
+    model_type: str = "qwen3"  # qwen3 | qwen2 | llama (gyre.engine.hf_config.SUPPORTED_MODEL_TYPES)
+    vocab_size: int = DEFAULT_VOCAB_SIZE  # tokenizer vocabulary asked for; config.json gets the one trained
+    hidden_size: int = 192  # residual width (DESIGN.md: d 192)
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4  # query heads, head_dim 48
+    num_key_value_heads: int = 2  # GQA: 2 query heads per KV head, as real Qwen models (halves KV bytes)
+    intermediate_size: int = 512  # SwiGLU inner width (DESIGN.md: SwiGLU 512)
+    tie_word_embeddings: bool = True  # the embedding is the output layer: at d 192 it is a large share
+    rope_theta: float = 10000.0  # RoPE base; contexts are short (episodes ~41-70 tokens)
+    max_position_embeddings: int = 4096  # context limit recorded in config.json for the engine
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "an int > 0")
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            "hidden_size",
+            self.hidden_size,
+            f"a multiple of num_attention_heads={self.num_attention_heads}",
+        )
+        _require(
+            (self.hidden_size // self.num_attention_heads) % 2 == 0,
+            "hidden_size",
+            self.hidden_size,
+            f"hidden_size / num_attention_heads even (RoPE rotates pairs); got head_dim "
+            f"{self.hidden_size // self.num_attention_heads}",
+        )
+        _require(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            "num_key_value_heads",
+            self.num_key_value_heads,
+            f"a divisor of num_attention_heads={self.num_attention_heads}",
+        )
+        _require(self.model_type in ("qwen3", "qwen2", "llama"), "model_type", self.model_type, "qwen3|qwen2|llama")
+        _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
+        _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def decoder_config(self, *, vocab_size: int, bos_token_id: int, eos_token_id: int):
+        """The `gyre.engine.DecoderConfig` for a tokenizer of `vocab_size` entries (imports gyre.engine)."""
+        from gyre.engine.hf_config import DecoderConfig
+
+        return DecoderConfig(
+            model_type=self.model_type,
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_qkv_bias=self.model_type == "qwen2",
+            attention_out_bias=False,
+            qk_norm=self.model_type == "qwen3",
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            torch_dtype="float32",
+        )
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, seed: int = 0) -> Path:
+    """Write the tokenizer and a seeded random-init decoder into `out_dir` (HF layout); returns `out_dir`.
+
+    Raises ValueError if `out_dir` is a file or a directory holding anything but the files a build writes.
+    """
+    from gyre.engine.model import build_model
+    from gyre.engine.weights import save_pretrained
+    from gyre.models.tokenizer import load_tokenizer
+
+    spec = TinyModelSpec() if spec is None else spec
+    if not isinstance(spec, TinyModelSpec):
+        raise TypeError(f"spec: expected a TinyModelSpec, got {type(spec).__name__}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed={seed!r}: expected an int >= 0")
+    out = _prepare_out_dir(Path(out_dir))
+
+    build_tokenizer(out, vocab_size=spec.vocab_size)
+    tokenizer = load_tokenizer(out)
+    ids = {token: tokenizer.token_to_id(token) for token in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)}
+    assert all(i is not None for i in ids.values()), ids  # build_tokenizer always adds the special tokens
+    config = spec.decoder_config(
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        bos_token_id=ids[BOS_TOKEN],
+        eos_token_id=ids[EOS_TOKEN],
+    )
+    save_pretrained(build_model(config, seed=seed), out)
+
+    # DecoderConfig has no pad id; transformers and the engine read it from config.json (from_hf ignores it).
+    config_path = out / CONFIG_FILE
+    hf_config: dict[str, Any] = json.loads(config_path.read_text())
+    hf_config["pad_token_id"] = ids[PAD_TOKEN]
+    config_path.write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Parameters stored in `model_dir/model.safetensors`, read from the header (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(Path(model_dir) / WEIGHTS_FILE), framework="pt") as reader:
+        for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+            shape = reader.get_slice(name).get_shape()
+            n = 1
+            for dim in shape:
+                n *= dim
+            total += n
+    return total
+
+
+def spec_hash(spec: TinyModelSpec | None = None, seed: int = 0) -> str:
+    """16 hex digits identifying a build: spec, seed, tokenizer inputs, build sources and library versions."""
+    spec = TinyModelSpec() if spec is None else spec
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"spec": asdict(spec), "seed": seed, "format": BUILD_FORMAT}, sort_keys=True).encode())
+    here = Path(__file__).parent
+    sources = [
+        *sorted(CORPUS_DIR.glob("*.txt")),
+        TEMPLATE_PATH,
+        here / "tokenizer.py",
+        here / "tiny.py",
+        here.parent / "engine" / "hf_config.py",
+        here.parent / "engine" / "model.py",
+        here.parent / "engine" / "weights.py",
+    ]
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for package in ("torch", "safetensors", "tokenizers"):
+        digest.update(f"{package}={_version(package)}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def default_cache_root() -> Path:
+    """`$GYRE_CACHE` if set, else `~/.cache/gyre`."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gyre"
+
+
+def tiny_model_dir(cache_root: str | Path | None = None, spec: TinyModelSpec | None = None, seed: int = 0) -> Path:
+    """The cached tiny model directory `<cache_root>/tiny-<spec_hash>`, built on first use.
+
+    A builder writes into a private staging directory next to the target and renames it into place; `rename`
+    of a directory is atomic on one filesystem, so a reader sees either no directory or a complete one. When
+    several processes or threads race, each builds, one rename wins and the others discard their copy.
+    """
+    root = default_cache_root() if cache_root is None else Path(cache_root)
+    target = root / f"{CACHE_PREFIX}{spec_hash(spec, seed)}"
+    if _is_complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-{os.getpid()}-", dir=root))
+    try:
+        build_tiny_model(staging, spec=spec, seed=seed)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            # Another builder renamed first (ENOTEMPTY/EEXIST); its copy is byte-identical to ours.
+            if not _is_complete(target):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in MODEL_FILES)
+
+
+def _prepare_out_dir(out: Path) -> Path:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {out} exists and is not a directory")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in MODEL_FILES)
+        if foreign:
+            raise ValueError(
+                f"out_dir {out} holds files a tiny-model build does not write ({', '.join(foreign[:5])}"
+                f"{', ...' if len(foreign) > 5 else ''}); use an empty or new directory"
+            )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"out_dir {out} cannot be created: {err.strerror or err}") from err
+    return out
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _require(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"TinyModelSpec.{name}={value!r}: expected {expected}")
