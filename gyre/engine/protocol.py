@@ -1,0 +1,385 @@
+"""The rollout engine protocol: what the proxy and the runtime may ask of any engine (native torch or SGLang).
+
+Contract
+- Requests are token ids in, token ids out (TITO): `GenerateRequest(request_id, execution_id, input_ids, params)`.
+  The engine never tokenizes. Every output token comes with its behavior log-prob: log p of that token under the
+  distribution it was actually drawn from (temperature, top-k, top-p applied; see `gyre.engine.sampling`).
+- A request ends in exactly one way: `stop` (a stop id was sampled; it is the last output token), `length`
+  (`max_new_tokens` reached), or `abort` (`abort(request_id)`, an expired `drain`, or `export_kv`). Ending by
+  abort is a result, not an exception: the caller gets every token produced so far with its log-prob.
+- Invalid input (empty prompt, out-of-vocabulary id, prompt + max_new_tokens beyond the context limit, bad
+  sampling parameters) raises `ValueError` for that request only; the engine keeps serving the others.
+- Methods that must wait for the engine's decode loop to reach a step boundary are `async`; `abort`,
+  `stop_accepting`, `resume_accepting`, `release_export` and `load` only record intent or read state and return
+  at once. Every state change happens between two decode steps, never inside one.
+- Weights carry an integer `policy_version`; results report the versions that produced their tokens, which is
+  what staleness accounting reads.
+
+Only dataclasses, exceptions and the `Engine` protocol live here: stdlib at import time (torch only for type
+hints), so the proxy can import it without the model stack. See `docs/engine.md`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+from gyre.config.checks import require
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+# Below this, logits / temperature can overflow fp32 to inf (NaN probabilities); greedy is temperature 0.
+MIN_TEMPERATURE = 1e-5
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine does not take new requests now: it stopped accepting (draining) or released its memory."""
+
+
+class EngineBusyError(RuntimeError):
+    """An operation that needs an idle engine (`release_memory`) was called with requests in flight or KV pinned."""
+
+
+def _int_tuple(values, field_name: str) -> tuple[int, ...]:
+    """A tuple of non-negative ints from any iterable of ints (lists, tuples, ranges); bools are rejected."""
+    require(
+        not isinstance(values, (str, bytes)) and hasattr(values, "__iter__"),
+        field_name,
+        values,
+        "a sequence of non-negative integer token ids",
+    )
+    out = tuple(values)
+    for value in out:
+        require(
+            isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+            field_name,
+            value,
+            "non-negative integer token ids",
+        )
+    return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to draw each output token. The filters apply in this order: temperature, top-k, top-p."""
+
+    temperature: float = 1.0  # logits are divided by it; 0 = greedy (argmax). RL should sample with > 0.
+    top_p: float = 1.0  # nucleus: keep the smallest top set whose probability reaches top_p; 1 = off
+    top_k: int = 0  # keep the k most likely tokens (ties with the k-th kept); 0 = off
+    max_new_tokens: int = 256  # the request ends with finish reason "length" after this many output tokens
+    stop_token_ids: tuple[int, ...] = ()  # sampling one ends the request ("stop"); it is kept as the last output
+    seed: int | None = None  # per-request generator seed: same seed, weights and prompt -> same tokens
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool),
+            "temperature",
+            self.temperature,
+            "a number >= 0 (0 = greedy)",
+        )
+        require(
+            self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+            "temperature",
+            self.temperature,
+            f"0 (greedy) or a number >= {MIN_TEMPERATURE}",
+        )
+        require(
+            isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool),
+            "top_p",
+            self.top_p,
+            "a number in (0, 1] (1 = off)",
+        )
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1] (1 = off)")
+        require(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 = off)")
+        require(
+            _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+            "max_new_tokens",
+            self.max_new_tokens,
+            "an integer >= 1",
+        )
+        require(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+            "seed",
+            self.seed,
+            "None or an integer in [0, 2**63)",
+        )
+        object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids, "stop_token_ids"))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def filters(self) -> bool:
+        """True when top-k or top-p removes tokens (for some vocabulary)."""
+        return self.top_k > 0 or self.top_p < 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """One model call: continue `input_ids` (the whole context, not a delta) for the execution `execution_id`.
+
+    `execution_id` lets the engine reuse the KV of an earlier request of the same execution whose tokens are a
+    prefix of these (and of a `KVExport` imported for it). Token ids are range-checked by the engine, which knows
+    its vocabulary.
+    """
+
+    request_id: str  # unique among the engine's in-flight requests; the handle for abort and export_kv
+    execution_id: str  # the execution (harness session) this call belongs to
+    input_ids: tuple[int, ...]  # prompt token ids, at least one
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.request_id, str) and self.request_id != "",
+            "request_id",
+            self.request_id,
+            "a non-empty string",
+        )
+        require(
+            isinstance(self.execution_id, str) and self.execution_id != "",
+            "execution_id",
+            self.execution_id,
+            "a non-empty string",
+        )
+        object.__setattr__(self, "input_ids", _int_tuple(self.input_ids, "input_ids"))
+        require(len(self.input_ids) > 0, "input_ids", self.input_ids, "at least one prompt token")
+        require(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateTimings:
+    """Wall-clock seconds of one request, measured by the engine."""
+
+    queued_s: float  # submission -> admitted into the running batch
+    first_token_s: float  # submission -> first output token sampled (time to first token)
+    total_s: float  # submission -> finished
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateResult:
+    """The outcome of one request; `output_logprobs[i]` is the behavior log-prob of `output_ids[i]`."""
+
+    request_id: str
+    output_ids: tuple[int, ...]  # sampled tokens; a stop id, if any, is the last one
+    output_logprobs: tuple[float, ...]  # one per output token (see gyre.engine.sampling)
+    finish_reason: FinishReason
+    policy_version: int  # weights version that produced the first output token (at admission if none)
+    last_policy_version: int  # version that produced the last token; differs only across a mid-request update
+    prompt_tokens: int  # len(input_ids)
+    cached_tokens: int  # prompt tokens whose KV was reused (prefix of the same execution or imported), not computed
+    timings: GenerateTimings
+
+    def __post_init__(self) -> None:
+        require(self.finish_reason in FINISH_REASONS, "finish_reason", self.finish_reason, f"one of {FINISH_REASONS}")
+        require(
+            len(self.output_logprobs) == len(self.output_ids),
+            "output_logprobs",
+            f"{len(self.output_logprobs)} values",
+            f"one per output token ({len(self.output_ids)})",
+        )
+        require(
+            0 <= self.cached_tokens <= self.prompt_tokens,
+            "cached_tokens",
+            self.cached_tokens,
+            f"between 0 and prompt_tokens={self.prompt_tokens}",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenChunk:
+    """A piece of a streamed request. Concatenating the chunks' tokens gives `GenerateResult.output_ids`.
+
+    The last chunk of a stream has `finish_reason` set (and may carry no tokens, e.g. after an abort); every other
+    chunk has `finish_reason=None`.
+    """
+
+    request_id: str
+    index: int  # position of token_ids[0] among the request's output tokens
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # behavior log-prob of each token
+    policy_version: int  # weights version that produced these tokens
+    finish_reason: FinishReason | None = None
+    timings: GenerateTimings | None = None  # on the last chunk only
+
+    def __post_init__(self) -> None:
+        require(
+            self.finish_reason is None or self.finish_reason in FINISH_REASONS,
+            "finish_reason",
+            self.finish_reason,
+            f"None or one of {FINISH_REASONS}",
+        )
+        require(
+            len(self.logprobs) == len(self.token_ids),
+            "logprobs",
+            f"{len(self.logprobs)} values",
+            f"one per token ({len(self.token_ids)})",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """Where one named tensor lies in a flat weight buffer."""
+
+    name: str  # HF parameter name, e.g. "model.layers.0.self_attn.q_proj.weight"
+    dtype: str  # torch dtype name without the prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int  # byte offset of the first element in the buffer
+
+    def __post_init__(self) -> None:
+        require(_is_int(self.offset) and self.offset >= 0, "offset", self.offset, "a byte offset >= 0")
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlatWeights:
+    """Many tensors in one contiguous byte buffer (one transfer instead of hundreds), described by a manifest."""
+
+    buffer: torch.Tensor  # 1-D uint8
+    manifest: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "manifest", tuple(self.manifest))
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVExport:
+    """One request's KV state, enough for another engine with the same weights to continue without prefill.
+
+    `token_ids` are the tokens whose keys and values are held (the prompt and the output tokens already fed
+    back); the last sampled token is usually not among them. The source keeps these blocks pinned until
+    `release_export(request_id)`.
+    """
+
+    request_id: str
+    execution_id: str
+    token_ids: tuple[int, ...]  # tokens covered, in order; len == keys[i].shape[1]
+    policy_version: int  # weights the KV was computed with; the destination must hold the same version
+    keys: tuple[torch.Tensor, ...]  # per layer [num_key_value_heads, len(token_ids), head_dim], RoPE applied
+    values: tuple[torch.Tensor, ...]  # per layer, same shape as keys
+    output_ids: tuple[int, ...] = ()  # tokens the request generated here; token_ids is a prefix of prompt + these
+    output_logprobs: tuple[float, ...] = ()  # their behavior log-probs (the same as in the source's result)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLoad:
+    """A snapshot for routing and scheduling; counts are requests, KV is in tokens."""
+
+    capacity: int  # most requests decoded concurrently (running slots)
+    running: int  # requests in the running batch
+    queued: int  # requests accepted but waiting for a slot
+    kv_tokens_total: int  # KV capacity in tokens (0 while memory is released)
+    kv_tokens_free: int  # not held by running requests, pinned exports or the prefix cache's non-evictable part
+    accepting: bool  # False after stop_accepting / while memory is released
+    memory_released: bool
+    policy_version: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A rollout engine. Implementations: the native torch engine; the SGLang adapter (GPU clusters)."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Run one request to its end and return all its tokens with behavior log-probs.
+
+        Raises `ValueError` (bad input, duplicate in-flight `request_id`) or `EngineUnavailableError` (not
+        accepting, memory released) before anything is queued. An aborted request returns normally with
+        `finish_reason="abort"` and the tokens produced so far. Cancelling the awaiting task aborts the request.
+        """
+        ...
+
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Like `generate`, but yield tokens as they are sampled (implementations are `async def` generators).
+
+        The same errors are raised on the first `__anext__`. The last chunk carries the finish reason; closing the
+        iterator early (`aclose()`, leaving an `async for`) aborts the request.
+        """
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Ask the request to end at the next step boundary; its `generate` returns `finish_reason="abort"`.
+
+        Returns True if the request was queued or running (a queued one ends with no tokens), False if the id is
+        unknown or already finished (abort is idempotent and never raises for an unknown id). An abort also
+        releases a pinned export of that request id.
+        """
+        ...
+
+    def stop_accepting(self) -> None:
+        """New `generate` calls raise `EngineUnavailableError` from now on; queued and running requests go on."""
+        ...
+
+    def resume_accepting(self) -> None:
+        """Undo `stop_accepting` (e.g. when a cell returns to the rollout role)."""
+        ...
+
+    async def drain(self, *, abort_after_s: float | None = None) -> None:
+        """Stop accepting, then return once no request is queued or running (each finishes normally).
+
+        With `abort_after_s`, requests still in flight after that many seconds are aborted (their callers get
+        `finish_reason="abort"` and their partial output), so a role transition has a bounded wait.
+        """
+        ...
+
+    async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
+        """Free device memory of the weights and/or the KV cache (the prefix cache is dropped with it).
+
+        The engine must be idle: raises `EngineBusyError` if any request is queued or running, or an export is
+        still pinned. While released, `generate` raises `EngineUnavailableError` and `load()` reports it.
+        """
+        ...
+
+    async def resume_memory(self, *, weights: bool = True, kv: bool = True) -> None:
+        """Reallocate what `release_memory` freed; weights come back as they were (same version) unless
+        `update_weights` was called in between, and the engine accepts again unless `stop_accepting` is in force."""
+        ...
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
+        """Copy new weights in by HF parameter name (all of them or a subset, e.g. one bucket) and set `version`.
+
+        Applied atomically between two decode steps. In-flight requests are not aborted: they keep their KV and
+        continue under the new weights (each token's log-prob is still the exact behavior log-prob; the result's
+        `last_policy_version` shows the switch). Callers that want no mixing drain first. The prefix cache of
+        finished requests is dropped (KV of old weights is not reused). Raises `ValueError` for an unknown name,
+        a wrong shape or dtype size, or `version` lower than the current one (nothing is applied then), and
+        `EngineUnavailableError` while the weights are released (resume first, then update: SGLang's order).
+        """
+        ...
+
+    async def export_kv(self, request_id: str) -> KVExport:
+        """End a running request here and hand over its KV, pinned until `release_export(request_id)`.
+
+        The request's `generate` returns `finish_reason="abort"` with its tokens so far; the same tokens are in
+        the export. Raises `KeyError` if the request is not running. To continue elsewhere: `import_kv(export)`
+        on the destination, then `generate` with `input_ids = prompt + output so far` and the remaining budget;
+        the destination prefills only the tokens not in `export.token_ids`.
+        """
+        ...
+
+    async def import_kv(self, export: KVExport) -> None:
+        """Install an exported KV so the next request of `export.execution_id` extending `export.token_ids` reuses it.
+
+        Raises `ValueError` if the layout (layers, KV heads, head_dim, dtype) or `policy_version` differs from this
+        engine's, or if there is no free KV for it.
+        """
+        ...
+
+    def release_export(self, request_id: str) -> bool:
+        """The destination confirmed the import: unpin the exported KV. Returns False if nothing was pinned."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Current capacity and load (cheap; no device sync)."""
+        ...

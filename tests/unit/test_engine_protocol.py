@@ -1,0 +1,151 @@
+"""The engine protocol's dataclasses validate their input with errors naming field, value and what is allowed."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from gyre.engine import protocol
+from gyre.engine.protocol import (
+    Engine,
+    EngineLoad,
+    GenerateRequest,
+    GenerateResult,
+    GenerateTimings,
+    SamplingParams,
+    TokenChunk,
+)
+
+TIMINGS = GenerateTimings(queued_s=0.0, first_token_s=0.01, total_s=0.02)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1e-9}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": True}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"stop_token_ids": [1, -2]}, "stop_token_ids"),
+        ({"stop_token_ids": "12"}, "stop_token_ids"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_sampling_params_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}=.* is not allowed: expected"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_and_normalization():
+    params = SamplingParams(stop_token_ids=[2, 7], temperature=0)
+    assert params.stop_token_ids == (2, 7) and params.greedy and not params.filters
+    assert SamplingParams(top_p=1).top_p == 1 and SamplingParams(top_k=3).filters
+    assert hash(params) == hash(SamplingParams(stop_token_ids=(2, 7), temperature=0))  # frozen and hashable
+    with pytest.raises(AttributeError):
+        params.temperature = 1.0
+
+
+def test_generate_request_validation():
+    request = GenerateRequest(request_id="r1", execution_id="e1", input_ids=[1, 2, 3])
+    assert request.input_ids == (1, 2, 3) and request.params == SamplingParams()
+    for kwargs, field in [
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1, -1]}, "input_ids"),
+        ({"input_ids": [1, True]}, "input_ids"),
+        ({"request_id": ""}, "request_id"),
+        ({"execution_id": 5}, "execution_id"),
+        ({"params": {"temperature": 1}}, "params"),
+    ]:
+        base = {"request_id": "r1", "execution_id": "e1", "input_ids": [1]} | kwargs
+        with pytest.raises(ValueError, match=rf"^{field}="):
+            GenerateRequest(**base)
+
+
+def test_result_and_chunk_validation():
+    common = {"request_id": "r", "policy_version": 3, "last_policy_version": 3, "timings": TIMINGS}
+    result = GenerateResult(
+        output_ids=(4, 5),
+        output_logprobs=(-0.1, -2.0),
+        finish_reason="stop",
+        prompt_tokens=3,
+        cached_tokens=2,
+        **common,
+    )
+    assert result.finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"^finish_reason='eos'"):
+        GenerateResult(
+            output_ids=(), output_logprobs=(), finish_reason="eos", prompt_tokens=1, cached_tokens=0, **common
+        )
+    with pytest.raises(ValueError, match=r"^output_logprobs="):
+        GenerateResult(
+            output_ids=(1,), output_logprobs=(), finish_reason="length", prompt_tokens=1, cached_tokens=0, **common
+        )
+    with pytest.raises(ValueError, match=r"^cached_tokens=4"):
+        GenerateResult(
+            output_ids=(), output_logprobs=(), finish_reason="abort", prompt_tokens=3, cached_tokens=4, **common
+        )
+    TokenChunk(request_id="r", index=0, token_ids=(), logprobs=(), policy_version=0, finish_reason="abort")
+    with pytest.raises(ValueError, match=r"^logprobs="):
+        TokenChunk(request_id="r", index=0, token_ids=(1, 2), logprobs=(0.0,), policy_version=0)
+
+
+class FakeEngine:
+    """Structurally an `Engine` (the runtime check looks at method names only)."""
+
+    async def generate(self, request): ...
+    def generate_stream(self, request): ...
+    def abort(self, request_id):
+        return False
+
+    def stop_accepting(self): ...
+    def resume_accepting(self): ...
+    async def drain(self, *, abort_after_s=None): ...
+    async def release_memory(self, *, weights=True, kv=True): ...
+    async def resume_memory(self, *, weights=True, kv=True): ...
+    async def update_weights(self, weights, *, version): ...
+    async def export_kv(self, request_id): ...
+    async def import_kv(self, export): ...
+    def release_export(self, request_id):
+        return False
+
+    def load(self):
+        return EngineLoad(
+            capacity=1,
+            running=0,
+            queued=0,
+            kv_tokens_total=0,
+            kv_tokens_free=0,
+            accepting=True,
+            memory_released=False,
+            policy_version=0,
+        )
+
+
+def test_engine_protocol_is_structural():
+    assert isinstance(FakeEngine(), Engine)
+    assert not isinstance(object(), Engine)
+
+
+def test_protocol_module_needs_no_torch_at_runtime():
+    """protocol.py itself imports stdlib and gyre.config only (torch for type hints under TYPE_CHECKING), so it
+    can move out of the torch-importing `gyre.engine` package without change."""
+    tree = ast.parse(Path(protocol.__file__).read_text())
+    modules = set()
+    for node in tree.body:  # top level only: the TYPE_CHECKING block is an `if`, not an import
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            modules.add((node.module or "").split(".")[0] if node.module != "gyre.config.checks" else "gyre.config")
+    assert modules <= {"__future__", "collections", "dataclasses", "typing", "gyre.config"}, modules
