@@ -12,6 +12,7 @@ from gyre.engine.model import (
     rope_inv_freq,
     segments_from_positions,
 )
+from gyre.engine.native import KVBuffer, NativeEngine
 from gyre.engine.protocol import (
     Engine,
     EngineBusyError,
@@ -42,8 +43,10 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "GenerateTimings",
+    "KVBuffer",
     "KVCache",
     "KVExport",
+    "NativeEngine",
     "RopeScaling",
     "SamplingParams",
     "TensorSpec",

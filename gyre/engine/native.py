@@ -1,0 +1,628 @@
+"""The native rollout engine: `DecoderLM` behind the `Engine` protocol, with continuous batching on asyncio.
+
+Contract (beyond `gyre.engine.protocol`)
+- One scheduler task per engine, started by the first request on the running event loop. Each iteration is one
+  step: finish aborted requests, admit queued requests (prefill one at a time, first token sampled from the
+  prefill logits), then one batched decode of every running request. A step is synchronous (it blocks the event
+  loop while torch computes), so every other coroutine of the engine runs between two steps: that is how
+  `update_weights`, `export_kv`, `release_memory` get "between two decode steps" without a lock.
+- KV: each request owns a buffer of `len(input_ids) + max_new_tokens` token slots per layer, allocated at
+  admission and filled in place. Admission holds the sum of running buffers within `max_tokens_in_flight`.
+  Decode pads the running caches to the longest and stacks them with a mask (keys beyond a row's length are
+  masked out); positions are explicit, so a row's result does not depend on its neighbours except for float
+  reduction order. Trade-off: the gather is O(batch x longest context) bytes per step. Paged attention would
+  avoid it; correctness first.
+- Prefix reuse: when a request finishes, its buffer (the KV of every fed token: prompt + outputs but the last) is
+  kept for its execution, one entry per execution, evicted oldest first when admission needs room. A request of
+  the same execution reuses the longest common token prefix (at most `len(input_ids) - 1`: the last prompt token
+  is always computed, its logits sample the first output) and reports it in `cached_tokens`. `import_kv`
+  installs an export as such an entry. KV of a request that spanned a weight update is not kept (mixed versions).
+- Memory accounting (`memory_bytes`): bytes of the tensors the engine holds on its device, counted as
+  `numel * element_size` of the live parameters and KV buffers (prefix entries and pinned exports included).
+  `release_memory(weights=True)` moves the parameters to a host copy (on a CPU device the copy is the same
+  storage, so process RAM does not drop; the model's live parameters do) and leaves empty tensors in the model.
+See `docs/engine.md` ("Native engine").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from gyre.engine.model import DecoderLM, KVCache
+from gyre.engine.protocol import (
+    EngineBusyError,
+    EngineLoad,
+    EngineUnavailableError,
+    FinishReason,
+    FlatWeights,
+    GenerateRequest,
+    GenerateResult,
+    GenerateTimings,
+    KVExport,
+    TokenChunk,
+)
+from gyre.engine.sampling import request_generator, sample_next
+
+logger = logging.getLogger(__name__)
+
+
+class KVBuffer:
+    """One sequence's keys and values: `[num_layers, num_key_value_heads, capacity, head_dim]` each, filled up to
+    `length`. All layers in one tensor, so moving a sequence in or out of a batch is one copy, not one per layer."""
+
+    def __init__(self, keys_LKCD: torch.Tensor, values_LKCD: torch.Tensor, length: int = 0):
+        self.keys_LKCD = keys_LKCD
+        self.values_LKCD = values_LKCD
+        self.length = length
+
+    @classmethod
+    def empty(cls, model: DecoderLM, capacity: int, device: torch.device, dtype: torch.dtype) -> KVBuffer:
+        config = model.config
+        shape = (config.num_hidden_layers, config.num_key_value_heads, capacity, config.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys_LKCD.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys_LKCD, self.values_LKCD))
+
+    def append(self, keys_LKTD: torch.Tensor, values_LKTD: torch.Tensor) -> None:
+        T = keys_LKTD.shape[2]
+        assert self.length + T <= self.capacity, "KV buffer overflow: admission sized it too small"
+        self.keys_LKCD[:, :, self.length : self.length + T] = keys_LKTD
+        self.values_LKCD[:, :, self.length : self.length + T] = values_LKTD
+        self.length += T
+
+    def copy_prefix_from(self, other: KVBuffer, length: int) -> None:
+        self.length = 0
+        self.append(other.keys_LKCD[:, :, :length], other.values_LKCD[:, :, :length])
+
+    def cache(self) -> KVCache | None:
+        """Per-layer `[1, K, length, D]` views for the model forward, or None when empty."""
+        if self.length == 0:
+            return None
+        n = self.length
+        return KVCache(
+            tuple(self.keys_LKCD[:, None, :, :n].unbind(0)), tuple(self.values_LKCD[:, None, :, :n].unbind(0))
+        )
+
+
+@dataclass
+class _Prefix:
+    """Reusable KV of one execution: `buffer` holds the keys and values of `token_ids`."""
+
+    token_ids: tuple[int, ...]
+    buffer: KVBuffer
+
+
+@dataclass(eq=False)
+class _Request:
+    request: GenerateRequest
+    future: asyncio.Future
+    chunks: asyncio.Queue | None  # set for streamed requests
+    submitted: float
+    generator: torch.Generator | None = None
+    buffer: KVBuffer | None = None
+    fed_ids: list[int] = field(default_factory=list)  # tokens whose KV is in `buffer`
+    next_token: int | None = None  # sampled, not yet fed
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    first_version: int = 0
+    last_version: int = 0
+    admitted: float | None = None
+    first_token: float | None = None
+    abort_requested: bool = False
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.request.input_ids) + self.request.params.max_new_tokens
+
+
+class NativeEngine:
+    """Continuous-batching engine over a `DecoderLM`; implements `gyre.engine.protocol.Engine`."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        max_running: int = 16,
+        max_tokens_in_flight: int | None = None,
+        device: torch.device | str | None = None,
+        policy_version: int = 0,
+    ):
+        if not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running={max_running!r} is not allowed: expected an integer >= 1")
+        config = model.config
+        if max_tokens_in_flight is None:
+            max_tokens_in_flight = max_running * config.max_position_embeddings
+        if not isinstance(max_tokens_in_flight, int) or max_tokens_in_flight < 2:
+            raise ValueError(f"max_tokens_in_flight={max_tokens_in_flight!r} is not allowed: expected an integer >= 2")
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device).eval()
+        self.dtype = next(model.parameters()).dtype
+        self.max_running = max_running
+        self.max_tokens_in_flight = max_tokens_in_flight
+        self.policy_version = policy_version
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._by_id: dict[str, _Request] = {}
+        self._prefix: OrderedDict[str, _Prefix] = OrderedDict()  # execution_id -> reusable KV, oldest first
+        self._pinned: dict[str, KVExport] = {}
+        self._accepting = True
+        self._weights_released = False
+        self._kv_released = False
+        self._weight_backup: dict[str, torch.Tensor] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+
+    # ----------------------------------------------------------------- requests
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        entry = self._submit(request, stream=False)
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        entry = self._submit(request, stream=True)
+        finished = False
+        try:
+            while True:
+                chunk = await entry.chunks.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+                if chunk.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def _submit(self, request: GenerateRequest, *, stream: bool) -> _Request:
+        if not isinstance(request, GenerateRequest):
+            raise TypeError(f"request must be a GenerateRequest, got {type(request).__name__}")
+        if self._error is not None:
+            raise EngineUnavailableError(f"the engine's scheduler failed: {self._error!r}")
+        if not self._accepting:
+            raise EngineUnavailableError("the engine stopped accepting requests (drain or stop_accepting)")
+        if self._weights_released or self._kv_released:
+            raise EngineUnavailableError("the engine's memory is released: call resume_memory first")
+        self._validate(request)
+        loop = asyncio.get_running_loop()
+        entry = _Request(
+            request=request,
+            future=loop.create_future(),
+            chunks=asyncio.Queue() if stream else None,
+            submitted=time.monotonic(),
+        )
+        self._by_id[request.request_id] = entry
+        self._waiting.append(entry)
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run(), name="gyre-native-engine")
+        return entry
+
+    def _validate(self, request: GenerateRequest) -> None:
+        config = self.model.config
+        if request.request_id in self._by_id:
+            raise ValueError(f"request_id={request.request_id!r} is already in flight: request ids must be unique")
+        bad = [t for t in request.input_ids if t >= config.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids={bad[:5]} are out of vocabulary: expected ids < {config.vocab_size}")
+        total = len(request.input_ids) + request.params.max_new_tokens
+        if total > config.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({len(request.input_ids)}) + max_new_tokens ({request.params.max_new_tokens}) = {total} "
+                f"exceeds the context limit {config.max_position_embeddings}"
+            )
+        if total > self.max_tokens_in_flight:
+            raise ValueError(
+                f"prompt + max_new_tokens = {total} exceeds max_tokens_in_flight={self.max_tokens_in_flight}"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        self._pinned.pop(request_id, None)  # an abort also releases a pinned export of this id
+        entry = self._by_id.get(request_id)  # finished requests leave _by_id
+        if entry is None:
+            return False
+        entry.abort_requested = True
+        self._wake.set()
+        return True
+
+    # ----------------------------------------------------------------- accepting / drain
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def resume_accepting(self) -> None:
+        self._accepting = True
+
+    async def drain(self, *, abort_after_s: float | None = None) -> None:
+        self.stop_accepting()
+        if abort_after_s is None:
+            await self._idle.wait()
+            return
+        try:
+            await asyncio.wait_for(self._idle.wait(), abort_after_s)
+        except TimeoutError:
+            for request_id in list(self._by_id):
+                self.abort(request_id)
+            await self._idle.wait()
+
+    async def close(self) -> None:
+        """Abort everything in flight and stop the scheduler task (not part of the protocol)."""
+        for request_id in list(self._by_id):
+            self.abort(request_id)
+        await self._idle.wait()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # ----------------------------------------------------------------- memory
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of live tensors the engine holds: `weights` (model parameters), `kv` (running, prefix, pinned)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv = sum(e.buffer.nbytes for e in self._running if e.buffer is not None)
+        kv += sum(p.buffer.nbytes for p in self._prefix.values())
+        kv += sum(x.nbytes for x in self._pinned.values())
+        return {"weights": weights, "kv": kv}
+
+    def _check_idle(self, what: str) -> None:
+        if self._by_id or self._pinned:
+            raise EngineBusyError(
+                f"{what} needs an idle engine: {len(self._by_id)} requests in flight, "
+                f"{len(self._pinned)} exports pinned (drain and release_export first)"
+            )
+
+    async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
+        self._check_idle("release_memory")
+        if kv:
+            self._prefix.clear()
+            self._kv_released = True
+        if weights and not self._weights_released:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    host = param.data if param.device.type == "cpu" else param.data.to("cpu")
+                    self._weight_backup[name] = host
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self._weights_released = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    async def resume_memory(self, *, weights: bool = True, kv: bool = True) -> None:
+        if weights and self._weights_released:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    param.data = self._weight_backup.pop(name).to(self.device)
+            self._weights_released = False
+        if kv:
+            self._kv_released = False
+
+    # ----------------------------------------------------------------- weights
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
+        if self._weights_released:
+            raise EngineUnavailableError("weights are released: resume_memory first, then update_weights")
+        if not isinstance(version, int) or version < self.policy_version:
+            raise ValueError(f"version={version!r} is not allowed: expected an integer >= {self.policy_version}")
+        named = _unflatten(weights) if isinstance(weights, FlatWeights) else dict(weights)
+        params = dict(self.model.named_parameters())
+        for name, tensor in named.items():  # check everything before applying anything
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"update_weights: {name} is a {type(tensor).__name__}, expected a torch.Tensor")
+            if name not in params:
+                raise ValueError(f"update_weights: unknown parameter name {name!r}")
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape) or tensor.element_size() != param.element_size():
+                raise ValueError(
+                    f"update_weights: {name} is {tensor.dtype} {tuple(tensor.shape)}, "
+                    f"expected {param.dtype} {tuple(param.shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in named.items():
+                params[name].copy_(tensor.to(device=self.device, dtype=params[name].dtype))
+        self.policy_version = version
+        self._prefix.clear()  # KV computed with the old weights is not reused
+
+    # ----------------------------------------------------------------- KV migration
+
+    async def export_kv(self, request_id: str) -> KVExport:
+        entry = self._by_id.get(request_id)
+        if entry is None or entry not in self._running:
+            raise KeyError(f"request {request_id!r} is not running on this engine")
+        buffer = entry.buffer
+        export = KVExport(
+            request_id=request_id,
+            execution_id=entry.request.execution_id,
+            token_ids=tuple(entry.fed_ids),
+            policy_version=self.policy_version,
+            keys=tuple(buffer.keys_LKCD[:, :, : buffer.length].clone().unbind(0)),
+            values=tuple(buffer.values_LKCD[:, :, : buffer.length].clone().unbind(0)),
+            output_ids=tuple(entry.output_ids),
+            output_logprobs=tuple(entry.output_logprobs),
+        )
+        self._pinned[request_id] = export
+        self._running.remove(entry)
+        entry.buffer = None  # moved: not kept for prefix reuse here
+        self._finish(entry, "abort", keep_prefix=False)
+        return export
+
+    async def import_kv(self, export: KVExport) -> None:
+        config = self.model.config
+        expected = (config.num_key_value_heads, len(export.token_ids), config.head_dim)
+        if len(export.keys) != config.num_hidden_layers or len(export.values) != config.num_hidden_layers:
+            raise ValueError(f"import_kv: export has {len(export.keys)} layers, expected {config.num_hidden_layers}")
+        for t in (*export.keys, *export.values):
+            if tuple(t.shape) != expected or t.dtype != self.dtype:
+                raise ValueError(f"import_kv: tensor {t.dtype} {tuple(t.shape)}, expected {self.dtype} {expected}")
+        if export.policy_version != self.policy_version:
+            raise ValueError(
+                f"import_kv: export computed with policy_version={export.policy_version}, "
+                f"this engine holds {self.policy_version}"
+            )
+        if self._kv_released:
+            raise EngineUnavailableError("KV memory is released: resume_memory first")
+        if len(export.token_ids) > self._free_tokens(evict=True):
+            raise ValueError(f"import_kv: no free KV for {len(export.token_ids)} tokens")
+        buffer = KVBuffer(torch.stack(export.keys).to(self.device), torch.stack(export.values).to(self.device))
+        buffer.length = len(export.token_ids)
+        self._prefix.pop(export.execution_id, None)
+        self._prefix[export.execution_id] = _Prefix(tuple(export.token_ids), buffer)
+
+    def release_export(self, request_id: str) -> bool:
+        return self._pinned.pop(request_id, None) is not None
+
+    # ----------------------------------------------------------------- load
+
+    def load(self) -> EngineLoad:
+        released = self._weights_released or self._kv_released
+        total = 0 if self._kv_released else self.max_tokens_in_flight
+        return EngineLoad(
+            capacity=self.max_running,
+            running=len(self._running),
+            queued=len(self._waiting),
+            kv_tokens_total=total,
+            kv_tokens_free=max(0, total - self._held_tokens()) if total else 0,
+            accepting=self._accepting and not released,
+            memory_released=released,
+            policy_version=self.policy_version,
+        )
+
+    def _held_tokens(self) -> int:
+        """Tokens not available to admission: running reservations and pinned exports (prefixes are evictable)."""
+        return sum(e.reserved_tokens for e in self._running) + sum(len(x.token_ids) for x in self._pinned.values())
+
+    def _free_tokens(self, *, evict: bool) -> int:
+        prefix = sum(p.buffer.capacity for p in self._prefix.values())
+        free = self.max_tokens_in_flight - self._held_tokens()
+        return free if evict else free - prefix
+
+    # ----------------------------------------------------------------- scheduler
+
+    async def _run(self) -> None:
+        while True:
+            if not self._waiting and not self._running:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                self._step()
+            except Exception as error:  # fail every caller with the real error, then stop serving
+                logger.exception("native engine step failed")
+                self._error = error
+                for entry in [*self._waiting, *self._running]:
+                    self._fail(entry, error)
+                self._waiting.clear()
+                self._running.clear()
+                self._by_id.clear()
+                self._idle.set()
+                return
+            await asyncio.sleep(0)  # step boundary: other coroutines of the engine run here
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        for entry in [e for e in self._waiting if e.abort_requested]:
+            self._waiting.remove(entry)
+            self._finish(entry, "abort", keep_prefix=False)
+        for entry in [e for e in self._running if e.abort_requested]:
+            self._running.remove(entry)
+            self._finish(entry, "abort", keep_prefix=True)
+        while self._waiting and len(self._running) < self.max_running:
+            entry = self._waiting[0]
+            if not self._make_room(entry.reserved_tokens):
+                break
+            self._waiting.popleft()
+            if self._prefill(entry):
+                self._running.append(entry)
+        if self._running:
+            self._decode()
+
+    def _make_room(self, tokens: int) -> bool:
+        """Evict prefix entries (oldest first) until `tokens` fit next to the running reservations."""
+        while self._free_tokens(evict=False) < tokens and self._prefix:
+            self._prefix.popitem(last=False)
+        return self._free_tokens(evict=False) >= tokens
+
+    def _prefill(self, entry: _Request) -> bool:
+        """Admit: reuse a prefix, compute the rest of the prompt, sample the first token. False if it finished."""
+        request = entry.request
+        prompt = list(request.input_ids)
+        entry.admitted = time.monotonic()
+        entry.generator = request_generator(request.params, self.device)
+        entry.buffer = KVBuffer.empty(self.model, entry.reserved_tokens, self.device, self.dtype)
+        prefix = self._prefix.pop(request.execution_id, None)
+        reused = 0
+        if prefix is not None:
+            limit = min(len(prefix.token_ids), len(prompt) - 1)
+            while reused < limit and prefix.token_ids[reused] == prompt[reused]:
+                reused += 1
+            if reused:
+                entry.buffer.copy_prefix_from(prefix.buffer, reused)
+        entry.cached_tokens = reused
+        entry.first_version = entry.last_version = self.policy_version
+        ids_1T = torch.tensor([prompt[reused:]], dtype=torch.long, device=self.device)
+        positions_1T = torch.arange(reused, len(prompt), device=self.device)[None]
+        logits_1TV, cache = self.model(ids_1T, positions_1T, kv_cache=entry.buffer.cache(), num_logits_to_keep=1)
+        entry.buffer.append(
+            torch.stack([k[0, :, reused:] for k in cache.keys]), torch.stack([v[0, :, reused:] for v in cache.values])
+        )
+        entry.fed_ids = list(prompt)
+        token_B, logp_B = sample_next(logits_1TV[:, -1], request.params, [entry.generator])
+        return not self._record(entry, int(token_B[0]), float(logp_B[0]))
+
+    def _decode(self) -> None:
+        """One token for every running request: pad caches to the longest, mask the padding, forward, sample."""
+        batch = self._running
+        B = len(batch)
+        lengths = [e.buffer.length for e in batch]
+        S = max(lengths)
+        config = self.model.config
+        shape = (config.num_hidden_layers, B, config.num_key_value_heads, S, config.head_dim)
+        keys_LBKSD = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values_LBKSD = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for b, e in enumerate(batch):
+            keys_LBKSD[:, b, :, : lengths[b]] = e.buffer.keys_LKCD[:, :, : lengths[b]]
+            values_LBKSD[:, b, :, : lengths[b]] = e.buffer.values_LKCD[:, :, : lengths[b]]
+        past = KVCache(tuple(keys_LBKSD.unbind(0)), tuple(values_LBKSD.unbind(0)))
+        lengths_B = torch.tensor(lengths, device=self.device)
+        mask_B1S = torch.arange(S + 1, device=self.device)[None, :] < lengths_B[:, None]
+        mask_B1S[:, S] = True  # the new token attends to itself
+        ids_B1 = torch.tensor([[e.next_token] for e in batch], dtype=torch.long, device=self.device)
+        logits_B1V, cache = self.model(ids_B1, lengths_B[:, None], kv_cache=past, attention_mask=mask_B1S[:, None])
+        new_keys_LBK1D = torch.stack([k[:, :, S:] for k in cache.keys])
+        new_values_LBK1D = torch.stack([v[:, :, S:] for v in cache.values])
+        for b, e in enumerate(batch):
+            e.buffer.append(new_keys_LBK1D[:, b], new_values_LBK1D[:, b])
+            e.fed_ids.append(e.next_token)
+        tokens_B, logps_B = sample_next(
+            logits_B1V[:, -1], [e.request.params for e in batch], [e.generator for e in batch]
+        )
+        tokens, logps = tokens_B.tolist(), logps_B.tolist()
+        finished = [e for b, e in enumerate(batch) if self._record(e, tokens[b], logps[b])]
+        for e in finished:
+            self._running.remove(e)
+
+    def _record(self, entry: _Request, token: int, logprob: float) -> bool:
+        """Append a sampled token; stream it; finish the request if it ended. True if it finished."""
+        params = entry.request.params
+        if entry.first_token is None:
+            entry.first_token = time.monotonic()
+        entry.output_ids.append(token)
+        entry.output_logprobs.append(logprob)
+        entry.last_version = self.policy_version
+        entry.next_token = token
+        reason: FinishReason | None = None
+        if token in params.stop_token_ids:
+            reason = "stop"
+        elif len(entry.output_ids) >= params.max_new_tokens:
+            reason = "length"
+        if entry.chunks is not None:
+            index = len(entry.output_ids) - 1
+            chunk = TokenChunk(
+                request_id=entry.request.request_id,
+                index=index,
+                token_ids=(token,),
+                logprobs=(logprob,),
+                policy_version=self.policy_version,
+                finish_reason=reason,
+                timings=self._timings(entry) if reason else None,
+            )
+            entry.chunks.put_nowait(chunk)
+        if reason is not None:
+            self._finish(entry, reason, keep_prefix=True, streamed_final=True)
+            return True
+        return False
+
+    def _timings(self, entry: _Request) -> GenerateTimings:
+        now = time.monotonic()
+        admitted = entry.admitted if entry.admitted is not None else now
+        first = entry.first_token if entry.first_token is not None else now
+        return GenerateTimings(
+            queued_s=admitted - entry.submitted, first_token_s=first - entry.submitted, total_s=now - entry.submitted
+        )
+
+    def _finish(self, entry: _Request, reason: FinishReason, *, keep_prefix: bool, streamed_final: bool = False):
+        request = entry.request
+        self._by_id.pop(request.request_id, None)
+        # KV from before a weight update is never reused (update_weights dropped the prefix cache for that reason).
+        fresh = entry.first_version == self.policy_version
+        if keep_prefix and fresh and entry.buffer is not None and entry.buffer.length > 0:
+            self._prefix.pop(request.execution_id, None)
+            self._prefix[request.execution_id] = _Prefix(tuple(entry.fed_ids), entry.buffer)
+        entry.buffer = None
+        timings = self._timings(entry)
+        if entry.chunks is not None and not streamed_final:
+            entry.chunks.put_nowait(
+                TokenChunk(
+                    request_id=request.request_id,
+                    index=len(entry.output_ids),
+                    token_ids=(),
+                    logprobs=(),
+                    policy_version=entry.last_version,
+                    finish_reason=reason,
+                    timings=timings,
+                )
+            )
+        if not entry.future.done():
+            entry.future.set_result(
+                GenerateResult(
+                    request_id=request.request_id,
+                    output_ids=tuple(entry.output_ids),
+                    output_logprobs=tuple(entry.output_logprobs),
+                    finish_reason=reason,
+                    policy_version=entry.first_version if entry.admitted is not None else self.policy_version,
+                    last_policy_version=entry.last_version if entry.admitted is not None else self.policy_version,
+                    prompt_tokens=len(request.input_ids),
+                    cached_tokens=entry.cached_tokens,
+                    timings=timings,
+                )
+            )
+        if not self._by_id:
+            self._idle.set()
+
+    def _fail(self, entry: _Request, error: BaseException) -> None:
+        if not entry.future.done():
+            entry.future.set_exception(error)
+            entry.future.exception()  # mark retrieved: a streamed request's future is never awaited
+        if entry.chunks is not None:
+            entry.chunks.put_nowait(error)
+
+
+def _unflatten(flat: FlatWeights) -> dict[str, torch.Tensor]:
+    """Named tensors viewed out of a flat uint8 buffer by its manifest (no copy)."""
+    out = {}
+    for spec in flat.manifest:
+        dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"update_weights: {spec.name} has unknown dtype {spec.dtype!r}")
+        numel = 1
+        for size in spec.shape:
+            numel *= size
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if spec.offset + nbytes > flat.buffer.numel():
+            raise ValueError(f"update_weights: {spec.name} lies beyond the buffer ({flat.buffer.numel()} bytes)")
+        out[spec.name] = flat.buffer[spec.offset : spec.offset + nbytes].view(dtype).reshape(spec.shape)
+    return out
