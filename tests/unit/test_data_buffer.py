@@ -73,23 +73,7 @@ def test_a_group_is_handed_out_once():
 
 
 def test_rewards_come_from_group_outcomes():
-    outcomes = GroupOutcomes(2, ["a", "b", "c"])
-    for e in ("a", "b", "c"):
-        outcomes.start(e, 10.0)
-    for e, score in (("b", 0.25), ("a", 0.75)):
-        state = EvaluatedState(execution=e, artifact_version="v1", branch="main")
-        outcomes.close(e, CloseKind.COMPLETED, now=1.0, final_state=state)
-        outcomes.record(
-            Evaluation(
-                score=score,
-                validity=Validity.VALID,
-                state=state,
-                attempt=1,
-                evaluator="t",
-                evaluator_version="1",
-                created_at=2.0,
-            )
-        )
+    outcomes = ready_outcomes(2, ["a", "b", "c"], {"b": 0.25, "a": 0.75})
     buffer = TrajectoryBuffer()
     buffer.add_group(0, 0, ["a", "b", "c"], group_size=2)
     for e in "abc":

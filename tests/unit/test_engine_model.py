@@ -431,7 +431,7 @@ LLAMA3_ROPE = {
 def test_parity_with_transformers(model_type, overrides, tmp_path):
     """Same weights in transformers give the same logits, and a checkpoint transformers saves loads back."""
     transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (not a gyre dependency); parity test not run"
+        "transformers", reason="transformers (the dev extra) is not installed; parity test not run"
     )
     model = random_model(model_type, **overrides)
     save_pretrained(model, tmp_path / "ours")

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
+from engine_fixtures import VOCAB, sharp_tiny_model
 
-from gyre.engine import DecoderConfig, build_model
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import (
     Engine,
@@ -22,31 +22,13 @@ from gyre.engine.protocol import (
 )
 from gyre.engine.sampling import sequence_logprobs
 
-VOCAB = 97
 TIMEOUT_S = 30.0
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = DecoderConfig.from_hf(
-        {
-            "model_type": "qwen3",
-            "vocab_size": VOCAB,
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 8,
-            "rope_theta": 500.0,
-            "max_position_embeddings": 128,
-        }
-    )
-    model = build_model(config, seed=3).eval()
-    with torch.no_grad():  # sharpen the near-uniform init: fewer near-ties, filters remove real mass
-        model.lm_head.weight.mul_(40.0)
-    return model
+    return sharp_tiny_model()
 
 
 async def steps(n: int) -> None:

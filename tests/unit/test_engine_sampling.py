@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
+from engine_fixtures import sharp_tiny_model
 
-from gyre.engine import DecoderConfig, build_model
 from gyre.engine.protocol import SamplingParams
 from gyre.engine.sampling import request_generator, sample_next, sampling_logprobs, sequence_logprobs
 
 ATOL = 1e-5
-VOCAB = 97
 PARAM_CASES = {
     "t1": SamplingParams(temperature=1.0),
     "t0.7": SamplingParams(temperature=0.7),
@@ -24,24 +23,7 @@ PARAM_CASES = {
 
 @pytest.fixture(scope="module")
 def model():
-    config = DecoderConfig.from_hf(
-        {
-            "model_type": "qwen3",
-            "vocab_size": VOCAB,
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 8,
-            "rope_theta": 500.0,
-            "max_position_embeddings": 128,
-        }
-    )
-    model = build_model(config, seed=3).eval()
-    with torch.no_grad():  # sharpen the near-uniform init so top-k/top-p remove real probability mass
-        model.lm_head.weight.mul_(40.0)
-    return model
+    return sharp_tiny_model()
 
 
 @torch.no_grad()
