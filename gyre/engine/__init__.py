@@ -1,6 +1,8 @@
-"""Rollout engines. So far: the native dense decoder (model, HF config, HF-layout weights).
+"""Rollout engines: the protocol, the native torch engine and its dense decoder, HF-layout weights.
 
-See `docs/native-model.md`. Imports torch, safetensors and stdlib only.
+Also here, imported from their modules: `gyre.engine.endpoint` (HTTP server of an engine), `gyre.engine.remote`
+(`RemoteEngine`, its client), `gyre.engine.wire` (their format), `gyre.engine.sglang_engine` (the SGLang adapter).
+See `docs/engine.md`, `docs/native-model.md`, `docs/sglang.md`. This package's import needs torch and safetensors.
 """
 
 from gyre.engine.hf_config import DecoderConfig, RopeScaling

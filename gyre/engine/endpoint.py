@@ -1,0 +1,352 @@
+"""The engine endpoint: a cell leader serves its engine over HTTP to the proxy (and separate-pool engines alike).
+
+aiohttp, the same stack as the proxy (DESIGN.md: ~0.5 ms CPU per request, tens of microseconds per relayed
+chunk). Every route maps to one `Engine` method; the wire format is `gyre.engine.wire`; the client is
+`gyre.engine.remote.RemoteEngine`.
+
+| route | method | body -> reply |
+|---|---|---|
+| `GET /health` | - | `{"ok": true}` |
+| `GET /load` | `load` | EngineLoad |
+| `POST /generate` | `generate(_stream)` | `{"request", "stream", "submission_id"?}` -> result or NDJSON chunks |
+| `POST /abort` | `abort` | `{"request_id", "submission_id"?}` -> `{"aborted": bool}` |
+| `POST /stop_accepting`, `/resume_accepting` | same | `{}` |
+| `POST /drain` | `drain` | `{"abort_after_s": float?}` |
+| `POST /release_memory`, `/resume_memory` | same | `{"weights": bool, "kv": bool}` |
+| `POST /update_weights` | `update_weights` | weights frame (flat buffer, manifest, version) |
+| `POST /export_kv` | `export_kv` | `{"request_id"}` -> KV frame |
+| `POST /import_kv` | `import_kv` | KV frame |
+| `POST /release_export` | `release_export` | `{"request_id"}` -> `{"released": bool}` |
+
+Errors come back in the engine's own terms (400 bad input, 404 unknown request, 409 busy, 503 unavailable,
+501 not implemented; see `gyre.engine.wire.error_status`) and never stop the server. A client that disconnects
+cancels its handler, which aborts the request (the protocol's "cancelling the awaiting task aborts it").
+
+An abort can overtake its own request on the wire (two connections). A client that names the submission in both
+calls (`submission_id`) gets it applied anyway: an abort for a submission not seen yet is remembered, and that
+submission ends at once with `finish_reason="abort"` and no tokens when it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from gyre.engine import wire
+from gyre.engine.protocol import Engine, GenerateRequest, GenerateResult, GenerateTimings, TokenChunk
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 36  # weight publications of large models travel in one body
+_TOMBSTONES = 4096  # aborts remembered for submissions that have not arrived yet
+
+
+def _json(payload, status: int = 200) -> web.Response:
+    return web.Response(body=wire.dumps(payload), status=status, content_type="application/json")
+
+
+def _error(error: BaseException) -> web.Response:
+    status, body = wire.error_status(error)
+    if status == 500:
+        log.exception("engine endpoint: unexpected error", exc_info=error)
+    return _json(body, status)
+
+
+def _aborted_on_arrival(request: GenerateRequest, policy_version: int) -> GenerateResult:
+    """The result of a submission whose abort arrived first: no tokens, nothing computed."""
+    zero = GenerateTimings(queued_s=0.0, first_token_s=0.0, total_s=0.0)
+    return GenerateResult(
+        request_id=request.request_id,
+        output_ids=(),
+        output_logprobs=(),
+        finish_reason="abort",
+        policy_version=policy_version,
+        last_policy_version=policy_version,
+        prompt_tokens=len(request.input_ids),
+        cached_tokens=0,
+        timings=zero,
+    )
+
+
+class EngineServer:
+    """Serves one engine on `host:port` from the event loop the engine runs on (port 0 picks a free one)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self._active: dict[str, str] = {}  # submission id -> request id, while its generate runs
+        self._pending_abort: set[str] = set()  # aborts that reached an active submission before the engine did
+        self._tombstones: OrderedDict[str, None] = OrderedDict()  # aborts of submissions not seen yet
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app.add_routes(
+            [
+                web.get("/health", self._health),
+                web.get("/load", self._load),
+                web.post("/generate", self._generate),
+                web.post("/abort", self._abort),
+                web.post("/stop_accepting", self._simple(lambda body: self.engine.stop_accepting())),
+                web.post("/resume_accepting", self._simple(lambda body: self.engine.resume_accepting())),
+                web.post(
+                    "/drain", self._simple(lambda body: self.engine.drain(abort_after_s=body.get("abort_after_s")))
+                ),
+                web.post("/release_memory", self._simple(lambda body: self.engine.release_memory(**_memory(body)))),
+                web.post("/resume_memory", self._simple(lambda body: self.engine.resume_memory(**_memory(body)))),
+                web.post("/update_weights", self._update_weights),
+                web.post("/export_kv", self._export_kv),
+                web.post("/import_kv", self._import_kv),
+                web.post("/release_export", self._release_export),
+            ]
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> str:
+        """Bind and serve; returns the base URL."""
+        # handler_cancellation: a client that goes away cancels its generate, which aborts the request.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked for
+        log.info("engine endpoint serving at %s", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------------ routes
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return _json({"ok": True})
+
+    async def _load(self, _: web.Request) -> web.Response:
+        return _json(wire.load_to_wire(self.engine.load()))
+
+    async def _generate(self, http: web.Request) -> web.StreamResponse:
+        try:
+            body = wire.loads(await http.read())
+            request = wire.request_from_wire(body.get("request"))
+            stream = bool(body.get("stream", False))
+            submission = body.get("submission_id")
+        except (ValueError, AttributeError, TypeError) as error:
+            return _error(error if isinstance(error, ValueError) else wire.WireError(str(error)))
+        if submission is not None and submission in self._tombstones:
+            del self._tombstones[submission]
+            result = _aborted_on_arrival(request, self.engine.load().policy_version)
+            if not stream:
+                return _json(wire.result_to_wire(result))
+            return await self._stream_aborted_on_arrival(http, result)
+        if submission is not None:
+            self._active[submission] = request.request_id
+        try:
+            if stream:
+                return await self._generate_stream(http, request, submission)
+            task = asyncio.ensure_future(self.engine.generate(request))
+            await asyncio.sleep(0)  # the engine registers the request in the task's first step
+            self._apply_pending_abort(submission, request)
+            try:
+                result = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                task.cancel()  # the client went away: cancelling the engine's generate aborts the request
+                raise
+            return _json(wire.result_to_wire(result))
+        except Exception as error:
+            return _error(error)
+        finally:
+            if submission is not None:
+                self._active.pop(submission, None)
+                self._pending_abort.discard(submission)
+
+    async def _generate_stream(self, http: web.Request, request: GenerateRequest, submission: str | None):
+        chunks = self.engine.generate_stream(request)
+        try:
+            first = await chunks.__anext__()  # errors in the request surface here, before the stream starts
+        except StopAsyncIteration:
+            return _error(RuntimeError("the engine's stream ended without a final chunk"))
+        except Exception as error:
+            await chunks.aclose()
+            return _error(error)
+        self._apply_pending_abort(submission, request)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        try:
+            await response.prepare(http)
+            await response.write(wire.dumps(wire.chunk_to_wire(first)) + b"\n")
+            async for chunk in chunks:  # to exhaustion: a stream left open at its final chunk counts as closed early
+                await response.write(wire.dumps(wire.chunk_to_wire(chunk)) + b"\n")
+            await response.write_eof()
+        finally:
+            await chunks.aclose()  # closing early (client gone) aborts the request
+        return response
+
+    async def _stream_aborted_on_arrival(self, http: web.Request, result: GenerateResult) -> web.StreamResponse:
+        chunk = TokenChunk(
+            request_id=result.request_id,
+            index=0,
+            token_ids=(),
+            logprobs=(),
+            policy_version=result.policy_version,
+            finish_reason="abort",
+            timings=result.timings,
+        )
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(http)
+        await response.write(wire.dumps(wire.chunk_to_wire(chunk)) + b"\n")
+        await response.write_eof()
+        return response
+
+    def _apply_pending_abort(self, submission: str | None, request: GenerateRequest) -> None:
+        if submission is not None and submission in self._pending_abort:
+            self._pending_abort.discard(submission)
+            self.engine.abort(request.request_id)
+
+    async def _abort(self, http: web.Request) -> web.Response:
+        try:
+            body = wire.loads(await http.read())
+            request_id, submission = body["request_id"], body.get("submission_id")
+        except (ValueError, KeyError, TypeError) as error:
+            return _error(wire.WireError(f"abort needs a request_id: {error}"))
+        aborted = self.engine.abort(request_id)
+        if submission is not None and not aborted:
+            if submission in self._active:
+                self._pending_abort.add(submission)  # its generate is about to register it
+                aborted = True
+            else:
+                self._tombstones[submission] = None
+                while len(self._tombstones) > _TOMBSTONES:
+                    self._tombstones.popitem(last=False)
+        return _json({"aborted": aborted})
+
+    def _simple(self, call: Callable[[dict], Awaitable | None]):
+        """A route for a method that takes a few JSON keyword arguments and returns nothing."""
+
+        async def handler(http: web.Request) -> web.Response:
+            try:
+                raw = await http.read()
+                body = wire.loads(raw) if raw else {}
+                if not isinstance(body, dict):
+                    raise wire.WireError("the body must be a JSON object")
+                outcome = call(body)
+                if asyncio.iscoroutine(outcome):
+                    await outcome
+            except Exception as error:
+                return _error(error)
+            return _json({"ok": True})
+
+        return handler
+
+    async def _update_weights(self, http: web.Request) -> web.Response:
+        try:
+            flat, version = wire.weights_from_frame(await http.read())
+            await self.engine.update_weights(flat, version=version)
+        except Exception as error:
+            return _error(error)
+        return _json({"ok": True})
+
+    async def _export_kv(self, http: web.Request) -> web.Response:
+        try:
+            export = await self.engine.export_kv(wire.loads(await http.read())["request_id"])
+        except Exception as error:
+            return _error(error)
+        return web.Response(body=wire.kv_export_to_frame(export), content_type="application/octet-stream")
+
+    async def _import_kv(self, http: web.Request) -> web.Response:
+        try:
+            await self.engine.import_kv(wire.kv_export_from_frame(await http.read()))
+        except Exception as error:
+            return _error(error)
+        return _json({"ok": True})
+
+    async def _release_export(self, http: web.Request) -> web.Response:
+        try:
+            released = self.engine.release_export(wire.loads(await http.read())["request_id"])
+        except Exception as error:
+            return _error(error)
+        return _json({"released": released})
+
+
+def _memory(body: dict) -> dict:
+    extra = sorted(set(body) - {"weights", "kv"})
+    if extra:
+        raise wire.WireError(f"unknown fields {extra}: expected weights and kv")
+    return {"weights": bool(body.get("weights", True)), "kv": bool(body.get("kv", True))}
+
+
+class ServerThread:
+    """An engine and its endpoint on their own event loop in a daemon thread (a cell leader's layout; tests).
+
+    `engine_factory` runs on that loop, so the engine's asyncio state belongs to it. `call(fn)` runs
+    `fn(engine)` (a coroutine function or a plain one) on the loop and returns its result.
+    """
+
+    def __init__(self, engine_factory: Callable[[], Engine], *, host: str = "127.0.0.1", port: int = 0):
+        self._factory = engine_factory
+        self._host, self._port = host, port
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self.engine: Engine | None = None
+        self.server: EngineServer | None = None
+        self._thread = threading.Thread(target=self._main, name="gyre-engine-endpoint", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"the engine endpoint did not start within {timeout_s} s")
+        if self._failure is not None:
+            raise RuntimeError(f"the engine endpoint failed to start: {self._failure!r}") from self._failure
+        return self.server.url
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.engine = self._factory()
+            self.server = EngineServer(self.engine, host=self._host, port=self._port)
+            self._loop.run_until_complete(self.server.start())
+        except BaseException as error:
+            self._failure = error
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+
+    def call(self, fn: Callable, timeout_s: float = 30.0):
+        async def run():
+            outcome = fn(self.engine)
+            return await outcome if asyncio.iscoroutine(outcome) else outcome
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def shutdown():
+            await self.server.stop()
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)

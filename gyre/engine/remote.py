@@ -1,0 +1,239 @@
+"""`RemoteEngine`: the `Engine` protocol over HTTP, the client of `gyre.engine.endpoint` (what the proxy holds).
+
+A remote engine behaves like a local one, with three differences that follow from the network:
+- `abort`, `stop_accepting`, `resume_accepting` and `release_export` return at once (they are synchronous in the
+  protocol) and send their call in the background, in order; every async method first waits for those calls,
+  so `stop_accepting(); await drain()` reaches the server in that order. `abort` returns True for a request this
+  client has in flight (it names the submission, so the abort holds even if it overtakes the request on the
+  wire) and otherwise forwards the abort and returns False.
+- `load()` is the last snapshot this client saw: refreshed by every async method, adjusted locally by
+  `stop_accepting`/`resume_accepting`, and by `await refresh_load()`.
+- A connection failure raises `EngineUnavailableError` (the endpoint is gone: route elsewhere).
+
+Create with `await RemoteEngine.connect(url)`; `await close()` when done. Must be used from one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Mapping
+
+import aiohttp
+
+from gyre.engine import wire
+from gyre.engine.protocol import (
+    EngineLoad,
+    EngineUnavailableError,
+    FlatWeights,
+    GenerateRequest,
+    GenerateResult,
+    KVExport,
+    TokenChunk,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RemoteEngine:
+    """An engine served by `gyre.engine.endpoint.EngineServer` at `url`; implements `gyre.engine.protocol.Engine`."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, load: EngineLoad, *, owns_session: bool):
+        self.url = url.rstrip("/")
+        self._session = session
+        self._owns_session = owns_session
+        self._load = load
+        self._in_flight: dict[str, str] = {}  # request id -> submission id
+        self._pinned: set[str] = set()
+        self._background: asyncio.Task | None = None  # the last queued fire-and-forget call
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        connect_timeout_s: float = 10.0,
+    ) -> RemoteEngine:
+        """Reach the endpoint (its load snapshot) or raise `EngineUnavailableError`."""
+        owns = session is None
+        if session is None:
+            # No total timeout: a generate may run for minutes; connecting is bounded.
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+            session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        try:
+            load = wire.load_from_wire(await _get_json(session, url.rstrip("/") + "/load"))
+        except BaseException:
+            if owns:
+                await session.close()
+            raise
+        return cls(url, session, load, owns_session=owns)
+
+    async def close(self) -> None:
+        await self._settle()
+        if self._owns_session:
+            await self._session.close()
+
+    # ----------------------------------------------------------------- requests
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        await self._settle()
+        submission = self._register(request)
+        try:
+            body = {"request": wire.request_to_wire(request), "stream": False, "submission_id": submission}
+            return wire.result_from_wire(await self._post_json("/generate", body))
+        finally:
+            self._in_flight.pop(request.request_id, None)
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        await self._settle()
+        submission = self._register(request)
+        body = {"request": wire.request_to_wire(request), "stream": True, "submission_id": submission}
+        finished = False
+        try:
+            async with self._request("POST", "/generate", data=wire.dumps(body)) as response:
+                await _raise_for_error(response)
+                async for line in response.content:
+                    if not line.strip():
+                        continue
+                    chunk = wire.chunk_from_wire(wire.loads(line))
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+                    if finished:
+                        return
+            raise EngineUnavailableError(f"{self.url}: {request.request_id!r}'s stream ended without a final chunk")
+        finally:
+            self._in_flight.pop(request.request_id, None)
+            if not finished:  # closed early: the server sees the connection go and aborts; say so explicitly too
+                self._send_later("/abort", {"request_id": request.request_id, "submission_id": submission})
+
+    def _register(self, request: GenerateRequest) -> str:
+        if not self._load.accepting:
+            raise EngineUnavailableError(f"{self.url}: the engine stopped accepting requests")
+        if request.request_id in self._in_flight:
+            raise ValueError(f"request_id={request.request_id!r} is already in flight: request ids must be unique")
+        submission = uuid.uuid4().hex
+        self._in_flight[request.request_id] = submission
+        return submission
+
+    def abort(self, request_id: str) -> bool:
+        submission = self._in_flight.get(request_id)
+        self._pinned.discard(request_id)
+        self._send_later("/abort", {"request_id": request_id, "submission_id": submission})
+        return submission is not None
+
+    # ----------------------------------------------------------------- accepting / drain / memory
+
+    def stop_accepting(self) -> None:
+        self._load = _replace(self._load, accepting=False)
+        self._send_later("/stop_accepting", {})
+
+    def resume_accepting(self) -> None:
+        self._load = _replace(self._load, accepting=not self._load.memory_released)
+        self._send_later("/resume_accepting", {})
+
+    async def drain(self, *, abort_after_s: float | None = None) -> None:
+        self._load = _replace(self._load, accepting=False)
+        await self._call("/drain", {"abort_after_s": abort_after_s})
+
+    async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
+        await self._call("/release_memory", {"weights": weights, "kv": kv})
+
+    async def resume_memory(self, *, weights: bool = True, kv: bool = True) -> None:
+        await self._call("/resume_memory", {"weights": weights, "kv": kv})
+
+    async def update_weights(self, weights: Mapping | FlatWeights, *, version: int) -> None:
+        await self._settle()
+        await self._post_json("/update_weights", None, data=wire.weights_to_frame(weights, version=version))
+        await self.refresh_load()
+
+    # ----------------------------------------------------------------- KV migration
+
+    async def export_kv(self, request_id: str) -> KVExport:
+        await self._settle()
+        async with self._request("POST", "/export_kv", data=wire.dumps({"request_id": request_id})) as response:
+            await _raise_for_error(response)
+            export = wire.kv_export_from_frame(await response.read())
+        self._pinned.add(request_id)
+        return export
+
+    async def import_kv(self, export: KVExport) -> None:
+        await self._settle()
+        await self._post_json("/import_kv", None, data=wire.kv_export_to_frame(export))
+        await self.refresh_load()
+
+    def release_export(self, request_id: str) -> bool:
+        pinned = request_id in self._pinned
+        self._pinned.discard(request_id)
+        self._send_later("/release_export", {"request_id": request_id})
+        return pinned
+
+    # ----------------------------------------------------------------- load
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    async def refresh_load(self) -> EngineLoad:
+        self._load = wire.load_from_wire(await _get_json(self._session, self.url + "/load", owner=self.url))
+        return self._load
+
+    # ----------------------------------------------------------------- plumbing
+
+    async def _call(self, path: str, body: dict) -> None:
+        await self._settle()
+        await self._post_json(path, body)
+        await self.refresh_load()
+
+    async def _post_json(self, path: str, body, *, data: bytes | None = None):
+        payload = data if data is not None else wire.dumps(body)
+        async with self._request("POST", path, data=payload) as response:
+            await _raise_for_error(response)
+            return wire.loads(await response.read())
+
+    @contextlib.asynccontextmanager
+    async def _request(self, method: str, path: str, **kwargs):
+        try:
+            async with self._session.request(method, self.url + path, **kwargs) as response:
+                yield response
+        except aiohttp.ClientConnectionError as error:
+            raise EngineUnavailableError(f"{self.url}: {error}") from error
+
+    def _send_later(self, path: str, body: dict) -> None:
+        """Queue a call behind the ones already queued; failures are logged (the endpoint may be gone)."""
+        previous = self._background
+
+        async def send():
+            if previous is not None:
+                await asyncio.wait([previous])  # its outcome is its own (logged); order is what matters
+            try:
+                await self._post_json(path, body)
+            except Exception as error:
+                log.warning("engine %s: %s failed: %s", self.url, path, error)
+
+        self._background = asyncio.get_running_loop().create_task(send())
+
+    async def _settle(self) -> None:
+        """Wait until every queued fire-and-forget call has reached the server."""
+        if self._background is not None:
+            await asyncio.wait([self._background])  # a cancelled caller still raises CancelledError
+
+
+def _replace(load: EngineLoad, **changes) -> EngineLoad:
+    fields = {**wire.load_to_wire(load), **changes}
+    return EngineLoad(**fields)
+
+
+async def _raise_for_error(response: aiohttp.ClientResponse) -> None:
+    if response.status >= 400:
+        raise wire.error_from_wire(response.status, await response.read())
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, *, owner: str | None = None):
+    try:
+        async with session.get(url) as response:
+            await _raise_for_error(response)
+            return wire.loads(await response.read())
+    except aiohttp.ClientConnectionError as error:
+        raise EngineUnavailableError(f"{owner or url}: {error}") from error

@@ -1,0 +1,300 @@
+"""The engine endpoint's wire format: protocol dataclasses <-> JSON, tensors <-> one framed byte body.
+
+Pure conversions, no sockets: `gyre.engine.endpoint` (server) and `gyre.engine.remote` (client) use them, and the
+tests prove the round trips exact (token ids, float log-probs and tensor bytes come back bit for bit: JSON
+numbers are written with the shortest repr that reads back to the same double).
+
+A *frame* carries tensors without JSON-encoding them: the 4-byte magic `GYRF`, the header length as 8 bytes
+little-endian, the header (JSON, with a `tensors` list of `{dtype, shape, offset, nbytes}`), then the raw bytes
+of every tensor back to back. KV exports and flat weight buffers travel as frames.
+
+Errors travel as `{"error": {"type": ..., "message": ...}}` with an HTTP status; `error_status` and
+`error_from_wire` map the protocol's exceptions both ways, so a remote engine raises what a local one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Mapping, Sequence
+
+import orjson
+import torch
+
+from gyre.engine.protocol import (
+    EngineBusyError,
+    EngineLoad,
+    EngineUnavailableError,
+    FlatWeights,
+    GenerateRequest,
+    GenerateResult,
+    GenerateTimings,
+    KVExport,
+    SamplingParams,
+    TensorSpec,
+    TokenChunk,
+)
+
+FRAME_MAGIC = b"GYRF"
+ALIGN = 16  # byte alignment of every tensor in a frame or flat buffer (a view needs offset % element size == 0)
+_HEADER_LEN = struct.Struct("<Q")
+
+
+class WireError(ValueError):
+    """A message that does not follow the wire format (a client or server bug, or a foreign peer)."""
+
+
+# ----------------------------------------------------------------------------- JSON messages
+
+
+def dumps(obj) -> bytes:
+    return orjson.dumps(obj)
+
+
+def loads(data: bytes | str):
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        raise WireError(f"the body is not JSON: {error}") from None
+
+
+def _fields(message: Mapping, cls, *, what: str) -> dict:
+    """The keyword arguments of `cls` found in `message`; unknown keys or a non-object are a WireError."""
+    if not isinstance(message, Mapping):
+        raise WireError(f"{what} must be a JSON object, got {type(message).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(message) - names)
+    if unknown:
+        raise WireError(f"{what} has unknown fields {unknown}; expected some of {sorted(names)}")
+    return dict(message)
+
+
+def _tuples(fields: dict, *names: str) -> dict:
+    """JSON arrays become the tuples the protocol's dataclasses hold."""
+    for name in names:
+        if name in fields:
+            if not isinstance(fields[name], list):
+                raise WireError(f"{name} must be a JSON array, got {type(fields[name]).__name__}")
+            fields[name] = tuple(fields[name])
+    return fields
+
+
+def request_to_wire(request: GenerateRequest) -> dict:
+    return {
+        "request_id": request.request_id,
+        "execution_id": request.execution_id,
+        "input_ids": list(request.input_ids),
+        "params": dataclasses.asdict(request.params),
+    }
+
+
+def request_from_wire(message: Mapping) -> GenerateRequest:
+    """A validated request; bad field values raise the protocol's own ValueError (`ConfigError`)."""
+    fields = _fields(message, GenerateRequest, what="request")
+    fields["params"] = SamplingParams(**_fields(fields.get("params", {}), SamplingParams, what="params"))
+    try:
+        return GenerateRequest(**fields)
+    except TypeError as error:  # a missing required field
+        raise WireError(f"request: {error}") from None
+
+
+def _timings_from_wire(message: Mapping | None) -> GenerateTimings | None:
+    return None if message is None else GenerateTimings(**_fields(message, GenerateTimings, what="timings"))
+
+
+def result_to_wire(result: GenerateResult) -> dict:
+    return dataclasses.asdict(result)
+
+
+def result_from_wire(message: Mapping) -> GenerateResult:
+    fields = _fields(message, GenerateResult, what="result")
+    fields["timings"] = _timings_from_wire(fields["timings"])
+    return GenerateResult(**_tuples(fields, "output_ids", "output_logprobs"))
+
+
+def chunk_to_wire(chunk: TokenChunk) -> dict:
+    return dataclasses.asdict(chunk)
+
+
+def chunk_from_wire(message: Mapping) -> TokenChunk:
+    fields = _fields(message, TokenChunk, what="chunk")
+    fields["timings"] = _timings_from_wire(fields.get("timings"))
+    return TokenChunk(**_tuples(fields, "token_ids", "logprobs"))
+
+
+def load_to_wire(load: EngineLoad) -> dict:
+    return dataclasses.asdict(load)
+
+
+def load_from_wire(message: Mapping) -> EngineLoad:
+    return EngineLoad(**_fields(message, EngineLoad, what="load"))
+
+
+# ----------------------------------------------------------------------------- errors
+
+# (exception class, HTTP status, wire type); the first match wins, so subclasses come before their bases.
+_ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (EngineUnavailableError, 503, "unavailable"),
+    (EngineBusyError, 409, "busy"),
+    (NotImplementedError, 501, "not_implemented"),
+    (KeyError, 404, "not_found"),
+    (ValueError, 400, "invalid_request"),
+    (TypeError, 400, "invalid_request"),
+)
+
+
+def error_status(error: BaseException) -> tuple[int, dict]:
+    """HTTP status and body for an exception raised by an engine; anything unexpected is a 500."""
+    for cls, status, kind in _ERRORS:
+        if isinstance(error, cls):
+            message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+            return status, {"error": {"type": kind, "message": str(message)}}
+    return 500, {"error": {"type": "internal", "message": f"{type(error).__name__}: {error}"}}
+
+
+class RemoteEngineError(RuntimeError):
+    """The endpoint failed in a way the protocol does not name (HTTP 500 or a foreign status)."""
+
+
+def error_from_wire(status: int, body: bytes) -> BaseException:
+    """The exception a local engine would have raised, rebuilt from an error response."""
+    try:
+        error = orjson.loads(body)["error"]
+        kind, message = error["type"], error["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return RemoteEngineError(f"HTTP {status}: {body[:200]!r}")
+    for cls, _, name in _ERRORS:
+        if name == kind:
+            return cls(message)
+    return RemoteEngineError(f"HTTP {status} {kind}: {message}")
+
+
+# ----------------------------------------------------------------------------- frames
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WireError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _padding(offset: int) -> bytes:
+    return bytes(-offset % ALIGN)
+
+
+def encode_frame(header: Mapping, tensors: Sequence[torch.Tensor]) -> bytes:
+    """One body: magic, header length, JSON header (with a `tensors` table), raw tensor bytes, each 16-aligned."""
+    table, parts, offset = [], [], 0
+    for tensor in tensors:
+        raw = _raw_bytes(tensor)
+        table.append({"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
+        parts.append(raw)
+        offset += raw.nbytes
+        parts.append(_padding(offset))
+        offset += len(parts[-1])
+    head = dumps({**header, "tensors": table})
+    return b"".join([FRAME_MAGIC, _HEADER_LEN.pack(len(head)), head, *parts])
+
+
+def decode_frame(body: bytes | bytearray) -> tuple[dict, list[torch.Tensor]]:
+    """Header and tensors of a frame; the tensors are views of one writable copy of the payload."""
+    prefix = len(FRAME_MAGIC) + _HEADER_LEN.size
+    if len(body) < prefix or bytes(body[: len(FRAME_MAGIC)]) != FRAME_MAGIC:
+        raise WireError("the body is not a gyre frame (bad magic)")
+    (head_len,) = _HEADER_LEN.unpack_from(body, len(FRAME_MAGIC))
+    if prefix + head_len > len(body):
+        raise WireError(f"the frame header ({head_len} bytes) runs past the body ({len(body)} bytes)")
+    header = loads(bytes(body[prefix : prefix + head_len]))
+    payload = bytearray(body[prefix + head_len :])
+    flat = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    tensors = []
+    for spec in header.pop("tensors", []):
+        dtype = _dtype(spec["dtype"])
+        shape = tuple(spec["shape"])
+        size = torch.empty(0, dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * size
+        start = spec["offset"]
+        if not isinstance(start, int) or start < 0 or start % size:
+            raise WireError(f"a frame tensor's offset {start!r} is not a multiple of its element size {size}")
+        if start + nbytes > flat.numel():
+            raise WireError(f"a frame tensor ({nbytes} bytes at {start}) lies beyond the payload")
+        tensors.append(flat[start : start + nbytes].view(dtype).reshape(shape))
+    return header, tensors
+
+
+def kv_export_to_frame(export: KVExport) -> bytes:
+    header = {
+        "request_id": export.request_id,
+        "execution_id": export.execution_id,
+        "token_ids": list(export.token_ids),
+        "policy_version": export.policy_version,
+        "output_ids": list(export.output_ids),
+        "output_logprobs": list(export.output_logprobs),
+        "layers": len(export.keys),
+    }
+    return encode_frame(header, [*export.keys, *export.values])
+
+
+def kv_export_from_frame(body: bytes | bytearray) -> KVExport:
+    header, tensors = decode_frame(body)
+    layers = header.pop("layers", None)
+    if not isinstance(layers, int) or len(tensors) != 2 * layers:
+        raise WireError(f"a KV frame must carry keys and values for each of its layers ({layers!r})")
+    fields = _tuples(_fields(header, KVExport, what="kv export"), "token_ids", "output_ids", "output_logprobs")
+    return KVExport(**fields, keys=tuple(tensors[:layers]), values=tuple(tensors[layers:]))
+
+
+def flatten_weights(named: Mapping[str, torch.Tensor]) -> FlatWeights:
+    """Named tensors packed into one uint8 buffer with its manifest, each 16-aligned (inverse: `unflatten_weights`)."""
+    manifest, parts, offset = [], [], 0
+    for name, tensor in named.items():
+        spec = TensorSpec(name=name, dtype=_dtype_name(tensor.dtype), shape=tuple(tensor.shape), offset=offset)
+        manifest.append(spec)
+        raw = bytes(_raw_bytes(tensor))
+        parts.append(raw + _padding(offset + len(raw)))
+        offset += len(parts[-1])
+    joined = bytearray(b"".join(parts))
+    buffer = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+    return FlatWeights(buffer=buffer, manifest=tuple(manifest))
+
+
+def unflatten_weights(flat: FlatWeights) -> dict[str, torch.Tensor]:
+    """Named tensors viewed out of a flat uint8 buffer by its manifest (no copy)."""
+    out = {}
+    for spec in flat.manifest:
+        try:
+            dtype = _dtype(spec.dtype)
+        except WireError:
+            raise ValueError(f"update_weights: {spec.name} has unknown dtype {spec.dtype!r}") from None
+        size = torch.empty(0, dtype=dtype).element_size()
+        nbytes = torch.Size(spec.shape).numel() * size
+        if spec.offset % size:
+            raise ValueError(f"update_weights: {spec.name} starts at byte {spec.offset}, not a multiple of {size}")
+        if spec.offset + nbytes > flat.buffer.numel():
+            raise ValueError(f"update_weights: {spec.name} lies beyond the buffer ({flat.buffer.numel()} bytes)")
+        out[spec.name] = flat.buffer[spec.offset : spec.offset + nbytes].view(dtype).reshape(spec.shape)
+    return out
+
+
+def weights_to_frame(weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> bytes:
+    flat = weights if isinstance(weights, FlatWeights) else flatten_weights(weights)
+    manifest = [dataclasses.asdict(spec) for spec in flat.manifest]
+    return encode_frame({"version": version, "manifest": manifest}, [flat.buffer])
+
+
+def weights_from_frame(body: bytes | bytearray) -> tuple[FlatWeights, int]:
+    header, tensors = decode_frame(body)
+    if len(tensors) != 1 or not isinstance(header.get("version"), int):
+        raise WireError("a weights frame carries one buffer and an integer version")
+    manifest = tuple(TensorSpec(**_fields(spec, TensorSpec, what="tensor spec")) for spec in header["manifest"])
+    return FlatWeights(buffer=tensors[0], manifest=manifest), header["version"]

@@ -1,0 +1,497 @@
+"""The engine contract (docs/engine.md), one suite over every engine that implements `gyre.engine.protocol.Engine`.
+
+Kinds:
+- `native`: `NativeEngine` in the test's event loop;
+- `remote`: a `NativeEngine` served by `gyre.engine.endpoint` on 127.0.0.1 from its own thread and event loop,
+  reached through `RemoteEngine` over real HTTP (what the proxy holds);
+- `sglang`: `SGLangEngine` over a real `sglang.Engine`, skipped where sglang does not import (it needs CUDA torch
+  and a GPU; see docs/sglang.md).
+
+Timing-exact checks that read engine internals (bytes held, which decode step an update lands on) stay in
+test_engine_native.py; here every assertion holds whatever the network delays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import importlib.util
+import random
+
+import pytest
+import torch
+from engine_fixtures import VOCAB, sharp_tiny_model
+
+from gyre.engine.endpoint import ServerThread
+from gyre.engine.native import NativeEngine
+from gyre.engine.protocol import Engine, EngineBusyError, EngineUnavailableError, GenerateRequest, SamplingParams
+from gyre.engine.remote import RemoteEngine
+from gyre.engine.sampling import sequence_logprobs
+from gyre.engine.wire import flatten_weights
+
+TIMEOUT_S = 60.0
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+def _sglang_skip_reason() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return (
+            "sglang does not import here (it needs CUDA torch and a GPU); "
+            "the adapter's plumbing is tested with a fake in test_engine_sglang_adapter.py"
+        )
+    if not torch.cuda.is_available():
+        return "sglang is installed but no CUDA device is visible"
+    return None
+
+
+SGLANG_SKIP = _sglang_skip_reason()
+KV_MIGRATION = {"native", "remote"}  # SGLang has no per-request KV export (docs/sglang.md)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharp_tiny_model()
+
+
+@pytest.fixture(params=["native", "remote", "sglang"])
+def engines(request, model, tmp_path):
+    if request.param == "sglang" and SGLANG_SKIP:
+        pytest.skip(SGLANG_SKIP)
+    return Engines(request.param, model, tmp_path)
+
+
+class Engines:
+    """Opens engines of one kind on the shared tiny model (or a given variant of it)."""
+
+    def __init__(self, kind: str, model, tmp_path):
+        self.kind, self.model, self.tmp_path = kind, model, tmp_path
+
+    def needs_kv_migration(self) -> None:
+        if self.kind not in KV_MIGRATION:
+            pytest.skip(f"{self.kind} has no per-request KV export (the proxy re-prefills instead)")
+
+    @contextlib.asynccontextmanager
+    async def open(self, model=None, **options):
+        model = copy.deepcopy(model if model is not None else self.model)
+        if self.kind == "native":
+            engine = NativeEngine(model, **options)
+            try:
+                yield engine
+            finally:
+                await engine.close()
+        elif self.kind == "remote":
+            thread = ServerThread(lambda: NativeEngine(model, **options))
+            url = await asyncio.to_thread(thread.start)
+            engine = await RemoteEngine.connect(url)
+            try:
+                yield engine
+            finally:
+                await engine.close()
+                await asyncio.to_thread(thread.stop)
+        else:  # pragma: no cover - needs a GPU with sglang
+            engine = self._sglang(model, **options)
+            try:
+                yield engine
+            finally:
+                await engine.close()
+
+    def _sglang(self, model, max_running: int = 16, policy_version: int = 0, **_):  # pragma: no cover
+        from gyre.engine.sglang_engine import SGLangEngine
+        from gyre.engine.weights import save_pretrained
+
+        path = self.tmp_path / f"model-{random.randrange(1 << 30)}"
+        save_pretrained(model, path)
+        return SGLangEngine.from_pretrained(
+            str(path),
+            adapter_options={"policy_version": policy_version, "max_running": max_running},
+            max_running_requests=max_running,
+        )
+
+
+def run(coro):
+    """Every test body is bounded in time."""
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def request(rid: str, prompt, params: SamplingParams = GREEDY, execution: str | None = None) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, execution_id=execution or f"exec-{rid}", input_ids=prompt, params=params)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))] for _ in range(n)]
+
+
+async def current_load(engine: Engine):
+    refresh = getattr(engine, "refresh_load", None)  # a remote engine's load() is its last snapshot
+    return await refresh() if refresh is not None else engine.load()
+
+
+async def until_in_flight(engine: Engine, count: int) -> None:
+    """Wait (bounded) until the engine itself holds `count` requests, running or queued."""
+    for _ in range(2000):
+        load = await current_load(engine)
+        if load.running + load.queued >= count:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"the engine never held {count} requests")
+
+
+async def until_tokens(stream, count: int):
+    """Consume a stream until `count` tokens arrived; returns (chunks, the last chunk)."""
+    chunks = []
+    async for chunk in stream:
+        chunks.append(chunk)
+        if sum(len(c.token_ids) for c in chunks) >= count or chunk.finish_reason is not None:
+            break
+    return chunks
+
+
+def test_satisfies_protocol(engines):
+    async def main():
+        async with engines.open() as engine:
+            assert isinstance(engine, Engine)
+
+    run(main())
+
+
+def test_64_concurrent_greedy_requests_equal_each_run_alone(engines):
+    batch = prompts(64)
+    budgets = [4 + i % 13 for i in range(64)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in budgets]
+
+    async def main():
+        async with engines.open(max_running=1) as engine:
+            alone = [
+                await engine.generate(request(f"r{i}", p, c))
+                for i, (p, c) in enumerate(zip(batch, params, strict=True))
+            ]
+        async with engines.open(max_running=16) as engine:
+            together = await asyncio.gather(
+                *(engine.generate(request(f"r{i}", p, c)) for i, (p, c) in enumerate(zip(batch, params, strict=True)))
+            )
+        return alone, together
+
+    alone, together = run(main())
+    for a, b, n in zip(alone, together, budgets, strict=True):
+        assert b.output_ids == a.output_ids
+        assert b.finish_reason == "length" and len(b.output_ids) == n
+        assert torch.allclose(torch.tensor(b.output_logprobs), torch.tensor(a.output_logprobs), atol=1e-5)
+
+
+def test_behavior_logprobs_equal_teacher_forced_and_seeded_tokens_do_not_depend_on_the_batch(engines, model):
+    cases = [
+        SamplingParams(temperature=1.0, max_new_tokens=16, seed=1),
+        SamplingParams(temperature=0.7, max_new_tokens=16, seed=2),
+        SamplingParams(top_k=5, max_new_tokens=16, seed=3),
+        SamplingParams(top_p=0.8, max_new_tokens=16, seed=4),
+        SamplingParams(temperature=1.3, top_k=8, top_p=0.9, max_new_tokens=16, seed=5),
+    ]
+    batch = prompts(len(cases), seed=1)
+
+    async def main():
+        async with engines.open(max_running=8) as engine:
+            together = await asyncio.gather(
+                *(engine.generate(request(f"s{i}", p, c)) for i, (p, c) in enumerate(zip(batch, cases, strict=True)))
+            )
+            alone = [
+                await engine.generate(request(f"a{i}", p, c)) for i, (p, c) in enumerate(zip(batch, cases, strict=True))
+            ]
+        return together, alone
+
+    together, alone = run(main())
+    for p, c, t, a in zip(batch, cases, together, alone, strict=True):
+        assert t.output_ids == a.output_ids
+        expected = sequence_logprobs(model, p, t.output_ids, c)
+        assert torch.allclose(torch.tensor(t.output_logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_abort_mid_stream_returns_partial_output_and_the_engine_keeps_serving(engines):
+    long_params = SamplingParams(temperature=0.0, max_new_tokens=110)
+
+    async def main():
+        async with engines.open(max_running=4) as engine:
+            other = asyncio.ensure_future(engine.generate(request("other", [5, 6, 7], GREEDY)))
+            chunks = []
+            async for chunk in engine.generate_stream(request("long", [1, 2, 3], long_params)):
+                chunks.append(chunk)
+                if len(chunks) == 3:
+                    assert engine.abort("long") is True
+            assert chunks[-1].finish_reason == "abort"
+            streamed = [t for c in chunks for t in c.token_ids]
+            assert 3 <= len(streamed) < 110
+            assert engine.abort("unknown") is False
+            result = await other
+            assert result.finish_reason == "length" and len(result.output_ids) == GREEDY.max_new_tokens
+            # cancelling a generate aborts its request
+            task = asyncio.ensure_future(engine.generate(request("cancelled", [4], long_params)))
+            await until_in_flight(engine, 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            after = await engine.generate(request("after", [5, 6, 7], GREEDY))
+            assert after.output_ids == result.output_ids
+            for _ in range(500):  # the cancelled request leaves within a few steps
+                load = await current_load(engine)
+                if load.running == load.queued == 0:
+                    break
+                await asyncio.sleep(0.002)
+            assert load.running == 0 and load.queued == 0
+
+    run(main())
+
+
+def test_abort_of_a_queued_request_ends_it_with_no_tokens(engines):
+    async def main():
+        async with engines.open(max_running=1) as engine:
+            first = asyncio.ensure_future(engine.generate(request("first", [1, 2], SamplingParams(max_new_tokens=100))))
+            await until_in_flight(engine, 1)
+            queued = asyncio.ensure_future(engine.generate(request("queued", [3], GREEDY)))
+            await asyncio.sleep(0)
+            assert engine.abort("queued") is True
+            result = await queued
+            assert result.finish_reason == "abort" and result.output_ids == () and result.output_logprobs == ()
+            assert (await first).finish_reason == "length"
+
+    run(main())
+
+
+def test_drain_finishes_in_flight_requests_and_rejects_new_ones(engines):
+    async def main():
+        async with engines.open(max_running=2) as engine:
+            tasks = [asyncio.ensure_future(engine.generate(request(f"d{i}", p))) for i, p in enumerate(prompts(5))]
+            await until_in_flight(engine, 5)
+            await engine.drain()
+            results = [t.result() for t in tasks]
+            assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in results)
+            with pytest.raises(EngineUnavailableError):
+                await engine.generate(request("late", [1]))
+            assert engine.load().accepting is False
+            engine.resume_accepting()
+            assert (await engine.generate(request("late", [1]))).finish_reason == "length"
+            # a bounded drain aborts what is still running
+            slow = asyncio.ensure_future(engine.generate(request("slow", [1], SamplingParams(max_new_tokens=110))))
+            await until_in_flight(engine, 1)
+            await engine.drain(abort_after_s=0.0)
+            assert (await slow).finish_reason == "abort"
+
+    run(main())
+
+
+def test_release_and_resume_memory_refuse_a_busy_engine_and_keep_outputs(engines):
+    async def main():
+        async with engines.open(max_running=4) as engine:
+            batch = prompts(4, seed=2)
+            before = await asyncio.gather(*(engine.generate(request(f"m{i}", p)) for i, p in enumerate(batch)))
+            busy = asyncio.ensure_future(engine.generate(request("busy", [1], SamplingParams(max_new_tokens=100))))
+            await until_in_flight(engine, 1)
+            with pytest.raises(EngineBusyError):
+                await engine.release_memory()
+            engine.abort("busy")
+            await busy
+            await engine.release_memory()
+            load = await current_load(engine)
+            assert load.memory_released and load.kv_tokens_total == 0 and not load.accepting
+            with pytest.raises(EngineUnavailableError):
+                await engine.generate(request("x", [1]))
+            await engine.resume_memory()
+            assert not (await current_load(engine)).memory_released
+            after = await asyncio.gather(*(engine.generate(request(f"n{i}", p)) for i, p in enumerate(batch)))
+            assert [r.output_ids for r in after] == [r.output_ids for r in before]
+            for a, b in zip(after, before, strict=True):  # batch composition may differ: fp32 noise only
+                assert torch.allclose(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5)
+
+    run(main())
+
+
+def _scaled(model, suffix: str, factor: float):
+    new_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in new_model.named_parameters():
+            if name.endswith(suffix):
+                param.mul_(factor)
+    weights = {n: p.detach().clone() for n, p in new_model.named_parameters() if n.endswith(suffix)}
+    return new_model, weights
+
+
+@pytest.mark.parametrize("form", ["named", "flat"])
+def test_update_weights_makes_outputs_those_of_the_new_weights_and_records_the_version(engines, model, form):
+    new_model, new_weights = _scaled(model, "mlp.up_proj.weight", 3.0)
+    update = new_weights if form == "named" else flatten_weights(new_weights)
+    batch = prompts(6, seed=4)
+
+    async def main():
+        async with engines.open(max_running=4) as engine, engines.open(new_model, policy_version=3) as reference:
+            old = [await engine.generate(request(f"o{i}", p)) for i, p in enumerate(batch)]
+            chunks = []
+            async for chunk in engine.generate_stream(request("span", [1, 2], SamplingParams(max_new_tokens=100))):
+                chunks.append(chunk)
+                if len(chunks) == 5:
+                    with pytest.raises(ValueError, match="unknown parameter"):
+                        await engine.update_weights({"nope": torch.zeros(1)}, version=3)
+                    await engine.update_weights(update, version=3)
+                    with pytest.raises(ValueError, match="version"):
+                        await engine.update_weights(update, version=2)
+            versions = [c.policy_version for c in chunks]
+            assert versions[:5] == [0] * 5 and versions[-1] == 3 and versions == sorted(versions)
+            assert chunks[-1].finish_reason == "length"
+            new = [await engine.generate(request(f"n{i}", p)) for i, p in enumerate(batch)]
+            expected = [await reference.generate(request(f"e{i}", p)) for i, p in enumerate(batch)]
+            assert [r.output_ids for r in new] == [r.output_ids for r in expected]
+            assert [r.output_ids for r in new] != [r.output_ids for r in old]
+            assert all(r.policy_version == 3 and r.last_policy_version == 3 for r in new)
+            assert (await current_load(engine)).policy_version == 3
+
+    run(main())
+
+
+def test_a_request_spanning_an_update_records_both_versions_and_its_kv_is_not_reused(engines, model):
+    _, update = _scaled(model, "down_proj.weight", 1.5)
+
+    async def main():
+        async with engines.open() as engine:
+            stream = engine.generate_stream(request("span", [1, 2], SamplingParams(max_new_tokens=100), "ex"))
+            chunks = await until_tokens(stream, 3)
+            await engine.update_weights(update, version=7)
+            chunks += [c async for c in stream]
+            tokens = tuple(t for c in chunks for t in c.token_ids)
+            assert (chunks[0].policy_version, chunks[-1].policy_version) == (0, 7)
+            assert chunks[-1].finish_reason == "length"
+            extended = await engine.generate(request("next", (1, 2, *tokens, 5), GREEDY, "ex"))
+            assert extended.cached_tokens == 0  # mixed-version KV is dropped, not reused
+            assert (extended.policy_version, extended.last_policy_version) == (7, 7)
+
+    run(main())
+
+
+def test_kv_export_import_continues_like_an_unmigrated_run_computing_only_new_tokens(engines):
+    engines.needs_kv_migration()
+    prompt = [7, 3, 11, 42, 5, 9]
+    total = 60
+
+    async def main():
+        async with engines.open(max_running=4) as source, engines.open(max_running=4) as destination:
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=total)
+            unmigrated = await source.generate(request("ref", prompt, greedy))
+            neighbour = asyncio.ensure_future(source.generate(request("nb", [1, 2, 3], GREEDY)))
+            stream = source.generate_stream(request("mig", prompt, greedy))
+            await until_tokens(stream, 8)
+            export = await source.export_kv("mig")
+            rest = [c async for c in stream]
+            assert rest[-1].finish_reason == "abort"
+            assert export.token_ids == (*prompt, *export.output_ids[:-1])
+            await destination.import_kv(export)
+            done = len(export.output_ids)
+            cont = await destination.generate(
+                request(
+                    "cont",
+                    (*prompt, *export.output_ids),
+                    SamplingParams(temperature=0.0, max_new_tokens=total - done),
+                    execution="exec-mig",
+                )
+            )
+            assert cont.cached_tokens == len(export.token_ids) == len(prompt) + done - 1
+            assert export.output_ids + cont.output_ids == unmigrated.output_ids
+            assert (await neighbour).finish_reason == "length"
+            assert source.release_export("mig") is True
+
+    run(main())
+
+
+def test_an_export_stays_pinned_until_released(engines):
+    engines.needs_kv_migration()
+
+    async def main():
+        async with engines.open(max_running=2) as engine:
+            stream = engine.generate_stream(request("p", [1, 2, 3], SamplingParams(max_new_tokens=100)))
+            await until_tokens(stream, 3)
+            export = await engine.export_kv("p")
+            assert [c async for c in stream][-1].finish_reason == "abort"
+            free = (await current_load(engine)).kv_tokens_free
+            assert free <= (await current_load(engine)).kv_tokens_total - len(export.token_ids)
+            with pytest.raises(EngineBusyError):
+                await engine.release_memory()
+            with pytest.raises(KeyError):
+                await engine.export_kv("p")
+            assert engine.release_export("p") is True and engine.release_export("p") is False
+            await engine.release_memory()  # nothing pinned any more
+            await engine.resume_memory()
+
+    run(main())
+
+
+def test_import_rejects_another_policy_version(engines):
+    engines.needs_kv_migration()
+
+    async def main():
+        async with engines.open() as source, engines.open(policy_version=1) as other:
+            stream = source.generate_stream(request("p", [1, 2, 3], SamplingParams(max_new_tokens=100)))
+            await until_tokens(stream, 3)
+            export = await source.export_kv("p")
+            _ = [c async for c in stream]
+            with pytest.raises(ValueError, match="policy_version"):
+                await other.import_kv(export)
+            source.release_export("p")
+
+    run(main())
+
+
+def test_prefix_reuse_for_a_request_extending_an_earlier_one_of_the_same_execution(engines):
+    prompt = [4, 8, 15, 16, 23, 42]
+
+    async def main():
+        async with engines.open(max_running=4) as engine, engines.open(max_running=4) as fresh:
+            first = await engine.generate(request("t1", prompt, execution="agent"))
+            assert first.cached_tokens == 0
+            turn2 = (*prompt, *first.output_ids, 60, 61, 62)
+            second = await engine.generate(request("t2", turn2, execution="agent"))
+            assert second.cached_tokens == len(prompt) + len(first.output_ids) - 1
+            expected = await fresh.generate(request("f2", turn2))
+            assert expected.cached_tokens == 0
+            assert second.output_ids == expected.output_ids
+            got, want = torch.tensor(second.output_logprobs), torch.tensor(expected.output_logprobs)
+            assert torch.allclose(got, want, atol=1e-5)
+            other = await engine.generate(request("o", turn2, execution="someone-else"))
+            assert other.cached_tokens == 0
+
+    run(main())
+
+
+def test_bad_input_raises_for_that_request_and_the_engine_keeps_serving(engines):
+    async def main():
+        async with engines.open(max_running=4) as engine:
+            good = asyncio.ensure_future(engine.generate(request("good", [1, 2, 3], SamplingParams(max_new_tokens=60))))
+            await until_in_flight(engine, 1)
+            with pytest.raises(ValueError, match="out of vocabulary"):
+                await engine.generate(request("oov", [1, VOCAB]))
+            with pytest.raises(ValueError, match="context limit"):
+                await engine.generate(request("long", [1] * 100, SamplingParams(max_new_tokens=100)))
+            with pytest.raises(ValueError, match="already in flight"):
+                await engine.generate(request("good", [1]))
+            with pytest.raises(ValueError, match="already in flight"):
+                async for _ in engine.generate_stream(request("good", [1])):
+                    pass
+            if engines.kind in KV_MIGRATION:
+                with pytest.raises(KeyError):
+                    await engine.export_kv("nobody")
+            assert (await good).finish_reason == "length"
+
+    run(main())
+
+
+def test_a_stop_token_ends_the_request_and_stream_chunks_concatenate_to_the_result(engines):
+    async def main():
+        async with engines.open() as engine:
+            probe = await engine.generate(request("probe", [9, 9, 9]))
+            stop_id = probe.output_ids[4]
+            params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop_id])
+            chunks = [c async for c in engine.generate_stream(request("s", [9, 9, 9], params))]
+            tokens = [t for c in chunks for t in c.token_ids]
+            assert tokens[-1] == stop_id and stop_id not in tokens[:-1]
+            assert chunks[-1].finish_reason == "stop" and chunks[-1].timings is not None
+            assert [c.index for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+            result = await engine.generate(request("s2", [9, 9, 9], params))
+            assert result.output_ids == tuple(tokens) and result.finish_reason == "stop"
+
+    run(main())

@@ -1,0 +1,222 @@
+"""The engine endpoint over real HTTP on 127.0.0.1: error shapes, abort races, disconnects, the serve command.
+
+The protocol behaviour through the endpoint is proven by test_engine_contract.py (kind `remote`); here are the
+things only a network adds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+from engine_fixtures import sharp_tiny_model
+
+from gyre.engine import wire
+from gyre.engine.endpoint import ServerThread
+from gyre.engine.native import NativeEngine
+from gyre.engine.protocol import EngineUnavailableError, GenerateRequest, SamplingParams
+from gyre.engine.remote import RemoteEngine
+from gyre.engine.weights import save_pretrained
+
+TIMEOUT_S = 60.0
+LONG = {"temperature": 0.0, "max_new_tokens": 110}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharp_tiny_model()
+
+
+class RecordingEngine(NativeEngine):
+    """The native engine, noting which requests were aborted (to tell an abort from a run to the end)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return super().abort(request_id)
+
+
+@pytest.fixture
+def server(model):
+    thread = ServerThread(lambda: RecordingEngine(copy.deepcopy(model), max_running=2))
+    thread.start()
+    yield thread
+    thread.stop()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def generate_body(rid: str, prompt, params=None, **extra) -> dict:
+    request = {"request_id": rid, "execution_id": f"exec-{rid}", "input_ids": prompt, "params": params or {}}
+    return {"request": request, **extra}
+
+
+async def post(session, url: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else wire.dumps(body)
+    async with session.post(url, data=data) as response:
+        return response.status, wire.loads(await response.read())
+
+
+async def engine_load(session, url: str) -> dict:
+    async with session.get(url + "/load") as response:
+        return wire.loads(await response.read())
+
+
+async def until_idle(session, url: str) -> dict:
+    for _ in range(1000):
+        load = await engine_load(session, url)
+        if load["running"] == load["queued"] == 0:
+            return load
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"the engine never became idle: {load}")
+
+
+def test_bad_requests_get_the_engines_error_shape_and_the_server_keeps_serving(server):
+    url = server.server.url
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            cases = [
+                ("/generate", b"{not json", 400, "not JSON"),
+                ("/generate", {"request": {"request_id": "r"}}, 400, "input_ids"),
+                ("/generate", generate_body("r", [1], {"top_p": 1.5}), 400, "top_p=1.5"),
+                ("/generate", generate_body("r", [1, 97]), 400, "out of vocabulary"),
+                ("/generate", generate_body("r", [1] * 100, {"max_new_tokens": 100}), 400, "context limit"),
+                ("/export_kv", {"request_id": "nobody"}, 404, "nobody"),
+                ("/update_weights", b"garbage", 400, "magic"),
+                ("/import_kv", b"GYRF" + bytes(8), 400, ""),
+                ("/release_memory", {"weights": True, "everything": 1}, 400, "unknown fields"),
+                ("/abort", {}, 400, "request_id"),
+            ]
+            for path, body, status, match in cases:
+                code, reply = await post(session, url + path, body)
+                assert code == status, (path, reply)
+                assert reply["error"]["type"] in {"invalid_request", "not_found"}
+                assert match in reply["error"]["message"]
+            code, reply = await post(session, url + "/generate", generate_body("ok", [1, 2], {"max_new_tokens": 3}))
+            assert code == 200 and reply["finish_reason"] == "length" and len(reply["output_ids"]) == 3
+
+    run(main())
+
+
+def test_an_abort_that_overtakes_its_request_still_ends_it(server):
+    url = server.server.url
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            code, reply = await post(session, url + "/abort", {"request_id": "r1", "submission_id": "s1"})
+            assert code == 200 and reply == {"aborted": False}
+            code, reply = await post(session, url + "/generate", generate_body("r1", [1, 2], LONG, submission_id="s1"))
+            assert code == 200 and reply["finish_reason"] == "abort" and reply["output_ids"] == []
+            # the same for a stream
+            await post(session, url + "/abort", {"request_id": "r2", "submission_id": "s2"})
+            body = generate_body("r2", [1, 2], LONG, submission_id="s2", stream=True)
+            async with session.post(url + "/generate", data=wire.dumps(body)) as response:
+                lines = [wire.loads(line) async for line in response.content if line.strip()]
+            assert [(c["finish_reason"], c["token_ids"]) for c in lines] == [("abort", [])]
+            # the tombstone is spent: the request id can run normally afterwards
+            code, reply = await post(session, url + "/generate", generate_body("r1", [1, 2], {"max_new_tokens": 2}))
+            assert reply["finish_reason"] == "length"
+
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_aborts_its_request(server, stream):
+    url = server.server.url
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            body = wire.dumps(generate_body("gone", [1, 2, 3], LONG, stream=stream))
+            if stream:  # read a chunk, then hang up
+                response = await session.post(url + "/generate", data=body)
+                assert wire.loads(await response.content.readline())["token_ids"]
+                response.close()
+            else:  # the reply comes at the end: hang up while waiting for it
+                task = asyncio.ensure_future(session.post(url + "/generate", data=body))
+                for _ in range(1000):
+                    if (await engine_load(session, url))["running"] == 1:
+                        break
+                    await asyncio.sleep(0.002)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            load = await until_idle(session, url)
+            assert load["accepting"] and server.call(lambda engine: engine.aborted) == ["gone"]
+        # the engine dropped it before its 110 tokens: a new request with the same id is accepted at once
+        engine = await RemoteEngine.connect(url)
+        params = SamplingParams(max_new_tokens=2)
+        again = GenerateRequest(request_id="gone", execution_id="x", input_ids=[1], params=params)
+        result = await engine.generate(again)
+        assert result.finish_reason == "length"
+        await engine.close()
+
+    run(main())
+
+
+def test_an_unreachable_endpoint_is_unavailable(model):
+    thread = ServerThread(lambda: NativeEngine(copy.deepcopy(model)))
+    url = thread.start()
+
+    async def main():
+        engine = await RemoteEngine.connect(url)
+        await asyncio.to_thread(thread.stop)
+        request = GenerateRequest(request_id="r", execution_id="e", input_ids=[1])
+        with pytest.raises(EngineUnavailableError):
+            await engine.generate(request)
+        with pytest.raises(EngineUnavailableError):
+            await engine.refresh_load()
+        await engine.close()
+        with pytest.raises(EngineUnavailableError):
+            await RemoteEngine.connect(url)
+
+    run(main())
+
+
+def test_serve_command_serves_a_model_directory_and_stops_on_sigterm(model, tmp_path):
+    save_pretrained(model, tmp_path / "model")
+    command = [sys.executable, "-m", "gyre.engine", "serve", "--model-dir", str(tmp_path / "model"), "--port", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while not line.startswith("engine endpoint: "):  # bounded: the process exits (EOF) or the test times out
+            line = process.stdout.readline()
+            assert line, "the serve command exited before serving"
+        url = line.split(": ", 1)[1].strip()
+        assert url.startswith("http://127.0.0.1:")
+
+        async def main():
+            remote = await RemoteEngine.connect(url)
+            local = NativeEngine(copy.deepcopy(model))
+            params = SamplingParams(seed=1, max_new_tokens=40)
+            request = GenerateRequest(request_id="r", execution_id="e", input_ids=[3, 1, 4], params=params)
+            got, want = await remote.generate(request), await local.generate(request)
+            assert (got.output_ids, got.output_logprobs) == (want.output_ids, want.output_logprobs)
+            await remote.close()
+            await local.close()
+
+        run(main())
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_serve_command_refuses_an_unusable_model_directory(tmp_path):
+    command = [sys.executable, "-m", "gyre.engine", "serve", "--model-dir", str(tmp_path / "missing")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "config.json not found" in done.stderr

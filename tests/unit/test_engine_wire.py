@@ -1,0 +1,141 @@
+"""The endpoint's wire format round-trips exactly and rejects what is not it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gyre.engine import wire
+from gyre.engine.protocol import (
+    EngineBusyError,
+    EngineLoad,
+    EngineUnavailableError,
+    GenerateRequest,
+    GenerateResult,
+    GenerateTimings,
+    KVExport,
+    SamplingParams,
+    TokenChunk,
+)
+
+
+def roundtrip(message):
+    return wire.loads(wire.dumps(message))
+
+
+def test_requests_results_chunks_and_loads_come_back_equal_to_the_last_bit():
+    request = GenerateRequest(
+        request_id="r1",
+        execution_id="e1",
+        input_ids=[0, 5, 151_000],
+        params=SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=9, stop_token_ids=[2], seed=3),
+    )
+    assert wire.request_from_wire(roundtrip(wire.request_to_wire(request))) == request
+    logprobs = tuple(float(x) for x in torch.randn(50, generator=torch.Generator().manual_seed(0)).float())
+    logprobs += (-1e-45, -88.72283935546875, math.nextafter(-1.0, 0.0))
+    timings = GenerateTimings(queued_s=0.1, first_token_s=0.2, total_s=1 / 3)
+    result = GenerateResult(
+        request_id="r1",
+        output_ids=tuple(range(len(logprobs))),
+        output_logprobs=logprobs,
+        finish_reason="abort",
+        policy_version=4,
+        last_policy_version=5,
+        prompt_tokens=3,
+        cached_tokens=2,
+        timings=timings,
+    )
+    assert wire.result_from_wire(roundtrip(wire.result_to_wire(result))) == result
+    chunk = TokenChunk(request_id="r1", index=7, token_ids=(1, 2), logprobs=logprobs[:2], policy_version=5)
+    assert wire.chunk_from_wire(roundtrip(wire.chunk_to_wire(chunk))) == chunk
+    last = TokenChunk(request_id="r1", index=9, token_ids=(), logprobs=(), policy_version=5, finish_reason="stop")
+    assert wire.chunk_from_wire(roundtrip(wire.chunk_to_wire(last))) == last
+    load = EngineLoad(
+        capacity=16,
+        running=3,
+        queued=1,
+        kv_tokens_total=4096,
+        kv_tokens_free=100,
+        accepting=False,
+        memory_released=False,
+        policy_version=2,
+    )
+    assert wire.load_from_wire(roundtrip(wire.load_to_wire(load))) == load
+
+
+def test_kv_exports_and_weights_travel_as_frames_bit_exact():
+    g = torch.Generator().manual_seed(1)
+    keys = (torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g).to(torch.bfloat16))
+    values = (torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g).to(torch.bfloat16))
+    export = KVExport(
+        request_id="r",
+        execution_id="e",
+        token_ids=(1, 2, 3, 4, 5),
+        policy_version=3,
+        keys=keys,
+        values=values,
+        output_ids=(4, 5, 6),
+        output_logprobs=(-0.5, -0.25, -1.0),
+    )
+    back = wire.kv_export_from_frame(wire.kv_export_to_frame(export))
+    assert (back.request_id, back.execution_id, back.token_ids, back.policy_version) == ("r", "e", (1, 2, 3, 4, 5), 3)
+    assert (back.output_ids, back.output_logprobs) == (export.output_ids, export.output_logprobs)
+    for a, b in zip((*keys, *values), (*back.keys, *back.values), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+    named = {
+        "a.weight": torch.randn(3, 4, generator=g),
+        "b.weight": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c.bias": torch.zeros(0),
+    }
+    flat = wire.flatten_weights(named)
+    assert flat.buffer.dtype == torch.uint8 and [s.offset for s in flat.manifest] == [0, 48, 64]
+    flat_back, version = wire.weights_from_frame(wire.weights_to_frame(named, version=9))
+    assert version == 9 and flat_back.manifest == flat.manifest
+    for name, tensor in wire.unflatten_weights(flat_back).items():
+        assert tensor.dtype == named[name].dtype and torch.equal(tensor, named[name])
+
+
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        ({"request_id": "r", "execution_id": "e", "input_ids": [1], "surprise": 1}, "unknown fields"),
+        ({"request_id": "r", "execution_id": "e"}, "input_ids"),
+        ({"request_id": "r", "execution_id": "e", "input_ids": [1], "params": {"top_p": 1.5}}, "top_p=1.5"),
+        ({"request_id": "r", "execution_id": "e", "input_ids": [-1]}, "input_ids"),
+        ({"request_id": "", "execution_id": "e", "input_ids": [1]}, "request_id"),
+        ([1, 2], "JSON object"),
+    ],
+)
+def test_a_bad_request_message_is_a_value_error_naming_the_field(message, match):
+    with pytest.raises(ValueError, match=match):
+        wire.request_from_wire(message)
+
+
+def test_a_body_that_is_not_a_frame_is_rejected():
+    with pytest.raises(wire.WireError, match="magic"):
+        wire.decode_frame(b"not a frame at all")
+    frame = bytearray(wire.encode_frame({"x": 1}, [torch.ones(4)]))
+    with pytest.raises(wire.WireError, match="beyond the payload"):
+        wire.decode_frame(frame[:-4])
+    with pytest.raises(wire.WireError, match="not JSON"):
+        wire.loads(b"{nope")
+
+
+def test_errors_map_to_statuses_and_back_to_the_same_exception_types():
+    for error, status in [
+        (ValueError("bad"), 400),
+        (KeyError("r9"), 404),
+        (EngineBusyError("busy"), 409),
+        (EngineUnavailableError("gone"), 503),
+        (NotImplementedError("no"), 501),
+    ]:
+        code, body = wire.error_status(error)
+        assert code == status
+        back = wire.error_from_wire(code, wire.dumps(body))
+        assert type(back) is type(error) and str(error).strip("'") in str(back)
+    code, body = wire.error_status(ZeroDivisionError("x"))
+    assert code == 500 and isinstance(wire.error_from_wire(code, wire.dumps(body)), wire.RemoteEngineError)
+    assert isinstance(wire.error_from_wire(502, b"<html>bad gateway</html>"), wire.RemoteEngineError)
