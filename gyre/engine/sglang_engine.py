@@ -1,0 +1,676 @@
+"""The SGLang adapter: an `sglang.Engine` behind the `Engine` protocol, for GPU clusters.
+
+Contract (beyond `gyre.engine.protocol`)
+- sglang is imported lazily (`from_pretrained`, `load_sglang_io`): this module imports with neither sglang nor CUDA.
+  Nothing here has run against a real SGLang; see `docs/sglang.md` ("What was and was not run against SGLang").
+- Every call goes through the SGLang engine's `tokenizer_manager` coroutines (`generate_request` via
+  `async_generate`, `abort_request`, `pause_generation`, `update_weights_from_tensor`, ...) on the caller's event
+  loop. The synchronous `sglang.Engine` methods (`update_weights_from_tensor`, `release_memory_occupation`, ...)
+  wrap `loop.run_until_complete` and cannot be called from inside a running loop. One event loop per adapter.
+- Each request runs as one streamed SGLang request (`stream=True, return_logprob=True, rid=request_id`) pumped by
+  one task; `generate` and `generate_stream` read the same chunks. Tokens and log-probs come from
+  `meta_info["output_token_logprobs"]` (`(logprob, token_id, text)` triples), cumulative or incremental per
+  SGLang's `--incremental-streaming-output`, told apart by `meta_info["completion_tokens"]` (`new_output_tokens`).
+- Behavior log-probs: SGLang reports `log softmax(logits / temperature)` of the sampled token, before top-k /
+  top-p (and the raw `log softmax(logits)` with `SGLANG_RETURN_ORIGINAL_LOGPROB`). That equals gyre's behavior
+  log-prob only without filters (and, with that variable, only at temperature 1), so other requests raise
+  `ValueError` unless `allow_unfiltered_logprobs=True` (`logprob_mismatch`). Greedy matches gyre's convention.
+- Policy versions: SGLang 0.5.x does not say which weights produced a token; a chunk carries the adapter's version
+  when it arrives. `update_weights` pauses generation in place (`pause_generation(mode="in_place")`) around
+  `update_weights_from_tensor`, so running requests continue under the new weights, as the protocol asks.
+  SGLang asserts that the prefix-cache flush after an update succeeds and cannot flush with requests in flight,
+  so then the update goes with `flush_cache=False` and the adapter calls `flush_cache()` once it is idle again.
+- `export_kv`/`import_kv` raise `NotImplementedError` (SGLang has no per-request KV export; the caller
+  re-prefills elsewhere); `release_export` returns False. `load()` is an adapter-side estimate (no scheduler call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gyre.engine.protocol import (
+    EngineBusyError,
+    EngineLoad,
+    EngineUnavailableError,
+    FinishReason,
+    FlatWeights,
+    GenerateRequest,
+    GenerateResult,
+    GenerateTimings,
+    KVExport,
+    SamplingParams,
+    TokenChunk,
+)
+from gyre.engine.wire import unflatten_weights
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # read by SGLang's sampler (sglang/srt/layers/sampler.py)
+SGLANG_TOP_K_OFF = -1  # SGLang's "whole vocabulary"; its top_k=0 is invalid
+WEIGHT_TAGS = ("weights",)  # release_memory_occupation tags (GPU_MEMORY_TYPE_WEIGHTS)
+KV_TAGS = ("kv_cache",)  # GPU_MEMORY_TYPE_KV_CACHE; both released together -> tags=None (everything)
+BAD_REQUEST = 400  # an abort with this status_code is SGLang rejecting the request's input
+
+
+class SGLangUnavailableError(ImportError):
+    """sglang does not import here (it needs CUDA torch and a GPU)."""
+
+
+# ----------------------------------------------------------------- pure translation (tested without sglang)
+
+
+def original_logprob_enabled(environ: Mapping[str, str]) -> bool:
+    """Whether SGLang's sampler reports pre-temperature log-probs (same parsing as sglang's get_bool_env_var)."""
+    return environ.get(ORIGINAL_LOGPROB_ENV, "false").strip().lower() in ("true", "1")
+
+
+def logprob_mismatch(params: SamplingParams, *, original_logprob: bool) -> str | None:
+    """Why SGLang's reported log-probs would not be gyre's behavior log-probs under `params`, or None if they are.
+
+    SGLang (sampler.py, standard path) reports `log(softmax(logits / T))` at the sampled token, computed before
+    top-k/top-p, so a filter makes it differ from `gyre.engine.sampling` by log(kept mass). With
+    `SGLANG_RETURN_ORIGINAL_LOGPROB` it reports `log_softmax(logits)`, so any temperature but 1 differs. Greedy
+    (SGLang: top_k=1, temperature 1) reports `log_softmax(logits)` either way, which is gyre's greedy convention.
+    """
+    if params.greedy:
+        return None
+    if original_logprob and params.temperature != 1:
+        return (
+            f"temperature={params.temperature} with {ORIGINAL_LOGPROB_ENV} set: SGLang would report log-probs "
+            "before temperature, not of the distribution sampled (unset it, or sample at temperature 1)"
+        )
+    if params.filters:
+        return (
+            f"top_k={params.top_k}, top_p={params.top_p}: SGLang reports log-probs before top-k/top-p, not of the "
+            "filtered distribution actually sampled (turn the filters off, or pass allow_unfiltered_logprobs=True "
+            "to accept unfiltered log-probs)"
+        )
+    return None
+
+
+def to_sglang_sampling_params(params: SamplingParams, *, forward_seed: bool = True) -> dict[str, Any]:
+    """gyre `SamplingParams` -> the `sampling_params` dict of `sglang.Engine.async_generate`.
+
+    Every distribution-shaping field is explicit, so server-side defaults (`--preferred-sampling-params`, a
+    model's generation config) cannot change what is sampled. Stop ids: SGLang's `ignore_eos` switches off its
+    stop-id check and its EOS check together, so with no stop ids we set it (the request ends only by length, as
+    gyre asks); with stop ids SGLang also stops at the model's EOS ids (include them in `stop_token_ids`).
+    """
+    out: dict[str, Any] = {
+        "temperature": 0.0 if params.greedy else float(params.temperature),
+        "top_p": 1.0 if params.greedy else float(params.top_p),
+        "top_k": SGLANG_TOP_K_OFF if params.greedy or params.top_k == 0 else params.top_k,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_new_tokens": 0,
+        "max_new_tokens": params.max_new_tokens,
+        "ignore_eos": not params.stop_token_ids,
+        "no_stop_trim": True,  # keep the stop token in the output (it is the last output token in gyre)
+    }
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if forward_seed and params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def map_finish_reason(raw: Any) -> FinishReason | None:
+    """SGLang's `meta_info["finish_reason"]` -> gyre's finish reason (None while the request runs).
+
+    SGLang sends `{"type": "stop", "matched": id | str}`, `{"type": "length", "length": n}` or
+    `{"type": "abort", "message": ..., "status_code": ...}` (schedule_batch.py `FINISH_*.to_json`).
+    """
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, Mapping) else raw
+    if kind in ("stop", "length", "abort"):
+        return kind
+    raise ValueError(f"unknown SGLang finish_reason {raw!r}: expected type stop, length or abort")
+
+
+def rejected_input_message(raw: Any) -> str | None:
+    """The message of an abort that is SGLang rejecting the input (status 400), else None."""
+    if isinstance(raw, Mapping) and raw.get("type") == "abort" and raw.get("status_code") == BAD_REQUEST:
+        return str(raw.get("message"))
+    return None
+
+
+def new_output_tokens(meta_info: Mapping[str, Any], emitted: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The output tokens of one SGLang output not passed on yet (`emitted` were), with their log-probs.
+
+    `meta_info["output_token_logprobs"]` is cumulative by default and a delta with
+    `--incremental-streaming-output` (an abort's output is cumulative in both modes); `completion_tokens` counts
+    all output tokens so far, so the list is cumulative iff its length equals it.
+    """
+    entries = meta_info.get("output_token_logprobs") or ()
+    if not entries:  # e.g. an abort before any output, or a version that sends no log-probs with an abort
+        return (), ()
+    total = meta_info.get("completion_tokens")
+    if total is None or len(entries) == total:
+        if len(entries) < emitted:
+            raise RuntimeError(f"SGLang sent {len(entries)} output log-probs after {emitted} were passed on")
+        fresh = entries[emitted:]
+    elif emitted + len(entries) == total:
+        fresh = entries
+    else:
+        raise RuntimeError(
+            f"SGLang output inconsistent: {len(entries)} log-probs, completion_tokens={total}, {emitted} passed on"
+        )
+    token_ids, logprobs = [], []
+    for entry in fresh:
+        logprob, token_id = entry[0], entry[1]
+        if logprob is None:
+            raise RuntimeError(f"SGLang sent no log-prob for output token {token_id}")
+        token_ids.append(int(token_id))
+        logprobs.append(float(logprob))
+    return tuple(token_ids), tuple(logprobs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangLimits:
+    """What the adapter knows of the SGLang engine's limits; None where it could not be read."""
+
+    vocab_size: int | None  # input ids must be below it
+    context_length: int | None  # prompt + max_new_tokens must fit
+    max_running: int | None  # --max-running-requests (load().capacity)
+    kv_tokens_total: int | None  # max_total_num_tokens of the scheduler (load().kv_tokens_total)
+    tp_size: int = 1  # one serialized weight payload per tensor-parallel rank
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def read_limits(sgl_engine: Any) -> SGLangLimits:
+    """Read limits from an `sglang.Engine` without a scheduler round trip (attributes of SGLang 0.5.x and main)."""
+    manager = getattr(sgl_engine, "tokenizer_manager", None)
+    server_args = getattr(sgl_engine, "server_args", None) or getattr(manager, "server_args", None)
+    info = getattr(sgl_engine, "scheduler_info", None)  # 0.4/0.5: the first scheduler's init dict
+    if info is None:  # later main: Engine._scheduler_init_result.scheduler_infos
+        infos = getattr(getattr(sgl_engine, "_scheduler_init_result", None), "scheduler_infos", None)
+        info = infos[0] if infos else None
+    info = info if isinstance(info, Mapping) else {}
+    return SGLangLimits(
+        vocab_size=_positive_int(getattr(getattr(manager, "model_config", None), "vocab_size", None)),
+        context_length=_positive_int(getattr(manager, "context_len", None)),
+        max_running=_positive_int(info.get("max_running_requests"))
+        or _positive_int(getattr(server_args, "max_running_requests", None)),
+        kv_tokens_total=_positive_int(info.get("max_total_num_tokens")),
+        tp_size=_positive_int(getattr(server_args, "tp_size", None)) or 1,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangIO:
+    """The SGLang request types and tensor serializer the adapter sends (from sglang, or stand-ins in tests)."""
+
+    release_memory: Callable[..., Any]  # io_struct.ReleaseMemoryOccupationReqInput(tags=)
+    resume_memory: Callable[..., Any]  # io_struct.ResumeMemoryOccupationReqInput(tags=)
+    update_weights: Callable[..., Any]  # io_struct.UpdateWeightsFromTensorReqInput(serialized_named_tensors=, ...)
+    pause: Callable[..., Any]  # io_struct.PauseGenerationReqInput(mode=)
+    resume_generation: Callable[..., Any]  # io_struct.ContinueGenerationReqInput()
+    serialize: Callable[[Any], Any]  # utils.MultiprocessingSerializer.serialize
+
+
+def load_sglang_io() -> SGLangIO:
+    try:
+        from sglang.srt.managers import io_struct
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as exc:
+        raise SGLangUnavailableError(_MISSING_SGLANG) from exc
+    return SGLangIO(
+        release_memory=io_struct.ReleaseMemoryOccupationReqInput,
+        resume_memory=io_struct.ResumeMemoryOccupationReqInput,
+        update_weights=io_struct.UpdateWeightsFromTensorReqInput,
+        pause=io_struct.PauseGenerationReqInput,
+        resume_generation=io_struct.ContinueGenerationReqInput,
+        serialize=MultiprocessingSerializer.serialize,
+    )
+
+
+_MISSING_SGLANG = (
+    "the SGLang adapter needs the `sglang` package (0.5.x, CUDA torch, a GPU); it does not import here. "
+    "Use the native engine (gyre.engine.NativeEngine) on machines without one."
+)
+
+
+# ----------------------------------------------------------------- the adapter
+
+
+@dataclass(eq=False)
+class _InFlight:
+    request: GenerateRequest
+    chunks: asyncio.Queue  # TokenChunk, or the exception that ended the pump
+    submitted: float
+    sent: bool = False  # async_generate was called: SGLang may know the rid
+    abort_requested: bool = False
+    abort_resent: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    first_version: int | None = None
+    last_version: int = 0
+    cached_tokens: int = 0
+    first_token: float | None = None
+    finish_reason: FinishReason | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.request.input_ids) + self.request.params.max_new_tokens
+
+
+class SGLangEngine:
+    """`gyre.engine.protocol.Engine` over an `sglang.Engine` (or anything with its `async_generate` and
+    `tokenizer_manager`). Options:
+
+    - `policy_version`: version of the weights the engine starts with.
+    - `vocab_size`, `context_length`, `max_running`, `kv_tokens_total`: override what `read_limits` finds.
+    - `allow_unfiltered_logprobs`: accept top-k/top-p requests whose reported log-probs are not gyre's behavior
+      log-probs (see `logprob_mismatch`); default False rejects them with `ValueError`.
+    - `forward_seed`: send `SamplingParams.seed` as SGLang's `sampling_seed`.
+    - `pause_for_update`: pause generation in place around a weight update (protocol semantics); False makes the
+      update wait until in-flight requests finish (SGLang's model-update lock).
+    - `environ`: where to read `SGLANG_RETURN_ORIGINAL_LOGPROB` (the scheduler inherits this process's env).
+    """
+
+    def __init__(
+        self,
+        sgl_engine: Any,
+        *,
+        policy_version: int = 0,
+        vocab_size: int | None = None,
+        context_length: int | None = None,
+        max_running: int | None = None,
+        kv_tokens_total: int | None = None,
+        allow_unfiltered_logprobs: bool = False,
+        forward_seed: bool = True,
+        pause_for_update: bool = True,
+        sglang_io: SGLangIO | None = None,
+        environ: Mapping[str, str] | None = None,
+        owns_engine: bool = False,
+    ):
+        if not hasattr(sgl_engine, "async_generate") or not hasattr(sgl_engine, "tokenizer_manager"):
+            raise TypeError(f"sgl_engine must be an sglang.Engine, got {type(sgl_engine).__name__}")
+        if not isinstance(policy_version, int) or policy_version < 0:
+            raise ValueError(f"policy_version={policy_version!r} is not allowed: expected an integer >= 0")
+        found = read_limits(sgl_engine)
+        self.limits = SGLangLimits(
+            vocab_size=vocab_size or found.vocab_size,
+            context_length=context_length or found.context_length,
+            max_running=max_running or found.max_running,
+            kv_tokens_total=kv_tokens_total or found.kv_tokens_total,
+            tp_size=found.tp_size,
+        )
+        self.policy_version = policy_version
+        self.allow_unfiltered_logprobs = allow_unfiltered_logprobs
+        self.forward_seed = forward_seed
+        self.pause_for_update = pause_for_update
+        self.original_logprob = original_logprob_enabled(os.environ if environ is None else environ)
+        self._sgl = sgl_engine
+        self._io = sglang_io
+        self._owns_engine = owns_engine
+        self._in_flight: dict[str, _InFlight] = {}
+        self._accepting = True
+        self._weights_released = False
+        self._kv_released = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._update_lock = asyncio.Lock()
+        self._flush_pending = False  # a weight update could not flush SGLang's prefix cache (requests in flight)
+        self._flush_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, *, adapter_options: Mapping[str, Any] | None = None, **engine_kwargs):
+        """Build `sglang.Engine(model_path=..., **engine_kwargs)` and wrap it (`skip_tokenizer_init` defaults to
+        True: the adapter sends token ids only). Raises `SGLangUnavailableError` where sglang does not import."""
+        try:
+            import sglang
+        except ImportError as exc:
+            raise SGLangUnavailableError(_MISSING_SGLANG) from exc
+        engine_kwargs.setdefault("skip_tokenizer_init", True)
+        sgl_engine = sglang.Engine(model_path=model_path, **engine_kwargs)
+        return cls(sgl_engine, owns_engine=True, **dict(adapter_options or {}))
+
+    @property
+    def _manager(self) -> Any:
+        return self._sgl.tokenizer_manager
+
+    def _sglang_io(self) -> SGLangIO:
+        if self._io is None:
+            self._io = load_sglang_io()
+        return self._io
+
+    # ----------------------------------------------------------------- requests
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        entry = self._submit(request)
+        try:
+            while True:
+                item = await entry.chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    return self._result(entry, item)
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        entry = self._submit(request)
+        finished = False
+        try:
+            while True:
+                item = await entry.chunks.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def _submit(self, request: GenerateRequest) -> _InFlight:
+        if not isinstance(request, GenerateRequest):
+            raise TypeError(f"request must be a GenerateRequest, got {type(request).__name__}")
+        if not self._accepting:
+            raise EngineUnavailableError("the engine stopped accepting requests (drain or stop_accepting)")
+        if self._weights_released or self._kv_released:
+            raise EngineUnavailableError("the engine's memory is released: call resume_memory first")
+        self._validate(request)
+        entry = _InFlight(request=request, chunks=asyncio.Queue(), submitted=time.monotonic())
+        self._in_flight[request.request_id] = entry
+        self._idle.clear()
+        entry.task = asyncio.get_running_loop().create_task(self._pump(entry), name=f"gyre-sglang-{request.request_id}")
+        return entry
+
+    def _validate(self, request: GenerateRequest) -> None:
+        if request.request_id in self._in_flight:
+            raise ValueError(f"request_id={request.request_id!r} is already in flight: request ids must be unique")
+        vocab_size, context_length = self.limits.vocab_size, self.limits.context_length
+        if vocab_size is not None:
+            bad = [t for t in request.input_ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"input_ids={bad[:5]} are out of vocabulary: expected ids < {vocab_size}")
+        total = len(request.input_ids) + request.params.max_new_tokens
+        if context_length is not None and total > context_length:
+            raise ValueError(
+                f"prompt ({len(request.input_ids)}) + max_new_tokens ({request.params.max_new_tokens}) = {total} "
+                f"exceeds the context limit {context_length}"
+            )
+        reason = logprob_mismatch(request.params, original_logprob=self.original_logprob)
+        if reason is not None and not self.allow_unfiltered_logprobs:
+            raise ValueError(f"request {request.request_id!r}: {reason}")
+
+    async def _pump(self, entry: _InFlight) -> None:
+        """Run one SGLang request to its end, turning its outputs into chunks on `entry.chunks`."""
+        request = entry.request
+        try:
+            if entry.abort_requested:  # aborted before SGLang saw it
+                entry.chunks.put_nowait(self._absorb(entry, {"finish_reason": {"type": "abort"}}))
+                return
+            outputs = await self._sgl.async_generate(
+                input_ids=list(request.input_ids),
+                sampling_params=to_sglang_sampling_params(request.params, forward_seed=self.forward_seed),
+                return_logprob=True,
+                stream=True,
+                rid=request.request_id,
+            )
+            entry.sent = True
+            if entry.abort_requested:
+                self._send_abort(entry)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    chunk = self._absorb(entry, out["meta_info"])
+                    if chunk is not None:
+                        entry.chunks.put_nowait(chunk)
+                    if entry.finish_reason is not None:
+                        return
+                    if entry.abort_requested and not entry.abort_resent:
+                        # An abort sent before SGLang registered the rid is dropped; the request is registered
+                        # once it produced output, so send it once more.
+                        entry.abort_resent = True
+                        self._send_abort(entry)
+            raise RuntimeError(f"SGLang's stream for {request.request_id!r} ended without a finish reason")
+        except Exception as exc:  # handed to the caller of generate / generate_stream, which raises it
+            if entry.sent and entry.finish_reason is None:
+                self._send_abort(entry)  # do not leave the request running in SGLang
+            entry.chunks.put_nowait(exc)
+        finally:
+            self._in_flight.pop(request.request_id, None)
+            if not self._in_flight:
+                self._idle.set()
+                self._flush_if_idle()
+
+    def _absorb(self, entry: _InFlight, meta_info: Mapping[str, Any]) -> TokenChunk | None:
+        """Record one SGLang output; return the chunk to pass on (None if it carries nothing new)."""
+        raw_finish = meta_info.get("finish_reason")
+        rejected = rejected_input_message(raw_finish)
+        if rejected is not None:
+            raise ValueError(f"SGLang rejected request {entry.request.request_id!r}: {rejected}")
+        finish = map_finish_reason(raw_finish)
+        index = len(entry.output_ids)
+        token_ids, logprobs = new_output_tokens(meta_info, index)
+        version = self.policy_version
+        now = time.monotonic()
+        if token_ids:
+            if entry.first_token is None:
+                entry.first_token, entry.first_version = now, version
+            entry.output_ids.extend(token_ids)
+            entry.output_logprobs.extend(logprobs)
+            entry.last_version = version
+        cached = meta_info.get("cached_tokens")
+        if isinstance(cached, int):
+            entry.cached_tokens = max(0, min(cached, len(entry.request.input_ids)))
+        if finish is None:
+            if not token_ids:
+                return None
+            return TokenChunk(
+                request_id=entry.request.request_id,
+                index=index,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                policy_version=version,
+            )
+        entry.finish_reason = finish
+        if finish == "stop" and entry.output_ids and entry.output_ids[-1] not in entry.request.params.stop_token_ids:
+            logger.warning(
+                "request %r stopped at token %d, not one of its stop_token_ids (SGLang also stops at the model's "
+                "EOS ids): include them in stop_token_ids",
+                entry.request.request_id,
+                entry.output_ids[-1],
+            )
+        total_s = now - entry.submitted
+        first_token_s = entry.first_token - entry.submitted if entry.first_token is not None else total_s
+        return TokenChunk(
+            request_id=entry.request.request_id,
+            index=index,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            policy_version=version,
+            finish_reason=finish,
+            # SGLang 0.5.x reports no admission time without metrics: queued_s is the time to first token, an
+            # upper bound.
+            timings=GenerateTimings(queued_s=first_token_s, first_token_s=first_token_s, total_s=total_s),
+        )
+
+    def _result(self, entry: _InFlight, last: TokenChunk) -> GenerateResult:
+        first_version = entry.first_version if entry.first_version is not None else last.policy_version
+        return GenerateResult(
+            request_id=entry.request.request_id,
+            output_ids=tuple(entry.output_ids),
+            output_logprobs=tuple(entry.output_logprobs),
+            finish_reason=last.finish_reason,
+            policy_version=first_version,
+            last_policy_version=entry.last_version if entry.output_ids else first_version,
+            prompt_tokens=len(entry.request.input_ids),
+            cached_tokens=entry.cached_tokens,
+            timings=last.timings,
+        )
+
+    def abort(self, request_id: str) -> bool:
+        entry = self._in_flight.get(request_id)
+        if entry is None or entry.finish_reason is not None:
+            return False
+        entry.abort_requested = True
+        if entry.sent:
+            self._send_abort(entry)
+        return True
+
+    def _send_abort(self, entry: _InFlight) -> None:
+        self._manager.abort_request(entry.request.request_id)
+
+    # ----------------------------------------------------------------- accepting / drain
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def resume_accepting(self) -> None:
+        self._accepting = True
+
+    async def drain(self, *, abort_after_s: float | None = None) -> None:
+        self.stop_accepting()
+        if abort_after_s is None:
+            await self._idle.wait()
+            return
+        try:
+            await asyncio.wait_for(self._idle.wait(), abort_after_s)
+        except TimeoutError:
+            for request_id in list(self._in_flight):
+                self.abort(request_id)
+            await self._idle.wait()
+
+    async def close(self) -> None:
+        """Abort what is in flight, wait for it, and shut SGLang down if `from_pretrained` built it."""
+        for request_id in list(self._in_flight):
+            self.abort(request_id)
+        await self._idle.wait()
+        if self._flush_task is not None:
+            await self._flush_task
+        if self._owns_engine:
+            self._sgl.shutdown()
+
+    # ----------------------------------------------------------------- memory
+
+    def _check_idle(self, what: str) -> None:
+        if self._in_flight:
+            raise EngineBusyError(
+                f"{what} needs an idle engine: {len(self._in_flight)} requests in flight (drain first)"
+            )
+
+    @staticmethod
+    def _tags(weights: bool, kv: bool) -> list[str] | None:
+        return None if weights and kv else list(WEIGHT_TAGS if weights else KV_TAGS)
+
+    async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
+        self._check_idle("release_memory")
+        if not weights and not kv:
+            return
+        io = self._sglang_io()
+        await self._manager.release_memory_occupation(io.release_memory(tags=self._tags(weights, kv)), None)
+        self._weights_released |= weights
+        self._kv_released |= kv
+
+    async def resume_memory(self, *, weights: bool = True, kv: bool = True) -> None:
+        weights, kv = weights and self._weights_released, kv and self._kv_released
+        if not weights and not kv:
+            return
+        io = self._sglang_io()
+        await self._manager.resume_memory_occupation(io.resume_memory(tags=self._tags(weights, kv)), None)
+        self._weights_released &= not weights
+        self._kv_released &= not kv
+
+    # ----------------------------------------------------------------- weights
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
+        import torch
+
+        if self._weights_released:
+            raise EngineUnavailableError("weights are released: resume_memory first, then update_weights")
+        if not isinstance(version, int) or isinstance(version, bool) or version < self.policy_version:
+            raise ValueError(f"version={version!r} is not allowed: expected an integer >= {self.policy_version}")
+        named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
+        for name, tensor in named.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"update_weights: {name} is a {type(tensor).__name__}, expected a torch.Tensor")
+        io = self._sglang_io()
+        payload = [io.serialize(list(named.items())) for _ in range(self.limits.tp_size)]
+        async with self._update_lock:
+            if self.pause_for_update:
+                await self._manager.pause_generation(io.pause(mode="in_place"))
+            # SGLang's scheduler asserts that the cache flush after an update succeeds, and a flush fails while
+            # requests are queued or running: flush only when nothing is in flight (without the pause, SGLang's
+            # model-update lock waits for in-flight requests), else flush once the adapter is idle again.
+            flush_now = not self._in_flight or not self.pause_for_update
+            update = io.update_weights(serialized_named_tensors=payload, load_format=None, flush_cache=flush_now)
+            try:
+                success, message = await self._manager.update_weights_from_tensor(update, None)
+            finally:
+                if self.pause_for_update:
+                    await self._manager.continue_generation(io.resume_generation())
+            if not success:
+                # SGLang loads tensor by tensor: a failure may leave some applied (unlike the native engine).
+                raise ValueError(f"SGLang rejected the weight update to version {version}: {message}")
+            self.policy_version = version
+            self._flush_pending = self._flush_pending or not flush_now
+            self._flush_if_idle()
+
+    def _flush_if_idle(self) -> None:
+        """Drop SGLang's prefix cache (KV of old weights) once no request is in flight, if an update left it."""
+        if self._flush_pending and not self._in_flight and self._flush_task is None:
+            self._flush_task = asyncio.get_running_loop().create_task(self._flush_prefix_cache())
+
+    async def _flush_prefix_cache(self) -> None:
+        try:
+            result = await self._manager.flush_cache()
+            # SGLang refuses (success False) if a request slipped in; the next idle moment tries again.
+            if getattr(result, "success", True):
+                self._flush_pending = False
+        finally:
+            self._flush_task = None
+
+    # ----------------------------------------------------------------- KV migration (not in SGLang)
+
+    async def export_kv(self, request_id: str) -> KVExport:
+        raise NotImplementedError(
+            "SGLang has no per-request KV export: abort the request and re-prefill prompt + output elsewhere"
+        )
+
+    async def import_kv(self, export: KVExport) -> None:
+        raise NotImplementedError("SGLang has no per-request KV import: send prompt + output as a new request")
+
+    def release_export(self, request_id: str) -> bool:
+        return False
+
+    # ----------------------------------------------------------------- load
+
+    def load(self) -> EngineLoad:
+        """Adapter-side estimate: every request in flight counts as running and holding its full reservation
+        (SGLang's running/waiting split and real KV use need a scheduler round trip, `get_load`)."""
+        released = self._weights_released or self._kv_released
+        total = 0 if self._kv_released else self.limits.kv_tokens_total or 0
+        held = sum(entry.reserved_tokens for entry in self._in_flight.values())
+        return EngineLoad(
+            capacity=self.limits.max_running or 0,
+            running=len(self._in_flight),
+            queued=0,
+            kv_tokens_total=total,
+            kv_tokens_free=max(0, total - held),
+            accepting=self._accepting and not released,
+            memory_released=released,
+            policy_version=self.policy_version,
+        )
