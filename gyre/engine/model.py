@@ -6,7 +6,9 @@ Contract
   several packed sequences whose positions restart at 0, or continue a request from any offset.
 - `kv_cache` holds, per layer, the keys (RoPE already applied) and values of every earlier token of each row:
   `[B, num_key_value_heads, S_past, head_dim]`. The returned cache is a new object holding past + these
-  tokens; the input cache is not modified, so a caller can keep, fork or drop it per request.
+  tokens; the input cache is not modified, so a caller can keep, fork or drop it per request. Exception, for
+  callers that preallocate: with `kv_cache_length=n` the cache tensors are buffers of which the first n
+  positions are past tokens; the call writes its keys and values in place after them (no copy of the past).
 - Without `attention_mask`, token t of the call attends to every cached token and to the call's tokens up to t
   (causal in cache order). With it, `attention_mask` is a bool `[B, T, S_past + T]` (or `[B, 1, T, S]`),
   True = may attend; `block_causal_mask(segment_ids_BT)` builds the block-diagonal mask for packed rows.
@@ -99,6 +101,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin`, given `signed_sin` = sin with its first half negated.
+
+    rotate_half(x) * sin == roll(x, half) * signed_sin exactly (only signs move), in fewer ops per call.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, normalized in fp32 and cast back before the weight (HF order)."""
 
@@ -108,9 +118,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one kernel; the weight is applied after the cast back.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -134,9 +143,10 @@ class Attention(nn.Module):
         self,
         x_BTC: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
+        write_at: int | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, _ = x_BTC.shape
         q_BHTD = self.q_proj(x_BTC).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
@@ -144,21 +154,39 @@ class Attention(nn.Module):
         v_BKTD = self.v_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:  # qwen3: per-head RMSNorm before RoPE
             q_BHTD, k_BKTD = self.q_norm(q_BHTD), self.k_norm(k_BKTD)
-        q_BHTD = q_BHTD * cos + rotate_half(q_BHTD) * sin
-        k_BKTD = k_BKTD * cos + rotate_half(k_BKTD) * sin
-        if past is not None:
+        q_BHTD = apply_rope(q_BHTD, cos, signed_sin)
+        k_BKTD = apply_rope(k_BKTD, cos, signed_sin)
+        if write_at is not None:  # buffers with room: write this call's keys/values in place, no copy of the past
+            end = write_at + T
+            past[0][:, :, write_at:end] = k_BKTD
+            past[1][:, :, write_at:end] = v_BKTD
+            k_BKSD, v_BKSD = past[0][:, :, :end], past[1][:, :, :end]
+        elif past is not None:
             k_BKSD = torch.cat((past[0], k_BKTD), dim=2)
             v_BKSD = torch.cat((past[1], v_BKTD), dim=2)
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
-        groups = self.num_heads // self.num_kv_heads
-        # GQA: query head h reads key/value head h // groups (HF repeat_kv order).
-        k_BHSD = k_BKSD.repeat_interleave(groups, dim=1) if groups > 1 else k_BKSD
-        v_BHSD = v_BKSD.repeat_interleave(groups, dim=1) if groups > 1 else v_BKSD
-        is_causal = mask is None and past is None and T > 1
-        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, is_causal=is_causal)
+        # No mask and no past (or an empty buffer with room): causal over this call's tokens.
+        is_causal = mask is None and T > 1 and (past is None or write_at == 0)
+        out_BHTD = self._attend(q_BHTD, k_BKSD, v_BKSD, mask, is_causal=is_causal)
         out_BTC = out_BHTD.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out_BTC), (k_BKSD, v_BKSD)
+
+    def _attend(self, q_BHTD, k_BKSD, v_BKSD, mask, *, is_causal: bool) -> torch.Tensor:
+        """GQA attention: query head h reads key/value head h // groups (HF repeat_kv order)."""
+        groups = self.num_heads // self.num_kv_heads
+        if groups == 1:
+            return F.scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, attn_mask=mask, is_causal=is_causal)
+        if is_causal:
+            return F.scaled_dot_product_attention(q_BHTD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=True)
+        # Without a causal flag each query attends independently, so the `groups` query heads sharing a KV head
+        # can be stacked along the query axis: one attention per KV head, no copy of the keys and values.
+        B, H, T, D = q_BHTD.shape
+        q_BKQD = q_BHTD.reshape(B, self.num_kv_heads, groups * T, D)
+        if mask is not None:
+            mask = mask[:, :, None].expand(B, mask.shape[1], groups, T, mask.shape[-1]).flatten(2, 3)
+        out_BKQD = F.scaled_dot_product_attention(q_BKQD, k_BKSD, v_BKSD, attn_mask=mask)
+        return out_BKQD.reshape(B, H, T, D)  # reshape: some attention kernels return non-contiguous outputs
 
 
 class MLP(nn.Module):
@@ -185,8 +213,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, past, mask):
-        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, sin, past, mask)
+    def forward(self, x, cos, signed_sin, past, mask, write_at=None):
+        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, signed_sin, past, mask, write_at)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -222,14 +250,22 @@ class DecoderLM(nn.Module):
         kv_cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
         num_logits_to_keep: int = 0,
+        kv_cache_length: int | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
-        """Logits `[B, T, V]` (or of the last `num_logits_to_keep` tokens) in the parameter dtype, and the cache."""
-        self._check_inputs(input_ids_BT, positions_BT, kv_cache, attention_mask)
+        """Logits `[B, T, V]` (or of the last `num_logits_to_keep` tokens) in the parameter dtype, and the cache.
+
+        With `kv_cache_length`, `kv_cache` holds buffers with room: only its first `kv_cache_length` positions
+        (dim 2) are past tokens, this call's keys and values are written in place at the next T positions (the
+        buffers are modified), and the returned cache is views of the first `kv_cache_length + T` positions.
+        """
+        self._check_inputs(input_ids_BT, positions_BT, kv_cache, attention_mask, kv_cache_length)
         T = input_ids_BT.shape[1]
-        past_len = kv_cache.length if kv_cache is not None else 0
+        past_len = kv_cache_length if kv_cache_length is not None else kv_cache.length if kv_cache is not None else 0
         x_BTC = self.model.embed_tokens(input_ids_BT)
         inv_freq = rope_inv_freq(self.config, device=x_BTC.device)
         cos, sin = rope_cos_sin(positions_BT.to(x_BTC.device), inv_freq, x_BTC.dtype)
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # for apply_rope, once per forward
         mask = None
         if attention_mask is not None:
             mask = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
@@ -239,8 +275,9 @@ class DecoderLM(nn.Module):
             mask = (keys[None, :] <= queries[:, None])[None, None]
         keys_out, values_out = [], []
         for i, layer in enumerate(self.model.layers):
-            past = (kv_cache.keys[i], kv_cache.values[i]) if kv_cache is not None and past_len > 0 else None
-            x_BTC, (k, v) = layer(x_BTC, cos, sin, past, mask)
+            in_place = kv_cache_length is not None
+            past = (kv_cache.keys[i], kv_cache.values[i]) if kv_cache is not None and (past_len or in_place) else None
+            x_BTC, (k, v) = layer(x_BTC, cos, signed_sin, past, mask, past_len if in_place else None)
             keys_out.append(k)
             values_out.append(v)
         if num_logits_to_keep > 0:
@@ -248,7 +285,7 @@ class DecoderLM(nn.Module):
         logits_BTV = F.linear(self.model.norm(x_BTC), self.output_weight)
         return logits_BTV, KVCache(tuple(keys_out), tuple(values_out))
 
-    def _check_inputs(self, input_ids_BT, positions_BT, kv_cache, attention_mask) -> None:
+    def _check_inputs(self, input_ids_BT, positions_BT, kv_cache, attention_mask, kv_cache_length=None) -> None:
         if input_ids_BT.dim() != 2 or input_ids_BT.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"input_ids_BT must be an integer [B, T] tensor, got {input_ids_BT.dtype} {tuple(input_ids_BT.shape)}"
@@ -262,6 +299,8 @@ class DecoderLM(nn.Module):
                 f"got {positions_BT.dtype} {tuple(positions_BT.shape)}"
             )
         past_len = 0
+        if kv_cache_length is not None and kv_cache is None:
+            raise ValueError("kv_cache_length is given but kv_cache is None: it counts the tokens in kv_cache")
         if kv_cache is not None:
             if len(kv_cache.keys) != self.config.num_hidden_layers or len(kv_cache.values) != len(kv_cache.keys):
                 raise ValueError(
@@ -269,7 +308,14 @@ class DecoderLM(nn.Module):
                     f"expected {self.config.num_hidden_layers}"
                 )
             past_len = kv_cache.length
-            if past_len > 0 and kv_cache.keys[0].shape[0] != B:
+            if kv_cache_length is not None:
+                if not 0 <= kv_cache_length <= past_len - T:
+                    raise ValueError(
+                        f"kv_cache_length={kv_cache_length}: expected 0 <= it <= {past_len - T} "
+                        f"(buffers of {past_len} positions, {T} new tokens)"
+                    )
+                past_len = kv_cache_length
+            if kv_cache.length > 0 and kv_cache.keys[0].shape[0] != B:
                 raise ValueError(f"kv_cache holds {kv_cache.keys[0].shape[0]} rows, input_ids_BT has {B}")
         if attention_mask is not None:
             expected = (B, T, past_len + T)

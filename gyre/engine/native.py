@@ -8,10 +8,12 @@ Contract (beyond `gyre.engine.protocol`)
   `update_weights`, `export_kv`, `release_memory` get "between two decode steps" without a lock.
 - KV: each request owns a buffer of `len(input_ids) + max_new_tokens` token slots per layer, allocated at
   admission and filled in place. Admission holds the sum of running buffers within `max_tokens_in_flight`.
-  Decode pads the running caches to the longest and stacks them with a mask (keys beyond a row's length are
-  masked out); positions are explicit, so a row's result does not depend on its neighbours except for float
-  reduction order. Trade-off: the gather is O(batch x longest context) bytes per step. Paged attention would
-  avoid it; correctness first.
+  Decode gathers the running caches into one zero-padded batch buffer with a mask (keys beyond a row's length
+  are masked out), kept across steps while the running set is unchanged (`_BatchKV`: the model writes each
+  step's keys and values into it in place); positions are explicit, so a row's result does not depend on its
+  neighbours except for float reduction order. Trade-off: a gather of O(batch x longest context) bytes when the
+  running set changes (and every 64 steps), and a second copy of the running KV. Paged attention would avoid
+  both; correctness first.
 - Prefix reuse: when a request finishes, its buffer (the KV of every fed token: prompt + outputs but the last) is
   kept for its execution, one entry per execution, evicted oldest first when admission needs room. A request of
   the same execution reuses the longest common token prefix (at most `len(input_ids) - 1`: the last prompt token
@@ -88,6 +90,10 @@ class KVBuffer:
         self.length = 0
         self.append(other.keys_LKCD[:, :, :length], other.values_LKCD[:, :, :length])
 
+    def room(self) -> KVCache:
+        """Per-layer `[1, K, capacity, D]` views of the whole buffer, for a forward with `kv_cache_length`."""
+        return KVCache(tuple(self.keys_LKCD[:, None].unbind(0)), tuple(self.values_LKCD[:, None].unbind(0)))
+
     def cache(self) -> KVCache | None:
         """Per-layer `[1, K, length, D]` views for the model forward, or None when empty."""
         if self.length == 0:
@@ -104,6 +110,47 @@ class _Prefix:
 
     token_ids: tuple[int, ...]
     buffer: KVBuffer
+
+
+class _BatchKV:
+    """The running requests' KV gathered for decode: `[num_layers, B, num_key_value_heads, S_alloc, head_dim]`
+    keys and values, row b holding the first `lengths[b]` tokens of `rows[b]`'s buffer (zeros beyond).
+
+    Kept across decode steps while the running set is unchanged, so a step appends one token per row instead of
+    re-gathering every cache; rebuilt (with `GROW` free columns) when the set changes or a row runs out of room.
+    A working copy: the requests' `KVBuffer`s stay the KV of record (prefix reuse, export)."""
+
+    GROW = 64  # free columns per rebuild: one gather per 64 steps of an unchanged batch
+
+    def __init__(self, rows: list[_Request], device: torch.device):
+        self.rows = list(rows)
+        self.lengths = [e.buffer.length for e in rows]
+        first = rows[0].buffer.keys_LKCD
+        columns = min(max(self.lengths) + self.GROW, max(e.buffer.capacity for e in rows))
+        L, K, _, D = first.shape
+        shape = (L, len(rows), K, columns, D)
+        self.keys_LBKSD = torch.zeros(shape, dtype=first.dtype, device=device)
+        self.values_LBKSD = torch.zeros(shape, dtype=first.dtype, device=device)
+        for b, e in enumerate(rows):
+            self.keys_LBKSD[:, b, :, : self.lengths[b]] = e.buffer.keys_LKCD[:, :, : self.lengths[b]]
+            self.values_LBKSD[:, b, :, : self.lengths[b]] = e.buffer.values_LKCD[:, :, : self.lengths[b]]
+        self.rows_B = torch.arange(len(rows), device=device)
+
+    def fits(self, rows: list[_Request]) -> bool:
+        """True if this holds exactly `rows`' KV and has a free column after the longest."""
+        return (
+            len(rows) == len(self.rows)
+            and all(a is b for a, b in zip(rows, self.rows, strict=True))
+            and self.lengths == [e.buffer.length for e in rows]
+            and max(self.lengths) < self.keys_LBKSD.shape[3]
+        )
+
+    def append(self, keys_LBKD: torch.Tensor, values_LBKD: torch.Tensor, lengths_B: torch.Tensor) -> None:
+        """Write one token per row at column `lengths[b]` of row b."""
+        index = (self.rows_B, lengths_B)
+        self.keys_LBKSD.permute(1, 3, 0, 2, 4).index_put_(index, keys_LBKD.permute(1, 0, 2, 3))
+        self.values_LBKSD.permute(1, 3, 0, 2, 4).index_put_(index, values_LBKD.permute(1, 0, 2, 3))
+        self.lengths = [n + 1 for n in self.lengths]
 
 
 @dataclass(eq=False)
@@ -160,6 +207,7 @@ class NativeEngine:
         self._by_id: dict[str, _Request] = {}
         self._prefix: OrderedDict[str, _Prefix] = OrderedDict()  # execution_id -> reusable KV, oldest first
         self._pinned: dict[str, KVExport] = {}
+        self._batch_kv: _BatchKV | None = None  # decode's gathered KV of the running set (see _BatchKV)
         self._accepting = True
         self._weights_released = False
         self._kv_released = False
@@ -437,6 +485,7 @@ class NativeEngine:
                     self._fail(entry, error)
                 self._waiting.clear()
                 self._running.clear()
+                self._batch_kv = None
                 self._by_id.clear()
                 self._idle.set()
                 return
@@ -459,6 +508,8 @@ class NativeEngine:
                 self._running.append(entry)
         if self._running:
             self._decode()
+        if not self._running:
+            self._batch_kv = None
 
     def _make_room(self, tokens: int) -> bool:
         """Evict prefix entries (oldest first) until `tokens` fit next to the running reservations."""
@@ -485,37 +536,38 @@ class NativeEngine:
         entry.first_version = entry.last_version = self.policy_version
         ids_1T = torch.tensor([prompt[reused:]], dtype=torch.long, device=self.device)
         positions_1T = torch.arange(reused, len(prompt), device=self.device)[None]
-        logits_1TV, cache = self.model(ids_1T, positions_1T, kv_cache=entry.buffer.cache(), num_logits_to_keep=1)
-        entry.buffer.append(
-            torch.stack([k[0, :, reused:] for k in cache.keys]), torch.stack([v[0, :, reused:] for v in cache.values])
+        # The model writes the prompt's keys and values straight into the request's buffer, after the reused prefix.
+        logits_1TV, _ = self.model(
+            ids_1T, positions_1T, kv_cache=entry.buffer.room(), num_logits_to_keep=1, kv_cache_length=reused
         )
+        entry.buffer.length = len(prompt)
         entry.fed_ids = list(prompt)
         token_B, logp_B = sample_next(logits_1TV[:, -1], request.params, [entry.generator])
         return not self._record(entry, int(token_B[0]), float(logp_B[0]))
 
     def _decode(self) -> None:
-        """One token for every running request: pad caches to the longest, mask the padding, forward, sample."""
+        """One token for every running request: the gathered caches (padding masked), forward, sample."""
         batch = self._running
-        B = len(batch)
-        lengths = [e.buffer.length for e in batch]
+        if self._batch_kv is None or not self._batch_kv.fits(batch):
+            self._batch_kv = _BatchKV(batch, self.device)
+        gathered = self._batch_kv
+        lengths = gathered.lengths
         S = max(lengths)
-        config = self.model.config
-        shape = (config.num_hidden_layers, B, config.num_key_value_heads, S, config.head_dim)
-        keys_LBKSD = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        values_LBKSD = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for b, e in enumerate(batch):
-            keys_LBKSD[:, b, :, : lengths[b]] = e.buffer.keys_LKCD[:, :, : lengths[b]]
-            values_LBKSD[:, b, :, : lengths[b]] = e.buffer.values_LKCD[:, :, : lengths[b]]
-        past = KVCache(tuple(keys_LBKSD.unbind(0)), tuple(values_LBKSD.unbind(0)))
+        # The model writes the new keys/values at column S of the gathered buffers (in place) and attends to
+        # columns 0..S; `append` then moves each row's token to its own column lengths[b].
+        past = KVCache(tuple(gathered.keys_LBKSD.unbind(0)), tuple(gathered.values_LBKSD.unbind(0)))
         lengths_B = torch.tensor(lengths, device=self.device)
         mask_B1S = torch.arange(S + 1, device=self.device)[None, :] < lengths_B[:, None]
         mask_B1S[:, S] = True  # the new token attends to itself
         ids_B1 = torch.tensor([[e.next_token] for e in batch], dtype=torch.long, device=self.device)
-        logits_B1V, cache = self.model(ids_B1, lengths_B[:, None], kv_cache=past, attention_mask=mask_B1S[:, None])
-        new_keys_LBK1D = torch.stack([k[:, :, S:] for k in cache.keys])
-        new_values_LBK1D = torch.stack([v[:, :, S:] for v in cache.values])
+        logits_B1V, cache = self.model(
+            ids_B1, lengths_B[:, None], kv_cache=past, attention_mask=mask_B1S[:, None], kv_cache_length=S
+        )
+        new_keys_LBKD = torch.stack([k[:, :, S] for k in cache.keys])
+        new_values_LBKD = torch.stack([v[:, :, S] for v in cache.values])
+        gathered.append(new_keys_LBKD, new_values_LBKD, lengths_B)
         for b, e in enumerate(batch):
-            e.buffer.append(new_keys_LBK1D[:, b], new_values_LBK1D[:, b])
+            e.buffer.append(new_keys_LBKD[:, b, :, None], new_values_LBKD[:, b, :, None])
             e.fed_ids.append(e.next_token)
         tokens_B, logps_B = sample_next(
             logits_B1V[:, -1], [e.request.params for e in batch], [e.generator for e in batch]
