@@ -7,6 +7,8 @@ from gyre.config.algo import AlgoConfig
 from gyre.config.checks import ConfigError
 from gyre.config.cluster import ClusterConfig
 from gyre.config.loss import LossConfig
+from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.config.serve import EngineConfig, ServeConfig
 from gyre.config.sim import SimConfig, async_train_cells
 from gyre.config.workload import WorkloadConfig
 
@@ -14,7 +16,11 @@ __all__ = [
     "AlgoConfig",
     "ClusterConfig",
     "ConfigError",
+    "EngineConfig",
     "LossConfig",
+    "ProxyConfig",
+    "SamplingConfig",
+    "ServeConfig",
     "SimConfig",
     "WorkloadConfig",
     "async_train_cells",
@@ -28,6 +34,7 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="base_sim", node=SimConfig)
+    cs.store(name="base_serve", node=ServeConfig)
     cs.store(group="cluster", name="base_cluster", node=ClusterConfig)
     cs.store(group="workload", name="base_workload", node=WorkloadConfig)
     cs.store(group="algo", name="base_algo", node=AlgoConfig)

@@ -1,0 +1,60 @@
+"""Root config of `python -m gyre.serve`: the proxy plus an embedded native engine (and/or external engines)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gyre.config.checks import require
+from gyre.config.proxy import ProxyConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The embedded native engine (runs on its own thread, served on 127.0.0.1 like a cell leader's)."""
+
+    enabled: bool = True
+    """Serve from an embedded native engine; false with `engine_urls` to serve only from external engines."""
+    max_running: int = 16
+    """Requests decoded concurrently."""
+    device: str = "cpu"
+    """torch device, e.g. cpu or cuda:0."""
+    dtype: str = "float32"
+    """Weights and KV dtype: float32, bfloat16 or float16."""
+
+    def __post_init__(self) -> None:
+        require(self.max_running >= 1, "engine.max_running", self.max_running, "an integer >= 1")
+        require(self.dtype in DTYPES, "engine.dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    model_dir: str = ""
+    """HF-layout model directory (config.json, safetensors, tokenizer.json, tokenizer_config.json with a chat
+    template). Empty: the tiny default model, built locally on first use."""
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine_urls: list[str] = field(default_factory=list)
+    """External engine endpoints (`python -m gyre.engine serve`) to route to as well, e.g. a separate pool."""
+    executions: int = 1
+    """Execution keys issued at start (more on request: POST /gyre/executions with the admin key)."""
+    duration_s: float = 0.0
+    """Stop after this many seconds; 0 = serve until SIGINT/SIGTERM."""
+
+    def __post_init__(self) -> None:
+        require(self.executions >= 0, "executions", self.executions, "an integer >= 0")
+        require(self.duration_s >= 0, "duration_s", self.duration_s, "a number >= 0 (0 = until a signal)")
+        require(
+            self.engine.enabled or len(self.engine_urls) > 0,
+            "engine.enabled",
+            self.engine.enabled,
+            "true unless engine_urls names at least one external engine",
+        )
+        for url in self.engine_urls:
+            require(
+                isinstance(url, str) and url.startswith(("http://", "https://")),
+                "engine_urls",
+                url,
+                "http(s) URLs of engine endpoints",
+            )

@@ -1,0 +1,69 @@
+"""Execution keys and sessions: one key per execution, its own tree and record file, closed keys stop working."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre.proxy.sessions import SessionRegistry, key_from_headers, thread_key
+from gyre.traj.record import CallMeta, Provenance, Segment
+from gyre.traj.store import load_tree
+
+
+class Builder:
+    def __init__(self, payload):
+        self.payload = payload
+
+
+def registry(tmp_path=None) -> SessionRegistry:
+    return SessionRegistry(vocab_size=100, make_builder=Builder, make_payload_cache=dict, records_dir=tmp_path)
+
+
+def test_each_execution_gets_its_own_random_key_and_tree():
+    reg = registry()
+    a, b = reg.issue(), reg.issue("task-7.run_2")
+    assert a.execution == "exec-00000" and b.execution == "task-7.run_2"
+    assert a.key != b.key and a.key.startswith("gyre-") and len(a.key) > 30
+    assert reg.by_key(a.key) is a and reg.by_key(b.key) is b and reg.by_key("gyre-nope") is None
+    assert reg.by_key(None) is None and reg.by_key("") is None
+    assert a.tree is not b.tree and a.payload is not b.payload
+    assert reg.issue().execution == "exec-00001"
+    with pytest.raises(ValueError, match="already has a key"):
+        reg.issue("task-7.run_2")
+    for bad in ["", "../escape", "a/b", "x" * 200, ".hidden"]:
+        with pytest.raises(ValueError, match="execution="):
+            reg.issue(bad)
+
+
+def test_calls_are_recorded_to_the_execution_file_and_a_closed_key_stops_working(tmp_path):
+    reg = registry(tmp_path)
+    session = reg.issue("e1")
+    segments = [Segment(Provenance.SYSTEM, [1, 2, 3]), Segment(Provenance.USER, [4, 5])]
+    meta = CallMeta(execution="e1", request_id="r1", role_signals={"agent_id": ""})
+    record = session.record(segments, [7, 8], [-0.5, -0.25], "stop", meta)
+    assert session.last_node["main"] == record.response_node
+    with pytest.raises(ValueError, match="vocab"):
+        session.record(segments, [700], [-0.1], "stop", CallMeta(execution="e1", request_id="r2"))
+    assert len(session.tree.calls) == 1  # the bad call recorded nothing
+    reg.close("e1")
+    assert reg.by_key(session.key) is None and session.tree.closed
+    tree = load_tree(tmp_path / "e1.jsonl")
+    assert len(tree.calls) == 1 and list(tree.calls[0].response.ids) == [7, 8]
+
+
+def test_keys_come_from_x_api_key_or_a_bearer_token():
+    assert key_from_headers({"x-api-key": " k1 "}) == "k1"
+    assert key_from_headers({"authorization": "Bearer k2"}) == "k2"
+    assert key_from_headers({"authorization": "bearer  k3 "}) == "k3"
+    assert key_from_headers({"authorization": "Basic abc"}) is None
+    assert key_from_headers({"authorization": "Bearer "}) is None
+    assert key_from_headers({}) is None
+
+
+def test_sub_agents_and_codex_threads_get_their_own_prompt_builder():
+    assert thread_key({}) == "main"
+    assert thread_key({"x-claude-code-agent-id": "a7"}) == "x-claude-code-agent-id=a7"
+    assert thread_key({"thread-id": "t1"}) == "thread-id=t1"
+    session = registry().issue()
+    assert session.builder("main") is session.builder("main")
+    assert session.builder("x") is not session.builder("main")
+    assert session.builder("x").payload is session.payload
