@@ -1,0 +1,555 @@
+"""Anthropic Messages dialect: request JSON -> `ChatRequest`, `AssistantOutput` -> response JSON or SSE bytes.
+
+Contract (pure: no IO; the HTTP server decodes bodies and writes what these functions return):
+- `parse_request` / `parse_count_tokens` take the already-decoded JSON body of `POST /v1/messages` and
+  `POST /v1/messages/count_tokens` and either return a `ChatRequest` or raise `ApiError("invalid_request", ...)`
+  whose message starts with the offending field's dotted path ("messages.3.content.0.type: ...").
+  Nothing else escapes, whatever the body holds (a hypothesis test feeds arbitrary JSON).
+- Unknown fields, `cache_control`, `metadata`, `context_management`, `output_config`, beta headers and `?beta=true`
+  are accepted and ignored (HARNESS-NOTES.md: Claude Code sends all of them on every call).
+- `response_body` builds the non-streaming Messages response; `StreamWriter` produces the SSE events of the
+  streaming one (message_start, content_block_start/delta/stop, message_delta, message_stop), in the order the
+  real API sends them, so the SDK's own accumulator rebuilds the same message `response_body` returns.
+- Usage follows the API's convention: `input_tokens` counts only the prompt tokens not read from cache, so
+  `input_tokens + cache_read_input_tokens` is the whole prompt (Claude Code adds them up to track its context).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gyre.proxy.conversation import (
+    ApiError,
+    AssistantOutput,
+    ChatRequest,
+    OutputEvent,
+    TextDelta,
+    ThinkingDelta,
+    ToolCall,
+    ToolCallDone,
+    ToolSpec,
+    Turn,
+    Usage,
+    compact_json,
+)
+
+# Headers that tell requests of one harness session apart (main agent, sub-agents); keys are lower-cased.
+SIGNAL_HEADERS = ("x-claude-code-session-id", "x-claude-code-agent-id", "user-agent")
+
+STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}
+
+ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "prompt_too_long": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "request_too_large": "request_too_large",
+    "rate_limit": "rate_limit_error",
+    "overloaded": "overloaded_error",
+    "api_error": "api_error",
+}
+
+IMAGE_UNSUPPORTED = "image input is not supported by this model"
+# When a model's release date is unknown the API reports the epoch (anthropic.types.ModelInfo.created_at).
+EPOCH = "1970-01-01T00:00:00Z"
+# The text blocks of one message are joined like this (gyre.proxy.conversation, canonical content).
+BLOCK_SEPARATOR = "\n\n"
+
+
+# ----------------------------------------------------------------------------- field validation
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _invalid(path: str, message: str) -> ApiError:
+    return ApiError("invalid_request", f"{path}: {message}", param=path)
+
+
+def _expected(path: str, expected: str, value: Any) -> ApiError:
+    return _invalid(path, f"expected {expected}, got {_json_type(value)}")
+
+
+def _string(value: Any, path: str, *, non_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise _expected(path, "a string", value)
+    if non_empty and not value:
+        raise _invalid(path, "must be a non-empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # json.loads lets lone surrogates ("\ud800") through; tokenizers and the recorder cannot encode them.
+        raise _invalid(path, "string is not valid Unicode (lone surrogate)") from None
+    return value
+
+
+def _object(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _expected(path, "an object", value)
+    return value
+
+
+def _array(value: Any, path: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _expected(path, "an array", value)
+    return value
+
+
+def _optional_bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _expected(key, "a boolean", value)
+    return value
+
+
+def _optional_number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _expected(key, "a number", value)
+    if not (math.isfinite(value) and low <= value <= high):
+        raise _invalid(key, f"must be between {low} and {high}, got {value!r}")
+    return float(value)
+
+
+def _optional_int(body: dict[str, Any], key: str, low: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _expected(key, "an integer", value)
+    if value < low:
+        raise _invalid(key, f"must be >= {low}, got {value}")
+    return value
+
+
+def _checked_json(value: Any, path: str) -> str:
+    """`compact_json(value)`, refusing what is not strict JSON (NaN, infinities) or cannot be encoded."""
+    try:
+        json.dumps(value, allow_nan=False)
+        text = compact_json(value)
+        text.encode("utf-8")
+    except ValueError:  # NaN / Infinity (UnicodeEncodeError is a ValueError too)
+        raise _invalid(path, "must be strict JSON: no NaN, Infinity or lone surrogates") from None
+    except RecursionError:
+        raise _invalid(path, "is nested too deeply") from None
+    return text
+
+
+# ----------------------------------------------------------------------------- request parsing
+
+
+def _join(texts: list[str]) -> str:
+    return BLOCK_SEPARATOR.join(text for text in texts if text)
+
+
+def _block_type(block: Any, path: str) -> tuple[dict[str, Any], str]:
+    block = _object(block, path)
+    return block, _string(block.get("type"), f"{path}.type")
+
+
+def _text_of(block: dict[str, Any], path: str) -> str:
+    return _string(block.get("text"), f"{path}.text")
+
+
+def _plain_text(content: Any, path: str) -> str:
+    """Text of a `system` field, a system message or a tool result: a string or a list of text blocks."""
+    if isinstance(content, str):
+        return _string(content, path)
+    texts = []
+    for i, block in enumerate(_array(content, path)):
+        block, kind = _block_type(block, f"{path}.{i}")
+        if kind == "text":
+            texts.append(_text_of(block, f"{path}.{i}"))
+        elif kind in ("image", "document"):
+            raise _invalid(f"{path}.{i}.type", IMAGE_UNSUPPORTED)
+        else:
+            raise _invalid(f"{path}.{i}.type", f"expected 'text', got {kind!r}")
+    return _join(texts)
+
+
+def _tool_turn(block: dict[str, Any], path: str, known_call_ids: set[str]) -> Turn:
+    call_id = _string(block.get("tool_use_id"), f"{path}.tool_use_id", non_empty=True)
+    if call_id not in known_call_ids:
+        raise _invalid(f"{path}.tool_use_id", f"{call_id!r} matches no tool_use block of an earlier assistant message")
+    content = block.get("content")
+    text = "" if content is None else _plain_text(content, f"{path}.content")
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise _expected(f"{path}.is_error", "a boolean", is_error)
+    return Turn(role="tool", tool_call_id=call_id, text=text, is_error=bool(is_error))
+
+
+def _user_turns(content: Any, path: str, known_call_ids: set[str]) -> list[Turn]:
+    """A user message split into consecutive runs: each tool_result a tool turn, each run of text one user turn."""
+    if isinstance(content, str):
+        return [Turn(role="user", text=_string(content, path))]
+    turns: list[Turn] = []
+    texts: list[str] | None = None  # the text run being collected
+    for i, block in enumerate(_array(content, path)):
+        block_path = f"{path}.{i}"
+        block, kind = _block_type(block, block_path)
+        if kind == "text":
+            texts = [] if texts is None else texts
+            texts.append(_text_of(block, block_path))
+        elif kind == "tool_result":
+            if texts is not None:
+                turns.append(Turn(role="user", text=_join(texts)))
+                texts = None
+            turns.append(_tool_turn(block, block_path, known_call_ids))
+        elif kind in ("image", "document"):
+            raise _invalid(f"{block_path}.type", IMAGE_UNSUPPORTED)
+        else:
+            raise _invalid(f"{block_path}.type", f"expected 'text' or 'tool_result' in a user message, got {kind!r}")
+    if texts is not None or not turns:
+        turns.append(Turn(role="user", text=_join(texts or [])))
+    return turns
+
+
+def _assistant_turn(content: Any, path: str, known_call_ids: set[str]) -> Turn:
+    if isinstance(content, str):
+        return Turn(role="assistant", text=_string(content, path))
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[ToolCall] = []
+    for i, block in enumerate(_array(content, path)):
+        block_path = f"{path}.{i}"
+        block, kind = _block_type(block, block_path)
+        if kind == "text":
+            texts.append(_text_of(block, block_path))
+        elif kind == "thinking":
+            thoughts.append(_string(block.get("thinking"), f"{block_path}.thinking"))
+        elif kind == "redacted_thinking":
+            continue  # opaque; never produced by us, carries nothing the template could render
+        elif kind == "tool_use":
+            call_id = _string(block.get("id"), f"{block_path}.id", non_empty=True)
+            name = _string(block.get("name"), f"{block_path}.name", non_empty=True)
+            arguments = _checked_json(_object(block.get("input"), f"{block_path}.input"), f"{block_path}.input")
+            calls.append(ToolCall(id=call_id, name=name, arguments=arguments))
+            known_call_ids.add(call_id)
+        else:
+            raise _invalid(
+                f"{block_path}.type",
+                f"expected 'text', 'thinking', 'redacted_thinking' or 'tool_use' in an assistant message, got {kind!r}",
+            )
+    return Turn(role="assistant", text=_join(texts), thinking=_join(thoughts), tool_calls=tuple(calls))
+
+
+def _turns(messages: Any) -> list[Turn]:
+    messages = _array(messages, "messages")
+    if not messages:
+        raise _invalid("messages", "at least one message is required")
+    turns: list[Turn] = []
+    known_call_ids: set[str] = set()  # ids of tool_use blocks seen so far: a tool_result must answer one
+    for i, message in enumerate(messages):
+        path = f"messages.{i}"
+        message = _object(message, path)
+        role = message.get("role")
+        content = message.get("content")
+        if content is None:
+            raise _invalid(f"{path}.content", "field required")
+        if role == "user":
+            turns.extend(_user_turns(content, f"{path}.content", known_call_ids))
+        elif role == "assistant":
+            turns.append(_assistant_turn(content, f"{path}.content", known_call_ids))
+        elif role == "system":  # Claude Code sends reminders as system messages mid-conversation
+            turns.append(Turn(role="system", text=_plain_text(content, f"{path}.content")))
+        else:
+            raise _invalid(f"{path}.role", f"expected 'user', 'assistant' or 'system', got {role!r}")
+    return turns
+
+
+def _tools(tools: Any) -> list[ToolSpec]:
+    if tools is None:
+        return []
+    specs = []
+    for i, tool in enumerate(_array(tools, "tools")):
+        path = f"tools.{i}"
+        tool = _object(tool, path)
+        kind = tool.get("type")
+        if kind is not None and _string(kind, f"{path}.type") != "custom":
+            continue  # a server tool (web_search_..., bash_..., text_editor_...): the API runs it, not the model
+        name = _string(tool.get("name"), f"{path}.name", non_empty=True)
+        description = tool.get("description")
+        description = "" if description is None else _string(description, f"{path}.description")
+        schema = _object(tool.get("input_schema"), f"{path}.input_schema")
+        _checked_json(schema, f"{path}.input_schema")
+        specs.append(ToolSpec(name=name, description=description, parameters=schema))
+    return specs
+
+
+def _thinking(value: Any) -> bool:
+    if value is None:
+        return False
+    kind = _string(_object(value, "thinking").get("type"), "thinking.type")
+    if kind in ("enabled", "adaptive"):
+        return True
+    if kind == "disabled":
+        return False
+    raise _invalid("thinking.type", f"expected 'enabled', 'adaptive' or 'disabled', got {kind!r}")
+
+
+def _signals(headers: Mapping[str, str]) -> dict[str, Any]:
+    lowered = {str(key).lower(): value for key, value in headers.items()}
+    return {key: lowered[key] for key in SIGNAL_HEADERS if key in lowered}
+
+
+def _parse(body: Any, headers: Mapping[str, str], *, require_max_tokens: bool) -> ChatRequest:
+    body = _object(body, "body")
+    model = _string(body.get("model"), "model", non_empty=True)
+    if require_max_tokens and body.get("max_tokens") is None:
+        raise _invalid("max_tokens", "field required")
+    system = body.get("system")
+    system_text = None if system is None else (_plain_text(system, "system") or None)
+    stop = body.get("stop_sequences")
+    stop = [] if stop is None else _array(stop, "stop_sequences")
+    stop_sequences = [_string(text, f"stop_sequences.{i}") for i, text in enumerate(stop)]
+    metadata = body.get("metadata")
+    return ChatRequest(
+        dialect="anthropic",
+        model=model,
+        system=system_text,
+        turns=_turns(body.get("messages")),
+        tools=_tools(body.get("tools")),
+        stream=_optional_bool(body, "stream", False),
+        max_tokens=_optional_int(body, "max_tokens", 1),
+        temperature=_optional_number(body, "temperature", 0.0, 2.0),
+        top_p=_optional_number(body, "top_p", 0.0, 1.0),
+        top_k=_optional_int(body, "top_k", 0),
+        stop=stop_sequences,
+        thinking=_thinking(body.get("thinking")),
+        signals=_signals(headers),
+        echo={"metadata": metadata} if isinstance(metadata, dict) else {},
+    )
+
+
+def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str]) -> ChatRequest:
+    """`POST /v1/messages` (any `?beta=...` query accepted): the body as a `ChatRequest`, or `ApiError`."""
+    del query  # `?beta=true` changes nothing here
+    return _parse(body, headers, require_max_tokens=True)
+
+
+def parse_count_tokens(body: Any, headers: Mapping[str, str], query: Mapping[str, str]) -> ChatRequest:
+    """`POST /v1/messages/count_tokens`: like `parse_request`, but `max_tokens` is not required."""
+    del query
+    return _parse(body, headers, require_max_tokens=False)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def count_tokens_body(input_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens}
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    """The API's error shape; the HTTP status is `error.status`."""
+    return {"type": "error", "error": {"type": ERROR_TYPES[error.kind], "message": error.message}}
+
+
+def thinking_signature(thinking: str) -> str:
+    """An opaque, deterministic token for a thinking block (harnesses echo it back; nothing verifies it)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode("utf-8")).digest()).decode("ascii")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _tool_input(arguments: str) -> dict[str, Any] | None:
+    """The tool call's arguments as an object; None if the output parser let through anything else."""
+    try:
+        value = json.loads(arguments, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _stop_reason(output: AssistantOutput, called_tools: bool) -> str:
+    if called_tools and output.stop_reason == "stop":
+        return "tool_use"  # the client runs tools only when told so; trust the calls over the label
+    return STOP_REASONS[output.stop_reason]
+
+
+def _usage(usage: Usage) -> dict[str, int]:
+    return {
+        "input_tokens": max(usage.input_tokens - usage.cached_tokens, 0),
+        "output_tokens": usage.output_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": _tool_input(call.arguments) or {}}
+
+
+def response_body(request: ChatRequest, output: AssistantOutput, usage: Usage, *, message_id: str) -> dict[str, Any]:
+    """The non-streaming Messages response: content in the order thinking, text, tool_use."""
+    content: list[dict[str, Any]] = []
+    if output.thinking:
+        signature = thinking_signature(output.thinking)
+        content.append({"type": "thinking", "thinking": output.thinking, "signature": signature})
+    if output.text:
+        content.append({"type": "text", "text": output.text})
+    content.extend(_tool_use_block(call) for call in output.tool_calls)
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": request.model,
+        "content": content,
+        "stop_reason": _stop_reason(output, bool(output.tool_calls)),
+        "stop_sequence": None,
+        "usage": _usage(usage),
+    }
+
+
+def models_body(names: Sequence[str]) -> dict[str, Any]:
+    """`GET /v1/models`: every served model name, one page."""
+    data = [
+        {"type": "model", "id": name, "display_name": name, "created_at": EPOCH, "lifecycle": "active"}
+        for name in names
+    ]
+    return {
+        "data": data,
+        "has_more": False,
+        "first_id": names[0] if names else None,
+        "last_id": names[-1] if names else None,
+    }
+
+
+def sse(event_type: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event as the API frames it."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event_type}\ndata: {text}\n\n".encode()
+
+
+class StreamWriter:
+    """The SSE bytes of one streamed Messages response, built event by event.
+
+    Call `start()` once, `event()` per output event, then exactly one of `finish()` (the answer is complete) or
+    `error()` (it failed after the stream started). Consecutive deltas of one kind share a content block; a thinking
+    block ends with a `signature_delta`; a tool call is one block with its whole arguments in one `input_json_delta`.
+    """
+
+    def __init__(self, request: ChatRequest, *, message_id: str, input_tokens: int):
+        self.request = request
+        self.message_id = message_id
+        self.input_tokens = input_tokens
+        self.num_blocks = 0  # content blocks opened so far; the open one, if any, has index num_blocks - 1
+        self.open_kind: str | None = None  # "thinking" | "text" while a block is open
+        self.thinking_parts: list[str] = []  # the open thinking block's text (its signature is computed at close)
+        self.called_tools = False
+        self.started = False
+        self.done = False
+
+    def start(self) -> bytes:
+        assert not self.started, "start() called twice"
+        self.started = True
+        message = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.request.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.input_tokens,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
+        }
+        return sse("message_start", {"type": "message_start", "message": message}) + sse("ping", {"type": "ping"})
+
+    def _close(self) -> bytes:
+        if self.open_kind is None:
+            return b""
+        index = self.num_blocks - 1
+        out = b""
+        if self.open_kind == "thinking":
+            signature = thinking_signature("".join(self.thinking_parts))
+            delta = {"type": "signature_delta", "signature": signature}
+            out += sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            self.thinking_parts = []
+        self.open_kind = None
+        return out + sse("content_block_stop", {"type": "content_block_stop", "index": index})
+
+    def _open(self, block: dict[str, Any]) -> bytes:
+        out = self._close()
+        self.num_blocks += 1
+        event = {"type": "content_block_start", "index": self.num_blocks - 1, "content_block": block}
+        return out + sse("content_block_start", event)
+
+    def _delta(self, kind: str, start_block: dict[str, Any], delta: dict[str, Any]) -> bytes:
+        out = b"" if self.open_kind == kind else self._open(start_block)
+        self.open_kind = kind
+        event = {"type": "content_block_delta", "index": self.num_blocks - 1, "delta": delta}
+        return out + sse("content_block_delta", event)
+
+    def event(self, ev: OutputEvent) -> bytes:
+        assert self.started and not self.done, "event() outside start() ... finish()/error()"
+        if isinstance(ev, ThinkingDelta):
+            if not ev.text:
+                return b""
+            self.thinking_parts.append(ev.text)
+            start_block = {"type": "thinking", "thinking": "", "signature": ""}
+            return self._delta("thinking", start_block, {"type": "thinking_delta", "thinking": ev.text})
+        if isinstance(ev, TextDelta):
+            if not ev.text:
+                return b""
+            return self._delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": ev.text})
+        if isinstance(ev, ToolCallDone):
+            self.called_tools = True
+            call = ev.call
+            out = self._open({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            index = self.num_blocks - 1
+            # The model's own JSON text, byte for byte; "{}" if it is not an object (never crash mid-stream).
+            arguments = call.arguments if _tool_input(call.arguments) is not None else "{}"
+            delta = {"type": "input_json_delta", "partial_json": arguments}
+            out += sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            return out + sse("content_block_stop", {"type": "content_block_stop", "index": index})
+        raise TypeError(f"unknown output event {ev!r}")
+
+    def finish(self, output: AssistantOutput, usage: Usage) -> bytes:
+        """Close the open block and end the message; `output` gives the stop reason, `usage` the token counts."""
+        assert self.started and not self.done, "finish() outside start() ... finish()/error()"
+        self.done = True
+        out = self._close()
+        stop_reason = _stop_reason(output, self.called_tools or bool(output.tool_calls))
+        delta = {"stop_reason": stop_reason, "stop_sequence": None}
+        out += sse("message_delta", {"type": "message_delta", "delta": delta, "usage": _usage(usage)})
+        return out + sse("message_stop", {"type": "message_stop"})
+
+    def error(self, error: ApiError) -> bytes:
+        """An `error` event for a failure after the stream started; nothing follows it."""
+        if self.done:
+            return b""
+        self.done = True
+        return sse("error", error_body(error))
