@@ -140,9 +140,9 @@ class ChatRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class Usage:
-    input_tokens: int  # prompt tokens the engine saw
+    input_tokens: int  # prompt tokens the engine saw, cached ones included (OpenAI's prompt_tokens)
     output_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV was reused
+    cached_tokens: int = 0  # of input_tokens, those whose KV was reused (Anthropic reports input - cached)
 
 
 @dataclass(frozen=True, kw_only=True)
