@@ -1,0 +1,636 @@
+"""Chat templating with TITO: a `ChatRequest` becomes the engine's prompt ids, as provenance-labelled segments.
+
+Role: `ChatTemplate` loads a model's tokenizer and Jinja chat template from a local HF-layout directory and
+renders it as `transformers.apply_chat_template` does. `PromptBuilder` (one per execution) turns each request
+into a `Prompt`: a list of `gyre.traj.record.Segment`s whose concatenated ids are exactly what the engine sees.
+
+Contract:
+- One segment per turn (plus a SYSTEM header: system prompt and tools). Every assistant turn's content is a
+  segment of its own: the generation prompt (`<|im_start|>assistant\\n`) ends the segment before it, and the
+  template's glue after the content (`\\n` after the stop token, or `<|im_end|>\\n` when our output hit the
+  length limit) starts the segment after it. An assistant turn we produced (restored through the
+  `PayloadCache` by tool-call id or content) is then exactly our recorded output ids, so its key equals the
+  recorded response's key and the trajectory tree walks through it; any other assistant turn is rendered by
+  the template (HARNESS_ASSISTANT).
+- TITO: when a request extends the previous request of the execution (same system prompt and tools, turns a
+  prefix), the earlier turns' `Segment` objects are reused verbatim (never re-rendered, re-encoded or rehashed);
+  only the new turns are rendered, in a small window (a stub system message, a stub of the previous turn, the
+  new turns and a stub of the next turn), so the cost per request does not grow with the history. The window
+  is trusted only if a probe conversation renders identically that way and in one piece (`ChatTemplate.
+  windowed`); otherwise every request renders the whole conversation (correct, slower; `Prompt.fallbacks`).
+- Provenance: system prompt, tools and mid-conversation system messages SYSTEM; user USER; tool TOOL; restored
+  assistant SAMPLED; other assistant HARNESS_ASSISTANT; pure template glue between two assistant turns SYSTEM.
+- A mid-conversation system message is rendered with the system role if the template accepts and renders it,
+  else as a user message (still SYSTEM provenance).
+Pure: no IO except `ChatTemplate.from_pretrained`, which reads the model directory.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+
+from gyre.proxy.conversation import ApiError, ChatRequest, ToolCall, ToolSpec, Turn
+from gyre.proxy.payload import PayloadCache
+from gyre.traj.record import Provenance, Segment
+
+SENTINEL = "GYRE_SENTINEL_5f0c9a"
+DEFAULT_CHUNK_TURNS = 8  # new turns rendered per window: renders per window grow with its square
+_ROLE_PROVENANCE = {"system": Provenance.SYSTEM, "user": Provenance.USER, "tool": Provenance.TOOL}
+
+
+# What rendering a chat template raises for a conversation it refuses: its own raise_exception (ValueError),
+# Jinja errors, and the errors of Python operations the template applies to message fields.
+_TEMPLATE_ERRORS = (TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError)
+
+
+class _RenderError(Exception):
+    """The template refused a message list (its own exception, a Jinja error, a type error)."""
+
+
+class _NeedsFullRender(Exception):
+    """The window cannot render these turns faithfully; render the whole conversation instead."""
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+    # transformers' `tojson` (jinja2's own escapes <, >, & and ').
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, Mapping):  # an AddedToken serialized as {"content": ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix (memcmp-based: startswith, then binary search on slices)."""
+    if b.startswith(a):
+        return len(a)
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if b.startswith(a[:mid]):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _arguments_value(arguments: str) -> Any:
+    """A tool call's arguments as templates expect them: the parsed JSON object, else the text."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def _tool_call_message(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": _arguments_value(call.arguments)},
+    }
+
+
+class ChatTemplate:
+    """A tokenizer plus its Jinja chat template, rendered in transformers' sandboxed environment."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_stop_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
+    ) -> None:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.tokenizer = tokenizer
+        self.template = template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self._compiled = env.from_string(template)
+        self._context = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+        stops: list[int] = []
+        for text in (eos_token, "<|im_end|>"):
+            token_id = tokenizer.token_to_id(text) if text else None
+            if token_id is not None:
+                stops.append(token_id)
+        stops.extend(int(i) for i in extra_stop_ids)
+        self.end_of_turn_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))  # stop ids for the engine
+        self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), vocab_size or 0)
+        self._stop_texts = {i: tokenizer.decode([i], skip_special_tokens=False) for i in self.end_of_turn_ids}
+        self._probe()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ChatTemplate:
+        """Load `tokenizer.json` and the chat template of an HF-layout directory (no network)."""
+        from tokenizers import Tokenizer
+
+        root = Path(model_dir)
+        config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+            template = named.get("default")
+        if template is None and (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        if not isinstance(template, str):
+            raise ValueError(f"{root}: no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
+        extra_stops: list[int] = []
+        vocab_size = None
+        for name in ("generation_config.json", "config.json"):
+            path = root / name
+            if path.is_file():
+                data = json.loads(path.read_text(encoding="utf-8"))
+                eos = data.get("eos_token_id")
+                extra_stops.extend(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+                if name == "config.json" and isinstance(data.get("vocab_size"), int):
+                    vocab_size = data["vocab_size"]
+        return cls(
+            Tokenizer.from_file(str(root / "tokenizer.json")),
+            template,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            extra_stop_ids=extra_stops,
+            vocab_size=vocab_size,
+        )
+
+    # -- rendering and encoding -------------------------------------------------------------------
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        try:
+            return self._compiled.render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **self._context,
+            )
+        except _TEMPLATE_ERRORS as err:
+            raise _RenderError(f"the chat template refused the conversation: {err}") from err
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens it contains map to their single ids, nothing is added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def message(self, turn: Turn, *, first: bool = False) -> dict[str, Any]:
+        """The HF message dict of a turn (`first`: a leading system turn keeps the system role)."""
+        if turn.role == "assistant":
+            message: dict[str, Any] = {"role": "assistant", "content": turn.text}
+            if turn.thinking:
+                message["reasoning_content"] = turn.thinking
+            if turn.tool_calls:
+                message["tool_calls"] = [_tool_call_message(call) for call in turn.tool_calls]
+            return message
+        if turn.role == "tool":
+            return {"role": "tool", "content": turn.text, "tool_call_id": turn.tool_call_id}
+        if turn.role == "system" and not first:
+            return {"role": self.mid_system_role, "content": turn.text}
+        return {"role": turn.role, "content": turn.text}
+
+    def messages(self, request: ChatRequest) -> list[dict[str, Any]]:
+        """All HF messages of a request: the system prompt first, then one per turn."""
+        head = [{"role": "system", "content": request.system}] if request.system is not None else []
+        leading = request.system is None
+        return head + [self.message(turn, first=leading and i == 0) for i, turn in enumerate(request.turns)]
+
+    def render_request(self, request: ChatRequest, *, add_generation_prompt: bool = True) -> str:
+        """The whole conversation rendered in one piece (the reference the segments are tested against)."""
+        tools = [tool.as_template_tool() for tool in request.tools]
+        return self.render(self.messages(request), tools, add_generation_prompt=add_generation_prompt)
+
+    # -- template facts, probed once -------------------------------------------------------------
+    def _probe(self) -> None:
+        user = [{"role": "user", "content": "u"}]
+        closed = self.render(user)
+        self.generation_prompt = self.render(user, add_generation_prompt=True)[len(closed) :]
+        if not self.generation_prompt:
+            raise ValueError("the chat template adds no generation prompt (add_generation_prompt=True changes nothing)")
+        answered = self.render([*user, {"role": "assistant", "content": SENTINEL}])
+        at = answered.find(SENTINEL, len(closed))
+        # Text after an assistant's content; "" disables splitting assistant turns (whole-conversation renders).
+        self.assistant_footer = answered[at + len(SENTINEL) :] if at >= 0 else ""
+        self.footer_stop_text = max(
+            (text for text in self._stop_texts.values() if text and self.assistant_footer.startswith(text)),
+            key=len,
+            default="",
+        )
+        try:
+            mid = self.render([*user, {"role": "system", "content": SENTINEL}])
+        except _RenderError:
+            mid = ""
+        self.mid_system_role = "system" if SENTINEL in mid else "user"
+
+    def glue_after(self, output_ids: Sequence[int]) -> str:
+        """Template text between our output ids and the next message: the footer minus the stop token we emitted."""
+        stop_text = self._stop_texts.get(output_ids[-1]) if len(output_ids) else None
+        if stop_text and self.assistant_footer.startswith(stop_text):
+            return self.assistant_footer[len(stop_text) :]
+        return self.assistant_footer
+
+    @cached_property
+    def windowed(self) -> bool:
+        """True if rendering new turns in a small window reproduces the whole-conversation render (probed)."""
+        return _window_matches_full_render(self)
+
+
+@dataclass(eq=False)
+class Prompt:
+    """The engine's prompt for one request, as segments; `input_ids` is their concatenation."""
+
+    segments: list[Segment]
+    num_tokens: int
+    reused_turns: int  # leading turns whose segments came from the previous request, untouched
+    rendered_turns: int  # turns rendered and encoded for this request
+    restored_turns: int  # assistant turns restored from the payload cache (SAMPLED, our exact ids)
+    unrestored_assistant_turns: int  # assistant turns rendered by the template (HARNESS_ASSISTANT)
+    reused_segments: int  # leading segments identical (same objects) to the previous request's
+    fallbacks: int = 0  # 1: whole conversation rendered; 2: not even that splits, one USER segment
+    texts: list[str | None] = field(default_factory=list, repr=False)  # per segment; None: restored ids
+
+    @cached_property
+    def input_ids(self) -> array:
+        ids = array("i")
+        for segment in self.segments:
+            ids.extend(segment.ids)
+        return ids
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    """What one turn contributed to the last prompt, and what a later request needs to reuse it."""
+
+    turn: Turn
+    segments: tuple[Segment, ...]
+    texts: tuple[str | None, ...]
+    next_role: str  # role of the following turn when built ("assistant" if it was last: the generation prompt)
+    glue: str  # text the next segment starts with (after an assistant turn)
+    ends_with_assistant: bool  # the last segment is assistant content (no generation prompt appended)
+    seg_end: int  # number of prompt segments through this turn
+    tokens_end: int
+    restored: bool
+    unrestored: bool
+
+
+class PromptBuilder:
+    """Per execution: builds each request's `Prompt`, reusing the previous request's segments for its prefix."""
+
+    def __init__(
+        self,
+        template: ChatTemplate,
+        payloads: PayloadCache | None = None,
+        *,
+        chunk_turns: int = DEFAULT_CHUNK_TURNS,
+        windowed: bool | None = None,
+    ) -> None:
+        if chunk_turns < 1:
+            raise ValueError(f"chunk_turns={chunk_turns!r}: expected an int >= 1")
+        self.template = template
+        self.payloads = payloads if payloads is not None else PayloadCache()
+        self.chunk_turns = chunk_turns
+        self._windowed = windowed
+        self._system: str | None = None
+        self._tools: tuple[ToolSpec, ...] | None = None
+        self._turns: tuple[Turn, ...] = ()
+        self._entries: list[_Entry] = []
+        self._header: _Entry | None = None
+        self._segments: list[Segment] = []
+        self._texts: list[str | None] = []
+
+    @property
+    def windowed(self) -> bool:
+        return self.template.windowed if self._windowed is None else self._windowed
+
+    def build(self, request: ChatRequest) -> Prompt:
+        """The prompt of `request`. Raises ApiError(invalid_request) if the chat template refuses it."""
+        turns = request.turns
+        same_head = self._tools is not None and request.system == self._system and request.tools == self._tools
+        if not self.windowed:
+            return self._build_full(request, fallback=1)
+        if not same_head:
+            return self._build_full(request, fallback=0, windowed=True)
+        reused = 0
+        previous = self._turns
+        for new, old in zip(turns, previous, strict=False):
+            if new is not old and new != old:
+                break
+            reused += 1
+        if reused and self._entries[reused - 1].next_role != _next_role(turns, reused):
+            reused -= 1  # its rendering depends on what follows (generation prompt, grouped tool results)
+        if reused == 0:
+            return self._build_full(request, fallback=0, windowed=True)
+        try:
+            return self._extend(request, reused)
+        except _NeedsFullRender:
+            return self._build_full(request, fallback=1)
+
+    # -- extension: render only the new turns ------------------------------------------------------
+    def _extend(self, request: ChatRequest, reused: int) -> Prompt:
+        turns = request.turns
+        texts = self._window_texts(request, reused, len(turns))[1]
+        base = self._entries[reused - 1]
+        entries = self._assemble(turns, reused, texts, base)
+        return self._commit(request, self._entries[:reused] + entries, self._header, reused, fallbacks=0)
+
+    def _window_texts(self, request: ChatRequest, start: int, stop: int) -> tuple[str, list[str]]:
+        """(header text if start == 0, text of each turn in [start, stop)), rendered in windows of chunk_turns."""
+        template, turns = self.template, request.turns
+        leading_system_turn = request.system is None and bool(turns) and turns[0].role == "system"
+        has_system = request.system is not None or leading_system_turn
+        stub_tools = [ToolSpec(name="f").as_template_tool()] if request.tools else None
+        header, texts = "", []
+        for a in range(start, stop, self.chunk_turns):
+            b = min(a + self.chunk_turns, stop)
+            if a == 0:
+                context = [{"role": "system", "content": request.system}] if request.system is not None else []
+                tools = [tool.as_template_tool() for tool in request.tools]
+            else:
+                context = [{"role": "system", "content": "s"}] if has_system else []
+                context.append(_stub(template, turns[a - 1]))
+                tools = stub_tools
+            lookahead = _stub(template, turns[b]) if b < len(turns) else {"role": "assistant", "content": "x"}
+            chunk = [template.message(turns[i], first=leading_system_turn and i == 0) for i in range(a, b)]
+            try:
+                chunk_header, chunk_texts = _split_render(template, context, chunk, lookahead, tools)
+            except _RenderError as err:
+                raise _NeedsFullRender() from err
+            if a == 0:
+                header = chunk_header
+            texts.extend(chunk_texts)
+        return header, texts
+
+    # -- whole conversation ------------------------------------------------------------------------
+    def _build_full(self, request: ChatRequest, *, fallback: int, windowed: bool = False) -> Prompt:
+        turns = request.turns
+        if windowed:
+            try:
+                header, texts = self._window_texts(request, 0, len(turns))
+                header_entry = self._header_entry(request, header, turns, texts)
+                entries = self._assemble(turns, 0, texts, header_entry)
+                return self._commit(request, entries, header_entry, 0, fallbacks=0)
+            except _NeedsFullRender:
+                fallback = 1
+        template = self.template
+        messages = template.messages(request)
+        tools = [tool.as_template_tool() for tool in request.tools]
+        offset = 1 if request.system is not None else 0
+        try:
+            closed = template.render(messages, tools)
+            full = template.render(messages, tools, add_generation_prompt=True)
+        except _RenderError as err:
+            raise ApiError("invalid_request", str(err), param="messages") from err
+        if full.startswith(closed) and full[len(closed) :] == template.generation_prompt:
+            context = messages[:offset]
+            header, texts = _split_text(template, context, messages[offset:], tools, closed)
+            header_entry = self._header_entry(request, header, turns, texts)
+            try:
+                entries = self._assemble(turns, 0, texts, header_entry, inline=True)
+                return self._commit(request, entries, header_entry, 0, fallbacks=fallback or 1)
+            except _NeedsFullRender:
+                pass
+        # Last resort: correct ids, no sharing, no restore; the next request starts afresh.
+        segment = Segment(Provenance.USER, template.encode(full))
+        self._reset()
+        return Prompt([segment], len(segment), 0, len(turns), 0, 0, 0, fallbacks=2, texts=[full])
+
+    def _header_entry(self, request: ChatRequest, header: str, turns, texts) -> _Entry:
+        first_is_assistant = bool(turns) and turns[0].role == "assistant"
+        if not header:
+            return _Entry(Turn(role="system"), (), (), "", "", True, 0, 0, False, False)
+        text = header + (self.template.generation_prompt if first_is_assistant or not turns else "")
+        old = self._header
+        segment = (
+            old.segments[0]
+            if old is not None and old.texts and old.texts[0] == text
+            else Segment(Provenance.SYSTEM, self.template.encode(text))
+        )
+        return _Entry(Turn(role="system"), (segment,), (text,), "", "", False, 1, len(segment), False, False)
+
+    # -- segments from per-turn texts --------------------------------------------------------------
+    def _assemble(
+        self,
+        turns: Sequence[Turn],
+        start: int,
+        texts: Sequence[str],
+        base: _Entry,
+        *,
+        inline: bool = False,
+    ) -> list[_Entry]:
+        """Entries for turns[start:] given their rendered texts; `base` is the entry (or header) before them.
+
+        `inline`: an assistant text the template does not frame as generation prompt + content + footer is
+        kept as one HARNESS_ASSISTANT text segment instead of failing over to a whole-conversation render.
+        """
+        template = self.template
+        prompt_text, footer = template.generation_prompt, template.assistant_footer
+        stop_text = template.footer_stop_text
+        n = len(turns)
+        bodies: list[str | None] = []
+        for j in range(start, n):
+            text = texts[j - start]
+            body = None
+            if turns[j].role == "assistant" and footer and text.startswith(prompt_text) and text.endswith(footer):
+                body = text[len(prompt_text) : len(text) - len(footer)] + stop_text
+            if turns[j].role == "assistant" and body is None and not inline:
+                raise _NeedsFullRender()
+            bodies.append(body)
+        old_entries = self._entries
+        seg_end, tokens_end = base.seg_end, base.tokens_end
+        lead = base.glue
+        prev_has_prompt = not base.ends_with_assistant and base.seg_end > 0
+        entries: list[_Entry] = []
+        for j in range(start, n):
+            turn, text, body = turns[j], texts[j - start], bodies[j - start]
+            last = j == n - 1
+            next_is_split_assistant = last or bodies[j + 1 - start] is not None
+            old = old_entries[j] if j < len(old_entries) else None
+            pieces: list[tuple[Provenance, str | None, Segment | None]] = []
+            restored = unrestored = False
+            if body is not None:
+                if not prev_has_prompt:  # glue between two assistant turns (or nothing before this one)
+                    pieces.append((Provenance.SYSTEM, lead + prompt_text, None))
+                sampled = self.payloads.restore_segment(turn)
+                if sampled is not None:
+                    pieces.append((Provenance.SAMPLED, None, sampled))
+                    glue = template.glue_after(sampled.ids)
+                    restored = True
+                else:
+                    pieces.append((Provenance.HARNESS_ASSISTANT, body, None))
+                    glue = footer[len(stop_text) :]
+                    unrestored = True
+                if last:  # the request ends with an assistant turn: a new one is generated after it
+                    pieces.append((Provenance.SYSTEM, glue + prompt_text, None))
+                lead, prev_has_prompt = ("" if last else glue), last
+            else:
+                provenance = _ROLE_PROVENANCE.get(turn.role, Provenance.HARNESS_ASSISTANT)
+                unrestored = turn.role == "assistant"
+                full_text = lead + text + (prompt_text if next_is_split_assistant else "")
+                if full_text:
+                    pieces.append((provenance, full_text, None))
+                lead, prev_has_prompt = "", next_is_split_assistant and bool(full_text or prev_has_prompt)
+            segments, seg_texts = [], []
+            for index, (provenance, piece_text, segment) in enumerate(pieces):
+                if segment is None:
+                    if (
+                        old is not None
+                        and index < len(old.texts)
+                        and old.texts[index] == piece_text
+                        and old.segments[index].provenance is provenance
+                    ):
+                        segment = old.segments[index]  # same text as last time: same object, no rehash
+                    else:
+                        segment = Segment(provenance, template.encode(piece_text))
+                segments.append(segment)
+                seg_texts.append(piece_text)
+                tokens_end += len(segment)
+            seg_end += len(segments)
+            entries.append(
+                _Entry(
+                    turn,
+                    tuple(segments),
+                    tuple(seg_texts),
+                    _next_role(turns, j + 1),
+                    lead,
+                    body is not None and not last,
+                    seg_end,
+                    tokens_end,
+                    restored,
+                    unrestored,
+                )
+            )
+        return entries
+
+    def _commit(
+        self, request: ChatRequest, entries: list[_Entry], header: _Entry | None, reused: int, *, fallbacks: int
+    ) -> Prompt:
+        reuse_segments = entries[reused - 1].seg_end if reused else 0
+        segments = self._segments[:reuse_segments] if reused else list(header.segments if header else ())
+        texts = self._texts[:reuse_segments] if reused else list(header.texts if header else ())
+        for entry in entries[reused:]:
+            segments.extend(entry.segments)
+            texts.extend(entry.texts)
+        same = 0
+        for new, old in zip(segments, self._segments, strict=False):
+            if new is not old:
+                break
+            same += 1
+        self._system, self._tools, self._turns = request.system, request.tools, request.turns
+        self._entries, self._header, self._segments, self._texts = entries, header, segments, texts
+        new_entries = entries[reused:]
+        return Prompt(
+            segments=segments,
+            num_tokens=entries[-1].tokens_end if entries else (header.tokens_end if header else 0),
+            reused_turns=reused,
+            rendered_turns=len(new_entries),
+            restored_turns=sum(entry.restored for entry in new_entries),
+            unrestored_assistant_turns=sum(entry.unrestored for entry in new_entries),
+            reused_segments=same,
+            fallbacks=fallbacks,
+            texts=texts,
+        )
+
+    def _reset(self) -> None:
+        self._system, self._tools, self._turns = None, None, ()
+        self._entries, self._header, self._segments, self._texts = [], None, [], []
+
+
+def _next_role(turns: Sequence[Turn], index: int) -> str:
+    return turns[index].role if index < len(turns) else "assistant"
+
+
+def _stub(template: ChatTemplate, turn: Turn) -> dict[str, Any]:
+    """A minimal message of the same role: what a neighbouring turn contributes to a window."""
+    if turn.role == "tool":
+        return {"role": "tool", "content": "x", "tool_call_id": turn.tool_call_id}
+    if turn.role == "system":
+        return {"role": template.mid_system_role, "content": "x"}
+    return {"role": turn.role, "content": "x"}
+
+
+def _split_render(template: ChatTemplate, context, chunk, lookahead, tools) -> tuple[str, list[str]]:
+    """Render context + chunk + lookahead once; cut it at message boundaries (common prefixes with the
+    renders of each prefix). Returns (text before the chunk, text of each chunk message)."""
+    window = [*context, *chunk, lookahead]
+    full = template.render(window, tools)
+    return _split_text(template, context, [*chunk, lookahead], tools, full, drop_last=True)
+
+
+def _split_text(template, context, messages, tools, full: str, drop_last: bool = False) -> tuple[str, list[str]]:
+    window = [*context, *messages]
+    count = len(messages) - (1 if drop_last else 0)
+    bounds: list[int] = []
+    previous = 0
+    for j in range(len(context), len(context) + count + 1):
+        if j == len(window):
+            bound = len(full)
+        else:
+            try:
+                bound = _common_prefix_len(template.render(window[:j], tools), full) if j else 0
+            except _RenderError:
+                bound = previous  # a prefix the template refuses: its text joins the next message
+        bound = max(bound, previous)
+        bounds.append(bound)
+        previous = bound
+    return full[: bounds[0]], [full[bounds[i] : bounds[i + 1]] for i in range(count)]
+
+
+def _window_matches_full_render(template: ChatTemplate) -> bool:
+    """Probe: do windowed, incremental builds give the one-piece render's text for a tool-using conversation?"""
+    call = ToolCall(id="c1", name="f", arguments='{"a": 1}')
+    turns = [
+        Turn(role="user", text="u1"),
+        Turn(role="assistant", text="a1", tool_calls=(call, ToolCall(id="c2", name="g", arguments="{}"))),
+        Turn(role="tool", text="r1", tool_call_id="c1"),
+        Turn(role="tool", text="r2", tool_call_id="c2"),
+        Turn(role="assistant", text="a2", tool_calls=(ToolCall(id="c3", name="f", arguments='{"a": 2}'),)),
+        Turn(role="tool", text="r3", tool_call_id="c3"),
+        Turn(role="user", text="u2"),
+        Turn(role="system", text="s2"),
+        Turn(role="assistant", text="a3"),
+        Turn(role="user", text="u3"),
+    ]
+    tools = (ToolSpec(name="f", description="d", parameters={"type": "object"}),)
+    for system in ("sys", None):
+        builder = PromptBuilder(template, PayloadCache(), chunk_turns=2, windowed=True)
+        for stop in range(1, len(turns) + 1):
+            if turns[stop - 1].role == "assistant":
+                continue  # a request ends with a non-assistant turn (templates treat a final assistant specially)
+            request = ChatRequest(
+                dialect="openai_chat", model="m", system=system, turns=tuple(turns[:stop]), tools=tools
+            )
+            try:
+                prompt = builder.build(request)
+                expected = template.render_request(request)
+            except (_RenderError, ApiError):
+                return False
+            if prompt.fallbacks or "".join(t or "" for t in prompt.texts) != expected:
+                return False
+    return True

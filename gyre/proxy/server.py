@@ -1,0 +1,356 @@
+"""The proxy's HTTP server: the three API dialects in, routed engine calls, TITO records out.
+
+aiohttp (server), the same library as the engine endpoint and its client: DESIGN.md's probes found an aiohttp
+server with one shared aiohttp client cheapest on these machines (~0.5 ms CPU per request, 20-30 us per relayed
+chunk), where FastAPI cost 1.5-2x and httpx as the upstream client collapsed at 64+ concurrent streams.
+
+One call, in order: read the body (size cap -> 413), authenticate the execution key (401), parse the dialect
+(4xx in its own shape), check the model name (404), build the prompt with TITO reuse (`gyre.proxy.render`),
+check the context limit (400 "prompt is too long"), run the call through the routing table with transparent
+retry (`gyre.proxy.routing`), turn output ids into the dialect's structures as they come
+(`gyre.proxy.output`), record the call once into the execution's tree and file (`gyre.proxy.sessions`), and
+remember our exact output for the payload cache. A client error is answered and nothing is recorded; an engine
+failure after the stream started ends the stream with the dialect's error event.
+
+Admin routes (for `gyre.serve` and the runtime; they need the admin key as a Bearer token):
+`POST /gyre/executions` `{"execution"?}` -> `{"execution", "key"}`; `POST /gyre/executions/{execution}/close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gyre.config.proxy import ProxyConfig
+from gyre.engine.protocol import GenerateRequest, SamplingParams
+from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
+from gyre.proxy.dialects import anthropic, openai_chat, openai_responses
+from gyre.proxy.output import OutputDecoder
+from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
+from gyre.proxy.sessions import ExecutionSession, SessionRegistry, key_from_headers, thread_key
+from gyre.traj.record import CallMeta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    module: ModuleType
+    response_prefix: str  # response / message id prefix
+    call_prefix: str  # tool-call id prefix
+
+
+ANTHROPIC = Dialect("anthropic", anthropic, "msg_", "toolu_")
+OPENAI_CHAT = Dialect("openai_chat", openai_chat, "chatcmpl-", "call_")
+OPENAI_RESPONSES = Dialect("openai_responses", openai_responses, "resp_", "call_")
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class ProxyServer:
+    """Serves the dialects for the executions of `registry`, sending calls to the engines of `table`."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        *,
+        template: Any,  # gyre.proxy.render.ChatTemplate
+        registry: SessionRegistry,
+        table: RoutingTable,
+        context_limit: int,
+        admin_key: str | None = None,
+    ):
+        self.config = config
+        self.template = template
+        self.registry = registry
+        self.table = table
+        self.context_limit = config.context_limit or context_limit
+        self.admin_key = admin_key or ("gyre-admin-" + secrets.token_urlsafe(24))
+        self.port = config.port
+        self._runner: web.AppRunner | None = None
+        self._stop_ids = tuple(template.end_of_turn_ids)
+        self.app = web.Application(client_max_size=config.max_body_bytes)
+        self.app.add_routes(
+            [
+                web.get("/", self._root),  # aiohttp answers HEAD / with the same handler
+                web.get("/v1/models", self._models),
+                web.post("/v1/messages", self._dialect_handler(ANTHROPIC)),
+                web.post("/v1/messages/count_tokens", self._count_tokens),
+                web.post("/v1/chat/completions", self._dialect_handler(OPENAI_CHAT)),
+                web.post("/v1/responses", self._dialect_handler(OPENAI_RESPONSES)),
+                web.post("/gyre/executions", self._issue),
+                web.post("/gyre/executions/{execution}/close", self._close),
+            ]
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def start(self) -> str:
+        # handler_cancellation: a harness that hangs up cancels its call, which aborts it on the engine.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        log.info("proxy serving at %s", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------------ small routes
+
+    async def _root(self, http: web.Request) -> web.Response:
+        return web.Response(status=200) if http.method == "HEAD" else _json({"ok": True, "service": "gyre proxy"})
+
+    async def _models(self, http: web.Request) -> web.Response:
+        if "anthropic-version" in http.headers:
+            return _json(anthropic.models_body(self.config.model_names))
+        return _json(openai_chat.models_body(self.config.model_names, int(time.time())))
+
+    async def _issue(self, http: web.Request) -> web.Response:
+        if not self._is_admin(http):
+            return _json({"error": {"type": "authentication_error", "message": "admin key required"}}, 401)
+        try:
+            raw = await http.read()
+            body = orjson.loads(raw) if raw else {}
+            session = self.registry.issue(body.get("execution") if isinstance(body, dict) else None)
+        except (orjson.JSONDecodeError, ValueError) as error:
+            return _json({"error": {"type": "invalid_request_error", "message": str(error)}}, 400)
+        return _json({"execution": session.execution, "key": session.key})
+
+    async def _close(self, http: web.Request) -> web.Response:
+        if not self._is_admin(http):
+            return _json({"error": {"type": "authentication_error", "message": "admin key required"}}, 401)
+        execution = http.match_info["execution"]
+        if self.registry.by_execution(execution) is None:
+            return _json({"error": {"type": "not_found_error", "message": f"no open execution {execution!r}"}}, 404)
+        self.registry.close(execution)
+        return _json({"closed": execution})
+
+    def _is_admin(self, http: web.Request) -> bool:
+        key = key_from_headers({k.lower(): v for k, v in http.headers.items()})
+        return key is not None and secrets.compare_digest(key, self.admin_key)
+
+    # ------------------------------------------------------------------ the dialect routes
+
+    def _dialect_handler(self, dialect: Dialect):
+        async def handler(http: web.Request) -> web.StreamResponse:
+            try:
+                session, request = await self._admit(http, dialect)
+                prompt = session.builder(thread_key(request.signals)).build(request)
+                params = self._sampling(request, prompt.num_tokens)
+            except ApiError as error:
+                return self._error(dialect, error)
+            call = _Call(self, dialect, session, request, prompt, params)
+            if request.stream:
+                return await call.stream(http)
+            return await call.complete()
+
+        return handler
+
+    async def _count_tokens(self, http: web.Request) -> web.Response:
+        try:
+            session = self._authenticate(http)
+            body = await self._read_json(http)
+            request = anthropic.parse_count_tokens(body, _headers(http), dict(http.query))
+            self._check_model(request.model)
+            prompt = session.make_builder(session.payload).build(request)  # a throwaway builder: no cache churn
+        except ApiError as error:
+            return self._error(ANTHROPIC, error)
+        return _json(anthropic.count_tokens_body(prompt.num_tokens))
+
+    async def _admit(self, http: web.Request, dialect: Dialect) -> tuple[ExecutionSession, ChatRequest]:
+        session = self._authenticate(http)
+        body = await self._read_json(http)
+        request = dialect.module.parse_request(body, _headers(http), dict(http.query))
+        self._check_model(request.model)
+        return session, request
+
+    def _authenticate(self, http: web.Request) -> ExecutionSession:
+        session = self.registry.by_key(key_from_headers(_headers(http)))
+        if session is None:
+            raise ApiError("authentication", "invalid x-api-key: no execution has this key")
+        return session
+
+    async def _read_json(self, http: web.Request) -> Any:
+        try:
+            raw = await http.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(
+                "request_too_large", f"request body exceeds the limit of {self.config.max_body_bytes} bytes"
+            ) from None
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as error:
+            raise ApiError("invalid_request", f"the request body is not valid JSON (UTF-8): {error}") from None
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.config.model_names:
+            raise ApiError("not_found", f"model: {model!r} is not served here; available: {self.config.model_names}")
+
+    def _sampling(self, request: ChatRequest, prompt_tokens: int) -> SamplingParams:
+        room = self.context_limit - prompt_tokens
+        if room < self.config.min_output_tokens:
+            raise ApiError(
+                "prompt_too_long",
+                f"prompt is too long: {prompt_tokens} tokens > {self.context_limit - self.config.min_output_tokens} "
+                "maximum",
+            )
+        sampling = self.config.sampling
+        budget = min(room, sampling.max_new_tokens, request.max_tokens or sampling.max_new_tokens)
+        temperature, top_p, top_k = sampling.temperature, sampling.top_p, sampling.top_k
+        if sampling.honor_client:
+            temperature = request.temperature if request.temperature is not None else temperature
+            top_p = request.top_p if request.top_p is not None else top_p
+            top_k = request.top_k if request.top_k is not None else top_k
+        try:
+            return SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_new_tokens=budget,
+                stop_token_ids=self._stop_ids,
+            )
+        except ValueError as error:
+            raise ApiError("invalid_request", str(error)) from None
+
+    def _error(self, dialect: Dialect, error: ApiError) -> web.Response:
+        return _json(dialect.module.error_body(error), error.status)
+
+
+class _Call:
+    """One admitted model call: run it across engines, translate its output, record it once."""
+
+    def __init__(self, server: ProxyServer, dialect: Dialect, session: ExecutionSession, request, prompt, params):
+        self.server, self.dialect, self.session = server, dialect, session
+        self.request, self.prompt, self.params = request, prompt, params
+        self.response_id = _new_id(dialect.response_prefix)
+        self.created = int(time.time())
+        self.decoder = OutputDecoder(
+            server.template.tokenizer,
+            skip_ids=server._stop_ids,
+            new_call_id=lambda: _new_id(dialect.call_prefix),
+        )
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.engine = ""
+
+    def _engine_request(self) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=self.response_id,
+            execution_id=self.session.execution,
+            input_ids=self.prompt.input_ids,
+            params=self.params,
+        )
+
+    async def _run(self):
+        """Routed tokens -> output events; yields event lists, returns via `self.finish`/`self.output`."""
+        self.finish: RoutedFinish | None = None
+        routed = generate_routed(self.server.table, self._engine_request(), wait_s=self.server.config.engine_wait_s)
+        async for item in routed:
+            if isinstance(item, RoutedTokens):
+                self.output_ids.extend(item.token_ids)
+                self.logprobs.extend(item.logprobs)
+                self.versions.append(item.policy_version)
+                self.engine = item.engine
+                yield self.decoder.feed(item.token_ids)
+            else:
+                self.finish = item
+        events, self.output = self.decoder.finish(self.finish.finish_reason)
+        yield events
+
+    def _usage(self) -> Usage:
+        cached = self.finish.cached_tokens if self.finish is not None else 0
+        return Usage(input_tokens=self.prompt.num_tokens, output_tokens=len(self.output_ids), cached_tokens=cached)
+
+    def _record(self) -> None:
+        if not self.output_ids:
+            return
+        finish = self.finish
+        meta = CallMeta(
+            execution=self.session.execution,
+            request_id=self.response_id,
+            policy_version=self.versions[0] if self.versions else 0,
+            engine=",".join(finish.engines) if finish is not None else self.engine,
+            timings={"first_token_s": finish.first_token_s or 0.0, "total_s": finish.total_s} if finish else {},
+            role_signals=self.request.signals,
+        )
+        reason = finish.finish_reason if finish is not None else "abort"
+        thread = thread_key(self.request.signals)
+        self.session.record(self.prompt.segments, self.output_ids, self.logprobs, reason, meta, thread=thread)
+        if finish is not None:
+            self.session.payload.remember(self.output, self.output_ids)
+
+    async def complete(self) -> web.Response:
+        try:
+            async for _ in self._run():
+                pass
+        except NoEngineError as error:
+            return self.server._error(self.dialect, ApiError("overloaded", str(error)))
+        self._record()
+        body = self._body(self.output)
+        return _json(body)
+
+    def _body(self, output: AssistantOutput) -> dict:
+        module, usage = self.dialect.module, self._usage()
+        if self.dialect is ANTHROPIC:
+            return module.response_body(self.request, output, usage, message_id=self.response_id)
+        return module.response_body(self.request, output, usage, response_id=self.response_id, created=self.created)
+
+    def _writer(self):
+        module = self.dialect.module
+        if self.dialect is ANTHROPIC:
+            return module.StreamWriter(self.request, message_id=self.response_id, input_tokens=self.prompt.num_tokens)
+        return module.StreamWriter(
+            self.request, response_id=self.response_id, created=self.created, input_tokens=self.prompt.num_tokens
+        )
+
+    async def stream(self, http: web.Request) -> web.StreamResponse:
+        writer = self._writer()
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+        )
+        await response.prepare(http)
+        await response.write(writer.start())
+        recorded = False
+        try:
+            async for events in self._run():
+                data = b"".join(writer.event(event) for event in events)
+                if data:
+                    await response.write(data)
+            self._record()
+            recorded = True
+            await response.write(writer.finish(self.output, self._usage()))
+        except NoEngineError as error:
+            await response.write(writer.error(ApiError("overloaded", str(error))))
+        finally:
+            if not recorded and self.output_ids:
+                self.finish = None  # the harness went away mid-call: record what was sampled, once
+                self._record()
+        await response.write_eof()
+        return response
+
+
+def _headers(http: web.Request) -> dict[str, str]:
+    return {k.lower(): v for k, v in http.headers.items()}
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")

@@ -1,0 +1,94 @@
+"""The serving stack of `gyre.serve`: chat template, engines, routing table, sessions and the proxy, wired.
+
+The embedded engine runs on its own thread and event loop behind the engine endpoint (the layout of a cell
+leader in the SPMD job); the proxy reaches it, and any `engine_urls`, through `RemoteEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from gyre.config.serve import ServeConfig
+from gyre.engine.endpoint import ServerThread
+from gyre.engine.remote import RemoteEngine
+from gyre.proxy.routing import RoutingTable
+from gyre.proxy.server import ProxyServer
+from gyre.proxy.sessions import SessionRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeStack:
+    proxy: ProxyServer
+    registry: SessionRegistry
+    table: RoutingTable
+    remotes: list[RemoteEngine]
+    engine_thread: ServerThread | None
+
+    async def close(self) -> None:
+        await self.proxy.stop()
+        self.registry.close_all()
+        for remote in self.remotes:
+            await remote.close()
+        if self.engine_thread is not None:
+            await asyncio.to_thread(self.engine_thread.stop)
+
+
+def resolve_model_dir(model_dir: str) -> Path:
+    if model_dir:
+        return Path(model_dir)
+    from gyre.models.tiny import tiny_model_dir
+
+    return tiny_model_dir()
+
+
+async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> ServeStack:
+    """Load the template and model, start the engine(s) and the proxy. Bad model dir or address: ValueError/OSError."""
+    import torch
+
+    from gyre.engine.native import NativeEngine
+    from gyre.engine.weights import load_pretrained, read_config
+    from gyre.proxy.render import ChatTemplate, PayloadCache, PromptBuilder
+
+    model_dir = resolve_model_dir(cfg.model_dir)
+    model_config = read_config(model_dir)
+    template = ChatTemplate.from_pretrained(model_dir)
+    remotes: list[RemoteEngine] = []
+    table = RoutingTable()
+    thread = None
+    if cfg.engine.enabled:
+        dtype = getattr(torch, cfg.engine.dtype)
+        model = await asyncio.to_thread(load_pretrained, model_dir, dtype, cfg.engine.device)
+        thread = ServerThread(lambda: NativeEngine(model, max_running=cfg.engine.max_running))
+        url = await asyncio.to_thread(thread.start)
+        remotes.append(await RemoteEngine.connect(url))
+        table.add_engine("embedded", remotes[-1])
+    try:
+        for index, url in enumerate(cfg.engine_urls):
+            remotes.append(await RemoteEngine.connect(url))
+            table.add_engine(f"external-{index}", remotes[-1])
+        registry = SessionRegistry(
+            vocab_size=model_config.vocab_size,
+            make_builder=lambda payload: PromptBuilder(template, payload),
+            make_payload_cache=PayloadCache,
+            records_dir=records_dir,
+        )
+        proxy = ProxyServer(
+            cfg.proxy,
+            template=template,
+            registry=registry,
+            table=table,
+            context_limit=model_config.max_position_embeddings,
+        )
+        await proxy.start()
+    except BaseException:
+        for remote in remotes:
+            await remote.close()
+        if thread is not None:
+            await asyncio.to_thread(thread.stop)
+        raise
+    return ServeStack(proxy=proxy, registry=registry, table=table, remotes=remotes, engine_thread=thread)
