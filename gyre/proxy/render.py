@@ -593,7 +593,8 @@ def _split_text(template, context, messages, tools, full: str, drop_last: bool =
             bound = len(full)
         else:
             try:
-                bound = _common_prefix_len(template.render(window[:j], tools), full) if j else 0
+                # j == 0 too: with tools and no system message the template still writes a header
+                bound = _common_prefix_len(template.render(window[:j], tools), full)
             except _RenderError:
                 bound = previous  # a prefix the template refuses: its text joins the next message
         bound = max(bound, previous)

@@ -134,15 +134,19 @@ def test_six_turn_conversation_ids_keys_and_tree_sharing():
     assert tree.stats().leaves == 1
 
 
-def test_ids_equal_template_render_when_echo_is_verbatim():
-    """Without reformatting, the whole prompt equals the tokenized one-piece render of the template."""
+@pytest.mark.parametrize("system", [SYSTEM, None])
+def test_ids_equal_template_render_when_echo_is_verbatim(system):
+    """Without reformatting, the whole prompt equals the tokenized one-piece render of the template; the system
+    prompt and tools header is one SYSTEM segment even without a system prompt (the template writes the tools)."""
     tpl = template()
     payloads = PayloadCache()
     builder = PromptBuilder(tpl, payloads)
     turns = [Turn(role="user", text="go")]
     for step in range(3):
-        prompt = builder.build(request(turns))
-        full = tpl.render_request(request(turns))
+        prompt = builder.build(request(turns, system=system))
+        full = tpl.render_request(request(turns, system=system))
+        assert prompt.segments[0].provenance == Provenance.SYSTEM and prompt.texts[0].startswith("<|im_start|>system")
+        assert prompt.segments[1].provenance == Provenance.USER
         assert (
             "".join(
                 prompt.texts[i] or tpl.tokenizer.decode(list(s.ids), skip_special_tokens=False)
