@@ -209,6 +209,7 @@ class TokenChunk:
     policy_version: int  # weights version that produced these tokens
     finish_reason: FinishReason | None = None
     timings: GenerateTimings | None = None  # on the last chunk only
+    cached_tokens: int | None = None  # on the last chunk only: as GenerateResult.cached_tokens
 
     def __post_init__(self) -> None:
         require(

@@ -49,8 +49,8 @@ class RoutedFinish:
     finish_reason: str
     prompt_tokens: int  # the original prompt
     cached_tokens: int  # of the first attempt (KV reuse on the engine that started it)
-    attempts: int  # engines that served part of it (1 = no reroute)
-    engines: tuple[str, ...]
+    attempts: int  # engines that produced part of it (1 = no reroute)
+    engines: tuple[str, ...]  # those engines, in order
     first_token_s: float | None  # seconds from the call's start to its first token
     total_s: float
 
@@ -139,7 +139,7 @@ async def generate_routed(
     budget = request.params.max_new_tokens
     engines: list[str] = []
     avoid: set[str] = set()
-    cached = 0  # TODO(issue 5): the engine's cached_tokens once stream chunks carry it
+    cached = 0  # prompt tokens whose KV the first engine reused (its final chunk says)
     first_token_s = None
     for attempt in range(max_attempts):
         name, engine = await table.wait_for_engine(request.execution_id, wait_s=wait_s, avoid=frozenset(avoid))
@@ -149,7 +149,7 @@ async def generate_routed(
             input_ids=(*request.input_ids, *produced),
             params=dataclasses.replace(request.params, max_new_tokens=budget - len(produced)),
         )
-        finish = None
+        before, finish = len(produced), None
         try:
             async for chunk in engine.generate_stream(sub):
                 if chunk.token_ids:
@@ -158,16 +158,20 @@ async def generate_routed(
                     produced.extend(chunk.token_ids)
                     yield RoutedTokens(chunk.token_ids, chunk.logprobs, chunk.policy_version, name)
                 finish = chunk.finish_reason
+                if finish is not None and attempt == 0:
+                    cached = chunk.cached_tokens or 0
         except EngineUnavailableError:
-            avoid.add(name)  # refused before producing anything: try another engine
+            finish = None  # refused the call, or its endpoint went away mid-stream
+        if len(produced) > before and name not in engines:
+            engines.append(name)
+        if finish is None or (finish == "abort" and len(produced) < budget):
+            # refused, or dropped (drain deadline, migration): continue elsewhere from the tokens so far
+            avoid = avoid | {name} if finish is None else {name}
             continue
+        if finish == "abort":
+            finish = "length"  # dropped exactly at its budget: nothing was lost
         if name not in engines:
             engines.append(name)
-        if finish == "abort" and len(produced) < budget:
-            avoid = {name}  # the engine dropped the call (drain deadline, migration): continue elsewhere
-            continue
-        if finish == "abort" or finish is None:
-            finish = "length"  # dropped exactly at its budget: nothing was lost
         yield RoutedFinish(
             finish_reason=finish,
             prompt_tokens=len(request.input_ids),

@@ -1,0 +1,97 @@
+"""Rerouting under load: 100 concurrent streaming clients, the serving engine is cancelled mid-stream.
+
+Two native engines behind real endpoints (threads), the real proxy, 100 real `anthropic` SDK clients streaming
+at once, every execution placed on engine A. When A is busy, A drains with a zero deadline (a cell leaving
+rollout): everything in flight on it is aborted. Every client must still get a complete, well-formed stream whose
+text is exactly what the recorded output ids decode to (no delta twice, none missing), and every call must be
+recorded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import anthropic
+import pytest
+
+from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.config.serve import EngineConfig, ServeConfig
+from gyre.engine.endpoint import ServerThread
+from gyre.engine.native import NativeEngine
+from gyre.engine.weights import load_pretrained
+from gyre.models.tiny import tiny_model_dir
+from gyre.proxy.output import OutputDecoder
+from gyre.serve.stack import build_stack
+from gyre.traj.store import load_tree
+
+CLIENTS = 100
+MAX_NEW = 48
+TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def engines():
+    model_dir = tiny_model_dir()
+    threads = [ServerThread(lambda: NativeEngine(load_pretrained(model_dir), max_running=16)) for _ in range(2)]
+    urls = [thread.start() for thread in threads]
+    yield urls
+    for thread in threads:
+        thread.stop()
+
+
+def test_cancelling_the_serving_engine_mid_stream_is_invisible_to_100_streaming_clients(engines, tmp_path):
+    cfg = ServeConfig(
+        engine=EngineConfig(enabled=False),
+        engine_urls=list(engines),
+        proxy=ProxyConfig(sampling=SamplingConfig(max_new_tokens=MAX_NEW)),
+        executions=0,
+    )
+
+    async def main():
+        stack = await build_stack(cfg, records_dir=tmp_path / "records")
+        try:
+            sessions = [stack.registry.issue() for _ in range(CLIENTS)]
+            for session in sessions:
+                stack.table.assign(session.execution, "external-0")
+            engine_a = stack.table.engines["external-0"]
+
+            async def client(session, index):
+                sdk = anthropic.AsyncAnthropic(base_url=stack.proxy.url, api_key=session.key, max_retries=0)
+                prompt = [{"role": "user", "content": f"Client {index}: count to ten."}]
+                async with sdk.messages.stream(model="gyre", max_tokens=MAX_NEW, messages=prompt) as stream:
+                    deltas = [event.text async for event in stream if event.type == "text"]
+                    final = await stream.get_final_message()
+                await sdk.close()
+                return "".join(deltas), final
+
+            calls = [asyncio.ensure_future(client(session, i)) for i, session in enumerate(sessions)]
+            for _ in range(3000):  # wait (bounded) until A is decoding a full batch
+                load = await engine_a.refresh_load()
+                if load.running >= 16:
+                    break
+                await asyncio.sleep(0.01)
+            await engine_a.drain(abort_after_s=0.0)  # the cell leaves rollout: its in-flight calls are aborted
+            results = await asyncio.gather(*calls)
+        finally:
+            await stack.close()
+        return sessions, results, stack
+
+    sessions, results, stack = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+    rerouted = 0
+    for session, (streamed, final) in zip(sessions, results, strict=True):
+        text = "".join(block.text for block in final.content if block.type == "text")
+        assert streamed == text
+        assert final.stop_reason in {"end_turn", "max_tokens", "tool_use"}
+        tree = load_tree(tmp_path / "records" / f"{session.execution}.jsonl")
+        assert len(tree.calls) == 1  # recorded once
+        call = tree.calls[0]
+        assert len(call.response.ids) == final.usage.output_tokens
+        rerouted += call.meta.engine == "external-0,external-1"
+        decoder = OutputDecoder(
+            stack.proxy.template.tokenizer, skip_ids=stack.proxy.template.end_of_turn_ids, new_call_id=lambda: "x"
+        )
+        decoder.feed(list(call.response.ids))
+        _, output = decoder.finish(call.response.finish_reason)
+        assert output.text == text  # what the client saw is exactly what was recorded
+    print(f"calls moved mid-stream from A to B: {rerouted} of {CLIENTS}")
+    assert rerouted >= 8  # A's running batch (16 calls, most with tokens out) moved mid-stream
