@@ -1,0 +1,160 @@
+"""Bad input over real HTTP: the dialect's 4xx shape with a clear message, nothing recorded, the server goes on.
+
+The serving stack (proxy + one native engine on the tiny model) runs on its own thread and event loop; the test
+talks to it with plain `http.client`, as a foreign client would. A hypothesis fuzz test posts arbitrary JSON and
+mutated valid bodies to every route: never a 5xx, never a dead server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+from urllib.parse import urlparse
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.config.serve import EngineConfig, ServeConfig
+from gyre.serve.stack import build_stack
+from gyre.traj.store import load_tree
+
+BODY_CAP = 64 * 1024
+ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions", "/v1/responses")
+VALID = {
+    "/v1/messages": {"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": "gyre", "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/chat/completions": {"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"model": "gyre", "max_output_tokens": 4, "input": "hi"},
+}
+
+
+class StackThread:
+    """The serving stack on a background event loop (what `python -m gyre.serve` runs, in process)."""
+
+    def __init__(self, cfg: ServeConfig, records_dir):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.stack = self.call(build_stack(cfg, records_dir=records_dir))
+        self.session = self.stack.registry.issue("fuzz")
+        address = urlparse(self.stack.proxy.url)
+        self.host, self.port = address.hostname, address.port
+
+    def call(self, coro, timeout_s: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def post(self, path: str, body: bytes, *, key: str | None = None) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        headers = {"content-type": "application/json", "x-api-key": key or self.session.key}
+        if path.startswith("/v1/chat") or path.startswith("/v1/responses"):
+            headers["authorization"] = f"Bearer {key or self.session.key}"
+        connection.request("POST", path, body=body, headers=headers)
+        response = connection.getresponse()
+        data = response.read()
+        connection.close()
+        if response.getheader("content-type", "").startswith("text/event-stream"):
+            assert data.endswith(b"\n\n")  # a (fuzzed) streaming request that was valid: a complete SSE stream
+            return response.status, {}
+        return response.status, json.loads(data) if data else {}
+
+    def stop(self) -> None:
+        self.call(self.stack.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    records = tmp_path_factory.mktemp("records")
+    cfg = ServeConfig(
+        engine=EngineConfig(max_running=4),
+        proxy=ProxyConfig(max_body_bytes=BODY_CAP, context_limit=1024, sampling=SamplingConfig(max_new_tokens=4)),
+        executions=0,
+    )
+    stack = StackThread(cfg, records)
+    yield stack
+    stack.stop()
+
+
+def error_message(path: str, reply: dict) -> str:
+    """The message of the dialect's error shape (and check the shape)."""
+    if path.startswith("/v1/messages"):
+        assert reply["type"] == "error" and set(reply["error"]) >= {"type", "message"}
+    else:
+        assert set(reply["error"]) >= {"message", "type", "param", "code"}
+    return reply["error"]["message"]
+
+
+def calls_recorded(served) -> int:
+    return len(load_tree(served.stack.registry.records_dir / "fuzz.jsonl").calls)
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_bad_requests_get_the_dialects_4xx_and_record_nothing(served, path):
+    before = calls_recorded(served)
+    valid = VALID[path]
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "gyre", "messages": "\xff\xfe"}', 400, "not valid JSON"),  # invalid UTF-8
+        (json.dumps({**valid, "model": 7}).encode(), 400, "model"),
+        (json.dumps({k: v for k, v in valid.items() if k != "model"}).encode(), 400, "model"),
+        (json.dumps({**valid, "model": "gpt-9"}).encode(), 404, "gpt-9"),
+        (json.dumps({**valid, "pad": "x" * BODY_CAP}).encode(), 413, "exceeds the limit"),
+        (json.dumps([valid]).encode(), 400, ""),
+    ]
+    for body, status, match in cases:
+        code, reply = served.post(path, body)
+        assert code == status, (body[:60], reply)
+        assert match in error_message(path, reply)
+    code, reply = served.post(path, json.dumps(valid).encode(), key="gyre-wrong")
+    assert code == 401 and error_message(path, reply)
+    code, reply = served.post(path, json.dumps(valid).encode())  # the server keeps serving
+    assert code == 200, reply
+    recorded = 0 if path.endswith("count_tokens") else 1
+    assert calls_recorded(served) == before + recorded  # only the valid call
+
+
+def test_a_tool_result_that_answers_no_call_is_a_400(served):
+    body = {
+        "model": "gyre",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nobody", "content": "x"}]},
+        ],
+    }
+    code, reply = served.post("/v1/messages", json.dumps(body).encode())
+    assert code == 400 and "toolu_nobody" in error_message("/v1/messages", reply)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),
+    max_leaves=20,
+)
+
+
+@st.composite
+def bodies(draw):
+    path = draw(st.sampled_from(ROUTES))
+    if draw(st.booleans()):
+        return path, draw(json_values)
+    body = json.loads(json.dumps(VALID[path]))  # a valid body with one field replaced or added
+    key = draw(st.sampled_from([*body, "messages", "tools", "system", "input", "stream", "temperature"]))
+    body[key] = draw(st.booleans() if key == "stream" else json_values)
+    return path, body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=bodies())
+def test_fuzzed_bodies_never_get_a_5xx(served, case):
+    path, body = case
+    code, reply = served.post(path, json.dumps(body).encode())
+    assert code < 500, (path, body, reply)
+    if code >= 400:
+        assert error_message(path, reply)
