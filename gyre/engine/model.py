@@ -14,7 +14,9 @@ Contract
   True = may attend; `block_causal_mask(segment_ids_BT)` builds the block-diagonal mask for packed rows.
   A query row with no True entry has no defined output (softmax over nothing): give every query a key.
 - Parameter names equal HF's (`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints and weight updates
-  by name need no translation. With tied embeddings there is no `lm_head` parameter.
+  by name need no translation. With tied embeddings there is no `lm_head` parameter. Without autograd, q|k|v and
+  gate|up each run as one matmul over a stacked weight that is the storage of the named parameters (see
+  `StackedLinear`): the named parameters then share storage, so copy them before writing them to safetensors.
 - Device-agnostic: everything follows the device of the parameters and inputs; no CUDA calls. Token ids are
   not range-checked here (that costs a device sync); the engine validates requests.
 """
@@ -118,8 +120,77 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one kernel; the weight is applied after the cast back.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        if x.dtype == torch.float32 == self.weight.dtype:  # no cast to order around: one call, the same products
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its weight: normalized in fp32, cast back to x's dtype (the weight is applied after, in HF)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class StackedLinear:
+    """Several `nn.Linear` of the same input computed as one matmul, over their weights stacked by rows.
+
+    At this model's sizes a decode step is bound by per-op overhead, so q|k|v in one matmul (and gate|up in one)
+    is cheaper than three (two). The HF-named parameters stay the parameters (names, `state_dict`, checkpoints,
+    updates by name are unchanged); without autograd the stacked matrix *is* their storage: each `linear.weight`
+    (and bias) is re-pointed (`param.data = row block`) into it, so an in-place update of a named parameter
+    (`update_weights`, `load_state_dict`, an optimizer step) is seen by the stacked matmul with nothing to refresh.
+    A parameter replaced by another tensor (`model.to`, `load_state_dict(assign=True)`, `resume_memory` on an
+    accelerator) no longer lies at its address in the stack; the next call notices (one pointer compare per
+    parameter) and re-stacks (one copy). With autograd on (training) the separate linears run, so gradients reach
+    the named parameters; their outputs are concatenated to the same layout.
+    """
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.sizes = [linear.out_features for linear in linears]
+        self.weight: torch.Tensor | None = None  # [sum(sizes), in_features], storage of every linear.weight
+        self.bias: torch.Tensor | None = None
+        self._addresses: list[int] = []  # expected data_ptr of each linear's weight (and bias) inside the stack
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(p.requires_grad for lin in self.linears for p in lin.parameters()):
+            return torch.cat([linear(x) for linear in self.linears], dim=-1)
+        if self._addresses != self._current_addresses():
+            self._restack()
+        return F.linear(x, self.weight, self.bias)
+
+    def _current_addresses(self) -> list[int]:
+        return [p.data_ptr() for linear in self.linears for p in (linear.weight, linear.bias) if p is not None]
+
+    def _restack(self) -> None:
+        # inference_mode(False): the stack becomes the parameters' storage, so it must be a normal tensor even if
+        # the first call comes from inside inference mode (a later training step would reject an inference tensor).
+        with torch.no_grad(), torch.inference_mode(False):
+            self.weight = torch.cat([linear.weight.detach() for linear in self.linears])
+            for linear, block in zip(self.linears, self.weight.split(self.sizes), strict=True):
+                linear.weight.data = block
+            self.bias = None
+            if self.linears[0].bias is not None:
+                self.bias = torch.cat([linear.bias.detach() for linear in self.linears])
+                for linear, block in zip(self.linears, self.bias.split(self.sizes), strict=True):
+                    linear.bias.data = block
+        self._addresses = self._current_addresses()
+
+
+def attend_one_query(q_BHTD, k_BKSD, v_BKSD, bias_B11S: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one query token per row (T = 1) as plain matmuls; `bias_B11S` is 0 / -inf (or None: no mask).
+
+    With a single query the `groups` query heads of a KV head stack into a `[groups, D]` matrix against that head's
+    keys (GQA without copying keys), and the mask row broadcasts over them. For decode at small head_dim this is
+    ~2x cheaper on CPU than `F.scaled_dot_product_attention`'s kernel; the softmax runs in fp32.
+    """
+    B, H, T, D = q_BHTD.shape
+    K = k_BKSD.shape[1]
+    q_BKGD = q_BHTD.reshape(B, K, H // K * T, D) * (1.0 / math.sqrt(D))
+    scores_BKGS = torch.matmul(q_BKGD, k_BKSD.transpose(-1, -2)).float()
+    if bias_B11S is not None:
+        scores_BKGS = scores_BKGS + bias_B11S
+    probs_BKGS = scores_BKGS.softmax(dim=-1).to(v_BKSD.dtype)
+    return torch.matmul(probs_BKGS, v_BKSD).reshape(B, H, T, D)
 
 
 class Attention(nn.Module):
@@ -138,6 +209,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj = StackedLinear(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -147,15 +219,23 @@ class Attention(nn.Module):
         past: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
         write_at: int | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`cos`/`signed_sin` are `[B, T, 1, D]`; `bias` is `mask` as 0 / -inf, used by the one-query path."""
         B, T, _ = x_BTC.shape
-        q_BHTD = self.q_proj(x_BTC).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BKTD = self.k_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v_BKTD = self.v_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv_BTND = self.qkv_proj(x_BTC).view(B, T, H + 2 * K, D)
+        # q and k heads side by side ([B, T, H + K, D]): normalized and rotated in one call each, not two.
+        qk_BTND = qkv_BTND[:, :, : H + K]
         if self.q_norm is not None:  # qwen3: per-head RMSNorm before RoPE
-            q_BHTD, k_BKTD = self.q_norm(q_BHTD), self.k_norm(k_BKTD)
-        q_BHTD = apply_rope(q_BHTD, cos, signed_sin)
-        k_BKTD = apply_rope(k_BKTD, cos, signed_sin)
+            normed_BTND = rms_normalize(qk_BTND, self.q_norm.eps)
+            qk_BTND = torch.cat(
+                (self.q_norm.weight * normed_BTND[:, :, :H], self.k_norm.weight * normed_BTND[:, :, H:]), 2
+            )
+        qk_BTND = apply_rope(qk_BTND, cos, signed_sin)
+        q_BHTD = qk_BTND[:, :, :H].transpose(1, 2)
+        k_BKTD = qk_BTND[:, :, H:].transpose(1, 2)
+        v_BKTD = qkv_BTND[:, :, H + K :].transpose(1, 2)
         if write_at is not None:  # buffers with room: write this call's keys/values in place, no copy of the past
             end = write_at + T
             past[0][:, :, write_at:end] = k_BKTD
@@ -166,10 +246,13 @@ class Attention(nn.Module):
             v_BKSD = torch.cat((past[1], v_BKTD), dim=2)
         else:
             k_BKSD, v_BKSD = k_BKTD, v_BKTD
-        # No mask and no past (or an empty buffer with room): causal over this call's tokens.
-        is_causal = mask is None and T > 1 and (past is None or write_at == 0)
-        out_BHTD = self._attend(q_BHTD, k_BKSD, v_BKSD, mask, is_causal=is_causal)
-        out_BTC = out_BHTD.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        if T == 1:  # decode: plain matmuls beat the fused attention kernel at this size
+            out_BHTD = attend_one_query(q_BHTD, k_BKSD, v_BKSD, bias)
+        else:
+            # No mask and no past (or an empty buffer with room): causal over this call's tokens.
+            is_causal = mask is None and (past is None or write_at == 0)
+            out_BHTD = self._attend(q_BHTD, k_BKSD, v_BKSD, mask, is_causal=is_causal)
+        out_BTC = out_BHTD.transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(out_BTC), (k_BKSD, v_BKSD)
 
     def _attend(self, q_BHTD, k_BKSD, v_BKSD, mask, *, is_causal: bool) -> torch.Tensor:
@@ -198,9 +281,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = StackedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -213,8 +298,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, signed_sin, past, mask, write_at=None):
-        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, signed_sin, past, mask, write_at)
+    def forward(self, x, cos, signed_sin, past, mask, write_at=None, bias=None):
+        attn_out, kv = self.self_attn(self.input_layernorm(x), cos, signed_sin, past, mask, write_at, bias)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -238,6 +323,24 @@ class DecoderLM(nn.Module):
         self.model = DecoderStack(config)
         # Tied: logits use model.embed_tokens.weight; no separate parameter exists (nor in state_dict).
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (inv_freq twice, sign) on one device
+
+    def _rope(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (first half negated, for `apply_rope`) `[B, T, 1, head_dim]` in `dtype`.
+
+        Equal to `rope_cos_sin` (same fp32 products); the frequencies and the sign pattern are computed once per
+        device and kept (not buffers: not in `state_dict`), so a forward costs a multiply, cos and sin.
+        """
+        device = positions_BT.device
+        if self._rope_tables is None or self._rope_tables[0].device != device:
+            with torch.inference_mode(False):  # kept across calls: a normal tensor even if made in inference mode
+                inv_freq = rope_inv_freq(self.config, device=device)
+                half = inv_freq.shape[0]
+                sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
+                self._rope_tables = (torch.cat((inv_freq, inv_freq)), sign)
+        inv_freq_D, sign_D = self._rope_tables
+        emb_BT1D = positions_BT.float()[:, :, None, None] * inv_freq_D
+        return emb_BT1D.cos().to(dtype), (emb_BT1D.sin() * sign_D).to(dtype)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -262,22 +365,21 @@ class DecoderLM(nn.Module):
         T = input_ids_BT.shape[1]
         past_len = kv_cache_length if kv_cache_length is not None else kv_cache.length if kv_cache is not None else 0
         x_BTC = self.model.embed_tokens(input_ids_BT)
-        inv_freq = rope_inv_freq(self.config, device=x_BTC.device)
-        cos, sin = rope_cos_sin(positions_BT.to(x_BTC.device), inv_freq, x_BTC.dtype)
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # for apply_rope, once per forward
-        mask = None
+        cos, signed_sin = self._rope(positions_BT.to(x_BTC.device), x_BTC.dtype)
+        mask = bias = None
         if attention_mask is not None:
             mask = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
         elif past_len > 0 and T > 1:  # chunk on top of a cache: causal in cache order
             keys = torch.arange(past_len + T, device=x_BTC.device)
             queries = torch.arange(T, device=x_BTC.device) + past_len
             mask = (keys[None, :] <= queries[:, None])[None, None]
+        if mask is not None and T == 1:  # the one-query attention path adds the mask: convert once, not per layer
+            bias = torch.zeros(mask.shape, dtype=torch.float32, device=x_BTC.device).masked_fill_(~mask, float("-inf"))
         keys_out, values_out = [], []
         for i, layer in enumerate(self.model.layers):
             in_place = kv_cache_length is not None
             past = (kv_cache.keys[i], kv_cache.values[i]) if kv_cache is not None and (past_len or in_place) else None
-            x_BTC, (k, v) = layer(x_BTC, cos, signed_sin, past, mask, past_len if in_place else None)
+            x_BTC, (k, v) = layer(x_BTC, cos, signed_sin, past, mask, past_len if in_place else None, bias)
             keys_out.append(k)
             values_out.append(v)
         if num_logits_to_keep > 0:

@@ -8,12 +8,13 @@ Contract (beyond `gyre.engine.protocol`)
   `update_weights`, `export_kv`, `release_memory` get "between two decode steps" without a lock.
 - KV: each request owns a buffer of `len(input_ids) + max_new_tokens` token slots per layer, allocated at
   admission and filled in place. Admission holds the sum of running buffers within `max_tokens_in_flight`.
-  Decode gathers the running caches into one zero-padded batch buffer with a mask (keys beyond a row's length
-  are masked out), kept across steps while the running set is unchanged (`_BatchKV`: the model writes each
-  step's keys and values into it in place); positions are explicit, so a row's result does not depend on its
-  neighbours except for float reduction order. Trade-off: a gather of O(batch x longest context) bytes when the
-  running set changes (and every 64 steps), and a second copy of the running KV. Paged attention would avoid
-  both; correctness first.
+  Decode gathers the running caches into one batch buffer (`_BatchKV`) kept across steps while the running set
+  is unchanged: each step the model writes every row's new keys and values into one shared column in place; a
+  mask per row hides the columns that are not the row's; positions are explicit, so a row's result does not
+  depend on its neighbours except for float reduction order. The decoded tokens are written back to the
+  requests' buffers (the KV of record) before the batch is dropped or a request finishes or is exported.
+  Trade-off: a gather of O(batch x longest context) bytes when the running set changes (and every 64 steps),
+  and a second copy of the running KV. Paged attention would avoid both; correctness first.
 - Prefix reuse: when a request finishes, its buffer (the KV of every fed token: prompt + outputs but the last) is
   kept for its execution, one entry per execution, evicted oldest first when admission needs room. A request of
   the same execution reuses the longest common token prefix (at most `len(input_ids) - 1`: the last prompt token
@@ -113,44 +114,60 @@ class _Prefix:
 
 
 class _BatchKV:
-    """The running requests' KV gathered for decode: `[num_layers, B, num_key_value_heads, S_alloc, head_dim]`
-    keys and values, row b holding the first `lengths[b]` tokens of `rows[b]`'s buffer (zeros beyond).
+    """The running requests' KV gathered for decode: `[num_layers, B, num_key_value_heads, columns, head_dim]` keys
+    and values, a bool `mask_BS` of the columns each row attends to, and each row's next position and token id.
 
-    Kept across decode steps while the running set is unchanged, so a step appends one token per row instead of
-    re-gathering every cache; rebuilt (with `GROW` free columns) when the set changes or a row runs out of room.
-    A working copy: the requests' `KVBuffer`s stay the KV of record (prefix reuse, export)."""
+    Row b's first `gathered[b]` tokens (its buffer at the gather) sit at columns 0..gathered[b]-1, zeros up to
+    `start`; the tokens decoded since sit at columns start, start+1, ..., one column per step, shared by all rows
+    (the model writes them in place: `kv_cache_length=next_column`). The gap between is masked out; positions
+    are explicit and keys carry their RoPE rotation, so where a key sits does not change the attention (up to
+    float summation order). Kept across decode steps while the running set is unchanged, so a step writes one
+    column and no per-row copy; rebuilt (with up to `GROW` free columns) when the set changes or the columns run
+    out. The requests' `KVBuffer`s stay the KV of record: `write_back` copies the tokens decoded since the gather
+    into them, and the engine calls it before a row's buffer is read (finish, export) or the batch is dropped.
+    """
 
     GROW = 64  # free columns per rebuild: one gather per 64 steps of an unchanged batch
 
     def __init__(self, rows: list[_Request], device: torch.device):
         self.rows = list(rows)
-        self.lengths = [e.buffer.length for e in rows]
+        self.gathered = [e.buffer.length for e in rows]
+        self.start = self.next_column = max(self.gathered)
+        # Each row ends (and the set changes) before it outgrows its buffer, so no row needs more free columns.
+        free = min(e.buffer.capacity - e.buffer.length for e in rows)
         first = rows[0].buffer.keys_LKCD
-        columns = min(max(self.lengths) + self.GROW, max(e.buffer.capacity for e in rows))
         L, K, _, D = first.shape
-        shape = (L, len(rows), K, columns, D)
+        shape = (L, len(rows), K, self.start + min(free, self.GROW), D)
         self.keys_LBKSD = torch.zeros(shape, dtype=first.dtype, device=device)
         self.values_LBKSD = torch.zeros(shape, dtype=first.dtype, device=device)
         for b, e in enumerate(rows):
-            self.keys_LBKSD[:, b, :, : self.lengths[b]] = e.buffer.keys_LKCD[:, :, : self.lengths[b]]
-            self.values_LBKSD[:, b, :, : self.lengths[b]] = e.buffer.values_LKCD[:, :, : self.lengths[b]]
-        self.rows_B = torch.arange(len(rows), device=device)
+            self.keys_LBKSD[:, b, :, : self.gathered[b]] = e.buffer.keys_LKCD[:, :, : self.gathered[b]]
+            self.values_LBKSD[:, b, :, : self.gathered[b]] = e.buffer.values_LKCD[:, :, : self.gathered[b]]
+        self.past = KVCache(tuple(self.keys_LBKSD.unbind(0)), tuple(self.values_LBKSD.unbind(0)))
+        gathered_B = torch.tensor(self.gathered, device=device)
+        self.mask_BS = torch.arange(shape[3], device=device)[None, :] < gathered_B[:, None]
+        self.positions_B1 = gathered_B[:, None]  # the position of each row's next token
+        self.ids_B1 = torch.tensor([[e.next_token] for e in rows], dtype=torch.long, device=device)
+        self.written = 0  # decoded columns already copied back into the rows' buffers
 
     def fits(self, rows: list[_Request]) -> bool:
-        """True if this holds exactly `rows`' KV and has a free column after the longest."""
+        """True if this holds exactly `rows`' KV and has a free column."""
         return (
             len(rows) == len(self.rows)
             and all(a is b for a, b in zip(rows, self.rows, strict=True))
-            and self.lengths == [e.buffer.length for e in rows]
-            and max(self.lengths) < self.keys_LBKSD.shape[3]
+            and self.next_column < self.keys_LBKSD.shape[3]
         )
 
-    def append(self, keys_LBKD: torch.Tensor, values_LBKD: torch.Tensor, lengths_B: torch.Tensor) -> None:
-        """Write one token per row at column `lengths[b]` of row b."""
-        index = (self.rows_B, lengths_B)
-        self.keys_LBKSD.permute(1, 3, 0, 2, 4).index_put_(index, keys_LBKD.permute(1, 0, 2, 3))
-        self.values_LBKSD.permute(1, 3, 0, 2, 4).index_put_(index, values_LBKD.permute(1, 0, 2, 3))
-        self.lengths = [n + 1 for n in self.lengths]
+    def write_back(self) -> None:
+        """Copy the tokens decoded since the last write-back into each row's `KVBuffer` (idempotent)."""
+        end = self.next_column - self.start
+        if end == self.written:
+            return
+        columns = slice(self.start + self.written, self.start + end)
+        for b, e in enumerate(self.rows):
+            assert e.buffer.length == self.gathered[b] + self.written, "a batched row's buffer changed underneath"
+            e.buffer.append(self.keys_LBKSD[:, b, :, columns], self.values_LBKSD[:, b, :, columns])
+        self.written = end
 
 
 @dataclass(eq=False)
@@ -400,6 +417,8 @@ class NativeEngine:
         entry = self._by_id.get(request_id)
         if entry is None or entry not in self._running:
             raise KeyError(f"request {request_id!r} is not running on this engine")
+        if self._batch_kv is not None:
+            self._batch_kv.write_back()
         buffer = entry.buffer
         export = KVExport(
             request_id=request_id,
@@ -546,32 +565,30 @@ class NativeEngine:
         return not self._record(entry, int(token_B[0]), float(logp_B[0]))
 
     def _decode(self) -> None:
-        """One token for every running request: the gathered caches (padding masked), forward, sample."""
+        """One token for every running request: forward over the batch KV (other rows' columns masked), sample."""
         batch = self._running
         if self._batch_kv is None or not self._batch_kv.fits(batch):
+            if self._batch_kv is not None:
+                self._batch_kv.write_back()
             self._batch_kv = _BatchKV(batch, self.device)
         gathered = self._batch_kv
-        lengths = gathered.lengths
-        S = max(lengths)
-        # The model writes the new keys/values at column S of the gathered buffers (in place) and attends to
-        # columns 0..S; `append` then moves each row's token to its own column lengths[b].
-        past = KVCache(tuple(gathered.keys_LBKSD.unbind(0)), tuple(gathered.values_LBKSD.unbind(0)))
-        lengths_B = torch.tensor(lengths, device=self.device)
-        mask_B1S = torch.arange(S + 1, device=self.device)[None, :] < lengths_B[:, None]
-        mask_B1S[:, S] = True  # the new token attends to itself
-        ids_B1 = torch.tensor([[e.next_token] for e in batch], dtype=torch.long, device=self.device)
-        logits_B1V, cache = self.model(
-            ids_B1, lengths_B[:, None], kv_cache=past, attention_mask=mask_B1S[:, None], kv_cache_length=S
+        S = gathered.next_column
+        gathered.mask_BS[:, S] = True  # every row's new token goes to column S, and attends to itself
+        logits_B1V, _ = self.model(
+            gathered.ids_B1,
+            gathered.positions_B1,
+            kv_cache=gathered.past,
+            attention_mask=gathered.mask_BS[:, None, None, : S + 1],
+            kv_cache_length=S,
         )
-        new_keys_LBKD = torch.stack([k[:, :, S] for k in cache.keys])
-        new_values_LBKD = torch.stack([v[:, :, S] for v in cache.values])
-        gathered.append(new_keys_LBKD, new_values_LBKD, lengths_B)
-        for b, e in enumerate(batch):
-            e.buffer.append(new_keys_LBKD[:, b, :, None], new_values_LBKD[:, b, :, None])
+        gathered.next_column += 1
+        gathered.positions_B1 += 1
+        for e in batch:
             e.fed_ids.append(e.next_token)
         tokens_B, logps_B = sample_next(
             logits_B1V[:, -1], [e.request.params for e in batch], [e.generator for e in batch]
         )
+        gathered.ids_B1 = tokens_B[:, None]
         tokens, logps = tokens_B.tolist(), logps_B.tolist()
         finished = [e for b, e in enumerate(batch) if self._record(e, tokens[b], logps[b])]
         for e in finished:
@@ -618,6 +635,8 @@ class NativeEngine:
 
     def _finish(self, entry: _Request, reason: FinishReason, *, keep_prefix: bool, streamed_final: bool = False):
         request = entry.request
+        if self._batch_kv is not None and any(e is entry for e in self._batch_kv.rows):
+            self._batch_kv.write_back()  # its buffer becomes the prefix entry below
         self._by_id.pop(request.request_id, None)
         # KV from before a weight update is never reused (update_weights dropped the prefix cache for that reason).
         fresh = entry.first_version == self.policy_version

@@ -59,8 +59,11 @@ def sampling_logprobs(logits_BV: torch.Tensor, params: SamplingParams | Sequence
     logits_BV = logits_BV.float()
     device = logits_BV.device
     # Greedy rows keep temperature 1 here: their reported log-prob is that of the raw logits.
-    temperature_B1 = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in rows], device=device)[:, None]
-    scaled_BV = logits_BV / temperature_B1
+    temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in rows]
+    if all(t == temperatures[0] for t in temperatures):  # one scalar for the batch: the same quotients, fewer ops
+        scaled_BV = logits_BV / temperatures[0] if temperatures[0] != 1.0 else logits_BV
+    else:
+        scaled_BV = logits_BV / torch.tensor(temperatures, device=device)[:, None]
     filtering = [p.temperature > 0 and ((0 < p.top_k < V) or p.top_p < 1) for p in rows]
     if not any(filtering):
         return torch.log_softmax(scaled_BV, dim=-1)
@@ -108,8 +111,14 @@ def sample_next(
     logp_BV = sampling_logprobs(logits_BV, params)
     B = logp_BV.shape[0]
     rows = _row_params(params, B)
-    token_ids_B = logp_BV.argmax(dim=-1)  # greedy rows: argmax of the raw logits (log_softmax is monotonic)
     sampled_rows = [b for b, p in enumerate(rows) if not p.greedy]
+    shared_rng = generator is None or (not isinstance(generator, torch.Generator) and all(g is None for g in generator))
+    if len(sampled_rows) == B and shared_rng:  # the common rollout batch: every row drawn at once, no indexing
+        if generator is not None and len(generator) != B:
+            raise ValueError(f"generator has {len(generator)} entries for {B} logits rows")
+        token_ids_B = _draw_global(logp_BV.exp())
+        return token_ids_B, logp_BV.gather(1, token_ids_B[:, None])[:, 0]
+    token_ids_B = logp_BV.argmax(dim=-1)  # greedy rows: argmax of the raw logits (log_softmax is monotonic)
     if sampled_rows:
         probs_BV = logp_BV.exp()  # exactly the distribution the log-probs describe; filtered tokens are 0
         if generator is None or isinstance(generator, torch.Generator):

@@ -107,7 +107,9 @@ def save_pretrained(model: DecoderLM, path: str | Path, *, max_shard_bytes: int 
     """Write config.json and safetensors (sharded with an index past `max_shard_bytes`); returns the files."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    # copy=True: the native model's stacked projections make q/k/v (gate/up) parameters views of one tensor, and
+    # safetensors refuses tensors that share memory.
+    state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
     dtype = next(iter(state.values())).dtype
     hf_config = model.config.to_hf()
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
