@@ -37,6 +37,7 @@ from gyre.proxy.output import OutputDecoder
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
 from gyre.proxy.sessions import ExecutionSession, SessionRegistry, key_from_headers, thread_key
 from gyre.traj.record import CallMeta
+from gyre.traj.roles import is_claude_code_summary_request
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +291,7 @@ class _Call:
             policy_version=self.versions[0] if self.versions else 0,
             engine=",".join(finish.engines) if finish is not None else self.engine,
             timings={"first_token_s": finish.first_token_s or 0.0, "total_s": finish.total_s} if finish else {},
-            role_signals=self.request.signals,
+            role_signals=role_signals(self.request),
         )
         reason = finish.finish_reason if finish is not None else "abort"
         thread = thread_key(self.request.signals)
@@ -354,3 +355,19 @@ def _headers(http: web.Request) -> dict[str, str]:
 
 def _json(payload: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+
+
+def role_signals(request: ChatRequest) -> dict[str, Any]:
+    """The request's signals plus the keys the role classifiers read (`gyre.traj.roles`): for the Anthropic
+    dialect, `agent_id` from header `x-claude-code-agent-id` (a Claude Code sub-agent) and `summary_request`
+    when the last user turn is Claude Code's compaction instruction."""
+    signals = dict(request.signals)
+    if request.dialect != "anthropic":
+        return signals
+    agent_id = signals.get("x-claude-code-agent-id")
+    if agent_id:
+        signals["agent_id"] = agent_id
+    last_user = next((turn for turn in reversed(request.turns) if turn.role == "user"), None)
+    if last_user is not None and is_claude_code_summary_request(last_user.text):
+        signals["summary_request"] = True
+    return signals

@@ -1,19 +1,23 @@
 """Start `python -m gyre.serve` as a subprocess for tests, read what it prints, stop it by PID.
 
-Imported by the integration tests as `serve_process` (pytest puts this directory on sys.path).
+Imported by the integration tests as `serve_process` (pytest puts this directory on sys.path). Every wait is
+bounded: stdout is read on a thread into a queue, so a server that hangs without printing cannot block a test.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -29,7 +33,11 @@ class Served:
     def records(self) -> Path:
         return self.run_dir / "records"
 
-    def stop(self, timeout_s: float = 30.0) -> int:
+    def stderr_tail(self, chars: int = 3000) -> str:
+        path = self.run_dir / "stderr.txt"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGTERM)
             try:
@@ -39,24 +47,36 @@ class Served:
         return self.process.wait(timeout=timeout_s)
 
 
-def start_serve(run_dir: Path, *overrides: str) -> Served:
-    """Run gyre.serve with `overrides` and wait (bounded) for its `ready` line."""
-    command = [sys.executable, "-m", "gyre.serve", f"hydra.run.dir={run_dir}", *overrides]
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+def start_serve(run_dir: Path, *overrides: str, timeout_s: float = START_TIMEOUT_S) -> Served:
+    """Run gyre.serve with `overrides` and wait (bounded) for its `ready` line; stderr goes to run_dir/stderr.txt."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    stderr = (run_dir / "stderr.txt").open("w")  # a file, not a pipe: nobody has to drain it
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
-    stderr.close()
+    command = [sys.executable, "-m", "gyre.serve", f"hydra.run.dir={run_dir}", *overrides]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
+    with (run_dir / "stderr.txt").open("w") as stderr:  # a file, not a pipe: nobody has to drain it
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+        )
     served = Served(process=process, run_dir=run_dir)
-    deadline = time.monotonic() + START_TIMEOUT_S
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
+    deadline = time.monotonic() + timeout_s
     try:
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                error = (run_dir / "stderr.txt").read_text()[-2000:]
-                raise RuntimeError(f"gyre.serve exited before it was ready: {error}")
-            name, _, value = line.strip().partition(": ")
-            if line.strip() == "ready":
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"gyre.serve not ready within {timeout_s} s: {served.stderr_tail()}") from None
+            if line is None:
+                raise RuntimeError(f"gyre.serve exited before it was ready: {served.stderr_tail()}")
+            if line == "ready":
                 return served
+            name, _, value = line.partition(": ")
             if name == "anthropic":
                 served.anthropic_url = value
             elif name == "openai":
@@ -66,7 +86,6 @@ def start_serve(run_dir: Path, *overrides: str) -> Served:
             elif name == "key":
                 key, _, execution = value.partition(" execution=")
                 served.keys[execution] = key
-        raise TimeoutError(f"gyre.serve was not ready within {START_TIMEOUT_S} s")
     except BaseException:
         served.stop()
         raise

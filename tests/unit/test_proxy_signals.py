@@ -1,0 +1,32 @@
+"""The role signals the proxy records are the ones the role classifiers read (gyre.traj.roles)."""
+
+from __future__ import annotations
+
+from gyre.proxy.conversation import ChatRequest, Turn
+from gyre.proxy.server import role_signals
+from gyre.traj.roles import CLAUDE_CODE_SUMMARY_PHRASE, CLAUDE_CODE_SUMMARY_TAGS, Role, classifier_for
+
+SUMMARY_TEXT = f"Please write {CLAUDE_CODE_SUMMARY_PHRASE}: " + " ".join(CLAUDE_CODE_SUMMARY_TAGS)
+
+
+def request(dialect: str, last_user: str, signals: dict) -> ChatRequest:
+    turns = (Turn(role="user", text="task"), Turn(role="assistant", text="ok"), Turn(role="user", text=last_user))
+    return ChatRequest(dialect=dialect, model="gyre", system="s", turns=turns, signals=signals)
+
+
+def test_claude_code_sub_agents_and_compaction_are_classified_from_the_recorded_signals():
+    classify = classifier_for("claude_code").call_role
+    main = role_signals(request("anthropic", "go on", {"x-claude-code-session-id": "s1"}))
+    sub = role_signals(request("anthropic", "go on", {"x-claude-code-agent-id": "a7"}))
+    summary = role_signals(request("anthropic", SUMMARY_TEXT, {}))
+    sub_summary = role_signals(request("anthropic", SUMMARY_TEXT, {"x-claude-code-agent-id": "a7"}))
+    assert classify(main, "r") == Role.MAIN
+    assert classify(sub, "r") == Role.SUB_AGENT and sub["agent_id"] == "a7"
+    assert classify(summary, "r") == Role.MAIN_SUMMARY and summary["summary_request"] is True
+    assert classify(sub_summary, "r") == Role.SUB_AGENT_SUMMARY
+    assert main["x-claude-code-session-id"] == "s1"  # the headers themselves are kept
+
+
+def test_other_dialects_keep_their_signals_as_parsed():
+    signals = {"request_kind": "compaction", "thread_source": "subagent"}
+    assert role_signals(request("openai_responses", SUMMARY_TEXT, signals)) == signals
