@@ -206,6 +206,7 @@ class EngineServer:
             policy_version=result.policy_version,
             finish_reason="abort",
             timings=result.timings,
+            cached_tokens=0,
         )
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(http)

@@ -618,6 +618,7 @@ class NativeEngine:
                 policy_version=self.policy_version,
                 finish_reason=reason,
                 timings=self._timings(entry) if reason else None,
+                cached_tokens=entry.cached_tokens if reason else None,
             )
             entry.chunks.put_nowait(chunk)
         if reason is not None:
@@ -655,6 +656,7 @@ class NativeEngine:
                     policy_version=entry.last_version,
                     finish_reason=reason,
                     timings=timings,
+                    cached_tokens=entry.cached_tokens,
                 )
             )
         if not entry.future.done():

@@ -506,6 +506,7 @@ class SGLangEngine:
             # SGLang 0.5.x reports no admission time without metrics: queued_s is the time to first token, an
             # upper bound.
             timings=GenerateTimings(queued_s=first_token_s, first_token_s=first_token_s, total_s=total_s),
+            cached_tokens=entry.cached_tokens,
         )
 
     def _result(self, entry: _InFlight, last: TokenChunk) -> GenerateResult:

@@ -55,6 +55,7 @@ def test_anthropic_multi_turn_extends_the_recorded_path_streaming_and_not(served
         second = stream.get_final_message()
     assert "".join(deltas) == "".join(b.text for b in second.content if b.type == "text")
     assert second.usage.output_tokens >= 1
+    assert second.usage.cache_read_input_tokens > 0  # the engine reused the first call's KV (same execution)
     count = client.messages.count_tokens(model="gyre", system=system, messages=history)
     assert count.input_tokens == second.usage.input_tokens + second.usage.cache_read_input_tokens
 

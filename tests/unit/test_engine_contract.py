@@ -457,6 +457,11 @@ def test_prefix_reuse_for_a_request_extending_an_earlier_one_of_the_same_executi
             assert torch.allclose(got, want, atol=1e-5)
             other = await engine.generate(request("o", turn2, execution="someone-else"))
             assert other.cached_tokens == 0
+            # a stream reports the same on its last chunk
+            streamed_first = await engine.generate(request("s1", prompt, execution="streamer"))
+            turn2 = (*prompt, *streamed_first.output_ids, 60, 61, 62)
+            chunks = [c async for c in engine.generate_stream(request("s2", turn2, execution="streamer"))]
+            assert chunks[-1].cached_tokens == len(prompt) + len(streamed_first.output_ids) - 1
 
     run(main())
 
