@@ -821,7 +821,10 @@ def breakdown(setup: dict, reps: int, history_tokens: int) -> dict:
                 next_turn(messages, answer, step)
             raw = history_body(messages)
             obj = timed("json_parse", lambda raw=raw: orjson.loads(raw))
-            request = timed("dialect_parse", lambda obj=obj: anthropic.parse_request(obj, headers, {}))
+            cache = session.parse_cache(f"anthropic:{thread_key(headers)}")
+            request = timed(
+                "dialect_parse", lambda obj=obj, cache=cache: anthropic.parse_request(obj, headers, {}, cache=cache)
+            )
             builder = session.builder(thread_key(request.signals))
             prompt = timed("prompt_build", lambda request=request, builder=builder: builder.build(request))
             params = timed(
@@ -829,23 +832,12 @@ def breakdown(setup: dict, reps: int, history_tokens: int) -> dict:
             )
             call = _Call(server, ANTHROPIC, session, request, prompt, params)
             timed("prompt_input_ids_concat", lambda prompt=prompt: prompt.input_ids)
-            engine_request = timed("generate_request_validation", call._engine_request)
-            sub = timed(
-                "routed_replace_revalidation",
-                lambda r=engine_request: dataclasses.replace(
-                    r, input_ids=(*r.input_ids, *()), params=dataclasses.replace(r.params, max_new_tokens=4)
-                ),
-            )
+            sub = timed("generate_request_validation", call._engine_request)  # routing sends it as is
             encoded = timed(
                 "engine_request_encode",
-                lambda sub=sub: wire.dumps(
-                    {"request": wire.request_to_wire(sub), "stream": True, "submission_id": uuid.uuid4().hex}
-                ),
+                lambda sub=sub: wire.generate_to_frame(sub, stream=True, submission_id=uuid.uuid4().hex),
             )
-            timed(
-                "engine_side_decode (engine endpoint)",
-                lambda e=encoded: wire.request_from_wire(wire.loads(e)["request"]),
-            )
+            timed("engine_side_decode (engine endpoint)", lambda e=encoded: wire.generate_from_frame(e))
 
             def output(call=call, prompt=prompt):
                 call.finish = None

@@ -8,7 +8,7 @@ chunk). Every route maps to one `Engine` method; the wire format is `gyre.engine
 |---|---|---|
 | `GET /health` | - | `{"ok": true}` |
 | `GET /load` | `load` | EngineLoad |
-| `POST /generate` | `generate(_stream)` | `{"request", "stream", "submission_id"?}` -> result or NDJSON chunks |
+| `POST /generate` | `generate(_stream)` | frame or `{"request", "stream", "submission_id"?}` -> result/NDJSON chunks |
 | `POST /abort` | `abort` | `{"request_id", "submission_id"?}` -> `{"aborted": bool}` |
 | `POST /stop_accepting`, `/resume_accepting` | same | `{}` |
 | `POST /drain` | `drain` | `{"abort_after_s": float?}` |
@@ -143,10 +143,14 @@ class EngineServer:
 
     async def _generate(self, http: web.Request) -> web.StreamResponse:
         try:
-            body = wire.loads(await http.read())
-            request = wire.request_from_wire(body.get("request"))
-            stream = bool(body.get("stream", False))
-            submission = body.get("submission_id")
+            raw = await http.read()
+            if wire.is_frame(raw):  # what RemoteEngine sends: prompt ids as raw int32
+                request, stream, submission = wire.generate_from_frame(raw)
+            else:  # JSON, e.g. by hand: {"request": {"input_ids": [...], ...}, "stream": false}
+                body = wire.loads(raw)
+                request = wire.request_from_wire(body.get("request"))
+                stream = bool(body.get("stream", False))
+                submission = body.get("submission_id")
         except (ValueError, AttributeError, TypeError) as error:
             return _error(error if isinstance(error, ValueError) else wire.WireError(str(error)))
         if submission is not None and submission in self._tombstones:

@@ -82,18 +82,18 @@ class RemoteEngine:
         await self._settle()
         submission = self._register(request)
         try:
-            body = {"request": wire.request_to_wire(request), "stream": False, "submission_id": submission}
-            return wire.result_from_wire(await self._post_json("/generate", body))
+            body = wire.generate_to_frame(request, stream=False, submission_id=submission)
+            return wire.result_from_wire(await self._post_json("/generate", None, data=body))
         finally:
             self._in_flight.pop(request.request_id, None)
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         await self._settle()
         submission = self._register(request)
-        body = {"request": wire.request_to_wire(request), "stream": True, "submission_id": submission}
+        body = wire.generate_to_frame(request, stream=True, submission_id=submission)
         finished = False
         try:
-            async with self._request("POST", "/generate", data=wire.dumps(body)) as response:
+            async with self._request("POST", "/generate", data=body) as response:
                 await _raise_for_error(response)
                 async for line in response.content:
                     if not line.strip():

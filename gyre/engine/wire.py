@@ -14,8 +14,12 @@ Errors travel as `{"error": {"type": ..., "message": ...}}` with an HTTP status;
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import struct
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 
 import orjson
@@ -79,17 +83,86 @@ def _tuples(fields: dict, *names: str) -> dict:
     return fields
 
 
+def ids_to_wire(ids: array) -> str:
+    """Token ids as base64 of little-endian int32: a 700K-token prompt is one string, not 700K JSON numbers."""
+    if sys.byteorder == "big":
+        ids = array("i", ids)
+        ids.byteswap()
+    return base64.b64encode(ids.tobytes()).decode("ascii")
+
+
+def ids_from_wire(text: str, *, what: str) -> array:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise WireError(f"{what} is not base64 of int32 token ids") from None
+    if len(raw) % 4:
+        raise WireError(f"{what}: {len(raw)} bytes is not a whole number of int32 ids")
+    ids = array("i")
+    ids.frombytes(raw)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids
+
+
+def generate_to_frame(request: GenerateRequest, *, stream: bool, submission_id: str | None) -> bytes:
+    """A `/generate` body as a frame: the request's fields as JSON, its prompt ids as raw little-endian int32.
+
+    What `RemoteEngine` sends: encoding costs a memcpy of the ids (about 0.1 ms at 700K tokens) where JSON or
+    base64 would cost milliseconds on the proxy's CPU."""
+    ids = request.input_ids
+    if sys.byteorder == "big":
+        ids = array("i", ids)
+        ids.byteswap()
+    fields = {
+        "request_id": request.request_id,
+        "execution_id": request.execution_id,
+        "params": dataclasses.asdict(request.params),
+    }
+    return _pack({"request": fields, "stream": stream, "submission_id": submission_id}, [memoryview(ids)])
+
+
+def generate_from_frame(body: bytes | bytearray) -> tuple[GenerateRequest, bool, str | None]:
+    """(request, stream, submission_id) of a `/generate` frame."""
+    header, payload = _unpack(body)
+    if payload.nbytes % 4:
+        raise WireError(f"the prompt ids ({payload.nbytes} bytes) are not a whole number of int32 ids")
+    ids = array("i")
+    ids.frombytes(payload)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    message = header.get("request")
+    if not isinstance(message, dict) or "input_ids" in message or "input_ids_i32" in message:
+        raise WireError("a /generate frame's header needs a request object without ids (they are the payload)")
+    request = request_from_wire({**message, "input_ids": ids})
+    submission = header.get("submission_id")
+    if submission is not None and not isinstance(submission, str):
+        raise WireError("submission_id must be a string")
+    return request, bool(header.get("stream", False)), submission
+
+
 def request_to_wire(request: GenerateRequest) -> dict:
     return {
         "request_id": request.request_id,
         "execution_id": request.execution_id,
-        "input_ids": list(request.input_ids),
+        "input_ids_i32": ids_to_wire(request.input_ids),
         "params": dataclasses.asdict(request.params),
     }
 
 
 def request_from_wire(message: Mapping) -> GenerateRequest:
-    """A validated request; bad field values raise the protocol's own ValueError (`ConfigError`)."""
+    """A validated request; bad field values raise the protocol's own ValueError (`ConfigError`).
+
+    Prompt ids come as `input_ids_i32` (base64, what `request_to_wire` writes) or as a JSON array `input_ids`
+    (handy by hand: `curl -d '{"request": {"input_ids": [1, 2, 3], ...}}'`)."""
+    if isinstance(message, Mapping) and "input_ids_i32" in message:
+        message = dict(message)
+        encoded = message.pop("input_ids_i32")
+        if "input_ids" in message:
+            raise WireError("request has both input_ids and input_ids_i32: send one")
+        if not isinstance(encoded, str):
+            raise WireError("request.input_ids_i32 must be a base64 string")
+        message["input_ids"] = ids_from_wire(encoded, what="request.input_ids_i32")
     fields = _fields(message, GenerateRequest, what="request")
     fields["params"] = SamplingParams(**_fields(fields.get("params", {}), SamplingParams, what="params"))
     try:
@@ -202,12 +275,16 @@ def encode_frame(header: Mapping, tensors: Sequence[torch.Tensor]) -> bytes:
         offset += raw.nbytes
         parts.append(_padding(offset))
         offset += len(parts[-1])
-    head = dumps({**header, "tensors": table})
+    return _pack({**header, "tensors": table}, parts)
+
+
+def _pack(header: Mapping, parts: Sequence) -> bytes:
+    head = dumps(header)
     return b"".join([FRAME_MAGIC, _HEADER_LEN.pack(len(head)), head, *parts])
 
 
-def decode_frame(body: bytes | bytearray) -> tuple[dict, list[torch.Tensor]]:
-    """Header and tensors of a frame; the tensors are views of one writable copy of the payload."""
+def _unpack(body: bytes | bytearray) -> tuple[dict, memoryview]:
+    """A frame's JSON header and a view of its payload (no copy)."""
     prefix = len(FRAME_MAGIC) + _HEADER_LEN.size
     if len(body) < prefix or bytes(body[: len(FRAME_MAGIC)]) != FRAME_MAGIC:
         raise WireError("the body is not a gyre frame (bad magic)")
@@ -215,7 +292,19 @@ def decode_frame(body: bytes | bytearray) -> tuple[dict, list[torch.Tensor]]:
     if prefix + head_len > len(body):
         raise WireError(f"the frame header ({head_len} bytes) runs past the body ({len(body)} bytes)")
     header = loads(bytes(body[prefix : prefix + head_len]))
-    payload = bytearray(body[prefix + head_len :])
+    if not isinstance(header, dict):
+        raise WireError("a frame header must be a JSON object")
+    return header, memoryview(body)[prefix + head_len :]
+
+
+def is_frame(body: bytes | bytearray) -> bool:
+    return bytes(body[: len(FRAME_MAGIC)]) == FRAME_MAGIC
+
+
+def decode_frame(body: bytes | bytearray) -> tuple[dict, list[torch.Tensor]]:
+    """Header and tensors of a frame; the tensors are views of one writable copy of the payload."""
+    header, view = _unpack(body)
+    payload = bytearray(view)
     flat = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
     tensors = []
     for spec in header.pop("tensors", []):

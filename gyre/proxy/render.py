@@ -275,12 +275,19 @@ class Prompt:
     reused_segments: int  # leading segments identical (same objects) to the previous request's
     fallbacks: int = 0  # 1: whole conversation rendered; 2: not even that splits, one USER segment
     texts: list[str | None] = field(default_factory=list, repr=False)  # per segment; None: restored ids
+    previous: Prompt | None = field(default=None, repr=False)  # the thread's previous prompt (its ids are reused)
 
     @cached_property
     def input_ids(self) -> array:
-        ids = array("i")
-        for segment in self.segments:
+        """The concatenated ids; the `reused_segments` shared with the previous prompt are one slice of its ids."""
+        shared = self.reused_segments if self.previous is not None else 0
+        if shared:
+            ids = self.previous.input_ids[: sum(len(segment) for segment in self.segments[:shared])]
+        else:
+            ids = array("i")
+        for segment in self.segments[shared:]:
             ids.extend(segment.ids)
+        self.previous = None  # the slice is taken: do not keep the previous prompt alive
         return ids
 
 
@@ -324,6 +331,7 @@ class PromptBuilder:
         self._header: _Entry | None = None
         self._segments: list[Segment] = []
         self._texts: list[str | None] = []
+        self._prompt: Prompt | None = None  # the last prompt built (its ids seed the next one's)
 
     @property
     def windowed(self) -> bool:
@@ -545,7 +553,8 @@ class PromptBuilder:
         self._system, self._tools, self._turns = request.system, request.tools, request.turns
         self._entries, self._header, self._segments, self._texts = entries, header, segments, texts
         new_entries = entries[reused:]
-        return Prompt(
+        previous, self._prompt = self._prompt, None
+        self._prompt = Prompt(
             segments=segments,
             num_tokens=entries[-1].tokens_end if entries else (header.tokens_end if header else 0),
             reused_turns=reused,
@@ -555,11 +564,15 @@ class PromptBuilder:
             reused_segments=same,
             fallbacks=fallbacks,
             texts=texts,
+            # only a prompt whose ids exist (cached_property keeps them in __dict__): never a chain of prompts
+            previous=previous if previous is not None and same and "input_ids" in previous.__dict__ else None,
         )
+        return self._prompt
 
     def _reset(self) -> None:
         self._system, self._tools, self._turns = None, None, ()
         self._entries, self._header, self._segments, self._texts = [], None, [], []
+        self._prompt = None
 
 
 def _next_role(turns: Sequence[Turn], index: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from array import array
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
@@ -110,6 +111,16 @@ class RoutingTable:
             await asyncio.sleep(POLL_S)
 
 
+def _continuation(request: GenerateRequest, produced: list[int], attempt: int) -> GenerateRequest:
+    """The call resumed elsewhere: its prompt plus the tokens produced so far, the rest of its budget."""
+    return dataclasses.replace(
+        request,
+        request_id=f"{request.request_id}~{attempt}",
+        input_ids=request.input_ids + array("i", produced),
+        params=dataclasses.replace(request.params, max_new_tokens=request.params.max_new_tokens - len(produced)),
+    )
+
+
 def _accepting(engine: Engine | None) -> bool:
     if engine is None:
         return False
@@ -143,12 +154,7 @@ async def generate_routed(
     first_token_s = None
     for attempt in range(max_attempts):
         name, engine = await table.wait_for_engine(request.execution_id, wait_s=wait_s, avoid=frozenset(avoid))
-        sub = dataclasses.replace(
-            request,
-            request_id=request.request_id if attempt == 0 else f"{request.request_id}~{attempt}",
-            input_ids=(*request.input_ids, *produced),
-            params=dataclasses.replace(request.params, max_new_tokens=budget - len(produced)),
-        )
+        sub = request if not produced and attempt == 0 else _continuation(request, produced, attempt)
         before, finish = len(produced), None
         try:
             async for chunk in engine.generate_stream(sub):

@@ -179,7 +179,9 @@ class ProxyServer:
     async def _admit(self, http: web.Request, dialect: Dialect) -> tuple[ExecutionSession, ChatRequest]:
         session = self._authenticate(http)
         body = await self._read_json(http)
-        request = dialect.module.parse_request(body, _headers(http), dict(http.query))
+        headers = _headers(http)
+        cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}")  # parse only the new messages
+        request = dialect.module.parse_request(body, headers, dict(http.query), cache=cache)
         self._check_model(request.model)
         return session, request
 

@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre.traj.record import CallMeta, CallRecord, Response, Segment
+from gyre.proxy.dialects.incremental import MessageCache
+from gyre.traj.record import CallMeta, CallRecord, Provenance, Response, Segment
 from gyre.traj.store import RecordWriter
 from gyre.traj.tree import TrajectoryTree
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "gyre-"
-MAX_THREADS = 64  # prompt builders kept per execution (least recently used dropped)
+MAX_THREADS = 64  # prompt builders and parse caches kept per execution (least recently used dropped)
 _EXECUTION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -54,6 +55,24 @@ def key_from_headers(headers: Mapping[str, str]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _LastCall:
+    segments: tuple[Segment, ...]  # the call's context, as passed
+    response_node: int
+    response_ids: Any  # array("i") of its output
+
+
+def _extends(segments: list[Segment], last: _LastCall) -> bool:
+    """`segments` = the last call's context (the same objects) + its output (SAMPLED, same ids) + more."""
+    k = len(last.segments)
+    if len(segments) <= k:
+        return False
+    answer = segments[k]
+    if answer.provenance is not Provenance.SAMPLED or answer.ids != last.response_ids:
+        return False
+    return all(new is old for new, old in zip(segments[:k], last.segments, strict=True))
+
+
 @dataclass(eq=False)
 class ExecutionSession:
     """One execution: its key, its tree, its record file, its payload cache and prompt builders."""
@@ -65,16 +84,17 @@ class ExecutionSession:
     payload: Any  # gyre.proxy.render.PayloadCache
     make_builder: Callable[[Any], Any]  # payload cache -> PromptBuilder
     builders: OrderedDict[str, Any] = field(default_factory=OrderedDict)
+    parse_caches: OrderedDict[str, MessageCache] = field(default_factory=OrderedDict)
     last_node: dict[str, int] = field(default_factory=dict)  # thread -> response node of its last call
+    _last_calls: dict[str, _LastCall] = field(default_factory=dict)
 
     def builder(self, thread: str):
-        builder = self.builders.get(thread)
-        if builder is None:
-            builder = self.builders[thread] = self.make_builder(self.payload)
-            while len(self.builders) > MAX_THREADS:
-                self.builders.popitem(last=False)
-        self.builders.move_to_end(thread)
-        return builder
+        """The thread's prompt builder (keeps its previous request's turns and segments)."""
+        return _lru(self.builders, thread, lambda: self.make_builder(self.payload))
+
+    def parse_cache(self, thread: str) -> MessageCache:
+        """The thread's raw messages and their parses, for incremental dialect parsing."""
+        return _lru(self.parse_caches, thread, MessageCache)
 
     def record(
         self,
@@ -86,11 +106,22 @@ class ExecutionSession:
         *,
         thread: str = "main",
     ) -> CallRecord:
-        """Insert one call into the tree and append it to the record file (both or, on bad input, neither)."""
-        record = self.tree.insert(segments, Response.build(output_ids, logprobs, finish_reason), meta)
+        """Insert one call into the tree and append it to the record file (both or, on bad input, neither).
+
+        When the call extends the thread's previous call (its segments start with the very same objects and then
+        our previous output), the tree is entered at that call's response node: only the new segments are walked,
+        so recording costs the same at a 700K-token history as at a short one."""
+        segments = list(segments)
+        parent, start = None, 0
+        last = self._last_calls.get(thread)
+        if last is not None and _extends(segments, last):
+            parent, start = last.response_node, len(last.segments) + 1
+        response = Response.build(output_ids, logprobs, finish_reason)
+        record = self.tree.insert(segments[start:], response, meta, parent=parent)
         if self.writer is not None:
             self.writer.append(record)
         self.last_node[thread] = record.response_node
+        self._last_calls[thread] = _LastCall(tuple(segments), record.response_node, record.response.ids)
         return record
 
     def close(self) -> None:
@@ -99,6 +130,16 @@ class ExecutionSession:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _lru(table: OrderedDict, key: str, make: Callable[[], Any]) -> Any:
+    value = table.get(key)
+    if value is None:
+        value = table[key] = make()
+        while len(table) > MAX_THREADS:
+            table.popitem(last=False)
+    table.move_to_end(key)
+    return value
 
 
 class SessionRegistry:

@@ -59,7 +59,7 @@ def test_sampling_params_defaults_and_normalization():
 
 def test_generate_request_validation():
     request = GenerateRequest(request_id="r1", execution_id="e1", input_ids=[1, 2, 3])
-    assert request.input_ids == (1, 2, 3) and request.params == SamplingParams()
+    assert list(request.input_ids) == [1, 2, 3] and request.params == SamplingParams()
     for kwargs, field in [
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": [1, -1]}, "input_ids"),
@@ -148,4 +148,20 @@ def test_protocol_module_needs_no_torch_at_runtime():
             modules |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             modules.add((node.module or "").split(".")[0] if node.module != "gyre.config.checks" else "gyre.config")
-    assert modules <= {"__future__", "collections", "dataclasses", "typing", "gyre.config"}, modules
+    assert modules <= {"__future__", "array", "collections", "dataclasses", "typing", "gyre.config"}, modules
+
+
+def test_prompt_ids_are_kept_as_a_private_int32_array():
+    from array import array
+
+    source = array("i", [3, 1, 4])
+    request = GenerateRequest(request_id="r", execution_id="e", input_ids=source)
+    source[0] = 99  # the request holds its own copy
+    assert request.input_ids == array("i", [3, 1, 4]) and request.input_ids.typecode == "i"
+    assert GenerateRequest(request_id="r", execution_id="e", input_ids=array("q", [7])).input_ids == array("i", [7])
+    with pytest.raises(ValueError, match="negative"):
+        GenerateRequest(request_id="r", execution_id="e", input_ids=array("i", [1, -1]))
+    with pytest.raises(ValueError, match="int32"):
+        GenerateRequest(request_id="r", execution_id="e", input_ids=array("q", [2**40]))
+    with pytest.raises(ValueError, match="int32"):
+        GenerateRequest(request_id="r", execution_id="e", input_ids=[2**40])

@@ -139,3 +139,46 @@ def test_errors_map_to_statuses_and_back_to_the_same_exception_types():
     code, body = wire.error_status(ZeroDivisionError("x"))
     assert code == 500 and isinstance(wire.error_from_wire(code, wire.dumps(body)), wire.RemoteEngineError)
     assert isinstance(wire.error_from_wire(502, b"<html>bad gateway</html>"), wire.RemoteEngineError)
+
+
+def test_prompt_ids_travel_as_base64_int32_and_plain_json_arrays_are_accepted_too():
+    from array import array
+
+    ids = array("i", [0, 1, 151_935, 2**31 - 1] * 1000)
+    request = GenerateRequest(request_id="r", execution_id="e", input_ids=ids)
+    message = roundtrip(wire.request_to_wire(request))
+    assert "input_ids" not in message and isinstance(message["input_ids_i32"], str)
+    assert wire.request_from_wire(message) == request
+    by_hand = {"request_id": "r", "execution_id": "e", "input_ids": list(ids)}
+    assert wire.request_from_wire(by_hand) == request
+    with pytest.raises(wire.WireError, match="base64"):
+        wire.request_from_wire({**message, "input_ids_i32": "***"})
+    with pytest.raises(wire.WireError, match="whole number"):
+        wire.request_from_wire({**message, "input_ids_i32": "AAA="})
+    with pytest.raises(wire.WireError, match="both"):
+        wire.request_from_wire({**message, "input_ids": [1]})
+    negative = wire.ids_to_wire(array("i", [5, -1]))
+    with pytest.raises(ValueError, match="negative"):
+        wire.request_from_wire({**message, "input_ids_i32": negative})
+
+
+def test_generate_frames_carry_the_prompt_as_raw_int32_and_round_trip():
+    from array import array
+
+    ids = array("i", range(0, 300_000, 3))
+    params = SamplingParams(temperature=0.5, max_new_tokens=7, stop_token_ids=(2,), seed=9)
+    request = GenerateRequest(request_id="r", execution_id="e", input_ids=ids, params=params)
+    frame = wire.generate_to_frame(request, stream=True, submission_id="s1")
+    assert wire.is_frame(frame) and len(frame) < 4 * len(ids) + 1024  # the ids are not JSON
+    assert wire.generate_from_frame(frame) == (request, True, "s1")
+    assert wire.generate_from_frame(wire.generate_to_frame(request, stream=False, submission_id=None))[1:] == (
+        False,
+        None,
+    )
+    with pytest.raises(wire.WireError, match="whole number"):
+        wire.generate_from_frame(frame[:-1])
+    with pytest.raises(wire.WireError, match="magic"):
+        wire.generate_from_frame(b"{}")
+    bad = wire._pack({"request": {"request_id": "r", "execution_id": "e", "input_ids": [1]}}, [b""])
+    with pytest.raises(wire.WireError, match="without ids"):
+        wire.generate_from_frame(bad)

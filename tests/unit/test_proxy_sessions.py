@@ -67,3 +67,26 @@ def test_sub_agents_and_codex_threads_get_their_own_prompt_builder():
     assert session.builder("main") is session.builder("main")
     assert session.builder("x") is not session.builder("main")
     assert session.builder("x").payload is session.payload
+
+
+def test_a_call_extending_the_threads_last_call_records_exactly_what_a_full_walk_records(tmp_path):
+    fast, slow = registry(tmp_path / "fast").issue("e"), registry(tmp_path / "slow").issue("e")
+    context = [Segment(Provenance.SYSTEM, [1, 2]), Segment(Provenance.USER, [3, 4])]
+    for step in range(4):
+        output = [10 + step, 11 + step]
+        meta = CallMeta(execution="e", request_id=f"r{step}")
+        a = fast.record(context, output, [-0.5, -0.5], "stop", meta)
+        copies = [Segment(s.provenance, list(s.ids)) for s in context]  # same content, new objects: full walk
+        b = slow.record(copies, output, [-0.5, -0.5], "stop", meta)
+        assert (a.parent, a.context_node, a.response_node, len(a.segments)) == (
+            b.parent,
+            b.context_node,
+            b.response_node,
+            len(b.segments),
+        )
+        context = [*context, Segment(Provenance.SAMPLED, output), Segment(Provenance.TOOL, [20 + step])]
+    assert fast.tree.stats() == slow.tree.stats()
+    # a call that does not extend the last one (an edited history) still lands where it belongs
+    edited = [context[0], Segment(Provenance.USER, [3, 5])]
+    record = fast.record(edited, [7], [-1.0], "stop", CallMeta(execution="e", request_id="edit"))
+    assert record.parent == fast.tree.calls[0].parent + 1  # forks right after the shared system segment

@@ -37,6 +37,7 @@ from gyre.proxy.conversation import (
     Usage,
     compact_json,
 )
+from gyre.proxy.dialects.incremental import MessageCache
 
 # Headers that tell requests of one harness session apart (main agent, sub-agents); keys are lower-cased.
 SIGNAL_HEADERS = ("x-claude-code-session-id", "x-claude-code-agent-id", "user-agent")
@@ -259,28 +260,36 @@ def _assistant_turn(content: Any, path: str, known_call_ids: set[str]) -> Turn:
     return Turn(role="assistant", text=_join(texts), thinking=_join(thoughts), tool_calls=tuple(calls))
 
 
-def _turns(messages: Any) -> list[Turn]:
+def _turns(messages: Any, cache: MessageCache | None = None) -> list[Turn]:
+    """The turns of `messages`; with a `cache`, the unchanged prefix of the thread's previous request is reused."""
     messages = _array(messages, "messages")
     if not messages:
         raise _invalid("messages", "at least one message is required")
-    turns: list[Turn] = []
-    known_call_ids: set[str] = set()  # ids of tool_use blocks seen so far: a tool_result must answer one
-    for i, message in enumerate(messages):
-        path = f"messages.{i}"
-        message = _object(message, path)
-        role = message.get("role")
-        content = message.get("content")
-        if content is None:
-            raise _invalid(f"{path}.content", "field required")
-        if role == "user":
-            turns.extend(_user_turns(content, f"{path}.content", known_call_ids))
-        elif role == "assistant":
-            turns.append(_assistant_turn(content, f"{path}.content", known_call_ids))
-        elif role == "system":  # Claude Code sends reminders as system messages mid-conversation
-            turns.append(Turn(role="system", text=_plain_text(content, f"{path}.content")))
-        else:
-            raise _invalid(f"{path}.role", f"expected 'user', 'assistant' or 'system', got {role!r}")
-    return turns
+    reused = cache.reusable(messages) if cache is not None else 0
+    parsed: list[tuple[tuple[Turn, ...], tuple[str, ...]]] = cache.parsed[:reused] if cache is not None else []
+    known_call_ids: set[str] = {call_id for _, ids in parsed for call_id in ids}  # a tool_result must answer one
+    for i in range(reused, len(messages)):
+        parsed.append(_message_turns(messages[i], f"messages.{i}", known_call_ids))
+    if cache is not None:
+        cache.store(messages, parsed)
+    return [turn for turns, _ in parsed for turn in turns]
+
+
+def _message_turns(message: Any, path: str, known_call_ids: set[str]) -> tuple[tuple[Turn, ...], tuple[str, ...]]:
+    """One message's turns and the tool_use ids it adds to `known_call_ids` (which it updates)."""
+    message = _object(message, path)
+    role = message.get("role")
+    content = message.get("content")
+    if content is None:
+        raise _invalid(f"{path}.content", "field required")
+    if role == "user":
+        return tuple(_user_turns(content, f"{path}.content", known_call_ids)), ()
+    if role == "assistant":
+        turn = _assistant_turn(content, f"{path}.content", known_call_ids)
+        return (turn,), tuple(call.id for call in turn.tool_calls)
+    if role == "system":  # Claude Code sends reminders as system messages mid-conversation
+        return (Turn(role="system", text=_plain_text(content, f"{path}.content")),), ()
+    raise _invalid(f"{path}.role", f"expected 'user', 'assistant' or 'system', got {role!r}")
 
 
 def _tools(tools: Any) -> list[ToolSpec]:
@@ -318,7 +327,9 @@ def _signals(headers: Mapping[str, str]) -> dict[str, Any]:
     return {key: lowered[key] for key in SIGNAL_HEADERS if key in lowered}
 
 
-def _parse(body: Any, headers: Mapping[str, str], *, require_max_tokens: bool) -> ChatRequest:
+def _parse(
+    body: Any, headers: Mapping[str, str], *, require_max_tokens: bool, cache: MessageCache | None = None
+) -> ChatRequest:
     body = _object(body, "body")
     model = _string(body.get("model"), "model", non_empty=True)
     if require_max_tokens and body.get("max_tokens") is None:
@@ -333,7 +344,7 @@ def _parse(body: Any, headers: Mapping[str, str], *, require_max_tokens: bool) -
         dialect="anthropic",
         model=model,
         system=system_text,
-        turns=_turns(body.get("messages")),
+        turns=_turns(body.get("messages"), cache),
         tools=_tools(body.get("tools")),
         stream=_optional_bool(body, "stream", False),
         max_tokens=_optional_int(body, "max_tokens", 1),
@@ -347,10 +358,14 @@ def _parse(body: Any, headers: Mapping[str, str], *, require_max_tokens: bool) -
     )
 
 
-def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str]) -> ChatRequest:
-    """`POST /v1/messages` (any `?beta=...` query accepted): the body as a `ChatRequest`, or `ApiError`."""
+def parse_request(
+    body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None = None
+) -> ChatRequest:
+    """`POST /v1/messages` (any `?beta=...` query accepted): the body as a `ChatRequest`, or `ApiError`.
+
+    `cache` (one per conversation thread) makes parsing incremental: see `gyre.proxy.dialects.incremental`."""
     del query  # `?beta=true` changes nothing here
-    return _parse(body, headers, require_max_tokens=True)
+    return _parse(body, headers, require_max_tokens=True, cache=cache)
 
 
 def parse_count_tokens(body: Any, headers: Mapping[str, str], query: Mapping[str, str]) -> ChatRequest:

@@ -34,6 +34,7 @@ from gyre.proxy.conversation import (
     Usage,
     compact_json,
 )
+from gyre.proxy.dialects.incremental import MessageCache
 
 # ApiError.kind -> (OpenAI error type, code). OpenAI clients key off `code` (Codex: "context_length_exceeded").
 ERROR_TYPES: dict[str, tuple[str, str | None]] = {
@@ -265,8 +266,12 @@ def _stop(value: Any) -> tuple[str, ...]:
     raise invalid("stop must be a string or an array of strings", "stop")
 
 
-def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str]) -> ChatRequest:
-    """A Chat Completions request body as a ChatRequest; ApiError (invalid_request) names the bad field."""
+def parse_request(
+    body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None = None
+) -> ChatRequest:
+    """A Chat Completions request body as a ChatRequest; ApiError (invalid_request) names the bad field.
+
+    `cache` (one per conversation thread) makes parsing incremental: see `gyre.proxy.dialects.incremental`."""
     del query  # no query parameters in this API
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {json_type(body)}", None)
@@ -274,10 +279,12 @@ def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty array", "messages")
+    reused = cache.reusable(messages) if cache is not None else 0
+    items = cache.parsed[:reused] if cache is not None else []
+    items += [_message(messages[i], i) for i in range(reused, len(messages))]
     system: str | None = None
     turns: list[Turn] = []
-    for i, message in enumerate(messages):
-        parsed = _message(message, i)
+    for i, parsed in enumerate(items):
         if isinstance(parsed, Turn):
             turns.append(parsed)
         elif i == 0:
@@ -300,7 +307,7 @@ def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise invalid(f"top_k must be an integer, got {json_type(top_k)}", "top_k")
     hdrs = lower_headers(headers)
-    return ChatRequest(
+    request = ChatRequest(
         dialect="openai_chat",
         model=model,
         system=system,
@@ -316,6 +323,9 @@ def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str
         thinking=effort is not None and effort != "none",
         signals={k: hdrs[k] for k in ("user-agent",) if k in hdrs},
     )
+    if cache is not None:
+        cache.store(messages, items)
+    return request
 
 
 # ----------------------------------------------------------------------------- responses

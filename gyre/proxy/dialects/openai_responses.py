@@ -310,9 +310,14 @@ def _signals(body: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]
     return signals
 
 
-def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str]) -> ChatRequest:
-    """A Responses request body as a ChatRequest; ApiError (invalid_request) names the bad field."""
-    del query  # no query parameters in this API
+def parse_request(
+    body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: object | None = None
+) -> ChatRequest:
+    """A Responses request body as a ChatRequest; ApiError (invalid_request) names the bad field.
+
+    `cache` is accepted for the server's uniform call and not used: input items merge across item boundaries
+    (reasoning, message and function calls into one assistant turn), so this dialect parses the whole input."""
+    del query, cache  # no query parameters in this API
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {json_type(body)}", None)
     model = require_str(body, "model", "model", allow_empty=False)

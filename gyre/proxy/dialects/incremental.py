@@ -1,0 +1,36 @@
+"""Parse only the new messages of a conversation: the previous request's raw messages and their parses, per thread.
+
+Harnesses resend the whole history on every call, each request the previous one plus a few items (HARNESS-NOTES:
+the prefix property). Comparing the raw messages with the previous request's (`==` on the decoded JSON, a C-level
+walk: ~0.15 ms for 1,200 messages) finds the unchanged prefix; its parses are reused and only the rest is parsed.
+A message that changed (Claude Code moves `cache_control` to the last block each turn) is parsed again, as is
+everything after it. Pure; one cache per conversation thread (`gyre.proxy.sessions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class MessageCache:
+    """Raw messages of a thread's previous request and what each one parsed into (dialect-specific items)."""
+
+    __slots__ = ("parsed", "raw")
+
+    def __init__(self) -> None:
+        self.raw: list[Any] = []
+        self.parsed: list[Any] = []
+
+    def reusable(self, messages: Sequence[Any]) -> int:
+        """How many leading messages equal the previous request's (their parses can be reused)."""
+        limit = min(len(messages), len(self.raw))
+        count = 0
+        while count < limit and messages[count] == self.raw[count]:
+            count += 1
+        return count
+
+    def store(self, messages: Sequence[Any], parsed: list[Any]) -> None:
+        """Remember a successfully parsed request (never a failed one: its messages may be half checked)."""
+        self.raw = list(messages)
+        self.parsed = parsed
