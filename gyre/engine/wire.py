@@ -175,8 +175,9 @@ def _timings_from_wire(message: Mapping | None) -> GenerateTimings | None:
     return None if message is None else GenerateTimings(**_fields(message, GenerateTimings, what="timings"))
 
 
-def result_to_wire(result: GenerateResult) -> dict:
-    return dataclasses.asdict(result)
+def result_to_wire(result: GenerateResult) -> GenerateResult:
+    """The result as `dumps` writes it: orjson serializes the dataclass itself (~0.3 us; `asdict` costs ~10 us)."""
+    return result
 
 
 def result_from_wire(message: Mapping) -> GenerateResult:
@@ -185,8 +186,9 @@ def result_from_wire(message: Mapping) -> GenerateResult:
     return GenerateResult(**_tuples(fields, "output_ids", "output_logprobs"))
 
 
-def chunk_to_wire(chunk: TokenChunk) -> dict:
-    return dataclasses.asdict(chunk)
+def chunk_to_wire(chunk: TokenChunk) -> TokenChunk:
+    """The chunk as `dumps` writes it (orjson serializes dataclasses natively: one line per token stays cheap)."""
+    return chunk
 
 
 def chunk_from_wire(message: Mapping) -> TokenChunk:

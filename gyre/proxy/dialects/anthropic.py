@@ -23,6 +23,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 from gyre.proxy.conversation import (
     ApiError,
     AssistantOutput,
@@ -459,9 +461,12 @@ def models_body(names: Sequence[str]) -> dict[str, Any]:
 
 
 def sse(event_type: str, data: dict[str, Any]) -> bytes:
-    """One server-sent event as the API frames it."""
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event_type}\ndata: {text}\n\n".encode()
+    """One server-sent event as the API frames it (orjson; ASCII-escaped JSON for text orjson refuses)."""
+    try:
+        text = orjson.dumps(data)
+    except orjson.JSONEncodeError:  # a lone surrogate
+        text = json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+    return b"event: " + event_type.encode() + b"\ndata: " + text + b"\n\n"
 
 
 class StreamWriter:
