@@ -8,9 +8,12 @@ with no top-k/top-p (`--temperature 0`: greedy), fp32, the same torch thread cou
 the two sides alternate within each repeat and the median tokens/s of `--repeats` runs is reported. tokens/s
 counts new tokens only (prefill included in the time). Also KV bytes per token: from the config, checked
 against the native engine's `memory_bytes()["kv"]` and against the bytes of HF's cache.
-Targets (issue 4): native/HF >= 1.5 at batch 16 and >= 1.0 at batch 1. Prints one JSON object (last line).
+Two native modes run side by side: the default engine ("native") and `compile_decode=True` ("native_compiled",
+the decode step through `torch.compile`; its warm-up run includes compiling, reported as `*_warmup_s`).
+Targets (issue 4): native/HF >= 1.5 at batch 16 and >= 1.0 at batch 1, reported per mode (`<mode>_target_met`).
+Prints one JSON object (last line).
 
-    python benchmarks/engine_throughput.py [--repeats 7] [--new-tokens 128] [--threads N] [--quick]
+    python benchmarks/engine_throughput.py [--repeats 7] [--new-tokens 128] [--threads N] [--quick] [--no-compiled]
     python benchmarks/engine_throughput.py --device cuda --larger   # a random 16-layer d-1024 model on a GPU
 
 Without CUDA, `--device cuda` prints a line and a JSON object with "skipped" and exits 0. See docs/engine.md.
@@ -63,9 +66,14 @@ def synchronize(device: torch.device) -> None:
 class NativeSide:
     """Runs batches on one `NativeEngine` (max_running = the largest batch) inside one event loop."""
 
-    def __init__(self, model_dir: Path, device: torch.device, max_batch: int):
+    def __init__(self, model_dir: Path, device: torch.device, max_batch: int, compile_decode: bool = False):
         self.device = device
-        self.engine = NativeEngine(load_pretrained(model_dir, device=device), max_running=max_batch, device=device)
+        self.engine = NativeEngine(
+            load_pretrained(model_dir, device=device),
+            max_running=max_batch,
+            device=device,
+            compile_decode=compile_decode,
+        )
         self.loop = asyncio.new_event_loop()
         self.runs = 0
 
@@ -145,26 +153,31 @@ class HFSide:
 
 
 def measure(
-    native: NativeSide, hf: HFSide, prompts: list[list[int]], params: SamplingParams, repeats: int
+    sides: dict[str, NativeSide | HFSide], prompts: list[list[int]], params: SamplingParams, repeats: int
 ) -> dict[str, Any]:
-    """One warm-up each, then `repeats` alternating runs; median tokens/s of each side and their ratio."""
-    native.run(prompts, params)
-    hf.run(prompts, params)
-    rates: dict[str, list[float]] = {"native": [], "hf": []}
+    """One warm-up each, then `repeats` runs alternating the sides; median tokens/s of each and each native/HF ratio.
+
+    `sides` maps a name to a side; "hf" is the baseline. The warm-up's seconds are reported (`<name>_warmup_s`): for
+    the compiled engine they include compiling this batch shape.
+    """
+    row: dict[str, Any] = {"batch": len(prompts)}
+    for name, side in sides.items():
+        row[f"{name}_warmup_s"] = round(side.run(prompts, params)[0], 2)
+    rates: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
-        for name, side in (("native", native), ("hf", hf)):
+        for name, side in sides.items():
             elapsed, tokens = side.run(prompts, params)
             assert tokens == len(prompts) * params.max_new_tokens, (name, tokens)
             rates[name].append(tokens / elapsed)
-    native_tps, hf_tps = statistics.median(rates["native"]), statistics.median(rates["hf"])
-    return {
-        "batch": len(prompts),
-        "native_tokens_per_s": round(native_tps, 1),
-        "hf_tokens_per_s": round(hf_tps, 1),
-        "ratio": round(native_tps / hf_tps, 3),
-        "native_runs": [round(r, 1) for r in rates["native"]],
-        "hf_runs": [round(r, 1) for r in rates["hf"]],
-    }
+    median = {name: statistics.median(runs) for name, runs in rates.items()}
+    for name in sides:
+        row[f"{name}_tokens_per_s"] = round(median[name], 1)
+    for name in sides:
+        if name != "hf":
+            row[f"{name}_ratio"] = round(median[name] / median["hf"], 3)
+    for name, runs in rates.items():
+        row[f"{name}_runs"] = [round(r, 1) for r in runs]
+    return row
 
 
 def resolve_model_dir(args: argparse.Namespace, scratch: Path) -> tuple[Path, str]:
@@ -189,6 +202,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy on both sides")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    parser.add_argument(
+        "--no-compiled", action="store_true", help="skip the engine with compile_decode=True (torch.compile, inductor)"
+    )
     parser.add_argument("--quick", action="store_true", help="2 repeats of 32 new tokens: a smoke run")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here (default: results/; --quick: none)")
     args = parser.parse_args()
@@ -220,17 +236,26 @@ def main() -> None:
         prompts = make_prompts(max(args.batches), args.prompt_tokens, config.vocab_size)
         params = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
         native = NativeSide(model_dir, device, max(args.batches))
-        hf = HFSide(model_dir, device)
+        sides: dict[str, NativeSide | HFSide] = {"native": native}
+        if not args.no_compiled:
+            sides["native_compiled"] = NativeSide(model_dir, device, max(args.batches), compile_decode=True)
+        sides["hf"] = hf = HFSide(model_dir, device)
         rows = []
         for batch in args.batches:
-            row = measure(native, hf, prompts[:batch], params, args.repeats)
+            row = measure(sides, prompts[:batch], params, args.repeats)
             if batch in TARGETS:
                 row["target_ratio"] = TARGETS[batch]
-                row["target_met"] = row["ratio"] >= TARGETS[batch]
+                for name in sides:
+                    if name != "hf":
+                        row[f"{name}_target_met"] = row[f"{name}_ratio"] >= TARGETS[batch]
             rows.append(row)
             print(
-                f"batch {batch:3d}: native {row['native_tokens_per_s']:9.1f} tok/s | "
-                f"HF generate {row['hf_tokens_per_s']:9.1f} tok/s | ratio {row['ratio']:.2f}",
+                f"batch {batch:3d}: "
+                + " | ".join(
+                    f"{name} {row[f'{name}_tokens_per_s']:9.1f} tok/s"
+                    + (f" (x{row[f'{name}_ratio']:.2f} HF)" if name != "hf" else "")
+                    for name in sides
+                ),
                 file=sys.stderr,
             )
         kv = {
@@ -238,7 +263,9 @@ def main() -> None:
             "native_engine": native.kv_bytes_per_token(prompts[0], params),
             "hf_cache": hf.kv_bytes_per_token(prompts[0]),
         }
-        native.close()
+        for side in sides.values():
+            if isinstance(side, NativeSide):
+                side.close()
     emit(
         {
             "benchmark": "engine_throughput",
@@ -254,6 +281,11 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "sampling": "greedy" if args.temperature == 0 else f"temperature {args.temperature}, no top-k/top-p",
             "repeats": args.repeats,
+            "modes": {
+                "native": "NativeEngine defaults (eager decode)",
+                "native_compiled": "NativeEngine(compile_decode=True): decode step through torch.compile (inductor)",
+                "hf": "transformers generate, defaults",
+            },
             "rows": rows,
             "kv_bytes_per_token": kv,
             "wall_s": round(time.perf_counter() - start, 2),

@@ -24,6 +24,8 @@ Contract (beyond `gyre.engine.protocol`)
   `numel * element_size` of the live parameters and KV buffers (prefix entries and pinned exports included).
   `release_memory(weights=True)` moves the parameters to a host copy (on a CPU device the copy is the same
   storage, so process RAM does not drop; the model's live parameters do) and leaves empty tensors in the model.
+- `compile_decode=True` runs the batched decode step as `torch.compile(decode_forward)` (gyre.engine.model): the
+  same tokens, log-probs equal within float noise (1e-5 fp32); compiles per new batch shape (docs/engine.md).
 See `docs/engine.md` ("Native engine").
 """
 
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyre.engine.model import DecoderLM, KVCache
+from gyre.engine.model import DecoderLM, DecodeWeights, KVCache, decode_forward
 from gyre.engine.protocol import (
     EngineBusyError,
     EngineLoad,
@@ -129,7 +131,7 @@ class _BatchKV:
 
     GROW = 64  # free columns per rebuild: one gather per 64 steps of an unchanged batch
 
-    def __init__(self, rows: list[_Request], device: torch.device):
+    def __init__(self, rows: list[_Request], device: torch.device, column_multiple: int = 1):
         self.rows = list(rows)
         self.gathered = [e.buffer.length for e in rows]
         self.start = self.next_column = max(self.gathered)
@@ -137,7 +139,11 @@ class _BatchKV:
         free = min(e.buffer.capacity - e.buffer.length for e in rows)
         first = rows[0].buffer.keys_LKCD
         L, K, _, D = first.shape
-        shape = (L, len(rows), K, self.start + min(free, self.GROW), D)
+        columns = self.start + min(free, self.GROW)
+        # Rounded up (compiled decode: shapes repeat, so fewer recompilations). Columns past a row's room are never
+        # reached: the row finishes first, and only decoded columns are written back.
+        columns = -(-columns // column_multiple) * column_multiple
+        shape = (L, len(rows), K, columns, D)
         self.keys_LBKSD = torch.zeros(shape, dtype=first.dtype, device=device)
         self.values_LBKSD = torch.zeros(shape, dtype=first.dtype, device=device)
         for b, e in enumerate(rows):
@@ -197,6 +203,8 @@ class _Request:
 class NativeEngine:
     """Continuous-batching engine over a `DecoderLM`; implements `gyre.engine.protocol.Engine`."""
 
+    COMPILED_COLUMN_MULTIPLE = 64  # compiled decode: batch KV columns rounded up to this (repeating shapes)
+
     def __init__(
         self,
         model: DecoderLM,
@@ -205,7 +213,12 @@ class NativeEngine:
         max_tokens_in_flight: int | None = None,
         device: torch.device | str | None = None,
         policy_version: int = 0,
+        compile_decode: bool = False,
     ):
+        """`compile_decode`: run each batched decode step through `torch.compile(decode_forward)` (inductor)
+        instead of the module forward: fewer, fused kernels per step (see docs/engine.md, "Throughput"). The first
+        steps of each new batch shape compile (seconds; cached on disk by inductor); prefill stays eager. On CPU
+        inductor needs a C++ compiler; without one the first decode step fails (and with it the engine)."""
         if not isinstance(max_running, int) or max_running < 1:
             raise ValueError(f"max_running={max_running!r} is not allowed: expected an integer >= 1")
         config = model.config
@@ -234,6 +247,11 @@ class NativeEngine:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
+        self.compile_decode = compile_decode
+        self._decode_forward = torch.compile(decode_forward) if compile_decode else None
+        # The model's tensors for `decode_forward`, collected once: parameters are replaced only by
+        # release_memory/resume_memory (which drop this); update_weights writes them in place.
+        self._decode_weights: DecodeWeights | None = None
 
     # ----------------------------------------------------------------- requests
 
@@ -373,6 +391,7 @@ class NativeEngine:
                     self._weight_backup[name] = host
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self._weights_released = True
+            self._decode_weights = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -382,6 +401,7 @@ class NativeEngine:
                 for name, param in self.model.named_parameters():
                     param.data = self._weight_backup.pop(name).to(self.device)
             self._weights_released = False
+            self._decode_weights = None
         if kv:
             self._kv_released = False
 
@@ -570,29 +590,47 @@ class NativeEngine:
         if self._batch_kv is None or not self._batch_kv.fits(batch):
             if self._batch_kv is not None:
                 self._batch_kv.write_back()
-            self._batch_kv = _BatchKV(batch, self.device)
+            self._batch_kv = _BatchKV(batch, self.device, self.COMPILED_COLUMN_MULTIPLE if self.compile_decode else 1)
         gathered = self._batch_kv
         S = gathered.next_column
-        gathered.mask_BS[:, S] = True  # every row's new token goes to column S, and attends to itself
-        logits_B1V, _ = self.model(
-            gathered.ids_B1,
-            gathered.positions_B1,
-            kv_cache=gathered.past,
-            attention_mask=gathered.mask_BS[:, None, None, : S + 1],
-            kv_cache_length=S,
-        )
+        if self._decode_forward is not None:
+            # Attends to the masked-in columns of the whole buffer and to itself; the new keys/values come back.
+            logits_BV, keys_LBK1D, values_LBK1D = self._decode_forward(
+                gathered.ids_B1,
+                gathered.positions_B1,
+                gathered.keys_LBKSD,
+                gathered.values_LBKSD,
+                gathered.mask_BS,
+                self._current_decode_weights(),
+            )
+            gathered.keys_LBKSD[:, :, :, S] = keys_LBK1D[:, :, :, 0]
+            gathered.values_LBKSD[:, :, :, S] = values_LBK1D[:, :, :, 0]
+            gathered.mask_BS[:, S] = True
+        else:
+            gathered.mask_BS[:, S] = True  # every row's new token goes to column S, and attends to itself
+            logits_B1V, _ = self.model(
+                gathered.ids_B1,
+                gathered.positions_B1,
+                kv_cache=gathered.past,
+                attention_mask=gathered.mask_BS[:, None, None, : S + 1],
+                kv_cache_length=S,
+            )
+            logits_BV = logits_B1V[:, -1]
         gathered.next_column += 1
         gathered.positions_B1 += 1
         for e in batch:
             e.fed_ids.append(e.next_token)
-        tokens_B, logps_B = sample_next(
-            logits_B1V[:, -1], [e.request.params for e in batch], [e.generator for e in batch]
-        )
+        tokens_B, logps_B = sample_next(logits_BV, [e.request.params for e in batch], [e.generator for e in batch])
         gathered.ids_B1 = tokens_B[:, None]
         tokens, logps = tokens_B.tolist(), logps_B.tolist()
         finished = [e for b, e in enumerate(batch) if self._record(e, tokens[b], logps[b])]
         for e in finished:
             self._running.remove(e)
+
+    def _current_decode_weights(self) -> DecodeWeights:
+        if self._decode_weights is None:
+            self._decode_weights = self.model.decode_weights(self.device)
+        return self._decode_weights
 
     def _record(self, entry: _Request, token: int, logprob: float) -> bool:
         """Append a sampled token; stream it; finish the request if it ended. True if it finished."""
