@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import struct
 import sys
 from array import array
@@ -62,13 +63,18 @@ def loads(data: bytes | str):
         raise WireError(f"the body is not JSON: {error}") from None
 
 
+@functools.cache
+def _field_names(cls) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
 def _fields(message: Mapping, cls, *, what: str) -> dict:
     """The keyword arguments of `cls` found in `message`; unknown keys or a non-object are a WireError."""
     if not isinstance(message, Mapping):
         raise WireError(f"{what} must be a JSON object, got {type(message).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(message) - names)
-    if unknown:
+    names = _field_names(cls)
+    if not names.issuperset(message):
+        unknown = sorted(set(message) - names)
         raise WireError(f"{what} has unknown fields {unknown}; expected some of {sorted(names)}")
     return dict(message)
 

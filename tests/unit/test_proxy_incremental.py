@@ -79,3 +79,21 @@ def test_openai_chat_incremental_parse_equals_full_parse():
         ]
         if step == 4:
             messages.append({"role": "developer", "content": "mid-conversation note"})
+
+
+def test_tools_are_parsed_once_per_change():
+    cache = MessageCache()
+    tool = {"name": "read", "description": "Read a file", "input_schema": {"type": "object"}}
+    first = anthropic.parse_request({**body([{"role": "user", "content": "hi"}]), "tools": [tool]}, {}, {}, cache=cache)
+    calls = []
+    again = cache.parse_tools([dict(tool)], lambda raw: calls.append(raw))  # equal raw tools: no parse
+    assert calls == [] and tuple(again) == first.tools
+    changed = {**tool, "description": "Read a file, carefully"}
+    second = anthropic.parse_request(
+        {**body([{"role": "user", "content": "hi"}]), "tools": [changed]}, {}, {}, cache=cache
+    )
+    assert second.tools[0].description == "Read a file, carefully"
+    with pytest.raises(ApiError, match="input_schema"):
+        anthropic.parse_request(
+            {**body([{"role": "user", "content": "hi"}]), "tools": [{"name": "x"}]}, {}, {}, cache=cache
+        )

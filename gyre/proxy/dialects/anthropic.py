@@ -347,7 +347,7 @@ def _parse(
         model=model,
         system=system_text,
         turns=_turns(body.get("messages"), cache),
-        tools=_tools(body.get("tools")),
+        tools=_tools(body.get("tools")) if cache is None else cache.parse_tools(body.get("tools"), _tools),
         stream=_optional_bool(body, "stream", False),
         max_tokens=_optional_int(body, "max_tokens", 1),
         temperature=_optional_number(body, "temperature", 0.0, 2.0),

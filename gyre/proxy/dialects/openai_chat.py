@@ -312,7 +312,7 @@ def parse_request(
         model=model,
         system=system,
         turns=tuple(turns),
-        tools=_tools(body.get("tools")),
+        tools=_tools(body.get("tools")) if cache is None else cache.parse_tools(body.get("tools"), _tools),
         stream=stream,
         max_tokens=max_tokens,
         temperature=optional_number(body, "temperature", "temperature", low=0.0, high=2.0),
