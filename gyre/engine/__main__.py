@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
+    from gyre import eventloop
     from gyre.engine.weights import load_pretrained
 
     if args.max_running < 1 or not 0 <= args.port <= 65535:
@@ -68,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gyre.engine serve: error: cannot load --model-dir {args.model_dir}: {error}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(args, model))
+        eventloop.run(_serve(args, model))
     except OSError as error:  # the address is taken or not ours
         print(f"gyre.engine serve: error: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2

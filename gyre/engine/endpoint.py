@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from gyre import eventloop
 from gyre.engine import wire
 from gyre.engine.protocol import Engine, GenerateRequest, GenerateResult, GenerateTimings, TokenChunk
 
@@ -305,7 +306,7 @@ class ServerThread:
     def __init__(self, engine_factory: Callable[[], Engine], *, host: str = "127.0.0.1", port: int = 0):
         self._factory = engine_factory
         self._host, self._port = host, port
-        self._loop = asyncio.new_event_loop()
+        self._loop = eventloop.new_event_loop()
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self.engine: Engine | None = None

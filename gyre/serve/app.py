@@ -29,6 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from gyre import eventloop
 from gyre.config import ConfigError, ServeConfig, register_configs
 from gyre.config.hydra_errors import describe_config_error, unknown_keys
 from gyre.obs.logging import setup_logging
@@ -79,7 +80,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     setup_logging(log_file=run_dir / "serve.log")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     try:
-        asyncio.run(_serve(serve_cfg, run_dir))
+        eventloop.run(_serve(serve_cfg, run_dir))
     except _StartupError as exc:
         _exit(str(exc))
 
