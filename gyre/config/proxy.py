@@ -47,6 +47,12 @@ class ProxyConfig:
     """Request bodies above this get 413 in the dialect's shape."""
     engine_wait_s: float = 600.0
     """How long a call waits for an accepting engine (all engines draining) before failing with 503/529."""
+    gc_freeze_every: int = 256
+    """Every this many calls, move the heap into the garbage collector's permanent generation (0 = never).
+    Execution trees and histories live for hours; a full collection rescans them all and paused the proxy for
+    80-230 ms in benchmarks/proxy_overhead.py (b). Frozen objects are still freed by reference counting."""
+    gc_full_every_s: float = 600.0
+    """Unfreeze and run one full collection this often, so cyclic garbage frozen earlier is reclaimed (0 = never)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
@@ -61,3 +67,5 @@ class ProxyConfig:
         require(self.min_output_tokens >= 1, "proxy.min_output_tokens", self.min_output_tokens, "an integer >= 1")
         require(self.max_body_bytes >= 1024, "proxy.max_body_bytes", self.max_body_bytes, "an integer >= 1024")
         require(self.engine_wait_s >= 0, "proxy.engine_wait_s", self.engine_wait_s, "a number >= 0")
+        require(self.gc_freeze_every >= 0, "proxy.gc_freeze_every", self.gc_freeze_every, "an integer >= 0 (0 = off)")
+        require(self.gc_full_every_s >= 0, "proxy.gc_full_every_s", self.gc_full_every_s, "a number >= 0 (0 = off)")

@@ -33,6 +33,7 @@ from gyre.config.proxy import ProxyConfig
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
 from gyre.proxy.dialects import anthropic, openai_chat, openai_responses
+from gyre.proxy.heap import HeapFreezer
 from gyre.proxy.output import OutputDecoder
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
 from gyre.proxy.sessions import ExecutionSession, SessionRegistry, key_from_headers, thread_key
@@ -80,6 +81,7 @@ class ProxyServer:
         self.admin_key = admin_key or ("gyre-admin-" + secrets.token_urlsafe(24))
         self.port = config.port
         self._runner: web.AppRunner | None = None
+        self._gc = HeapFreezer(config.gc_freeze_every, config.gc_full_every_s)
         self._stop_ids = tuple(template.end_of_turn_ids)
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
@@ -106,10 +108,12 @@ class ProxyServer:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        self._gc.start()
         log.info("proxy serving at %s", self.url)
         return self.url
 
     async def stop(self) -> None:
+        await self._gc.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -298,6 +302,7 @@ class _Call:
         reason = finish.finish_reason if finish is not None else "abort"
         thread = thread_key(self.request.signals)
         self.session.record(self.prompt.segments, self.output_ids, self.logprobs, reason, meta, thread=thread)
+        self.server._gc.call_done()
         if finish is not None:
             self.session.payload.remember(self.output, self.output_ids)
 
