@@ -53,6 +53,7 @@ from gyre.engine.protocol import (
     GenerateTimings,
     KVExport,
     TokenChunk,
+    drain_in_flight,
 )
 from gyre.engine.sampling import request_generator, sample_next
 
@@ -341,15 +342,7 @@ class NativeEngine:
 
     async def drain(self, *, abort_after_s: float | None = None) -> None:
         self.stop_accepting()
-        if abort_after_s is None:
-            await self._idle.wait()
-            return
-        try:
-            await asyncio.wait_for(self._idle.wait(), abort_after_s)
-        except TimeoutError:
-            for request_id in list(self._by_id):
-                self.abort(request_id)
-            await self._idle.wait()
+        await drain_in_flight(self._idle, lambda: self._by_id, self.abort, abort_after_s)
 
     async def close(self) -> None:
         """Abort everything in flight and stop the scheduler task (not part of the protocol)."""

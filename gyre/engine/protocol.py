@@ -21,8 +21,9 @@ hints), so the proxy can import it without the model stack. See `docs/engine.md`
 
 from __future__ import annotations
 
+import asyncio
 from array import array
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -311,6 +312,25 @@ class EngineLoad:
     accepting: bool  # False after stop_accepting / while memory is released
     memory_released: bool
     policy_version: int
+
+
+async def drain_in_flight(
+    idle: asyncio.Event,
+    in_flight: Callable[[], Iterable[str]],
+    abort: Callable[[str], bool],
+    abort_after_s: float | None,
+) -> None:
+    """The common `drain` of an engine that already stopped accepting: wait until `idle` is set; with a deadline,
+    abort whatever is still in flight when it passes (callers get partial outputs), then wait for idle."""
+    if abort_after_s is None:
+        await idle.wait()
+        return
+    try:
+        await asyncio.wait_for(idle.wait(), abort_after_s)
+    except TimeoutError:
+        for request_id in list(in_flight()):
+            abort(request_id)
+        await idle.wait()
 
 
 @runtime_checkable

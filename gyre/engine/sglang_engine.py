@@ -47,6 +47,7 @@ from gyre.engine.protocol import (
     KVExport,
     SamplingParams,
     TokenChunk,
+    drain_in_flight,
 )
 from gyre.engine.wire import unflatten_weights
 
@@ -545,15 +546,7 @@ class SGLangEngine:
 
     async def drain(self, *, abort_after_s: float | None = None) -> None:
         self.stop_accepting()
-        if abort_after_s is None:
-            await self._idle.wait()
-            return
-        try:
-            await asyncio.wait_for(self._idle.wait(), abort_after_s)
-        except TimeoutError:
-            for request_id in list(self._in_flight):
-                self.abort(request_id)
-            await self._idle.wait()
+        await drain_in_flight(self._idle, lambda: self._in_flight, self.abort, abort_after_s)
 
     async def close(self) -> None:
         """Abort what is in flight, wait for it, and shut SGLang down if `from_pretrained` built it."""

@@ -148,7 +148,7 @@ def test_protocol_module_needs_no_torch_at_runtime():
             modules |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             modules.add((node.module or "").split(".")[0] if node.module != "gyre.config.checks" else "gyre.config")
-    assert modules <= {"__future__", "array", "collections", "dataclasses", "typing", "gyre.config"}, modules
+    assert modules <= {"__future__", "array", "asyncio", "collections", "dataclasses", "typing", "gyre.config"}, modules
 
 
 def test_prompt_ids_are_kept_as_a_private_int32_array():
