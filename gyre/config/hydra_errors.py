@@ -1,4 +1,4 @@
-"""One-line descriptions of Hydra/OmegaConf config errors, shared by the Hydra apps (`gyre.sim`, `gyre.serve`).
+"""What the Hydra apps (`gyre.sim`, `gyre.serve`) share: where `conf/` is, and one-line config errors.
 
 A config the user can fix must end in ONE line naming the field, the value and what is allowed, never a
 traceback; these helpers produce that line.
@@ -7,10 +7,13 @@ traceback; these helpers produce that line.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/ (gyre is installed editable)
 
 
 def describe_config_error(exc: BaseException) -> str:

@@ -31,9 +31,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gyre import eventloop
 from gyre.config import ConfigError, ServeConfig, register_configs
-from gyre.config.hydra_errors import describe_config_error, unknown_keys
+from gyre.config.hydra_errors import CONF_DIR, describe_config_error, unknown_keys
 from gyre.obs.logging import setup_logging
-from gyre.sim.presets import CONF_DIR
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,9 @@ The same YAML the `python -m gyre.sim` app reads, without starting a Hydra job p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from gyre.config import SimConfig, register_configs
-
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+from gyre.config.hydra_errors import CONF_DIR
 
 TABLE2_ROWS = ("A0", "A1", "A2", "A3", "C0", "C1", "C2", "C3", "E0", "E1", "E2")
 
