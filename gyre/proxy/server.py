@@ -31,6 +31,7 @@ from aiohttp import web
 
 from gyre.config.proxy import ProxyConfig
 from gyre.engine.protocol import GenerateRequest, SamplingParams
+from gyre.engine.wire import RemoteEngineError
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
 from gyre.proxy.dialects import anthropic, openai_chat, openai_responses
 from gyre.proxy.heap import HeapFreezer
@@ -258,6 +259,8 @@ class _Call:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.engine = ""
+        self.finish: RoutedFinish | None = None
+        self.recorded = False
 
     def _engine_request(self) -> GenerateRequest:
         return GenerateRequest(
@@ -269,7 +272,6 @@ class _Call:
 
     async def _run(self):
         """Routed tokens -> output events; yields event lists, returns via `self.finish`/`self.output`."""
-        self.finish: RoutedFinish | None = None
         routed = generate_routed(self.server.table, self._engine_request(), wait_s=self.server.config.engine_wait_s)
         async for item in routed:
             if isinstance(item, RoutedTokens):
@@ -310,11 +312,18 @@ class _Call:
         try:
             async for _ in self._run():
                 pass
-        except NoEngineError as error:
-            return self.server._error(self.dialect, ApiError("overloaded", str(error)))
+        except _CALL_ERRORS as error:
+            return self.server._error(self.dialect, _api_error(error))
+        finally:
+            self._record_once()
+        return _json(self._body(self.output))
+
+    def _record_once(self) -> None:
+        """Record the call if it produced tokens and is not recorded yet (also when the harness went away)."""
+        if self.recorded or not self.output_ids:
+            return
+        self.recorded = True
         self._record()
-        body = self._body(self.output)
-        return _json(body)
 
     def _body(self, output: AssistantOutput) -> dict:
         module, usage = self.dialect.module, self._usage()
@@ -331,29 +340,43 @@ class _Call:
         )
 
     async def stream(self, http: web.Request) -> web.StreamResponse:
+        events = self._run()
+        try:  # up to the first tokens before any byte is sent: a call that fails at once gets a plain HTTP error
+            first = await events.__anext__()
+        except _CALL_ERRORS as error:
+            return self.server._error(self.dialect, _api_error(error))
         writer = self._writer()
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
         )
-        await response.prepare(http)
-        await response.write(writer.start())
-        recorded = False
         try:
-            async for events in self._run():
-                data = b"".join(writer.event(event) for event in events)
+            await response.prepare(http)
+            await response.write(writer.start() + b"".join(writer.event(event) for event in first))
+            async for batch in events:
+                data = b"".join(writer.event(event) for event in batch)
                 if data:
                     await response.write(data)
-            self._record()
-            recorded = True
+            self._record_once()
             await response.write(writer.finish(self.output, self._usage()))
-        except NoEngineError as error:
-            await response.write(writer.error(ApiError("overloaded", str(error))))
+        except _CALL_ERRORS as error:  # after the stream started: the dialect's in-stream error event
+            await response.write(writer.error(_api_error(error)))
         finally:
-            if not recorded and self.output_ids:
-                self.finish = None  # the harness went away mid-call: record what was sampled, once
-                self._record()
+            await events.aclose()  # a harness that went away: the engine call is aborted
+            self._record_once()  # what was sampled is recorded (finish "abort" when the call did not end)
         await response.write_eof()
         return response
+
+
+# Errors a routed call can end with, and the API error each becomes.
+_CALL_ERRORS = (NoEngineError, ValueError, RemoteEngineError)
+
+
+def _api_error(error: BaseException) -> ApiError:
+    if isinstance(error, NoEngineError):
+        return ApiError("overloaded", str(error))
+    if isinstance(error, ValueError):  # the engine refused the input (e.g. its own context limit is smaller)
+        return ApiError("invalid_request", f"the engine refused the request: {error}")
+    return ApiError("api_error", f"the engine failed: {error}")
 
 
 def _headers(http: web.Request) -> dict[str, str]:

@@ -158,3 +158,48 @@ def test_fuzzed_bodies_never_get_a_5xx(served, case):
     assert code < 500, (path, body, reply)
     if code >= 400:
         assert error_message(path, reply)
+
+
+def test_a_prompt_the_engine_refuses_is_a_400_before_any_stream_starts(tmp_path):
+    """The proxy's context limit set above the engine's: the engine's refusal reaches the client as a 400."""
+    cfg = ServeConfig(proxy=ProxyConfig(context_limit=100_000, sampling=SamplingConfig(max_new_tokens=4)), executions=0)
+    stack = StackThread(cfg, tmp_path / "records")
+    try:
+        long_text = "word " * 6000  # beyond the tiny model's 4096 positions
+        for stream in (False, True):
+            body = {
+                "model": "gyre",
+                "max_tokens": 4,
+                "stream": stream,
+                "messages": [{"role": "user", "content": long_text}],
+            }
+            code, reply = stack.post("/v1/messages", json.dumps(body).encode())
+            assert code == 400 and "engine refused" in error_message("/v1/messages", reply), reply
+        assert calls_recorded(stack) == 0
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_harness_that_hangs_up_mid_call_aborts_it_and_what_was_sampled_is_recorded_once(tmp_path, stream):
+    cfg = ServeConfig(proxy=ProxyConfig(sampling=SamplingConfig(max_new_tokens=3000)), executions=0)
+    stack = StackThread(cfg, tmp_path / "records")
+    try:
+        body = {"model": "gyre", "max_tokens": 3000, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+        connection = http.client.HTTPConnection(stack.host, stack.port, timeout=0.5)
+        connection.request("POST", "/v1/messages", body=json.dumps(body), headers={"x-api-key": stack.session.key})
+        if stream:  # read the first events, then hang up
+            assert connection.getresponse().read(200).startswith(b"event: message_start")
+        else:
+            with pytest.raises(OSError):  # TimeoutError: the answer takes seconds; hang up after half of one
+                connection.getresponse().read()
+        connection.close()
+        for _ in range(200):  # bounded: the proxy notices the hang-up, aborts, records
+            if calls_recorded(stack):
+                break
+            threading.Event().wait(0.05)
+        tree = load_tree(stack.stack.registry.records_dir / "fuzz.jsonl")
+        assert len(tree.calls) == 1 and tree.calls[0].response.finish_reason == "abort"
+        assert 0 < len(tree.calls[0].response.ids) < 3000
+    finally:
+        stack.stop()
