@@ -47,10 +47,11 @@ class ProxyConfig:
     """Request bodies above this get 413 in the dialect's shape."""
     engine_wait_s: float = 600.0
     """How long a call waits for an accepting engine (all engines draining) before failing with 503/529."""
-    gc_freeze_every: int = 256
+    gc_freeze_every: int = 16
     """Every this many calls, move the heap into the garbage collector's permanent generation (0 = never).
     Execution trees and histories live for hours; a full collection rescans them all and paused the proxy for
-    80-230 ms in benchmarks/proxy_overhead.py (b). Frozen objects are still freed by reference counting."""
+    80-230 ms in benchmarks/proxy_overhead.py (b), and at 256 the young collections still took up to 17 ms.
+    Freezing is O(1); frozen objects are still freed by reference counting."""
     gc_full_every_s: float = 600.0
     """Unfreeze and run one full collection this often, so cyclic garbage frozen earlier is reclaimed (0 = never)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
