@@ -92,6 +92,7 @@ class EngineServer:
         self._active: dict[str, str] = {}  # submission id -> request id, while its generate runs
         self._pending_abort: set[str] = set()  # aborts that reached an active submission before the engine did
         self._tombstones: OrderedDict[str, None] = OrderedDict()  # aborts of submissions not seen yet
+        self._prompts = wire.PromptStore()  # each execution's latest prompt, which frames may extend
         self._runner: web.AppRunner | None = None
         self.app = web.Application(client_max_size=max_body_bytes)
         self.app.add_routes(
@@ -145,15 +146,18 @@ class EngineServer:
     async def _generate(self, http: web.Request) -> web.StreamResponse:
         try:
             raw = await http.read()
-            if wire.is_frame(raw):  # what RemoteEngine sends: prompt ids as raw int32
-                request, stream, submission = wire.generate_from_frame(raw)
+            if wire.is_frame(raw):  # what RemoteEngine sends: prompt ids as raw int32, maybe extending a base
+                request, stream, submission = wire.generate_from_frame(raw, resolve_base=self._prompts.resolve)
             else:  # JSON, e.g. by hand: {"request": {"input_ids": [...], ...}, "stream": false}
                 body = wire.loads(raw)
                 request = wire.request_from_wire(body.get("request"))
                 stream = bool(body.get("stream", False))
                 submission = body.get("submission_id")
+        except wire.PromptBaseUnknown as error:
+            return _error(error)
         except (ValueError, AttributeError, TypeError) as error:
             return _error(error if isinstance(error, ValueError) else wire.WireError(str(error)))
+        self._prompts.remember(request)  # a later call of this execution may send only what it adds
         if submission is not None and submission in self._tombstones:
             del self._tombstones[submission]
             result = _aborted_on_arrival(request, self.engine.load().policy_version)

@@ -9,6 +9,9 @@ A remote engine behaves like a local one, with three differences that follow fro
 - `load()` is the last snapshot this client saw: refreshed by every async method, adjusted locally by
   `stop_accepting`/`resume_accepting`, and by `await refresh_load()`.
 - A connection failure raises `EngineUnavailableError` (the endpoint is gone: route elsewhere).
+- A call whose prompt extends the last prompt this client sent for the same execution (the usual agent turn) sends
+  only the new ids (`wire.PromptBase`); the endpoint splices them onto the prompt it kept, or answers 409 and the
+  call is sent whole. At a 700K-token history that is a few KB instead of 2.8 MB per call.
 
 Create with `await RemoteEngine.connect(url)`; `await close()` when done. Must be used from one event loop.
 """
@@ -19,6 +22,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from array import array
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -36,6 +41,8 @@ from gyre.engine.protocol import (
 
 log = logging.getLogger(__name__)
 
+MAX_REMEMBERED_PROMPTS = 4096  # executions whose last prompt is kept, so the next call sends only what it adds
+
 
 class RemoteEngine:
     """An engine served by `gyre.engine.endpoint.EngineServer` at `url`; implements `gyre.engine.protocol.Engine`."""
@@ -47,6 +54,7 @@ class RemoteEngine:
         self._load = load
         self._in_flight: dict[str, str] = {}  # request id -> submission id
         self._pinned: set[str] = set()
+        self._sent: OrderedDict[str, tuple[str, array]] = OrderedDict()  # execution -> its last prompt sent
         self._background: asyncio.Task | None = None  # the last queued fire-and-forget call
 
     @classmethod
@@ -82,27 +90,59 @@ class RemoteEngine:
         await self._settle()
         submission = self._register(request)
         try:
-            body = wire.generate_to_frame(request, stream=False, submission_id=submission)
-            return wire.result_from_wire(await self._post_json("/generate", None, data=body))
+            for base in self._bases(request):
+                body = wire.generate_to_frame(request, stream=False, submission_id=submission, base=base)
+                try:
+                    result = wire.result_from_wire(await self._post_json("/generate", None, data=body))
+                except wire.PromptBaseUnknown:
+                    continue  # the endpoint no longer holds the base: the whole prompt next
+                self._sent_prompt(request)
+                return result
+            raise AssertionError("unreachable: the last attempt sends the whole prompt")
         finally:
             self._in_flight.pop(request.request_id, None)
+
+    def _bases(self, request: GenerateRequest) -> list[wire.PromptBase | None]:
+        """What to send: only the ids after this execution's last prompt when the new one extends it, then (if
+        the endpoint does not hold that base any more) everything."""
+        last = self._sent.get(request.execution_id)
+        if last is None:
+            return [None]
+        request_id, ids = last
+        n = len(ids)
+        new = memoryview(request.input_ids).cast("B")
+        if len(request.input_ids) <= n or new[: 4 * n] != memoryview(ids).cast("B"):  # a memcmp, not a loop
+            return [None]
+        return [wire.PromptBase(request_id=request_id, length=n), None]
+
+    def _sent_prompt(self, request: GenerateRequest) -> None:
+        self._sent.pop(request.execution_id, None)
+        self._sent[request.execution_id] = (request.request_id, request.input_ids)
+        while len(self._sent) > MAX_REMEMBERED_PROMPTS:
+            self._sent.popitem(last=False)
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         await self._settle()
         submission = self._register(request)
-        body = wire.generate_to_frame(request, stream=True, submission_id=submission)
         finished = False
         try:
-            async with self._request("POST", "/generate", data=body) as response:
-                await _raise_for_error(response)
-                async for line in response.content:
-                    if not line.strip():
-                        continue
-                    chunk = wire.chunk_from_wire(wire.loads(line))
-                    finished = chunk.finish_reason is not None
-                    yield chunk
-                    if finished:
-                        return
+            for base in self._bases(request):
+                body = wire.generate_to_frame(request, stream=True, submission_id=submission, base=base)
+                async with self._request("POST", "/generate", data=body) as response:
+                    try:
+                        await _raise_for_error(response)
+                    except wire.PromptBaseUnknown:
+                        continue  # the endpoint no longer holds the base: the whole prompt next
+                    self._sent_prompt(request)
+                    async for line in response.content:
+                        if not line.strip():
+                            continue
+                        chunk = wire.chunk_from_wire(wire.loads(line))
+                        finished = chunk.finish_reason is not None
+                        yield chunk
+                        if finished:
+                            return
+                break
             raise EngineUnavailableError(f"{self.url}: {request.request_id!r}'s stream ended without a final chunk")
         finally:
             self._in_flight.pop(request.request_id, None)

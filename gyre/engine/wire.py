@@ -21,7 +21,9 @@ import functools
 import struct
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import orjson
 import torch
@@ -111,12 +113,29 @@ def ids_from_wire(text: str, *, what: str) -> array:
     return ids
 
 
-def generate_to_frame(request: GenerateRequest, *, stream: bool, submission_id: str | None) -> bytes:
-    """A `/generate` body as a frame: the request's fields as JSON, its prompt ids as raw little-endian int32.
+class PromptBaseUnknown(LookupError):
+    """A `/generate` frame extends a base prompt the endpoint does not hold (evicted, or another call of the same
+    execution came in between): the client sends the whole prompt instead."""
+
+
+@dataclass(frozen=True)
+class PromptBase:
+    """The frame's prompt = the first `length` ids of the prompt of request `request_id` (same execution) + its
+    payload. Long histories then cross the wire once: each call sends only what it adds."""
+
+    request_id: str
+    length: int
+
+
+def generate_to_frame(
+    request: GenerateRequest, *, stream: bool, submission_id: str | None, base: PromptBase | None = None
+) -> bytes:
+    """A `/generate` body as a frame: the request's fields as JSON, its prompt ids as raw little-endian int32
+    (all of them, or those after `base`).
 
     What `RemoteEngine` sends: encoding costs a memcpy of the ids (about 0.1 ms at 700K tokens) where JSON or
     base64 would cost milliseconds on the proxy's CPU."""
-    ids = request.input_ids
+    ids = request.input_ids if base is None else request.input_ids[base.length :]
     if sys.byteorder == "big":
         ids = array("i", ids)
         ids.byteswap()
@@ -125,11 +144,17 @@ def generate_to_frame(request: GenerateRequest, *, stream: bool, submission_id: 
         "execution_id": request.execution_id,
         "params": dataclasses.asdict(request.params),
     }
-    return _pack({"request": fields, "stream": stream, "submission_id": submission_id}, [memoryview(ids)])
+    header = {"request": fields, "stream": stream, "submission_id": submission_id}
+    if base is not None:
+        header["base"] = {"request_id": base.request_id, "length": base.length}
+    return _pack(header, [memoryview(ids)])
 
 
-def generate_from_frame(body: bytes | bytearray) -> tuple[GenerateRequest, bool, str | None]:
-    """(request, stream, submission_id) of a `/generate` frame."""
+def generate_from_frame(
+    body: bytes | bytearray, *, resolve_base: Callable[[str, PromptBase], array] | None = None
+) -> tuple[GenerateRequest, bool, str | None]:
+    """(request, stream, submission_id) of a `/generate` frame. A frame with a base needs `resolve_base(execution,
+    base)`, which returns that base prompt's first `base.length` ids or raises `PromptBaseUnknown`."""
     header, payload = _unpack(body)
     if payload.nbytes % 4:
         raise WireError(f"the prompt ids ({payload.nbytes} bytes) are not a whole number of int32 ids")
@@ -140,11 +165,52 @@ def generate_from_frame(body: bytes | bytearray) -> tuple[GenerateRequest, bool,
     message = header.get("request")
     if not isinstance(message, dict) or "input_ids" in message or "input_ids_i32" in message:
         raise WireError("a /generate frame's header needs a request object without ids (they are the payload)")
+    base = header.get("base")
+    if base is not None:
+        if resolve_base is None:
+            raise PromptBaseUnknown("this endpoint keeps no base prompts: send the whole prompt")
+        try:
+            base = PromptBase(request_id=str(base["request_id"]), length=int(base["length"]))
+        except (KeyError, TypeError, ValueError):
+            raise WireError("a frame's base needs a request_id and an integer length") from None
+        ids = resolve_base(str(message.get("execution_id")), base) + ids
     request = request_from_wire({**message, "input_ids": ids})
     submission = header.get("submission_id")
     if submission is not None and not isinstance(submission, str):
         raise WireError("submission_id must be a string")
     return request, bool(header.get("stream", False)), submission
+
+
+class PromptStore:
+    """The latest prompt of each execution an endpoint received, for frames that extend it (`PromptBase`).
+
+    One prompt per execution, least recently used dropped beyond `max_bytes` (4 bytes per id): the engine's KV for
+    the same tokens is ~1000x larger, so this is small next to it."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self._prompts: OrderedDict[str, tuple[str, array]] = OrderedDict()
+        self._bytes = 0
+
+    def resolve(self, execution: str, base: PromptBase) -> array:
+        entry = self._prompts.get(execution)
+        if entry is None or entry[0] != base.request_id or not 0 <= base.length <= len(entry[1]):
+            raise PromptBaseUnknown(
+                f"execution {execution!r}: the base prompt of request {base.request_id!r} is not held here "
+                "(evicted or superseded): send the whole prompt"
+            )
+        self._prompts.move_to_end(execution)
+        return entry[1][: base.length]
+
+    def remember(self, request: GenerateRequest) -> None:
+        old = self._prompts.pop(request.execution_id, None)
+        if old is not None:
+            self._bytes -= 4 * len(old[1])
+        self._prompts[request.execution_id] = (request.request_id, request.input_ids)
+        self._bytes += 4 * len(request.input_ids)
+        while self._bytes > self.max_bytes and len(self._prompts) > 1:
+            _, (_, dropped) = self._prompts.popitem(last=False)
+            self._bytes -= 4 * len(dropped)
 
 
 def request_to_wire(request: GenerateRequest) -> dict:
@@ -215,6 +281,7 @@ def load_from_wire(message: Mapping) -> EngineLoad:
 
 # (exception class, HTTP status, wire type); the first match wins, so subclasses come before their bases.
 _ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (PromptBaseUnknown, 409, "base_unknown"),
     (EngineUnavailableError, 503, "unavailable"),
     (EngineBusyError, 409, "busy"),
     (NotImplementedError, 501, "not_implemented"),

@@ -220,3 +220,44 @@ def test_serve_command_refuses_an_unusable_model_directory(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "config.json not found" in done.stderr
+
+
+def test_a_call_extending_the_executions_last_prompt_sends_only_what_it_adds(server, model, monkeypatch):
+    sizes = []
+    decode = wire.generate_from_frame
+
+    def spy(body, **kwargs):
+        sizes.append(len(body))
+        return decode(body, **kwargs)
+
+    monkeypatch.setattr(wire, "generate_from_frame", spy)
+
+    async def main():
+        engine = await RemoteEngine.connect(server.server.url)
+        params = SamplingParams(temperature=0.0, max_new_tokens=4)
+        prompt = list(range(1, 90))
+        first = await engine.generate(
+            GenerateRequest(request_id="a", execution_id="x", input_ids=prompt, params=params)
+        )
+        longer = [*prompt, *first.output_ids, 5]
+        second = await engine.generate(
+            GenerateRequest(request_id="b", execution_id="x", input_ids=longer, params=params)
+        )
+        server.call(lambda e: e)  # the server thread is alive
+        server.server._prompts.max_bytes = 0  # the endpoint forgets every base: the client falls back to whole
+        server.server._prompts.remember(GenerateRequest(request_id="z", execution_id="y", input_ids=[1]))
+        third_prompt = [*longer, *second.output_ids, 6]
+        third = GenerateRequest(request_id="c", execution_id="x", input_ids=third_prompt, params=params)
+        stream = [c async for c in engine.generate_stream(third)]
+        local = NativeEngine(copy.deepcopy(model))
+        expected = await local.generate(
+            GenerateRequest(request_id="c", execution_id="q", input_ids=third_prompt, params=params)
+        )
+        assert tuple(t for c in stream for t in c.token_ids) == expected.output_ids
+        await engine.close()
+        await local.close()
+
+    run(main())
+    whole, delta = sizes[0], sizes[1]
+    assert whole - delta > 4 * 60  # the second call carried its 5 new ids, not all 94
+    assert len(sizes) == 4 and sizes[3] > sizes[2]  # third: base refused (409), then the whole prompt

@@ -182,3 +182,29 @@ def test_generate_frames_carry_the_prompt_as_raw_int32_and_round_trip():
     bad = wire._pack({"request": {"request_id": "r", "execution_id": "e", "input_ids": [1]}}, [b""])
     with pytest.raises(wire.WireError, match="without ids"):
         wire.generate_from_frame(bad)
+
+
+def test_a_frame_can_extend_the_executions_last_prompt_and_an_unknown_base_is_refused():
+    from array import array
+
+    store = wire.PromptStore(max_bytes=4 * 1000)
+    first = GenerateRequest(request_id="r1", execution_id="e", input_ids=array("i", range(1, 301)))
+    store.remember(first)
+    second = GenerateRequest(request_id="r2", execution_id="e", input_ids=array("i", [*range(1, 301), 7, 8, 9]))
+    base = wire.PromptBase(request_id="r1", length=300)
+    frame = wire.generate_to_frame(second, stream=False, submission_id=None, base=base)
+    assert len(frame) < 400  # three ids travel, not 303
+    assert wire.generate_from_frame(frame, resolve_base=store.resolve)[0] == second
+    with pytest.raises(wire.PromptBaseUnknown):
+        wire.generate_from_frame(frame)  # an endpoint that keeps no bases
+    for stale in (wire.PromptBase(request_id="r0", length=300), wire.PromptBase(request_id="r1", length=301)):
+        with pytest.raises(wire.PromptBaseUnknown, match="send the whole prompt"):
+            wire.generate_from_frame(
+                wire.generate_to_frame(second, stream=False, submission_id=None, base=stale),
+                resolve_base=store.resolve,
+            )
+    store.remember(GenerateRequest(request_id="x", execution_id="other", input_ids=array("i", range(800))))
+    with pytest.raises(wire.PromptBaseUnknown):  # e's prompt was dropped to stay within 4,000 bytes
+        store.resolve("e", base)
+    status, body = wire.error_status(wire.PromptBaseUnknown("gone"))
+    assert status == 409 and isinstance(wire.error_from_wire(status, wire.dumps(body)), wire.PromptBaseUnknown)
