@@ -110,8 +110,7 @@ class RemoteEngine:
             return [None]
         request_id, ids = last
         n = len(ids)
-        new = memoryview(request.input_ids).cast("B")
-        if len(request.input_ids) <= n or new[: 4 * n] != memoryview(ids).cast("B"):  # a memcmp, not a loop
+        if len(request.input_ids) <= n or request.input_ids[:n] != ids:  # array == array: ~0.2 ms at 700K ids
             return [None]
         return [wire.PromptBase(request_id=request_id, length=n), None]
 
