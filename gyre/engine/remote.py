@@ -41,7 +41,9 @@ from gyre.engine.protocol import (
 
 log = logging.getLogger(__name__)
 
-MAX_REMEMBERED_PROMPTS = 4096  # executions whose last prompt is kept, so the next call sends only what it adds
+# Executions whose last prompt is kept, so the next call sends only what it adds (least recently used dropped).
+MAX_REMEMBERED_PROMPTS = 4096
+MAX_REMEMBERED_PROMPT_BYTES = 1 << 30  # 4 bytes per id: 1 GiB holds ~380 histories of 700K tokens
 
 
 class RemoteEngine:
@@ -55,6 +57,7 @@ class RemoteEngine:
         self._in_flight: dict[str, str] = {}  # request id -> submission id
         self._pinned: set[str] = set()
         self._sent: OrderedDict[str, tuple[str, array]] = OrderedDict()  # execution -> its last prompt sent
+        self._sent_bytes = 0
         self._background: asyncio.Task | None = None  # the last queued fire-and-forget call
 
     @classmethod
@@ -115,10 +118,16 @@ class RemoteEngine:
         return [wire.PromptBase(request_id=request_id, length=n), None]
 
     def _sent_prompt(self, request: GenerateRequest) -> None:
-        self._sent.pop(request.execution_id, None)
+        old = self._sent.pop(request.execution_id, None)
+        if old is not None:
+            self._sent_bytes -= 4 * len(old[1])
         self._sent[request.execution_id] = (request.request_id, request.input_ids)
-        while len(self._sent) > MAX_REMEMBERED_PROMPTS:
-            self._sent.popitem(last=False)
+        self._sent_bytes += 4 * len(request.input_ids)
+        while len(self._sent) > 1 and (
+            len(self._sent) > MAX_REMEMBERED_PROMPTS or self._sent_bytes > MAX_REMEMBERED_PROMPT_BYTES
+        ):
+            _, (_, dropped) = self._sent.popitem(last=False)
+            self._sent_bytes -= 4 * len(dropped)
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         await self._settle()
