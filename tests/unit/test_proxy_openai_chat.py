@@ -8,6 +8,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from json_strategies import JSON, all_paths
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from gyre.proxy.conversation import (
@@ -323,24 +324,6 @@ def test_stream_error_is_an_error_record_then_done():
 
 
 # ----------------------------------------------------------------------------- fuzz
-
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12,
-)
-
-
-def all_paths(value, prefix=()) -> list[tuple]:
-    paths = [prefix]
-    if isinstance(value, dict):
-        for key, child in value.items():
-            paths += all_paths(child, (*prefix, key))
-    elif isinstance(value, list):
-        for i, child in enumerate(value):
-            paths += all_paths(child, (*prefix, i))
-    return paths
-
 
 BASE_PATHS = all_paths(tool_round_trip_body())[1:]
 

@@ -8,6 +8,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from json_strategies import JSON, all_paths
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -460,24 +461,6 @@ def test_stream_error_sends_error_then_response_failed():
 
 
 # ----------------------------------------------------------------------------- fuzz
-
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12,
-)
-
-
-def all_paths(value, prefix=()) -> list[tuple]:
-    paths = [prefix]
-    if isinstance(value, dict):
-        for key, child in value.items():
-            paths += all_paths(child, (*prefix, key))
-    elif isinstance(value, list):
-        for i, child in enumerate(value):
-            paths += all_paths(child, (*prefix, i))
-    return paths
-
 
 BASE_PATHS = all_paths(codex_body())[1:]
 
