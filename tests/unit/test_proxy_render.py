@@ -11,7 +11,7 @@ from gyre.models.chat_template import render_chat
 from gyre.models.tiny import tiny_model_dir
 from gyre.proxy.conversation import AssistantOutput, ChatRequest, ToolCall, ToolSpec, Turn, compact_json
 from gyre.proxy.payload import PayloadCache
-from gyre.proxy.render import ChatTemplate, PromptBuilder
+from gyre.proxy.render import ChatTemplate, PromptBuilder, windowed_rendering
 from gyre.traj.record import CallMeta, Provenance, Response
 from gyre.traj.tree import TrajectoryTree
 
@@ -87,7 +87,7 @@ def test_template_facts():
     assert tpl.assistant_footer == "<|im_end|>\n" and tpl.footer_stop_text == "<|im_end|>"
     assert tpl.end_of_turn_ids == (tpl.tokenizer.token_to_id("<|im_end|>"),)
     assert tpl.mid_system_role == "user"  # the tiny template raises on a non-first system message
-    assert tpl.windowed
+    assert windowed_rendering(tpl)
     assert tpl.encode("<|im_start|>user\n")[0] == tpl.tokenizer.token_to_id("<|im_start|>")
 
 

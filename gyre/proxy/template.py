@@ -1,0 +1,227 @@
+"""A model's chat template and tokenizer, rendered as `transformers.apply_chat_template` does (no model hub).
+
+`ChatTemplate.from_pretrained(model_dir)` reads `tokenizer.json` and the Jinja `chat_template` of
+`tokenizer_config.json` from a local HF-layout directory; `render` uses transformers' sandboxed environment
+(trim_blocks, lstrip_blocks, loopcontrols, `tojson`, `raise_exception`, `strftime_now`). It also knows the
+template's shape the prompt builder (`gyre.proxy.render`) relies on: the generation prompt, the assistant footer
+and how a mid-conversation system message renders. Pure except `from_pretrained`, which reads the directory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+
+from gyre.proxy.conversation import ChatRequest, ToolCall, Turn
+
+SENTINEL = "GYRE_SENTINEL_5f0c9a"
+
+# What rendering a chat template raises for a conversation it refuses: its own raise_exception (ValueError),
+# Jinja errors, and the errors of Python operations the template applies to message fields.
+_TEMPLATE_ERRORS = (TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError)
+
+
+class _RenderError(Exception):
+    """The template refused a message list (its own exception, a Jinja error, a type error)."""
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+    # transformers' `tojson` (jinja2's own escapes <, >, & and ').
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, Mapping):  # an AddedToken serialized as {"content": ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix (memcmp-based: startswith, then binary search on slices)."""
+    if b.startswith(a):
+        return len(a)
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if b.startswith(a[:mid]):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _arguments_value(arguments: str) -> Any:
+    """A tool call's arguments as templates expect them: the parsed JSON object, else the text."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def _tool_call_message(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": _arguments_value(call.arguments)},
+    }
+
+
+class ChatTemplate:
+    """A tokenizer plus its Jinja chat template, rendered in transformers' sandboxed environment."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_stop_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
+    ) -> None:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.tokenizer = tokenizer
+        self.template = template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self._compiled = env.from_string(template)
+        self._context = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+        stops: list[int] = []
+        for text in (eos_token, "<|im_end|>"):
+            token_id = tokenizer.token_to_id(text) if text else None
+            if token_id is not None:
+                stops.append(token_id)
+        stops.extend(int(i) for i in extra_stop_ids)
+        self.end_of_turn_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))  # stop ids for the engine
+        self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), vocab_size or 0)
+        self._stop_texts = {i: tokenizer.decode([i], skip_special_tokens=False) for i in self.end_of_turn_ids}
+        self._probe()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ChatTemplate:
+        """Load `tokenizer.json` and the chat template of an HF-layout directory (no network)."""
+        from tokenizers import Tokenizer
+
+        root = Path(model_dir)
+        config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+            template = named.get("default")
+        if template is None and (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        if not isinstance(template, str):
+            raise ValueError(f"{root}: no chat template (tokenizer_config.json chat_template or chat_template.jinja)")
+        extra_stops: list[int] = []
+        vocab_size = None
+        for name in ("generation_config.json", "config.json"):
+            path = root / name
+            if path.is_file():
+                data = json.loads(path.read_text(encoding="utf-8"))
+                eos = data.get("eos_token_id")
+                extra_stops.extend(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+                if name == "config.json" and isinstance(data.get("vocab_size"), int):
+                    vocab_size = data["vocab_size"]
+        return cls(
+            Tokenizer.from_file(str(root / "tokenizer.json")),
+            template,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            extra_stop_ids=extra_stops,
+            vocab_size=vocab_size,
+        )
+
+    # -- rendering and encoding -------------------------------------------------------------------
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        try:
+            return self._compiled.render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **self._context,
+            )
+        except _TEMPLATE_ERRORS as err:
+            raise _RenderError(f"the chat template refused the conversation: {err}") from err
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens it contains map to their single ids, nothing is added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def message(self, turn: Turn, *, first: bool = False) -> dict[str, Any]:
+        """The HF message dict of a turn (`first`: a leading system turn keeps the system role)."""
+        if turn.role == "assistant":
+            message: dict[str, Any] = {"role": "assistant", "content": turn.text}
+            if turn.thinking:
+                message["reasoning_content"] = turn.thinking
+            if turn.tool_calls:
+                message["tool_calls"] = [_tool_call_message(call) for call in turn.tool_calls]
+            return message
+        if turn.role == "tool":
+            return {"role": "tool", "content": turn.text, "tool_call_id": turn.tool_call_id}
+        if turn.role == "system" and not first:
+            return {"role": self.mid_system_role, "content": turn.text}
+        return {"role": turn.role, "content": turn.text}
+
+    def messages(self, request: ChatRequest) -> list[dict[str, Any]]:
+        """All HF messages of a request: the system prompt first, then one per turn."""
+        head = [{"role": "system", "content": request.system}] if request.system is not None else []
+        leading = request.system is None
+        return head + [self.message(turn, first=leading and i == 0) for i, turn in enumerate(request.turns)]
+
+    def render_request(self, request: ChatRequest, *, add_generation_prompt: bool = True) -> str:
+        """The whole conversation rendered in one piece (the reference the segments are tested against)."""
+        tools = [tool.as_template_tool() for tool in request.tools]
+        return self.render(self.messages(request), tools, add_generation_prompt=add_generation_prompt)
+
+    # -- template facts, probed once -------------------------------------------------------------
+    def _probe(self) -> None:
+        user = [{"role": "user", "content": "u"}]
+        closed = self.render(user)
+        self.generation_prompt = self.render(user, add_generation_prompt=True)[len(closed) :]
+        if not self.generation_prompt:
+            raise ValueError("the chat template adds no generation prompt (add_generation_prompt=True changes nothing)")
+        answered = self.render([*user, {"role": "assistant", "content": SENTINEL}])
+        at = answered.find(SENTINEL, len(closed))
+        # Text after an assistant's content; "" disables splitting assistant turns (whole-conversation renders).
+        self.assistant_footer = answered[at + len(SENTINEL) :] if at >= 0 else ""
+        self.footer_stop_text = max(
+            (text for text in self._stop_texts.values() if text and self.assistant_footer.startswith(text)),
+            key=len,
+            default="",
+        )
+        try:
+            mid = self.render([*user, {"role": "system", "content": SENTINEL}])
+        except _RenderError:
+            mid = ""
+        self.mid_system_role = "system" if SENTINEL in mid else "user"
+
+    def glue_after(self, output_ids: Sequence[int]) -> str:
+        """Template text between our output ids and the next message: the footer minus the stop token we emitted."""
+        stop_text = self._stop_texts.get(output_ids[-1]) if len(output_ids) else None
+        if stop_text and self.assistant_footer.startswith(stop_text):
+            return self.assistant_footer[len(stop_text) :]
+        return self.assistant_footer
