@@ -839,7 +839,7 @@ def breakdown(setup: dict, reps: int, history_tokens: int) -> dict:
             )
             timed("engine_side_decode (engine endpoint)", lambda e=encoded: wire.generate_from_frame(e))
 
-            def output(call=call, prompt=prompt):
+            def output(call=call):
                 call.finish = None
                 call.output_ids = list(output_ids)
                 call.logprobs = [-1.0] * len(output_ids)
@@ -848,7 +848,7 @@ def breakdown(setup: dict, reps: int, history_tokens: int) -> dict:
                 data = writer.start() + b"".join(writer.event(e) for e in call.decoder.feed(output_ids))
                 events, call.output = call.decoder.finish("length")
                 data += b"".join(writer.event(e) for e in events)
-                call.finish = RoutedFinish("length", prompt.num_tokens, 0, 1, ("stub",), 0.0, 0.0)
+                call.finish = RoutedFinish("length", 0, ("stub",), 0.0, 0.0)
                 return data + writer.finish(call.output, call._usage())
 
             timed("output_decode_and_sse", output)

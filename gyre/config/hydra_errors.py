@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
@@ -18,6 +17,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf
 
 def describe_config_error(exc: BaseException) -> str:
     """One line for a Hydra or OmegaConf error: the field, the value and what is allowed."""
+    from hydra.errors import MissingConfigException  # gyre.config imports only stdlib and omegaconf at load
+
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and exc.options:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         options = [name for name in exc.options if not name.startswith("base_")]  # schemas, not choices

@@ -48,12 +48,15 @@ class RoutedFinish:
     """How a routed call ended: the engine's finish reason ("stop" | "length" | "abort" if the caller aborted)."""
 
     finish_reason: str
-    prompt_tokens: int  # the original prompt
     cached_tokens: int  # of the first attempt (KV reuse on the engine that started it)
-    attempts: int  # engines that produced part of it (1 = no reroute)
-    engines: tuple[str, ...]  # those engines, in order
+    engines: tuple[str, ...]  # engines that produced part of it, in order
     first_token_s: float | None  # seconds from the call's start to its first token
     total_s: float
+
+    @property
+    def attempts(self) -> int:
+        """Engines that produced part of the call (1 = no reroute)."""
+        return len(self.engines)
 
 
 class RoutingTable:
@@ -180,9 +183,7 @@ async def generate_routed(
             engines.append(name)
         yield RoutedFinish(
             finish_reason=finish,
-            prompt_tokens=len(request.input_ids),
             cached_tokens=cached,
-            attempts=len(engines),
             engines=tuple(engines),
             first_token_s=first_token_s,
             total_s=time.monotonic() - started,

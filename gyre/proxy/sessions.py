@@ -85,8 +85,12 @@ class ExecutionSession:
     make_builder: Callable[[Any], Any]  # payload cache -> PromptBuilder
     builders: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     parse_caches: OrderedDict[str, MessageCache] = field(default_factory=OrderedDict)
-    last_node: dict[str, int] = field(default_factory=dict)  # thread -> response node of its last call
-    _last_calls: dict[str, _LastCall] = field(default_factory=dict)
+    _last_calls: dict[str, _LastCall] = field(default_factory=dict)  # thread -> its last recorded call
+
+    @property
+    def last_node(self) -> dict[str, int]:
+        """Thread -> response node of its last recorded call."""
+        return {thread: call.response_node for thread, call in self._last_calls.items()}
 
     def builder(self, thread: str):
         """The thread's prompt builder (keeps its previous request's turns and segments)."""
@@ -120,7 +124,6 @@ class ExecutionSession:
         record = self.tree.insert(segments[start:], response, meta, parent=parent)
         if self.writer is not None:
             self.writer.append(record)
-        self.last_node[thread] = record.response_node
         self._last_calls[thread] = _LastCall(tuple(segments), record.response_node, record.response.ids)
         return record
 
