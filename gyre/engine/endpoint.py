@@ -126,7 +126,7 @@ class EngineServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked for
+        self.port = self._runner.addresses[0][1]  # the bound port when 0 was asked for
         log.info("engine endpoint serving at %s", self.url)
         return self.url
 

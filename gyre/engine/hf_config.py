@@ -85,11 +85,6 @@ class DecoderConfig:
             self.model_type in SUPPORTED_MODEL_TYPES, "model_type", self.model_type, f"one of {SUPPORTED_MODEL_TYPES}"
         )
 
-    @property
-    def num_kv_groups(self) -> int:
-        """Query heads per key/value head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
         """Read an HF `config.json` dict; raise ValueError naming the field for anything unsupported."""

@@ -45,10 +45,6 @@ class KVCache:
         """Tokens cached per row (S)."""
         return self.keys[0].shape[2] if self.keys else 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
 
 def block_causal_mask(segment_ids_BT: torch.Tensor) -> torch.Tensor:
     """Bool `[B, T, T]`: token i may attend to token j iff j <= i and both belong to the same segment."""
@@ -88,25 +84,10 @@ def rope_inv_freq(config: DecoderConfig, device: torch.device | None = None) -> 
     return inv_freq
 
 
-def rope_cos_sin(
-    positions_BT: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[B, 1, T, head_dim]`, computed in fp32 and cast to `dtype` (as HF does)."""
-    freqs_BTF = positions_BT.float()[:, :, None] * inv_freq[None, None, :]
-    emb_BTD = torch.cat((freqs_BTF, freqs_BTF), dim=-1)
-    return emb_BTD.cos().to(dtype)[:, None], emb_BTD.sin().to(dtype)[:, None]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """HF convention: the pairs rotated together are (i, i + head_dim/2), not adjacent lanes."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin`, given `signed_sin` = sin with its first half negated.
-
-    rotate_half(x) * sin == roll(x, half) * signed_sin exactly (only signs move), in fewer ops per call.
+    """RoPE in HF's convention (the pairs rotated together are (i, i + head_dim/2)): `x * cos + rotate_half(x) *
+    sin` with rotate_half(x) = cat(-x2, x1), computed as `x * cos + roll(x, half) * signed_sin` where `signed_sin` is
+    sin with its first half negated: the same products exactly (only signs move), in fewer ops per call.
     """
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
@@ -120,9 +101,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 == self.weight.dtype:  # no cast to order around: one call, the same products
-            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
-        return self.weight * rms_normalize(x, self.eps)
+        return _rms_norm(x, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -247,7 +226,7 @@ def decode_forward(
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`RMSNorm.forward` with its weight given."""
-    if x.dtype == torch.float32 == weight.dtype:
+    if x.dtype == torch.float32 == weight.dtype:  # no cast to order around: one call, the same products
         return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     return weight * rms_normalize(x, eps)
 
@@ -421,7 +400,7 @@ class DecoderLM(nn.Module):
     def _rope(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (first half negated, for `apply_rope`) `[B, T, 1, head_dim]` in `dtype`.
 
-        Equal to `rope_cos_sin` (same fp32 products); the frequencies and the sign pattern are computed once per
+        The same fp32 products as HF's cos/sin; the frequencies and the sign pattern are computed once per
         device and kept (not buffers: not in `state_dict`), so a forward costs a multiply, cos and sin.
         """
         device = positions_BT.device

@@ -53,9 +53,12 @@ from gyre.engine.protocol import (
     GenerateTimings,
     KVExport,
     TokenChunk,
+    check_request,
+    check_version,
     drain_in_flight,
 )
 from gyre.engine.sampling import request_generator, sample_next
+from gyre.engine.wire import unflatten_weights
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +100,6 @@ class KVBuffer:
     def room(self) -> KVCache:
         """Per-layer `[1, K, capacity, D]` views of the whole buffer, for a forward with `kv_cache_length`."""
         return KVCache(tuple(self.keys_LKCD[:, None].unbind(0)), tuple(self.values_LKCD[:, None].unbind(0)))
-
-    def cache(self) -> KVCache | None:
-        """Per-layer `[1, K, length, D]` views for the model forward, or None when empty."""
-        if self.length == 0:
-            return None
-        n = self.length
-        return KVCache(
-            tuple(self.keys_LKCD[:, None, :, :n].unbind(0)), tuple(self.values_LKCD[:, None, :, :n].unbind(0))
-        )
 
 
 @dataclass
@@ -198,7 +192,7 @@ class _Request:
 
     @property
     def reserved_tokens(self) -> int:
-        return len(self.request.input_ids) + self.request.params.max_new_tokens
+        return self.request.reserved_tokens
 
 
 class NativeEngine:
@@ -248,7 +242,6 @@ class NativeEngine:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
-        self.compile_decode = compile_decode
         self._decode_forward = torch.compile(decode_forward) if compile_decode else None
         # The model's tensors for `decode_forward`, collected once: parameters are replaced only by
         # release_memory/resume_memory (which drop this); update_weights writes them in place.
@@ -307,20 +300,16 @@ class NativeEngine:
 
     def _validate(self, request: GenerateRequest) -> None:
         config = self.model.config
-        if request.request_id in self._by_id:
-            raise ValueError(f"request_id={request.request_id!r} is already in flight: request ids must be unique")
-        bad = [t for t in request.input_ids if t >= config.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids={bad[:5]} are out of vocabulary: expected ids < {config.vocab_size}")
-        total = len(request.input_ids) + request.params.max_new_tokens
-        if total > config.max_position_embeddings:
+        check_request(
+            request,
+            in_flight=self._by_id,
+            vocab_size=config.vocab_size,
+            context_length=config.max_position_embeddings,
+        )
+        if request.reserved_tokens > self.max_tokens_in_flight:
             raise ValueError(
-                f"prompt ({len(request.input_ids)}) + max_new_tokens ({request.params.max_new_tokens}) = {total} "
-                f"exceeds the context limit {config.max_position_embeddings}"
-            )
-        if total > self.max_tokens_in_flight:
-            raise ValueError(
-                f"prompt + max_new_tokens = {total} exceeds max_tokens_in_flight={self.max_tokens_in_flight}"
+                f"prompt + max_new_tokens = {request.reserved_tokens} exceeds "
+                f"max_tokens_in_flight={self.max_tokens_in_flight}"
             )
 
     def abort(self, request_id: str) -> bool:
@@ -403,9 +392,8 @@ class NativeEngine:
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
         if self._weights_released:
             raise EngineUnavailableError("weights are released: resume_memory first, then update_weights")
-        if not isinstance(version, int) or version < self.policy_version:
-            raise ValueError(f"version={version!r} is not allowed: expected an integer >= {self.policy_version}")
-        named = _unflatten(weights) if isinstance(weights, FlatWeights) else dict(weights)
+        check_version(version, self.policy_version)
+        named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
         params = dict(self.model.named_parameters())
         for name, tensor in named.items():  # check everything before applying anything
             if not isinstance(tensor, torch.Tensor):
@@ -484,7 +472,7 @@ class NativeEngine:
             running=len(self._running),
             queued=len(self._waiting),
             kv_tokens_total=total,
-            kv_tokens_free=max(0, total - self._held_tokens()) if total else 0,
+            kv_tokens_free=max(0, total - self._held_tokens()),
             accepting=self._accepting and not released,
             memory_released=released,
             policy_version=self.policy_version,
@@ -495,9 +483,8 @@ class NativeEngine:
         return sum(e.reserved_tokens for e in self._running) + sum(len(x.token_ids) for x in self._pinned.values())
 
     def _free_tokens(self, *, evict: bool) -> int:
-        prefix = sum(p.buffer.capacity for p in self._prefix.values())
         free = self.max_tokens_in_flight - self._held_tokens()
-        return free if evict else free - prefix
+        return free if evict else free - sum(p.buffer.capacity for p in self._prefix.values())
 
     # ----------------------------------------------------------------- scheduler
 
@@ -583,7 +570,9 @@ class NativeEngine:
         if self._batch_kv is None or not self._batch_kv.fits(batch):
             if self._batch_kv is not None:
                 self._batch_kv.write_back()
-            self._batch_kv = _BatchKV(batch, self.device, self.COMPILED_COLUMN_MULTIPLE if self.compile_decode else 1)
+            self._batch_kv = _BatchKV(
+                batch, self.device, self.COMPILED_COLUMN_MULTIPLE if self._decode_forward is not None else 1
+            )
         gathered = self._batch_kv
         S = gathered.next_column
         if self._decode_forward is not None:
@@ -713,20 +702,3 @@ class NativeEngine:
             entry.future.exception()  # mark retrieved: a streamed request's future is never awaited
         if entry.chunks is not None:
             entry.chunks.put_nowait(error)
-
-
-def _unflatten(flat: FlatWeights) -> dict[str, torch.Tensor]:
-    """Named tensors viewed out of a flat uint8 buffer by its manifest (no copy)."""
-    out = {}
-    for spec in flat.manifest:
-        dtype = getattr(torch, spec.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"update_weights: {spec.name} has unknown dtype {spec.dtype!r}")
-        numel = 1
-        for size in spec.shape:
-            numel *= size
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if spec.offset + nbytes > flat.buffer.numel():
-            raise ValueError(f"update_weights: {spec.name} lies beyond the buffer ({flat.buffer.numel()} bytes)")
-        out[spec.name] = flat.buffer[spec.offset : spec.offset + nbytes].view(dtype).reshape(spec.shape)
-    return out

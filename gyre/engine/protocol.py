@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from array import array
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -87,6 +87,35 @@ def _min_int32(ids: array) -> int:
     import numpy as np  # lazily: this module stays stdlib at import time
 
     return int(np.frombuffer(ids, dtype=np.int32).min())
+
+
+def check_request(
+    request: GenerateRequest, *, in_flight: Container[str], vocab_size: int | None, context_length: int | None
+) -> None:
+    """The checks every engine makes before queueing a request: a unique id, ids in the vocabulary, prompt +
+    `max_new_tokens` within the context (a None limit is not checked). `ValueError` naming what is wrong; the
+    vocabulary check is vectorized, so a 700K-token prompt costs no per-token Python work."""
+    if request.request_id in in_flight:
+        raise ValueError(f"request_id={request.request_id!r} is already in flight: request ids must be unique")
+    if vocab_size is not None:
+        import numpy as np  # lazily: this module stays stdlib at import time
+
+        ids = np.frombuffer(request.input_ids, dtype=np.int32)
+        if int(ids.max()) >= vocab_size:
+            bad = ids[ids >= vocab_size][:5].tolist()
+            raise ValueError(f"input_ids={bad} are out of vocabulary: expected ids < {vocab_size}")
+    total = request.reserved_tokens
+    if context_length is not None and total > context_length:
+        raise ValueError(
+            f"prompt ({len(request.input_ids)}) + max_new_tokens ({request.params.max_new_tokens}) = {total} "
+            f"exceeds the context limit {context_length}"
+        )
+
+
+def check_version(version, current: int) -> None:
+    """`update_weights`' version: an integer, not below the engine's current one."""
+    if not _is_int(version) or version < current:
+        raise ValueError(f"version={version!r} is not allowed: expected an integer >= {current}")
 
 
 def _is_int(value) -> bool:
@@ -179,6 +208,11 @@ class GenerateRequest:
         object.__setattr__(self, "input_ids", token_ids(self.input_ids, "input_ids"))
         require(len(self.input_ids) > 0, "input_ids", self.input_ids, "at least one prompt token")
         require(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV slots the request may need: prompt + `max_new_tokens`."""
+        return len(self.input_ids) + self.params.max_new_tokens
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,7 +361,7 @@ async def drain_in_flight(
         return
     try:
         await asyncio.wait_for(idle.wait(), abort_after_s)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
         for request_id in list(in_flight()):
             abort(request_id)
         await idle.wait()

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
-from array import array
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -56,8 +55,7 @@ class RemoteEngine:
         self._load = load
         self._in_flight: dict[str, str] = {}  # request id -> submission id
         self._pinned: set[str] = set()
-        self._sent: OrderedDict[str, tuple[str, array]] = OrderedDict()  # execution -> its last prompt sent
-        self._sent_bytes = 0
+        self._sent = wire.PromptStore(MAX_REMEMBERED_PROMPT_BYTES, MAX_REMEMBERED_PROMPTS)  # last prompt sent
         self._background: asyncio.Task | None = None  # the last queued fire-and-forget call
 
     @classmethod
@@ -108,7 +106,7 @@ class RemoteEngine:
     def _bases(self, request: GenerateRequest) -> list[wire.PromptBase | None]:
         """What to send: only the ids after this execution's last prompt when the new one extends it, then (if
         the endpoint does not hold that base any more) everything."""
-        last = self._sent.get(request.execution_id)
+        last = self._sent.latest(request.execution_id)
         if last is None:
             return [None]
         request_id, ids = last
@@ -118,16 +116,7 @@ class RemoteEngine:
         return [wire.PromptBase(request_id=request_id, length=n), None]
 
     def _sent_prompt(self, request: GenerateRequest) -> None:
-        old = self._sent.pop(request.execution_id, None)
-        if old is not None:
-            self._sent_bytes -= 4 * len(old[1])
-        self._sent[request.execution_id] = (request.request_id, request.input_ids)
-        self._sent_bytes += 4 * len(request.input_ids)
-        while len(self._sent) > 1 and (
-            len(self._sent) > MAX_REMEMBERED_PROMPTS or self._sent_bytes > MAX_REMEMBERED_PROMPT_BYTES
-        ):
-            _, (_, dropped) = self._sent.popitem(last=False)
-            self._sent_bytes -= 4 * len(dropped)
+        self._sent.remember(request)
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         await self._settle()
@@ -175,15 +164,15 @@ class RemoteEngine:
     # ----------------------------------------------------------------- accepting / drain / memory
 
     def stop_accepting(self) -> None:
-        self._load = _replace(self._load, accepting=False)
+        self._load = dataclasses.replace(self._load, accepting=False)
         self._send_later("/stop_accepting", {})
 
     def resume_accepting(self) -> None:
-        self._load = _replace(self._load, accepting=not self._load.memory_released)
+        self._load = dataclasses.replace(self._load, accepting=not self._load.memory_released)
         self._send_later("/resume_accepting", {})
 
     async def drain(self, *, abort_after_s: float | None = None) -> None:
-        self._load = _replace(self._load, accepting=False)
+        self._load = dataclasses.replace(self._load, accepting=False)
         await self._call("/drain", {"abort_after_s": abort_after_s})
 
     async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
@@ -266,11 +255,6 @@ class RemoteEngine:
         """Wait until every queued fire-and-forget call has reached the server."""
         if self._background is not None:
             await asyncio.wait([self._background])  # a cancelled caller still raises CancelledError
-
-
-def _replace(load: EngineLoad, **changes) -> EngineLoad:
-    fields = {**wire.load_to_wire(load), **changes}
-    return EngineLoad(**fields)
 
 
 async def _raise_for_error(response: aiohttp.ClientResponse) -> None:

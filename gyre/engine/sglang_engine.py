@@ -47,6 +47,8 @@ from gyre.engine.protocol import (
     KVExport,
     SamplingParams,
     TokenChunk,
+    check_request,
+    check_version,
     drain_in_flight,
 )
 from gyre.engine.wire import unflatten_weights
@@ -269,7 +271,7 @@ class _InFlight:
 
     @property
     def reserved_tokens(self) -> int:
-        return len(self.request.input_ids) + self.request.params.max_new_tokens
+        return self.request.reserved_tokens
 
 
 class SGLangEngine:
@@ -400,19 +402,12 @@ class SGLangEngine:
         return entry
 
     def _validate(self, request: GenerateRequest) -> None:
-        if request.request_id in self._in_flight:
-            raise ValueError(f"request_id={request.request_id!r} is already in flight: request ids must be unique")
-        vocab_size, context_length = self.limits.vocab_size, self.limits.context_length
-        if vocab_size is not None:
-            bad = [t for t in request.input_ids if t >= vocab_size]
-            if bad:
-                raise ValueError(f"input_ids={bad[:5]} are out of vocabulary: expected ids < {vocab_size}")
-        total = len(request.input_ids) + request.params.max_new_tokens
-        if context_length is not None and total > context_length:
-            raise ValueError(
-                f"prompt ({len(request.input_ids)}) + max_new_tokens ({request.params.max_new_tokens}) = {total} "
-                f"exceeds the context limit {context_length}"
-            )
+        check_request(
+            request,
+            in_flight=self._in_flight,
+            vocab_size=self.limits.vocab_size,
+            context_length=self.limits.context_length,
+        )
         reason = logprob_mismatch(request.params, original_logprob=self.original_logprob)
         if reason is not None and not self.allow_unfiltered_logprobs:
             raise ValueError(f"request {request.request_id!r}: {reason}")
@@ -595,8 +590,7 @@ class SGLangEngine:
 
         if self._weights_released:
             raise EngineUnavailableError("weights are released: resume_memory first, then update_weights")
-        if not isinstance(version, int) or isinstance(version, bool) or version < self.policy_version:
-            raise ValueError(f"version={version!r} is not allowed: expected an integer >= {self.policy_version}")
+        check_version(version, self.policy_version)
         named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
         for name, tensor in named.items():
             if not isinstance(tensor, torch.Tensor):

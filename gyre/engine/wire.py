@@ -182,15 +182,19 @@ def generate_from_frame(
 
 
 class PromptStore:
-    """The latest prompt of each execution an endpoint received, for frames that extend it (`PromptBase`).
+    """The latest prompt of each execution an endpoint received (or a client sent), for frames that extend it
+    (`PromptBase`). One prompt per execution, least recently used dropped beyond `max_bytes` (4 bytes per id) or
+    `max_entries`: the engine's KV for the same tokens is ~1000x larger, so this is small next to it."""
 
-    One prompt per execution, least recently used dropped beyond `max_bytes` (4 bytes per id): the engine's KV for
-    the same tokens is ~1000x larger, so this is small next to it."""
-
-    def __init__(self, max_bytes: int = 1 << 30):
+    def __init__(self, max_bytes: int = 1 << 30, max_entries: int | None = None):
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self._prompts: OrderedDict[str, tuple[str, array]] = OrderedDict()
         self._bytes = 0
+
+    def latest(self, execution: str) -> tuple[str, array] | None:
+        """(request id, prompt ids) of the execution's latest prompt, if held."""
+        return self._prompts.get(execution)
 
     def resolve(self, execution: str, base: PromptBase) -> array:
         entry = self._prompts.get(execution)
@@ -208,7 +212,9 @@ class PromptStore:
             self._bytes -= 4 * len(old[1])
         self._prompts[request.execution_id] = (request.request_id, request.input_ids)
         self._bytes += 4 * len(request.input_ids)
-        while self._bytes > self.max_bytes and len(self._prompts) > 1:
+        while len(self._prompts) > 1 and (
+            self._bytes > self.max_bytes or (self.max_entries is not None and len(self._prompts) > self.max_entries)
+        ):
             _, (_, dropped) = self._prompts.popitem(last=False)
             self._bytes -= 4 * len(dropped)
 

@@ -108,7 +108,7 @@ class ProxyServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
         self._gc.start()
         log.info("proxy serving at %s", self.url)
         return self.url

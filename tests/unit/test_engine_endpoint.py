@@ -243,9 +243,12 @@ def test_a_call_extending_the_executions_last_prompt_sends_only_what_it_adds(ser
         second = await engine.generate(
             GenerateRequest(request_id="b", execution_id="x", input_ids=longer, params=params)
         )
-        server.call(lambda e: e)  # the server thread is alive
-        server.server._prompts.max_bytes = 0  # the endpoint forgets every base: the client falls back to whole
-        server.server._prompts.remember(GenerateRequest(request_id="z", execution_id="y", input_ids=[1]))
+
+        def forget_every_base(_engine):  # on the endpoint's loop, which owns its prompt store
+            server.server._prompts.max_bytes = 0
+            server.server._prompts.remember(GenerateRequest(request_id="z", execution_id="y", input_ids=[1]))
+
+        await asyncio.to_thread(server.call, forget_every_base)  # the client then falls back to whole prompts
         third_prompt = [*longer, *second.output_ids, 6]
         third = GenerateRequest(request_id="c", execution_id="x", input_ids=third_prompt, params=params)
         stream = [c async for c in engine.generate_stream(third)]

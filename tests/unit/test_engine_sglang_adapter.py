@@ -466,8 +466,7 @@ def test_from_pretrained_without_sglang(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
     with pytest.raises(SGLangUnavailableError, match="needs the `sglang` package"):
         SGLangEngine.from_pretrained("/nonexistent")
-    with pytest.raises(ImportError):
-        SGLangEngine.from_pretrained("/nonexistent")
+    assert issubclass(SGLangUnavailableError, ImportError)  # callers may catch ImportError
 
 
 @pytest.mark.gpu
