@@ -39,8 +39,8 @@ from gyre.proxy.conversation import ApiError, ChatRequest, ToolCall, ToolSpec, T
 from gyre.proxy.payload import PayloadCache
 from gyre.proxy.template import (  # ChatTemplate is re-exported: callers build both from here
     ChatTemplate,
-    _common_prefix_len,
-    _RenderError,
+    RenderError,
+    common_prefix_len,
 )
 from gyre.traj.record import Provenance, Segment
 
@@ -87,7 +87,6 @@ class Prompt:
 class _Entry:
     """What one turn contributed to the last prompt, and what a later request needs to reuse it."""
 
-    turn: Turn
     segments: tuple[Segment, ...]
     texts: tuple[str | None, ...]
     next_role: str  # role of the following turn when built ("assistant" if it was last: the generation prompt)
@@ -180,7 +179,7 @@ class PromptBuilder:
             chunk = [template.message(turns[i], first=leading_system_turn and i == 0) for i in range(a, b)]
             try:
                 chunk_header, chunk_texts = _split_render(template, context, chunk, lookahead, tools)
-            except _RenderError as err:
+            except RenderError as err:
                 raise _NeedsFullRender() from err
             if a == 0:
                 header = chunk_header
@@ -205,7 +204,7 @@ class PromptBuilder:
         try:
             closed = template.render(messages, tools)
             full = template.render(messages, tools, add_generation_prompt=True)
-        except _RenderError as err:
+        except RenderError as err:
             raise ApiError("invalid_request", str(err), param="messages") from err
         if full.startswith(closed) and full[len(closed) :] == template.generation_prompt:
             context = messages[:offset]
@@ -224,7 +223,7 @@ class PromptBuilder:
     def _header_entry(self, request: ChatRequest, header: str, turns, texts) -> _Entry:
         first_is_assistant = bool(turns) and turns[0].role == "assistant"
         if not header:
-            return _Entry(Turn(role="system"), (), (), "", "", True, 0, 0, False, False)
+            return _Entry((), (), "", "", True, 0, 0, False, False)
         text = header + (self.template.generation_prompt if first_is_assistant or not turns else "")
         old = self._header
         segment = (
@@ -232,7 +231,7 @@ class PromptBuilder:
             if old is not None and old.texts and old.texts[0] == text
             else Segment(Provenance.SYSTEM, self.template.encode(text))
         )
-        return _Entry(Turn(role="system"), (segment,), (text,), "", "", False, 1, len(segment), False, False)
+        return _Entry((segment,), (text,), "", "", False, 1, len(segment), False, False)
 
     # -- segments from per-turn texts --------------------------------------------------------------
     def _assemble(
@@ -314,7 +313,6 @@ class PromptBuilder:
             seg_end += len(segments)
             entries.append(
                 _Entry(
-                    turn,
                     tuple(segments),
                     tuple(seg_texts),
                     _next_role(turns, j + 1),
@@ -399,8 +397,8 @@ def _split_text(template, context, messages, tools, full: str, drop_last: bool =
         else:
             try:
                 # j == 0 too: with tools and no system message the template still writes a header
-                bound = _common_prefix_len(template.render(window[:j], tools), full)
-            except _RenderError:
+                bound = common_prefix_len(template.render(window[:j], tools), full)
+            except RenderError:
                 bound = previous  # a prefix the template refuses: its text joins the next message
         bound = max(bound, previous)
         bounds.append(bound)
@@ -435,7 +433,7 @@ def _window_matches_full_render(template: ChatTemplate) -> bool:
             try:
                 prompt = builder.build(request)
                 expected = template.render_request(request)
-            except (_RenderError, ApiError):
+            except (RenderError, ApiError):
                 return False
             if prompt.fallbacks or "".join(t or "" for t in prompt.texts) != expected:
                 return False

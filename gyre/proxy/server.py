@@ -50,11 +50,12 @@ class Dialect:
     module: ModuleType
     response_prefix: str  # response / message id prefix
     call_prefix: str  # tool-call id prefix
+    incremental: bool = True  # parse_request reuses the thread's unchanged messages (a MessageCache)
 
 
 ANTHROPIC = Dialect("anthropic", anthropic, "msg_", "toolu_")
 OPENAI_CHAT = Dialect("openai_chat", openai_chat, "chatcmpl-", "call_")
-OPENAI_RESPONSES = Dialect("openai_responses", openai_responses, "resp_", "call_")
+OPENAI_RESPONSES = Dialect("openai_responses", openai_responses, "resp_", "call_", incremental=False)
 
 
 def _new_id(prefix: str) -> str:
@@ -82,8 +83,7 @@ class ProxyServer:
         self.admin_key = admin_key or ("gyre-admin-" + secrets.token_urlsafe(24))
         self.port = config.port
         self._runner: web.AppRunner | None = None
-        self._gc = HeapFreezer(config.gc_freeze_every, config.gc_full_every_s)
-        self._stop_ids = tuple(template.end_of_turn_ids)
+        self.heap = HeapFreezer(config.gc_freeze_every, config.gc_full_every_s)
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
             [
@@ -109,12 +109,12 @@ class ProxyServer:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        self._gc.start()
+        self.heap.start()
         log.info("proxy serving at %s", self.url)
         return self.url
 
     async def stop(self) -> None:
-        await self._gc.stop()
+        await self.heap.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -162,7 +162,7 @@ class ProxyServer:
                 prompt = session.builder(thread_key(request.signals)).build(request)
                 params = self._sampling(request, prompt.num_tokens)
             except ApiError as error:
-                return self._error(dialect, error)
+                return self.error_response(dialect, error)
             call = _Call(self, dialect, session, request, prompt, params)
             if request.stream:
                 return await call.stream(http)
@@ -178,15 +178,18 @@ class ProxyServer:
             self._check_model(request.model)
             prompt = session.make_builder(session.payload).build(request)  # a throwaway builder: no cache churn
         except ApiError as error:
-            return self._error(ANTHROPIC, error)
+            return self.error_response(ANTHROPIC, error)
         return _json(anthropic.count_tokens_body(prompt.num_tokens))
 
     async def _admit(self, http: web.Request, dialect: Dialect) -> tuple[ExecutionSession, ChatRequest]:
         session = self._authenticate(http)
         body = await self._read_json(http)
         headers = _headers(http)
-        cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}")  # parse only the new messages
-        request = dialect.module.parse_request(body, headers, dict(http.query), cache=cache)
+        if dialect.incremental:  # parse only the messages the thread's previous request did not have
+            cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}")
+            request = dialect.module.parse_request(body, headers, dict(http.query), cache=cache)
+        else:
+            request = dialect.module.parse_request(body, headers, dict(http.query))
         self._check_model(request.model)
         return session, request
 
@@ -233,12 +236,12 @@ class ProxyServer:
                 top_p=top_p,
                 top_k=top_k,
                 max_new_tokens=budget,
-                stop_token_ids=self._stop_ids,
+                stop_token_ids=self.template.end_of_turn_ids,
             )
         except ValueError as error:
             raise ApiError("invalid_request", str(error)) from None
 
-    def _error(self, dialect: Dialect, error: ApiError) -> web.Response:
+    def error_response(self, dialect: Dialect, error: ApiError) -> web.Response:
         return _json(dialect.module.error_body(error), error.status)
 
 
@@ -252,7 +255,7 @@ class _Call:
         self.created = int(time.time())
         self.decoder = OutputDecoder(
             server.template.tokenizer,
-            skip_ids=server._stop_ids,
+            skip_ids=server.template.end_of_turn_ids,
             new_call_id=lambda: _new_id(dialect.call_prefix),
         )
         self.output_ids: list[int] = []
@@ -304,7 +307,7 @@ class _Call:
         reason = finish.finish_reason if finish is not None else "abort"
         thread = thread_key(self.request.signals)
         self.session.record(self.prompt.segments, self.output_ids, self.logprobs, reason, meta, thread=thread)
-        self.server._gc.call_done()
+        self.server.heap.call_done()
         if finish is not None:
             self.session.payload.remember(self.output, self.output_ids)
 
@@ -313,7 +316,7 @@ class _Call:
             async for _ in self._run():
                 pass
         except _CALL_ERRORS as error:
-            return self.server._error(self.dialect, _api_error(error))
+            return self.server.error_response(self.dialect, _api_error(error))
         finally:
             self._record_once()
         return _json(self._body(self.output))
@@ -344,7 +347,7 @@ class _Call:
         try:  # up to the first tokens before any byte is sent: a call that fails at once gets a plain HTTP error
             first = await events.__anext__()
         except _CALL_ERRORS as error:
-            return self.server._error(self.dialect, _api_error(error))
+            return self.server.error_response(self.dialect, _api_error(error))
         writer = self._writer()
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}

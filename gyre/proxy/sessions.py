@@ -214,7 +214,3 @@ class SessionRegistry:
     def close_all(self) -> None:
         for execution in list(self._by_execution):
             self.close(execution)
-
-    @property
-    def sessions(self) -> list[ExecutionSession]:
-        return list(self._by_execution.values())

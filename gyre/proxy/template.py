@@ -26,7 +26,7 @@ SENTINEL = "GYRE_SENTINEL_5f0c9a"
 _TEMPLATE_ERRORS = (TemplateError, ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError)
 
 
-class _RenderError(Exception):
+class RenderError(Exception):
     """The template refused a message list (its own exception, a Jinja error, a type error)."""
 
 
@@ -49,7 +49,7 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _common_prefix_len(a: str, b: str) -> int:
+def common_prefix_len(a: str, b: str) -> int:
     """Length of the longest common prefix (memcmp-based: startswith, then binary search on slices)."""
     if b.startswith(a):
         return len(a)
@@ -165,7 +165,7 @@ class ChatTemplate:
                 **self._context,
             )
         except _TEMPLATE_ERRORS as err:
-            raise _RenderError(f"the chat template refused the conversation: {err}") from err
+            raise RenderError(f"the chat template refused the conversation: {err}") from err
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens it contains map to their single ids, nothing is added."""
@@ -215,7 +215,7 @@ class ChatTemplate:
         )
         try:
             mid = self.render([*user, {"role": "system", "content": SENTINEL}])
-        except _RenderError:
+        except RenderError:
             mid = ""
         self.mid_system_role = "system" if SENTINEL in mid else "user"
 

@@ -10,6 +10,7 @@ recorded once.
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import anthropic
 import pytest
@@ -18,9 +19,12 @@ from gyre.config.proxy import ProxyConfig, SamplingConfig
 from gyre.config.serve import EngineConfig, ServeConfig
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.native import NativeEngine
+from gyre.engine.protocol import GenerateRequest, SamplingParams
+from gyre.engine.remote import RemoteEngine
 from gyre.engine.weights import load_pretrained
 from gyre.models.tiny import tiny_model_dir
 from gyre.proxy.output import OutputDecoder
+from gyre.proxy.routing import RoutedTokens, RoutingTable, generate_routed
 from gyre.serve.stack import build_stack
 from gyre.traj.store import load_tree
 
@@ -95,3 +99,31 @@ def test_cancelling_the_serving_engine_mid_stream_is_invisible_to_100_streaming_
         assert output.text == text  # what the client saw is exactly what was recorded
     print(f"calls moved mid-stream from A to B: {rerouted} of {CLIENTS}")
     assert rerouted >= 8  # A's running batch (16 calls, most with tokens out) moved mid-stream
+
+
+def test_an_endpoint_that_went_away_is_skipped():
+    """A RemoteEngine whose cached load still says "accepting" but whose endpoint is gone: the call goes elsewhere."""
+    model = load_pretrained(tiny_model_dir())
+    gone = ServerThread(lambda: NativeEngine(copy.deepcopy(model)))
+    url = gone.start()
+    params = SamplingParams(temperature=0.0, max_new_tokens=100)
+    request = GenerateRequest(request_id="r", execution_id="exec", input_ids=(3, 1, 4, 1, 5), params=params)
+
+    async def main():
+        remote = await RemoteEngine.connect(url)
+        await asyncio.to_thread(gone.stop)
+        local = NativeEngine(copy.deepcopy(model))
+        table = RoutingTable({"remote": remote, "local": local})
+        table.assign("exec", "remote")
+        tokens, engines, finish = [], set(), None
+        async for item in generate_routed(table, request):
+            if isinstance(item, RoutedTokens):
+                tokens.extend(item.token_ids)
+                engines.add(item.engine)
+            else:
+                finish = item
+        assert len(tokens) == 100 and engines == {"local"} and finish.engines == ("local",)
+        await remote.close()
+        await local.close()
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))

@@ -36,8 +36,12 @@ def body(messages: list[dict]) -> dict:
 def test_anthropic_incremental_parse_equals_full_parse_and_reuses_the_prefix():
     cache = MessageCache()
     for messages in anthropic_history(12):
+        before = list(cache.parsed)
+        unchanged = cache.reusable(messages)
         incremental = anthropic.parse_request(body(messages), {}, {}, cache=cache)
         assert incremental == anthropic.parse_request(body(messages), {}, {})
+        assert all(cache.parsed[i] is before[i] for i in range(unchanged))  # reused, not parsed again
+        assert not before or unchanged == len(before) - 1  # all but the message cache_control moved off
     assert cache.reusable(messages) == len(messages)  # an identical retry reuses everything
 
 
@@ -71,7 +75,9 @@ def test_openai_chat_incremental_parse_equals_full_parse():
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     for step in range(8):
         request = {"model": "gyre", "messages": copy.deepcopy(messages)}
+        before, unchanged = list(cache.parsed), cache.reusable(request["messages"])
         assert openai_chat.parse_request(request, {}, {}, cache=cache) == openai_chat.parse_request(request, {}, {})
+        assert unchanged == len(before) and all(cache.parsed[i] is before[i] for i in range(unchanged))
         call = {"id": f"call_{step}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         messages += [
             {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -23,8 +23,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import orjson
-
 from gyre.proxy.conversation import (
     ApiError,
     AssistantOutput,
@@ -40,6 +38,7 @@ from gyre.proxy.conversation import (
     compact_json,
 )
 from gyre.proxy.dialects.incremental import MessageCache
+from gyre.proxy.dialects.sse import sse_event
 
 # Headers that tell requests of one harness session apart (main agent, sub-agents); keys are lower-cased.
 SIGNAL_HEADERS = ("x-claude-code-session-id", "x-claude-code-agent-id", "user-agent")
@@ -460,13 +459,9 @@ def models_body(names: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def sse(event_type: str, data: dict[str, Any]) -> bytes:
-    """One server-sent event as the API frames it (orjson; ASCII-escaped JSON for text orjson refuses)."""
-    try:
-        text = orjson.dumps(data)
-    except orjson.JSONEncodeError:  # a lone surrogate
-        text = json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-    return b"event: " + event_type.encode() + b"\ndata: " + text + b"\n\n"
+def _event(payload: dict[str, Any]) -> bytes:
+    """One Messages-API stream event: its SSE event name is its `type`."""
+    return sse_event(payload, payload["type"])
 
 
 class StreamWriter:
@@ -506,7 +501,7 @@ class StreamWriter:
                 "cache_creation_input_tokens": 0,
             },
         }
-        return sse("message_start", {"type": "message_start", "message": message}) + sse("ping", {"type": "ping"})
+        return _event({"type": "message_start", "message": message}) + _event({"type": "ping"})
 
     def _close(self) -> bytes:
         if self.open_kind is None:
@@ -516,22 +511,22 @@ class StreamWriter:
         if self.open_kind == "thinking":
             signature = thinking_signature("".join(self.thinking_parts))
             delta = {"type": "signature_delta", "signature": signature}
-            out += sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            out += _event({"type": "content_block_delta", "index": index, "delta": delta})
             self.thinking_parts = []
         self.open_kind = None
-        return out + sse("content_block_stop", {"type": "content_block_stop", "index": index})
+        return out + _event({"type": "content_block_stop", "index": index})
 
     def _open(self, block: dict[str, Any]) -> bytes:
         out = self._close()
         self.num_blocks += 1
         event = {"type": "content_block_start", "index": self.num_blocks - 1, "content_block": block}
-        return out + sse("content_block_start", event)
+        return out + _event(event)
 
     def _delta(self, kind: str, start_block: dict[str, Any], delta: dict[str, Any]) -> bytes:
         out = b"" if self.open_kind == kind else self._open(start_block)
         self.open_kind = kind
         event = {"type": "content_block_delta", "index": self.num_blocks - 1, "delta": delta}
-        return out + sse("content_block_delta", event)
+        return out + _event(event)
 
     def event(self, ev: OutputEvent) -> bytes:
         assert self.started and not self.done, "event() outside start() ... finish()/error()"
@@ -553,8 +548,8 @@ class StreamWriter:
             # The model's own JSON text, byte for byte; "{}" if it is not an object (never crash mid-stream).
             arguments = call.arguments if _tool_input(call.arguments) is not None else "{}"
             delta = {"type": "input_json_delta", "partial_json": arguments}
-            out += sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-            return out + sse("content_block_stop", {"type": "content_block_stop", "index": index})
+            out += _event({"type": "content_block_delta", "index": index, "delta": delta})
+            return out + _event({"type": "content_block_stop", "index": index})
         raise TypeError(f"unknown output event {ev!r}")
 
     def finish(self, output: AssistantOutput, usage: Usage) -> bytes:
@@ -564,12 +559,12 @@ class StreamWriter:
         out = self._close()
         stop_reason = _stop_reason(output, self.called_tools or bool(output.tool_calls))
         delta = {"stop_reason": stop_reason, "stop_sequence": None}
-        out += sse("message_delta", {"type": "message_delta", "delta": delta, "usage": _usage(usage)})
-        return out + sse("message_stop", {"type": "message_stop"})
+        out += _event({"type": "message_delta", "delta": delta, "usage": _usage(usage)})
+        return out + _event({"type": "message_stop"})
 
     def error(self, error: ApiError) -> bytes:
         """An `error` event for a failure after the stream started; nothing follows it."""
         if self.done:
             return b""
         self.done = True
-        return sse("error", error_body(error))
+        return sse_event(error_body(error), "error")

@@ -13,12 +13,9 @@ with "\\n\\n"; `reasoning_content` is the assistant turn's thinking; tool-call a
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import orjson
 
 from gyre.proxy.conversation import (
     ApiError,
@@ -35,6 +32,7 @@ from gyre.proxy.conversation import (
     compact_json,
 )
 from gyre.proxy.dialects.incremental import MessageCache
+from gyre.proxy.dialects.sse import sse_event
 
 # ApiError.kind -> (OpenAI error type, code). OpenAI clients key off `code` (Codex: "context_length_exceeded").
 ERROR_TYPES: dict[str, tuple[str, str | None]] = {
@@ -379,15 +377,6 @@ def models_body(names: Sequence[str], created: int) -> dict[str, Any]:
     }
 
 
-def sse_data(payload: Any) -> bytes:
-    """One SSE `data:` record; orjson, falling back to ASCII-escaped JSON for text orjson refuses (lone surrogates)."""
-    try:
-        data = orjson.dumps(payload)
-    except orjson.JSONEncodeError:
-        data = json.dumps(payload, ensure_ascii=True).encode("ascii")
-    return b"data: " + data + b"\n\n"
-
-
 class StreamWriter:
     """SSE `chat.completion.chunk`s for one streamed call: start, one chunk per event, finish (or error).
 
@@ -399,13 +388,12 @@ class StreamWriter:
         self.request = request
         self.response_id = response_id
         self.created = created
-        self.input_tokens = input_tokens  # not sent before the usage chunk; kept for symmetry with other dialects
         self._text = ""
         self._thinking = ""
         self._num_tool_calls = 0
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        return sse_data(
+        return sse_event(
             {
                 "id": self.response_id,
                 "object": "chat.completion.chunk",
@@ -444,7 +432,7 @@ class StreamWriter:
             out += self.event(ToolCallDone(call))
         out += self._chunk({}, FINISH_REASONS[output.stop_reason])
         if self.request.include_usage:
-            out += sse_data(
+            out += sse_event(
                 {
                     "id": self.response_id,
                     "object": "chat.completion.chunk",
@@ -458,4 +446,4 @@ class StreamWriter:
 
     def error(self, error: ApiError) -> bytes:
         """An error after the stream started: OpenAI sends the error object as a data record."""
-        return sse_data(error_body(error)) + b"data: [DONE]\n\n"
+        return sse_event(error_body(error)) + b"data: [DONE]\n\n"

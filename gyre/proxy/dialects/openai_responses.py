@@ -52,9 +52,9 @@ from gyre.proxy.dialects.openai_chat import (
     optional_positive_int,
     optional_str,
     require_str,
-    sse_data,
     tool_arguments,
 )
+from gyre.proxy.dialects.sse import sse_event
 
 __all__ = ["StreamWriter", "error_body", "parse_request", "response_body"]
 
@@ -310,14 +310,12 @@ def _signals(body: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]
     return signals
 
 
-def parse_request(
-    body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: object | None = None
-) -> ChatRequest:
+def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str]) -> ChatRequest:
     """A Responses request body as a ChatRequest; ApiError (invalid_request) names the bad field.
 
-    `cache` is accepted for the server's uniform call and not used: input items merge across item boundaries
-    (reasoning, message and function calls into one assistant turn), so this dialect parses the whole input."""
-    del query, cache  # no query parameters in this API
+    Not incremental (unlike the other dialects): input items merge across item boundaries (reasoning, message and
+    function calls into one assistant turn), so the whole input is parsed each call."""
+    del query  # no query parameters in this API
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {json_type(body)}", None)
     model = require_str(body, "model", "model", allow_empty=False)
@@ -530,7 +528,6 @@ class StreamWriter:
         self.request = request
         self.response_id = response_id
         self.created = created
-        self.input_tokens = input_tokens
         self._base = _id_base(response_id)
         self._sequence = 0
         self._items: list[dict[str, Any]] = []  # finished items, in output order
@@ -543,7 +540,7 @@ class StreamWriter:
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        return b"event: " + kind.encode() + b"\n" + sse_data(payload)
+        return sse_event(payload, kind)
 
     def _snapshot(self, status: str, usage: Usage | None = None, error: dict[str, Any] | None = None) -> dict:
         return _response(
