@@ -12,7 +12,28 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from gyre.config.checks import ConfigError
+
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's conf/ (gyre is installed editable)
+
+
+def to_config(cfg: DictConfig, schema: type):
+    """The checked dataclass object of a composed config, or `ConfigError` with the one line to print.
+
+    Missing values and keys no field declares are refused first: `to_object` would quietly fall back to the
+    default, or set them as plain attributes."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]}=??? is not allowed: expected a value ({missing[0]}=...)")
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(unknown[0])
+    try:
+        obj = OmegaConf.to_object(cfg)  # the dataclasses' __post_init__ checks raise ConfigError themselves
+    except OmegaConfBaseException as exc:
+        raise ConfigError(describe_config_error(exc)) from None
+    assert isinstance(obj, schema), type(obj)
+    return obj
 
 
 def describe_config_error(exc: BaseException) -> str:

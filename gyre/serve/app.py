@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gyre import eventloop
 from gyre.config import ConfigError, ServeConfig, register_configs
-from gyre.config.hydra_errors import CONF_DIR, describe_config_error, unknown_keys
+from gyre.config.hydra_errors import CONF_DIR, describe_config_error, to_config
 from gyre.obs.logging import setup_logging
 
 log = logging.getLogger(__name__)
@@ -56,25 +56,11 @@ def _hydra_main(cfg: DictConfig) -> None:
     run(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
-def check_config(cfg: DictConfig) -> ServeConfig:
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        _exit(f"{missing[0]}=??? is not allowed: expected a value ({missing[0]}=...)")
-    unknown = unknown_keys(cfg)
-    if unknown:
-        _exit(unknown[0])
+def run(cfg: DictConfig, run_dir: Path) -> None:
     try:
-        serve_cfg = OmegaConf.to_object(cfg)
+        serve_cfg = to_config(cfg, ServeConfig)
     except ConfigError as exc:
         _exit(str(exc))
-    except OmegaConfBaseException as exc:
-        _exit(describe_config_error(exc))
-    assert isinstance(serve_cfg, ServeConfig), type(serve_cfg)
-    return serve_cfg
-
-
-def run(cfg: DictConfig, run_dir: Path) -> None:
-    serve_cfg = check_config(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(log_file=run_dir / "serve.log")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

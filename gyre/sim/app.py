@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gyre.config import ConfigError, SimConfig, register_configs
-from gyre.config.hydra_errors import describe_config_error, unknown_keys
+from gyre.config.hydra_errors import describe_config_error, to_config
 from gyre.obs.logging import setup_logging
 from gyre.sim.presets import CONF_DIR
 from gyre.sim.simulator import SimulationError, simulate
@@ -74,20 +74,10 @@ def run(cfg: DictConfig, run_dir: Path, *, experiment_choice: str | None = None)
     """Check `cfg`, simulate it, write the run directory and print the summary line; returns the summary."""
     if not cfg.get("experiment") and experiment_choice:
         cfg.experiment = experiment_choice  # label the run by the preset it came from
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:  # to_object would quietly fall back to the dataclass default
-        key = missing[0]
-        _exit("config error", f"{key}=??? is not allowed: expected a value ({key}=...)", EXIT_CONFIG_ERROR)
-    unknown = unknown_keys(cfg)
-    if unknown:  # to_object would quietly set them as plain attributes
-        _exit("config error", unknown[0], EXIT_CONFIG_ERROR)
     try:
-        sim_cfg = OmegaConf.to_object(cfg)
+        sim_cfg = to_config(cfg, SimConfig)
     except ConfigError as exc:
         _exit("config error", str(exc), EXIT_CONFIG_ERROR)
-    except OmegaConfBaseException as exc:
-        _exit("config error", describe_config_error(exc), EXIT_CONFIG_ERROR)
-    assert isinstance(sim_cfg, SimConfig), type(sim_cfg)
     if sim_cfg.workload.distribution == "replay":
         try:  # read once up front so a bad CSV stops the run before it logs anything
             read_replay_csv(sim_cfg.workload.replay_csv)
