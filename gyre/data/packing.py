@@ -166,21 +166,34 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     """Pack items (by index) into bins of `capacity`: longest first (ties: lower index first), each into
     the first bin with room. Bins are in creation order, items in placement order. ValueError on an
     item longer than the capacity."""
-    loads: list[int] = []
-    bins: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        n = lengths[i]
+    for i, n in enumerate(lengths):
         if n > capacity:
             raise ValueError(f"item {i} has {n} tokens, more than the capacity {capacity}")
-        for b, load in enumerate(loads):
-            if load + n <= capacity:
-                loads[b] += n
-                bins[b].append(i)
-                break
-        else:
-            loads.append(n)
-            bins.append([i])
+    loads: list[int] = []
+    bins: list[list[int]] = []
+    for i, b in place_first_fit_decreasing(lengths, capacity, loads):
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
     return bins
+
+
+def place_first_fit_decreasing(
+    lengths: Sequence[int], capacity: int, loads: list[int], first_bin: int = 0
+) -> list[tuple[int, int]]:
+    """The placement under `first_fit_decreasing`, onto existing bins: items longest first (ties: lower index
+    first), each into the first bin from `first_bin` on whose load leaves room, else a new bin appended to
+    `loads` (which is updated). Returns (item, bin) in placement order. An item over `capacity` gets a bin of
+    its own."""
+    placed = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        b = next((b for b in range(first_bin, len(loads)) if loads[b] + n <= capacity), len(loads))
+        if b == len(loads):
+            loads.append(0)
+        loads[b] += n
+        placed.append((i, b))
+    return placed
 
 
 class StreamPackingBuffer:
@@ -353,27 +366,17 @@ class StreamPackingBuffer:
         bins: list[list[tuple[TokenRow, ...]]] = []
         loads: list[int] = []
 
-        def place(unit: tuple[TokenRow, ...], first_bin: int) -> None:
-            n = sum(row.num_tokens for row in unit)
-            for b in range(first_bin, len(bins)):
-                if loads[b] + n <= budget:
-                    bins[b].append(unit)
-                    loads[b] += n
-                    return
-            bins.append([unit])
-            loads.append(n)
-
-        def by_length(units: list[tuple[TokenRow, ...]]) -> list[tuple[TokenRow, ...]]:
-            order = sorted(range(len(units)), key=lambda i: (-sum(row.num_tokens for row in units[i]), i))
-            return [units[i] for i in order]
+        def place(units: list[tuple[TokenRow, ...]], first_bin: int) -> None:
+            lengths = [sum(row.num_tokens for row in unit) for unit in units]
+            for i, b in place_first_fit_decreasing(lengths, budget, loads, first_bin):
+                if b == len(bins):
+                    bins.append([])
+                bins[b].append(units[i])
 
         for execution_units in split:  # micro-steps of its own: consecutive, never shared with another split
-            first = len(bins)
-            for unit in by_length(execution_units):
-                place(unit, first)
+            place(execution_units, len(bins))
         num_split_bins = len(bins)
-        for unit in by_length(self._pending):
-            place(unit, 0)
+        place(self._pending, 0)
 
         fill = self.config.min_fill * budget
         emit = [everything or b < num_split_bins or load >= fill for b, load in enumerate(loads)]

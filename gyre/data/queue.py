@@ -69,8 +69,6 @@ class MicroStepQueue(Generic[T]):
                 return None
             step = self._items.popleft()
             self._claims.append((self._num_put - len(self._items) - 1, cell))
-            if not self._items and self._closed:
-                self._changed.notify_all()
             return step
 
     def close(self) -> None:

@@ -50,7 +50,6 @@ class RolloutGroup:
     trees: dict[str, TrajectoryTree | None]  # every dispatched execution (surplus included) -> its tree
     rewards: dict[str, float | None] | None = None  # members -> reward (None: excluded); set when ready
     admitted: dict[str, tuple[AdmittedTrajectory, ...]] = field(default_factory=dict)  # member -> trajectories
-    ready_order: int | None = None  # position in the order groups became ready
 
     @property
     def ready(self) -> bool:
@@ -157,7 +156,6 @@ class TrajectoryBuffer:
             checked[e] = self._check_trajectories(e, group.trees[e], trajectories, self._max_row_tokens)
         group.rewards = {e: (None if r is None else float(r)) for e, r in rewards.items()}
         group.admitted = checked
-        group.ready_order = self._ready_count
         heapq.heappush(self._ready, (group.version, self._ready_count, group_id))
         self._ready_count += 1
 

@@ -47,7 +47,6 @@ class _Group:
     slots: int = 0  # executions closed with a valid outcome or a placeholder
     tokens: float = 0.0  # tokens of valid executions (weights the token staleness)
     ready: bool = False
-    claimed: bool = False
 
 
 class Scheduler:
@@ -179,7 +178,6 @@ class Scheduler:
             return None, []
         _, _, group = heapq.heappop(self._ready)
         g = self.groups[group]
-        g.claimed = True
         self.claimed_in_batch += 1
         self.staleness.record(self.trainer_version, self.trainer_version - g.version, g.tokens)
         actions: list[Action] = []

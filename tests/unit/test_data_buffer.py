@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 import re
 
 import numpy as np
@@ -48,16 +47,15 @@ def test_ready_groups_leave_oldest_version_first_then_in_ready_order():
     assert buffer.take_oldest_ready() is None and len(buffer) == 0
 
 
-def test_the_choice_matches_the_schedulers_ready_heap():
-    # gyre.sched.Scheduler keeps ready groups in a heap of (v_d, ready order, group); same events, same order.
+def test_the_choice_follows_the_schedulers_rule_oldest_version_then_ready_order():
+    # The rule of gyre.sched.Scheduler.claim_group (its heap of (v_d, ready order, group)), stated as a sort.
     events = [(0, 3), (1, 1), (2, 3), (3, 0), (4, 1), (5, 0)]  # (group, v_d), listed in ready order
-    heap: list[tuple[int, int, int]] = []
     buffer = TrajectoryBuffer()
-    for order, (group_id, version) in enumerate(events):
-        heapq.heappush(heap, (version, order, group_id))
+    for group_id, version in events:
         ready_group(buffer, group_id, version, [f"x{group_id}"])
-    scheduler_order = [heapq.heappop(heap)[2] for _ in events]
-    assert [buffer.take_oldest_ready().group_id for _ in events] == scheduler_order
+    rule_order = [group for order, (group, version) in sorted(enumerate(events), key=lambda e: (e[1][1], e[0]))]
+    assert rule_order == [3, 5, 1, 4, 0, 2]
+    assert [buffer.take_oldest_ready().group_id for _ in events] == rule_order
 
 
 def test_a_group_is_handed_out_once():

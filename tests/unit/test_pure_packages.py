@@ -17,14 +17,34 @@ from pathlib import Path
 
 import pytest
 
-HEAVY = ("torch", "numpy", "aiohttp", "httpx", "requests", "megatron", "sglang", "hydra", "omegaconf", "wandb")
+HEAVY = (
+    "torch",
+    "numpy",
+    "aiohttp",
+    "httpx",
+    "requests",
+    "megatron",
+    "sglang",
+    "mooncake",
+    "hydra",
+    "omegaconf",
+    "wandb",
+)
 # Allowed heavy top-level packages per pure package; everything else in HEAVY is forbidden.
 ALLOWED = {
     "gyre.sched": (),  # stdlib only
-    "gyre.config": (),  # stdlib only
+    "gyre.config": ("omegaconf",),  # stdlib, and omegaconf in hydra_errors (DESIGN.md: stdlib, omegaconf)
     "gyre.traj": ("numpy",),
     "gyre.rl": ("numpy", "torch"),  # no torch.distributed, checked below
     "gyre.data": ("numpy", "torch"),
+}
+# gyre packages each pure package may load (dependencies point one way: DESIGN.md).
+ALLOWED_GYRE = {
+    "gyre.sched": {"sched"},
+    "gyre.config": {"config"},
+    "gyre.traj": {"traj", "config"},
+    "gyre.rl": {"rl", "config"},
+    "gyre.data": {"data", "traj", "rl", "config"},
 }
 IMPORT_TIMEOUT_S = 120
 
@@ -34,11 +54,16 @@ baseline = set(sys.modules)
 if {preload!r}:
     import torch  # what torch loads by itself (torch.distributed included) is not the package's doing
     baseline = set(sys.modules)
+import importlib, pkgutil
 import {package}
+for module in pkgutil.walk_packages({package}.__path__, "{package}."):  # every module, not only __init__
+    if not module.name.endswith("__main__"):
+        importlib.import_module(module.name)
 loaded = set(sys.modules)
 print(json.dumps({{
     "top": sorted({{m.split(".")[0] for m in loaded}}),
     "new_distributed": sorted(m for m in loaded - baseline if m.split(".")[:2] == ["torch", "distributed"]),
+    "gyre": sorted({{m.split(".")[1] for m in loaded if m.startswith("gyre.")}}),
 }}))
 """
 
@@ -60,6 +85,8 @@ def test_pure_package_imports_nothing_heavy(package):
     assert bad == [], f"{package} imports {bad}; allowed heavy deps: {list(ALLOWED[package]) or 'none (stdlib only)'}"
     assert result["new_distributed"] == [], f"{package} imports {result['new_distributed']}"
     assert "gyre" in result["top"]
+    other = sorted(set(result["gyre"]) - ALLOWED_GYRE[package])
+    assert other == [], f"{package} imports gyre.{other}; allowed: {sorted(ALLOWED_GYRE[package])}"
 
 
 def distributed_uses(path: Path) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -120,30 +119,6 @@ def test_bad_path_or_file_is_one_line_and_exit_2(tmp_path, capsys, content):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
-
-
-def test_traj_imports_only_stdlib_and_numpy():
-    forbidden = ("torch", "aiohttp", "megatron", "sglang", "hydra", "omegaconf", "requests", "httpx")
-    code = (
-        "import sys\n"
-        "import gyre.traj, gyre.traj.synthetic, gyre.traj.inspect\n"
-        f"print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r})))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert done.stdout.strip() == ""
-
-
-def test_ingest_benchmark_smoke():
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "traj_ingest.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--reps", "20"], capture_output=True, text=True, timeout=120, check=True
-    )
-    report = json.loads(done.stdout)
-    assert report["ingest"]["stored_over_unique_tokens_700k"] == 1.0
-    assert report["ingest"]["history_tokens"] == {"7000": 7000, "700000": 700000}
-    assert report["synthetic_636"]["requests"] == 636 and report["synthetic_636"]["stored_over_unique_tokens"] == 1.0
-    admission = report["synthetic_636"]["admission_j_max_5"]
-    assert admission["admitted"] == 5 and admission["admit_ms"] > 0 and admission["materialize_ms"] > 0
 
 
 def test_a_directory_is_named_as_such(tmp_path, capsys):
