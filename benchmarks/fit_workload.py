@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
+from pathlib import Path
 
 import numpy as np
+from report import emit
 
 from gyre.sched import Outcome
 from gyre.sim.presets import compose_sim_config
@@ -88,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="grid-search the parameters instead of measuring the preset")
     parser.add_argument("--groups", type=int, default=4000)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.fit:
         params, got = fit()
@@ -110,17 +112,16 @@ def main() -> None:
     rel = {k: (got[k] - TARGETS[k]) / TARGETS[k] for k in TARGETS}
     for k in TARGETS:
         print(f"{k:14} target {TARGETS[k]:8.4f}  model {got[k]:8.4f}  ({rel[k]:+.1%})")
-    print(
-        json.dumps(
-            {
-                "benchmark": "fit_workload",
-                "params": params,
-                "measured": got,
-                "targets": TARGETS,
-                "relative_error": rel,
-                "max_relative_error": max(abs(v) for v in rel.values()),
-            }
-        )
+    emit(
+        {
+            "benchmark": "fit_workload",
+            "params": params,
+            "measured": got,
+            "targets": TARGETS,
+            "relative_error": rel,
+            "max_relative_error": max(abs(v) for v in rel.values()),
+        },
+        args.out,
     )
 
 

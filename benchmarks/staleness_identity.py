@@ -47,7 +47,7 @@ def main() -> None:
         b, _ = simulate(config(phi, mu, "boundary", args.steps))
         c, _ = simulate(config(phi, mu, "continuous", args.steps))
         sb, sc = b["staleness"], c["staleness"]
-        target = phi + (mu - 1) / 2
+        target = sb["target"]  # AlgoConfig.target_staleness: phi + (mu - 1) / 2
         row = {
             "phi": phi,
             "mu": mu,

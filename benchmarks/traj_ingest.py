@@ -22,15 +22,13 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from report import emit
 
 from gyre.traj import (
     CallMeta,
@@ -184,15 +182,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     report = {
         "benchmark": "traj_ingest",
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "ingest": ingest_benchmark(args.reps, rng),
         "synthetic_636": synthetic_benchmark(args.seed),
     }
-    print(json.dumps(report))
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
