@@ -30,7 +30,6 @@ submission ends at once with `finish_reason="abort"` and no tokens when it arriv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -353,10 +352,11 @@ class ServerThread:
             await self.server.stop()
             close = getattr(self.engine, "close", None)
             if close is not None:
-                with contextlib.suppress(Exception):
-                    await close()
+                await close()
 
-        with contextlib.suppress(Exception):
+        try:
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout_s)
+        except Exception:  # stopping goes on (the loop, the thread); what failed is reported, not swallowed
+            log.exception("engine endpoint %s: shutdown failed", self.server.url)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)

@@ -5,6 +5,8 @@ Imported by the test modules as `json_strategies` (pytest puts this directory on
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import strategies as st
 
 # Any JSON value: what a foreign or broken client could send.
@@ -25,3 +27,19 @@ def all_paths(value, prefix=()) -> list[tuple]:
         for i, child in enumerate(value):
             paths += all_paths(child, (*prefix, i))
     return paths
+
+
+DELETE = object()  # `mutate`'s value that removes the field
+
+
+def mutate(body: dict, path: list, value) -> dict:
+    """A deep copy of `body` with the field at `path` set to `value` (or removed: `DELETE`)."""
+    body = copy.deepcopy(body)
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    if value is DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return body

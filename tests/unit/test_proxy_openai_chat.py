@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from json_strategies import JSON, all_paths
+from json_strategies import DELETE, JSON, all_paths, mutate
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from gyre.proxy.conversation import (
@@ -116,21 +115,6 @@ def test_object_arguments_become_compact_json_and_stop_lists_are_kept():
     request = chat.parse_request(body, {}, {})
     assert request.turns[1].tool_calls[0].arguments == '{"path":"README.md","n":1}'
     assert request.stop == ("a", "b")
-
-
-def mutate(body: dict, path: list, value) -> dict:
-    body = copy.deepcopy(body)
-    target = body
-    for key in path[:-1]:
-        target = target[key]
-    if value is DELETE:
-        del target[path[-1]]
-    else:
-        target[path[-1]] = value
-    return body
-
-
-DELETE = object()
 
 
 @pytest.mark.parametrize(

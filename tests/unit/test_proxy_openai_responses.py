@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from json_strategies import JSON, all_paths
+from json_strategies import DELETE, JSON, all_paths, mutate
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -217,21 +216,6 @@ def test_instructions_come_first_in_the_system_prompt_and_string_input_is_one_us
     )
     assert request.system is None and request.turns[1] == Turn(role="system", text="b")
     assert responses.parse_request({**codex_body(), "reasoning": {"effort": "none"}}, {}, {}).thinking is False
-
-
-DELETE = object()
-
-
-def mutate(body: dict, path: list, value) -> dict:
-    body = copy.deepcopy(body)
-    target = body
-    for key in path[:-1]:
-        target = target[key]
-    if value is DELETE:
-        del target[path[-1]]
-    else:
-        target[path[-1]] = value
-    return body
 
 
 @pytest.mark.parametrize(
