@@ -1,0 +1,281 @@
+"""HF-named state dicts (as `gyre.engine.weights.read_state_dict` reads them) <-> Megatron `GPTModel` state dicts.
+
+A hand-written dense mapping (DESIGN.md, "HF <-> Megatron weights"); per layer `i` (HF) of PP stage `s`, local
+index `i - s * L / pp` (Megatron numbers layers per stage):
+
+| HF | Megatron | TP split |
+|---|---|---|
+| `model.embed_tokens.weight` | `embedding.word_embeddings.weight` (first stage) | rows (vocab) |
+| `model.layers.i.input_layernorm.weight` | `decoder.layers.j.input_layernorm.weight` | replicated |
+| `model.layers.i.self_attn.{q,k,v}_proj.{weight,bias}` | `decoder.layers.j.self_attention.linear_qkv.*` | KV groups |
+| `model.layers.i.self_attn.{q,k}_norm.weight` | `decoder.layers.j.self_attention.{q,k}_layernorm.weight` | replicated |
+| `model.layers.i.self_attn.o_proj.weight` | `decoder.layers.j.self_attention.linear_proj.weight` | columns |
+| `model.layers.i.post_attention_layernorm.weight` | `decoder.layers.j.pre_mlp_layernorm.weight` | replicated |
+| `model.layers.i.mlp.{gate,up}_proj.weight` | `decoder.layers.j.mlp.linear_fc1.weight` | gate and up each by rows |
+| `model.layers.i.mlp.down_proj.weight` | `decoder.layers.j.mlp.linear_fc2.weight` | columns |
+| `model.norm.weight` | `decoder.final_layernorm.weight` (last stage) | replicated |
+| `lm_head.weight` (embedding if tied) | `output_layer.weight` (last stage; absent if tied at PP=1) | rows (vocab) |
+
+`linear_qkv` is interleaved per KV group: for each group, the rows of its query heads, then its key head, then its
+value head (plain concatenation computes wrong attention); TP rank r holds groups [r K/t, (r+1) K/t).
+`linear_fc1` of rank r is [gate shard r; up shard r].
+
+Contract: `hf_to_megatron` and `load_hf_state_dict` are strict. Missing, unexpected or mis-shaped HF tensors, and a
+converted dict that does not match the model's parameters, raise one ValueError listing them before anything is
+loaded. Tolerated, as in `gyre.engine.weights.load_pretrained`: `*.rotary_emb.inv_freq`, and a tied checkpoint's
+`lm_head.weight` equal to the embedding. `megatron_to_hf` inverts the mapping from every TP shard of every stage;
+the round trip returns bit-identical tensors (only copies and concatenations, no arithmetic).
+
+Under TransformerEngine's layer spec the two per-layer norms live in the fused linears
+(`self_attention.linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`): `load_hf_state_dict` and
+`gather_hf_state_dict` rename them (`to_model_names`, `to_local_names`; not run on these CPU machines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from gyre.engine.hf_config import DecoderConfig
+from gyre.engine.model import DecoderLM
+from gyre.train.cpu_patch import apply_cpu_patches
+from gyre.train.model import validate_layout
+
+apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+EXTRA_STATE = "_extra_state"  # megatron/TE serialization slots, not weights
+
+
+def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of `config` (the native model's parameters, built on the meta device)."""
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_hf_state_dict(hf_state: Mapping[str, torch.Tensor], config: DecoderConfig) -> dict[str, torch.Tensor]:
+    """`hf_state` without tolerated extras; ValueError listing missing, unexpected and mis-shaped tensors."""
+    expected = hf_shapes(config)
+    state = {name: t for name, t in hf_state.items() if not name.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings and "lm_head.weight" in state:
+        embed = state.get("model.embed_tokens.weight")
+        if embed is None or not torch.equal(state["lm_head.weight"], embed):
+            raise ValueError(
+                "tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight: expected equal "
+                "tensors (or tie_word_embeddings=False)"
+            )
+        del state["lm_head.weight"]
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = sorted(
+        f"{n}: got {tuple(state[n].shape)}, expected {expected[n]}"
+        for n in set(expected) & set(state)
+        if tuple(state[n].shape) != expected[n]
+    )
+    if missing or unexpected or wrong_shape:
+        raise ValueError(
+            f"HF state dict does not match the config (model_type={config.model_type!r}): missing {missing}; "
+            f"unexpected {unexpected}; wrong shape {wrong_shape}"
+        )
+    return state
+
+
+def _stage_layers(config: DecoderConfig, pp_rank: int, pp_size: int) -> range:
+    per_stage = config.num_hidden_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
+    """[K, (G + 2) * D, ...]: per KV group its G query heads' rows, its key rows, its value rows."""
+    K, D = config.num_key_value_heads, config.head_dim
+    G = config.num_attention_heads // K
+    rest = q.shape[1:]
+    return torch.cat((q.reshape(K, G * D, *rest), k.reshape(K, D, *rest), v.reshape(K, D, *rest)), dim=1)
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor],
+    config: DecoderConfig,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of TP rank `tp_rank` and PP stage `pp_rank` (strict check of `hf_state` first)."""
+    validate_layout(config, tp_size, pp_size)
+    if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
+        raise ValueError(f"tp_rank={tp_rank}, pp_rank={pp_rank}: expected 0 <= rank < size ({tp_size}, {pp_size})")
+    hf = check_hf_state_dict(hf_state, config)
+    t, r = tp_size, tp_rank
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(t, dim=0)[r].clone()
+
+    def cols(x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(t, dim=1)[r].clone()
+
+    out: dict[str, torch.Tensor] = {}
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    if first:
+        out["embedding.word_embeddings.weight"] = rows(hf["model.embed_tokens.weight"])
+    for j, i in enumerate(_stage_layers(config, pp_rank, pp_size)):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{j}."
+        attn = src + "self_attn."
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
+        for suffix in ("weight", "bias") if config.attention_qkv_bias else ("weight",):
+            qkv = _interleave_qkv(*(hf[f"{attn}{p}_proj.{suffix}"] for p in "qkv"), config)
+            out[f"{dst}self_attention.linear_qkv.{suffix}"] = rows(qkv).flatten(0, 1)
+        if config.qk_norm:
+            out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"].clone()
+            out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
+        out[dst + "self_attention.linear_proj.weight"] = cols(hf[attn + "o_proj.weight"])
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat((rows(gate), rows(up)))
+        out[dst + "mlp.linear_fc2.weight"] = cols(hf[src + "mlp.down_proj.weight"])
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        if not config.tie_word_embeddings:
+            out["output_layer.weight"] = rows(hf["lm_head.weight"])
+        elif pp_size > 1:  # the last stage keeps its own copy of the tied embedding
+            out["output_layer.weight"] = rows(hf["model.embed_tokens.weight"])
+    return out
+
+
+def megatron_to_hf(
+    shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], config: DecoderConfig
+) -> dict[str, torch.Tensor]:
+    """The HF state dict from `shards[pp_rank][tp_rank]`, the Megatron state dicts of every stage and TP rank."""
+    pp_size, tp_size = len(shards), len(shards[0])
+    if any(len(stage) != tp_size for stage in shards):
+        raise ValueError(f"shards must be [pp][tp] with the same TP size per stage, got {[len(s) for s in shards]}")
+    K, D = config.num_key_value_heads, config.head_dim
+    G = config.num_attention_heads // K
+
+    def by_rows(stage: Sequence[Mapping[str, torch.Tensor]], name: str) -> torch.Tensor:
+        return torch.cat([shard[name] for shard in stage], dim=0)
+
+    def by_cols(stage: Sequence[Mapping[str, torch.Tensor]], name: str) -> torch.Tensor:
+        return torch.cat([shard[name] for shard in stage], dim=1)
+
+    hf: dict[str, torch.Tensor] = {}
+    for s, stage in enumerate(shards):
+        if s == 0:
+            hf["model.embed_tokens.weight"] = by_rows(stage, "embedding.word_embeddings.weight")
+        for j, i in enumerate(_stage_layers(config, s, pp_size)):
+            src, dst = f"decoder.layers.{j}.", f"model.layers.{i}."
+            attn = dst + "self_attn."
+            hf[dst + "input_layernorm.weight"] = stage[0][src + "input_layernorm.weight"].clone()
+            hf[dst + "post_attention_layernorm.weight"] = stage[0][src + "pre_mlp_layernorm.weight"].clone()
+            for suffix in ("weight", "bias") if config.attention_qkv_bias else ("weight",):
+                qkv = by_rows(stage, f"{src}self_attention.linear_qkv.{suffix}")
+                q, k, v = qkv.reshape(K, (G + 2) * D, *qkv.shape[1:]).split((G * D, D, D), dim=1)
+                hf[f"{attn}q_proj.{suffix}"] = q.flatten(0, 1).clone()
+                hf[f"{attn}k_proj.{suffix}"] = k.flatten(0, 1).clone()
+                hf[f"{attn}v_proj.{suffix}"] = v.flatten(0, 1).clone()
+            if config.qk_norm:
+                hf[attn + "q_norm.weight"] = stage[0][src + "self_attention.q_layernorm.weight"].clone()
+                hf[attn + "k_norm.weight"] = stage[0][src + "self_attention.k_layernorm.weight"].clone()
+            hf[attn + "o_proj.weight"] = by_cols(stage, src + "self_attention.linear_proj.weight")
+            gate_up = [shard[src + "mlp.linear_fc1.weight"].chunk(2, dim=0) for shard in stage]
+            hf[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
+            hf[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
+            hf[dst + "mlp.down_proj.weight"] = by_cols(stage, src + "mlp.linear_fc2.weight")
+        if s == pp_size - 1:
+            hf["model.norm.weight"] = stage[0]["decoder.final_layernorm.weight"].clone()
+            if not config.tie_word_embeddings:
+                hf["lm_head.weight"] = by_rows(stage, "output_layer.weight")
+    return hf
+
+
+# TransformerEngine's layer spec fuses the pre-attention and pre-MLP norms into the following linear layer.
+TE_FUSED_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def to_model_names(state: Mapping[str, torch.Tensor], model_names: Collection[str]) -> dict[str, torch.Tensor]:
+    """`state` (local-spec names) renamed to a TransformerEngine-spec model's fused norm names where the model has
+    them; unchanged for a local-spec model."""
+    out = {}
+    for name, tensor in state.items():
+        for local, fused in TE_FUSED_NORMS.items():
+            if name.endswith(local) and name.removesuffix(local) + fused in model_names:
+                name = name.removesuffix(local) + fused
+        out[name] = tensor
+    return out
+
+
+def to_local_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `to_model_names`: TransformerEngine's fused norm names back to the local spec's."""
+    out = {}
+    for name, tensor in state.items():
+        for local, fused in TE_FUSED_NORMS.items():
+            if name.endswith(fused):
+                name = name.removesuffix(fused) + local
+        out[name] = tensor
+    return out
+
+
+def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Weight names and shapes of a Megatron module (its `_extra_state` slots left out)."""
+    return {n: tuple(t.shape) for n, t in model.state_dict().items() if not n.endswith(EXTRA_STATE)}
+
+
+def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], config: DecoderConfig) -> None:
+    """Load HF weights into this rank's Megatron model (its TP shard and PP stage from `parallel_state`).
+    Everything is checked first; nothing is copied unless every tensor matches."""
+    state = hf_to_megatron(
+        hf_state,
+        config,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    expected = model_shapes(model)
+    state = to_model_names(state, expected)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = sorted(
+        f"{n}: got {tuple(state[n].shape)}, expected {expected[n]}"
+        for n in set(expected) & set(state)
+        if tuple(state[n].shape) != expected[n]
+    )
+    if missing or unexpected or wrong_shape:
+        raise ValueError(
+            f"converted state dict does not match the Megatron model: missing {missing}; unexpected {unexpected}; "
+            f"wrong shape {wrong_shape}"
+        )
+    result = model.load_state_dict(state, strict=False)
+    leftover = [n for n in result.missing_keys if not n.endswith(EXTRA_STATE)]
+    assert not leftover and not result.unexpected_keys, (leftover, result.unexpected_keys)
+
+
+def gather_hf_state_dict(model: torch.nn.Module, config: DecoderConfig) -> dict[str, torch.Tensor]:
+    """The full HF state dict, on every rank, from the TP shards and PP stages of `model` across the model-parallel
+    groups (collective: every TP and PP rank must call it). PP stages travel as objects (fine for CPU and tests)."""
+    local = to_local_names({n: t.detach() for n, t in model.state_dict().items() if not n.endswith(EXTRA_STATE)})
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    stage: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
+    for name in sorted(local):
+        parts = [torch.empty_like(local[name]) for _ in range(tp_size)]
+        if tp_size > 1:
+            dist.all_gather(parts, local[name].contiguous(), group=tp_group)
+        else:
+            parts = [local[name].clone()]
+        for r in range(tp_size):
+            stage[r][name] = parts[r]
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp_size == 1:
+        return megatron_to_hf([stage], config)
+    stages: list[list[dict[str, torch.Tensor]] | None] = [None] * pp_size
+    dist.all_gather_object(stages, stage, group=parallel_state.get_pipeline_model_parallel_group())
+    return megatron_to_hf(stages, config)
