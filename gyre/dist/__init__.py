@@ -1,0 +1,8 @@
+"""Process groups of cells and prefixes, and weight transport from the core (DESIGN.md, process model).
+
+`layout` is pure (stdlib); `groups` and `transport` need torch.distributed. See docs/distributed.md.
+"""
+
+from gyre.dist.layout import GroupSpec, Layout
+
+__all__ = ["GroupSpec", "Layout"]
