@@ -1,0 +1,226 @@
+"""Cross-process micro-step claims: the controller's queue seen by every training cell through a key-value store.
+
+Role: the stream packing buffer fills a `gyre.data.MicroStepQueue` on the controller; training cells run in other
+processes. This module moves the queue's content into a `torch.distributed.Store` (the job's TCPStore) as *claim
+units*, and gives each cell leader an atomic claim (paper: "cells claim micro-steps atomically from a shared queue
+whenever compute frees up"). It also carries the step's membership: which prefix of cells trains this step.
+
+Keys of optimizer step `s` (under `gyre/step/{s}/`):
+- `unit/{i}`: the i-th claim unit, encoded (`encode_unit`), or `CLOSED` once the stream has ended before it.
+- `next`: the claim counter. A leader's `store.add(next, 1) - 1` is the index it owns: claims are disjoint and
+  nothing is lost, because each index is handed out once and every index is eventually written (a unit or
+  `CLOSED`).
+- `cells`: the number of training cells of the step (a prefix 0..k-1 of the cells, core first), written once by
+  `close` before any `CLOSED`; a cell that reads `CLOSED` then reads it to pick the prefix group it reduces over.
+
+Claim units. A split execution (rows in several micro-steps, `MicroStep.split_E`) needs s_i (Eq. 5) over all its
+micro-steps before any of them computes its loss. Its micro-steps are emitted consecutively, so the controller
+ships such a run as one unit: the claiming cell does a no-grad pass over the unit, then the forward-backward of
+each micro-step, and no cross-cell reduction of s_i is needed mid-stream. Every other micro-step is a unit alone.
+
+Sentinels. Each cell leader holds at most one claimed index it has not yet received. So at close, with n units
+put, `CLOSED` is written at n .. n + max_cells - 1: every outstanding claim gets an answer, and a cell that joins
+after the close claims an index in that range and stops at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Sequence
+from dataclasses import fields
+
+import numpy as np
+
+from gyre.data.microstep import MicroStep
+
+__all__ = ["CLOSED", "ClaimUnitAssembler", "StepBoard", "StepClaimer", "decode_unit", "encode_unit"]
+
+CLOSED = b"gyre:closed"
+_MAGIC = b"GYREUNIT1\n"
+_ARRAY_FIELDS = tuple(f.name for f in fields(MicroStep) if f.name.endswith(("_U", "_R", "_R1", "_E")))
+_PLAIN_FIELDS = ("batch", "index", "num_executions", "execution_ids", "group_ids")
+
+
+def _prefix(step: int) -> str:
+    return f"gyre/step/{step}/"
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def encode_unit(unit: Sequence[MicroStep]) -> bytes:
+    """Micro-steps as bytes: a JSON header line (fields, dtypes, shapes) then the arrays' raw bytes, in order."""
+    if not unit:
+        raise ValueError("a claim unit needs at least one micro-step")
+    header: list[dict] = []
+    blobs: list[bytes] = []
+    for step in unit:
+        arrays = []
+        for name in _ARRAY_FIELDS:
+            array = np.ascontiguousarray(getattr(step, name))
+            arrays.append([name, array.dtype.str, list(array.shape)])
+            blobs.append(array.tobytes())
+        header.append({"plain": {name: getattr(step, name) for name in _PLAIN_FIELDS}, "arrays": arrays})
+    return _MAGIC + json.dumps(header, separators=(",", ":")).encode() + b"\n" + b"".join(blobs)
+
+
+def decode_unit(data: bytes) -> tuple[MicroStep, ...]:
+    """The inverse of `encode_unit` (arrays are copies, writable)."""
+    if not data.startswith(_MAGIC):
+        raise ValueError(f"not an encoded claim unit (starts with {data[:16]!r})")
+    end = data.index(b"\n", len(_MAGIC))
+    header = json.loads(data[len(_MAGIC) : end])
+    offset = end + 1
+    steps = []
+    for entry in header:
+        values: dict = dict(entry["plain"])
+        values["execution_ids"] = tuple(values["execution_ids"])
+        values["group_ids"] = tuple(values["group_ids"])
+        for name, dtype, shape in entry["arrays"]:
+            dtype = np.dtype(dtype)
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            count = size // dtype.itemsize
+            flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset) if count else np.empty(0, dtype)
+            values[name] = flat.reshape(shape).copy()
+            offset += size
+        steps.append(MicroStep(**values))
+    if offset != len(data):
+        raise ValueError(f"claim unit has {len(data) - offset} trailing bytes")
+    return tuple(steps)
+
+
+# ----------------------------------------------------------------------------- units (pure)
+
+
+def _split_executions(step: MicroStep) -> set[str]:
+    return {e for e, split in zip(step.execution_ids, step.split_E.tolist(), strict=True) if split}
+
+
+class ClaimUnitAssembler:
+    """Groups a stream of micro-steps into claim units: a run of consecutive micro-steps sharing a split execution
+    becomes one unit; any other micro-step is a unit alone. Pure; the controller feeds it in emission order."""
+
+    def __init__(self) -> None:
+        self._pending: list[MicroStep] = []
+        self._pending_split: set[str] = set()
+
+    def add(self, step: MicroStep) -> list[tuple[MicroStep, ...]]:
+        """Feed one micro-step; returns the units it completes (zero, one or two)."""
+        split = _split_executions(step)
+        done = []
+        if self._pending and not (split & self._pending_split):
+            done.append(self._take())
+        if split:
+            self._pending.append(step)
+            self._pending_split |= split
+        else:
+            done.append((step,))
+        return done
+
+    def flush(self) -> list[tuple[MicroStep, ...]]:
+        """The held-back run, at the end of the stream."""
+        return [self._take()] if self._pending else []
+
+    def _take(self) -> tuple[MicroStep, ...]:
+        unit = tuple(self._pending)
+        self._pending, self._pending_split = [], set()
+        return unit
+
+
+# ----------------------------------------------------------------------------- store adapters
+
+
+class StepBoard:
+    """Controller side of one optimizer step: puts units, admits cells, closes the stream.
+
+    store: a `torch.distributed.Store` every cell leader reaches. max_cells: the number of cells of the job (the
+    sentinel count). cells: training cells at the start of the step (the core alone is 1)."""
+
+    def __init__(self, store, step: int, *, max_cells: int, cells: int = 1) -> None:
+        if max_cells < 1 or not 1 <= cells <= max_cells:
+            raise ValueError(f"need 1 <= cells <= max_cells, got cells={cells}, max_cells={max_cells}")
+        self.store, self.step, self.max_cells = store, step, max_cells
+        self._prefix = _prefix(step)
+        self._assembler = ClaimUnitAssembler()
+        self.num_units = 0
+        self.cells = cells
+        self.closed = False
+
+    def put(self, step: MicroStep) -> None:
+        """Enqueue one micro-step (in emission order); it becomes claimable when its unit is complete."""
+        if self.closed:
+            raise ValueError(f"step {self.step}: the stream is closed after {self.num_units} units")
+        for unit in self._assembler.add(step):
+            self._put_unit(unit)
+
+    def admit(self) -> int:
+        """Let the next cell (a satellite, in cell order) join the step; returns its cell index."""
+        if self.closed:
+            raise ValueError(f"step {self.step}: the join window closed with the stream")
+        if self.cells >= self.max_cells:
+            raise ValueError(f"step {self.step}: all {self.max_cells} cells already train")
+        self.cells += 1
+        return self.cells - 1
+
+    def close(self) -> int:
+        """End the stream (and the join window): flush the held-back unit, write the membership, then the
+        sentinels. Returns the number of units."""
+        if self.closed:
+            return self.num_units
+        for unit in self._assembler.flush():
+            self._put_unit(unit)
+        self.store.set(self._prefix + "cells", str(self.cells))
+        for i in range(self.num_units, self.num_units + self.max_cells):
+            self.store.set(f"{self._prefix}unit/{i}", CLOSED)
+        self.closed = True
+        return self.num_units
+
+    def clear(self) -> None:
+        """Delete the step's keys once every cell is past it (the core's reduction proves it): units can be MBs."""
+        for i in range(self.num_units + self.max_cells):
+            self.store.delete_key(f"{self._prefix}unit/{i}")
+        for name in ("next", "cells"):
+            self.store.delete_key(self._prefix + name)
+
+    def _put_unit(self, unit: tuple[MicroStep, ...]) -> None:
+        self.store.set(f"{self._prefix}unit/{self.num_units}", encode_unit(unit))
+        self.num_units += 1
+
+
+class StepClaimer:
+    """Cell side of one optimizer step: `claim` on the cell leader, `receive` on the cell's other ranks.
+
+    timeout_s bounds every wait on the store (a controller that died must not hang the job forever)."""
+
+    def __init__(self, store, step: int, *, timeout_s: float = 600.0) -> None:
+        self.store, self.step = store, step
+        self._prefix = _prefix(step)
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self.claimed: list[int] = []  # unit indices this cell took (monitoring and tests)
+
+    def claim_index(self) -> int:
+        """Atomically own the next unit index (cell leader only)."""
+        return int(self.store.add(self._prefix + "next", 1)) - 1
+
+    def receive(self, index: int) -> tuple[MicroStep, ...] | None:
+        """The unit at `index`, waiting until it is written; None when the stream closed before it."""
+        key = f"{self._prefix}unit/{index}"
+        self.store.wait([key], self._timeout)
+        data = self.store.get(key)
+        if data == CLOSED:
+            return None
+        self.claimed.append(index)
+        return decode_unit(data)
+
+    def claim(self) -> tuple[int, tuple[MicroStep, ...]] | None:
+        """The next (unit index, unit) for this cell, or None when the step's stream is done."""
+        index = self.claim_index()
+        unit = self.receive(index)
+        return None if unit is None else (index, unit)
+
+    def cells(self) -> int:
+        """The number of cells that train this step (valid once `claim` returned None)."""
+        key = self._prefix + "cells"
+        self.store.wait([key], self._timeout)
+        return int(self.store.get(key))

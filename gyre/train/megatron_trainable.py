@@ -1,0 +1,65 @@
+"""A Megatron-core `GPTModel` as a `gyre.train.streaming.Trainable`: packed-row log-probs, TP-aware clipping, AdamW.
+
+The streaming step reduces gradients over prefix groups of cells that change from step to step, which Megatron's
+DDP (one fixed data-parallel group, set at start-up) cannot do; so the model is used without DDP and the update is
+plain: gradients are in `param.grad`, the global norm counts each tensor-parallel shard once and each replicated
+tensor (norms, qkv biases) once (`param_is_not_tensor_parallel_duplicate`, as Megatron's own `clip_grads` does),
+summed over the cell's TP group; then clip and `torch.optim.AdamW`. Only the core's ranks call `update`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from torch import Tensor
+
+from gyre.data.microstep import MicroStep
+from gyre.train.logprobs import microstep_logprobs
+
+__all__ = ["MegatronTrainable", "global_grad_norm"]
+
+
+def global_grad_norm(params: list[Tensor]) -> Tensor:
+    """The L2 norm of the whole model's gradient from this rank's shards (fp32; summed over the TP group)."""
+    squares = torch.zeros(1, dtype=torch.float32)
+    for p in params:
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+            squares += p.grad.detach().float().pow(2).sum().cpu()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+    return squares.sqrt()[0]
+
+
+class MegatronTrainable:
+    """AdamW on a (TP-sharded) GPTModel; `update` clips the global gradient norm to `max_grad_norm` (0: off)."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0):
+        self.model = model
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=lr, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+
+    def logprobs(self, step: MicroStep) -> Tensor:
+        return microstep_logprobs(self.model, step)
+
+    def parameters(self) -> list[Tensor]:
+        return self._params
+
+    def update(self) -> dict[str, float]:
+        norm = float(global_grad_norm(self._params))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"gradient norm is {norm}: the step is skipped, parameters unchanged")
+        if self.max_grad_norm > 0:
+            scale = self.max_grad_norm / (norm + 1e-6)  # the coefficient torch.nn.utils.clip_grad_norm_ uses
+            if scale < 1.0:
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm}

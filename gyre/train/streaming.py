@@ -1,0 +1,208 @@
+"""Streaming micro-steps with dynamic membership: one optimizer step of one training cell.
+
+Paper ("Streaming training with dynamic membership"): cells claim micro-steps from the controller's queue whenever
+compute frees up and accumulate gradients; weights are frozen during accumulation, so a satellite that joins
+mid-step computes against the same snapshot; when the stream is closed and drained, gradients are summed over the
+prefix group of the cells that trained this step; the core alone normalizes, clips and updates; after a non-final
+update of a burst the core broadcasts the new parameters to the current satellites.
+
+Contract (DESIGN.md contract 7): the parameters after a step equal those of one process running the same
+micro-steps, whatever cells claimed which micro-steps and whenever satellites joined (fp32, up to summation order).
+That holds because the loss of a micro-step is its share of the batch loss (`gyre.rl.policy_loss` with the batch's
+`num_executions` and each execution's whole L_i), so per-cell gradient sums add up to the batch gradient; a split
+execution's micro-steps arrive as one claim unit (`gyre.dist.claims`) so s_i (Eq. 5) is computed over all of them.
+
+The model side is a `Trainable` (a torch module here, Megatron in `gyre.train.megatron_trainable`); this module
+owns the order of operations, not the math of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gyre.config.loss import LossConfig
+from gyre.data.microstep import MicroStep
+from gyre.dist.transport import WeightTransport, flatten_state_dict, unflatten
+from gyre.rl import finalize_sequence_ratio, policy_loss, sequence_log_ratio_sums
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "StepResult",
+    "Trainable",
+    "accumulate_unit",
+    "broadcast_parameters",
+    "publish_parameters",
+    "pull_parameters",
+    "reduce_gradients",
+    "train_step",
+]
+
+
+class Trainable(Protocol):
+    """What the step needs from a model on one rank: log-probs of packed rows, its trainable tensors, an update."""
+
+    def logprobs(self, step: MicroStep) -> Tensor:
+        """Per-token log-probs `[U]` of `step.ids_U` given the row before them (0 at a row's first token);
+        differentiable."""
+        ...
+
+    def parameters(self) -> list[Tensor]:
+        """This rank's trainable tensors (its shards under tensor parallelism), in a fixed order."""
+        ...
+
+    def update(self) -> dict[str, float]:
+        """Core only: clip and apply the optimizer to the accumulated (reduced) gradients; then zero them."""
+        ...
+
+
+@dataclass
+class StepResult:
+    """What one cell did in one step."""
+
+    units: list[int] = field(default_factory=list)  # claim-unit indices this cell processed
+    micro_steps: int = 0
+    tokens: int = 0
+    loss: float = 0.0  # this cell's share of the batch loss
+    cells: int = 1  # cells that trained the step (the prefix length)
+    update: dict[str, float] = field(default_factory=dict)  # core: the optimizer's metrics (grad norm, ...)
+
+
+def accumulate_unit(model: Trainable, unit: Sequence[MicroStep], config: LossConfig) -> float:
+    """Forward and backward over one claim unit, gradients added into `.grad`; returns the summed loss.
+
+    A unit with split executions first takes s_i (Eq. 5) over all its micro-steps in a no-grad pass: the weights
+    do not change during accumulation, so that pass sees the same log-probs as the backward passes."""
+    seq_ratio = None
+    if any(step.has_split for step in unit):
+        num_executions = unit[0].num_executions
+        sums = torch.zeros(2, num_executions, dtype=torch.float64)
+        with torch.no_grad():
+            for step in unit:
+                target = torch.from_numpy(step.target_U)
+                inputs = step.target_inputs()
+                logp_T = model.logprobs(step)[target].float()
+                sum_E, count_E = sequence_log_ratio_sums(
+                    logp_T - inputs["behavior_logp_T"], inputs["execution_T"], inputs["num_local"]
+                )
+                slots = torch.from_numpy(step.batch_execution_E)
+                sums[0].index_add_(0, slots, sum_E)
+                sums[1].index_add_(0, slots, count_E.double())
+        seq_ratio = finalize_sequence_ratio(sums[0], sums[1])
+    total = 0.0
+    for step in unit:
+        target = torch.from_numpy(step.target_U)
+        ratio_E = seq_ratio[torch.from_numpy(step.batch_execution_E)] if seq_ratio is not None else None
+        logp_T = model.logprobs(step)[target].float()
+        loss, _ = policy_loss(logp_T, **step.loss_inputs(seq_ratio_E=ratio_E), config=config)
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def _flat_grads(params: Sequence[Tensor]) -> Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def reduce_gradients(params: Sequence[Tensor], dst: int, group: dist.ProcessGroup | None) -> None:
+    """Sum every parameter's `.grad` over `group` onto global rank `dst` (the core's rank at this coordinate), in
+    one flat buffer; None (one cell) does nothing. Only `dst`'s gradients are meaningful afterwards."""
+    if group is None:
+        return
+    flat = _flat_grads(params)
+    dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group)
+    if dist.get_rank() != dst:
+        return
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+
+
+def broadcast_parameters(params: Sequence[Tensor], src: int, group: dist.ProcessGroup | None) -> None:
+    """Copy the parameters of global rank `src` (the core's rank at this coordinate) to every rank of `group`."""
+    if group is None:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+def publish_parameters(transport: WeightTransport, params: Sequence[Tensor], version: int) -> None:
+    """Core: expose this rank's parameters (its shards) as publication `version` of `transport`, for satellites
+    joining the step; the weights do not change until the step's update, so any pull sees one snapshot."""
+    transport.publish(flatten_state_dict({f"p{i}": p.detach() for i, p in enumerate(params)}), version)
+
+
+def pull_parameters(transport: WeightTransport, params: Sequence[Tensor], version: int) -> None:
+    """Satellite: copy publication `version` (the core's parameters at this rank's coordinate) into `params`."""
+    nbytes = sum(p.numel() * p.element_size() for p in params) + 16 * len(params)  # 16-byte alignment padding
+    weights, _ = transport.pull(torch.empty(nbytes, dtype=torch.uint8), version=version)
+    tensors = unflatten(weights.buffer, weights.manifest)
+    if len(tensors) != len(params):
+        raise ValueError(f"publication {version} holds {len(tensors)} tensors, this rank has {len(params)}")
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            source = tensors[f"p{i}"]
+            if source.shape != p.shape or source.dtype != p.dtype:
+                raise ValueError(
+                    f"publication {version}: tensor {i} is {source.dtype} {tuple(source.shape)}, this rank's is "
+                    f"{p.dtype} {tuple(p.shape)} (another layout or model?)"
+                )
+            p.copy_(source)
+
+
+def train_step(
+    model: Trainable,
+    *,
+    claim: Callable[[], tuple[int, Sequence[MicroStep]] | None],
+    cells: Callable[[], int],
+    prefix_group: Callable[[int], dist.ProcessGroup | None],
+    is_core: bool,
+    core_rank: int,
+    final: bool,
+    config: LossConfig,
+) -> StepResult:
+    """One optimizer step on one rank of a training cell.
+
+    claim: the next (unit index, claim unit) for this cell, or None once the stream is closed and drained.
+    cells: the number of cells that trained this step (asked after the stream is drained).
+    prefix_group: the process group of the first k cells at this rank's in-cell coordinate (None for k = 1).
+    is_core: this rank belongs to the core cell (it owns the optimizer). core_rank: the core's global rank at this
+    rank's coordinate (the source of the parameter broadcast). final: the last step of the burst (no broadcast:
+    satellites return to rollout and the core publishes to engines instead).
+    """
+    result = StepResult()
+    while (claimed := claim()) is not None:  # the stream: claim whenever compute frees up
+        index, unit = claimed
+        result.loss += accumulate_unit(model, unit, config)
+        result.units.append(index)
+        result.micro_steps += len(unit)
+        result.tokens += sum(step.num_tokens for step in unit)
+    result.cells = cells()
+    params = model.parameters()
+    group = prefix_group(result.cells)
+    reduce_gradients(params, core_rank, group)
+    if is_core:
+        result.update = model.update()
+    else:
+        for p in params:
+            p.grad = None
+    if not final:
+        broadcast_parameters(params, core_rank, group)
+    return result

@@ -1,0 +1,367 @@
+"""Exact elastic membership (DESIGN.md contract 7) on real gloo processes.
+
+Cells of one rank each: rank 0 is the controller and the core; the controller feeds each step's micro-steps to a
+TCPStore slowly while the core trains, and admits satellites at random micro-steps; a satellite pulls the core's
+weights of that step and claims from the same queue. After a burst of mu steps, the core's parameters must equal one
+process running the same claim units in order (fp32: relative 1e-5), and every unit must have been processed
+exactly once, some of them by satellites.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gyre.dist.local import free_port, run_local
+
+TIMEOUT_S = 150.0
+VOCAB = 64
+LR = 1e-2
+
+
+def model_config():
+    from gyre.engine.hf_config import DecoderConfig
+
+    return DecoderConfig(
+        model_type="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        attention_qkv_bias=True,
+    )
+
+
+def make_trainable(backend: str = "native", tensor_parallel: int = 1):
+    """The model both runs start from: the native decoder, or the same weights in a Megatron GPTModel (TP-sharded;
+    megatron's parallel state must be initialized on the default group first)."""
+    from gyre.engine.model import build_model
+
+    native = build_model(model_config(), seed=3)
+    if backend == "native":
+        from gyre.train.native_trainable import NativeTrainable
+
+        return NativeTrainable(native, lr=LR, max_grad_norm=1.0)
+    from gyre.train.convert import load_hf_state_dict
+    from gyre.train.megatron_trainable import MegatronTrainable
+    from gyre.train.model import build_gpt_model, init_model_parallel
+
+    init_model_parallel(tensor_parallel, 1)
+    model = build_gpt_model(model_config())
+    load_hf_state_dict(model, native.state_dict(), model_config())
+    return MegatronTrainable(model, lr=LR, max_grad_norm=1.0)
+
+
+def batch_microsteps(seed: int, batch: int, num_steps: int = 8) -> list:
+    """Micro-steps of one batch: 4 executions per micro-step, plus one execution split over micro-steps 2-3."""
+    from gyre.data.microstep import TokenRow, build_microstep
+
+    rng = np.random.default_rng(seed * 100 + batch)
+    num_executions = 4 * num_steps + 1
+    split_slot = num_executions - 1
+
+    def row(slot: int, execution: str, num_targets: int | None = None) -> TokenRow:
+        length = int(rng.integers(6, 14))
+        targets = np.zeros(length, dtype=bool)
+        targets[length // 2 :] = True
+        behavior = np.where(targets, -rng.uniform(0.5, 4.0, length), 0.0)
+        return TokenRow(
+            group_id=slot // 4,
+            execution=execution,
+            leaf=0,
+            role="main",
+            ids=rng.integers(0, VOCAB, length).astype(np.int64),
+            targets=targets,
+            behavior_logprobs=behavior,
+            advantage=float(rng.normal()),
+            execution_num_targets=int(targets.sum()) if num_targets is None else num_targets,
+            batch_execution=slot,
+        )
+
+    split_rows = [row(split_slot, "split") for _ in range(2)]
+    split_targets = sum(r.num_targets for r in split_rows)
+    split_rows = [row(split_slot, "split", split_targets) for _ in range(2)]  # L_i over both parts
+    steps = []
+    for index in range(num_steps):
+        rows = [row(4 * index + k, f"e{4 * index + k}") for k in range(4)]
+        split = ()
+        if index in (2, 3):
+            rows.append(split_rows[index - 2])
+            split = ("split",)
+        steps.append(build_microstep(batch, index, rows, num_executions, split=split))
+    return steps
+
+
+def loss_config():
+    from gyre.config.loss import LossConfig
+
+    return LossConfig()
+
+
+def flat_parameters(trainable) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in trainable.parameters()])
+
+
+def units_of(seed: int, step: int) -> list:
+    from gyre.dist.claims import ClaimUnitAssembler
+
+    assembler = ClaimUnitAssembler()
+    return [u for ms in batch_microsteps(seed, step) for u in assembler.add(ms)] + assembler.flush()
+
+
+def run_reference(trainable, seed: int, mu: int) -> None:
+    """One process: every claim unit of every step in order, one update per step."""
+    from gyre.train.streaming import train_step
+
+    for step in range(mu):
+        queue = list(enumerate(units_of(seed, step)))
+        train_step(
+            trainable,
+            claim=lambda queue=queue: queue.pop(0) if queue else None,
+            cells=lambda: 1,
+            prefix_group=lambda k: None,
+            is_core=True,
+            core_rank=0,
+            final=True,
+            config=loss_config(),
+        )
+
+
+def reference_worker(rank: int, world_size: int, *, seed: int, mu: int, out: str) -> None:
+    """The Megatron reference in a process of its own (megatron's parallel state needs a process group)."""
+    trainable = make_trainable("megatron", 1)
+    run_reference(trainable, seed, mu)
+    torch.save(hf_parameters(trainable), out)
+
+
+def hf_parameters(trainable) -> dict[str, torch.Tensor]:
+    """The whole model in HF names (Megatron shards gathered), to compare layouts."""
+    if hasattr(trainable, "model") and not hasattr(trainable.model, "lm_head"):
+        from gyre.train.convert import gather_hf_state_dict
+
+        return gather_hf_state_dict(trainable.model, model_config())
+    return {name: p.detach().clone() for name, p in trainable.model.state_dict().items()}
+
+
+def controller(store, *, seed: int, mu: int, num_cells: int, joins: list[list[int]]) -> None:
+    """Feed each step's micro-steps slowly and admit satellites before the micro-steps `joins[step]` names."""
+    from gyre.dist.claims import StepBoard
+
+    rng = random.Random(seed)
+    cells = 1
+    for step in range(mu):
+        board = StepBoard(store, step, max_cells=num_cells, cells=cells)
+        pending = sorted(joins[step])
+        for index, micro_step in enumerate(batch_microsteps(seed, step)):
+            while pending and pending[0] <= index and board.cells < num_cells:
+                pending.pop(0)
+                store.set(f"test/join/{step}/{board.admit()}", "1")
+            board.put(micro_step)
+            time.sleep(rng.uniform(0.02, 0.08))  # slower than a unit's compute: cells wait on the stream
+        board.close()
+        cells = board.cells
+        for cell in range(cells, num_cells):
+            store.set(f"test/join/{step}/{cell}", "0")
+
+
+class StoreSnapshotTransport:
+    """Only where Mooncake does not import: the core's flat buffer as one store value (one-sided like Mooncake,
+    fine for this test's 60 KB model). The test prints which transport ran."""
+
+    def __init__(self, store, prefix: str):
+        self.store, self.prefix = store, prefix
+
+    def publish(self, weights, version: int) -> None:
+        from gyre.dist.transport import publication_of
+
+        wire = publication_of(weights, version).to_wire()
+        self.store.set(f"{self.prefix}/{version}", json.dumps(wire).encode() + b"\n" + weights.buffer.numpy().tobytes())
+
+    def pull(self, into, *, version: int):
+        from gyre.dist.transport import Publication
+        from gyre.engine.protocol import FlatWeights
+
+        key = f"{self.prefix}/{version}"
+        self.store.wait([key], datetime.timedelta(seconds=60))
+        header, _, data = self.store.get(key).partition(b"\n")
+        publication = Publication.from_wire(json.loads(header))
+        into[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return FlatWeights(buffer=into[: len(data)], manifest=publication.manifest), version
+
+    def close(self) -> None:
+        pass
+
+
+def mooncake_imports() -> bool:
+    try:
+        from gyre.dist.transport_mooncake import import_transfer_engine
+
+        import_transfer_engine()
+    except ImportError:
+        return False
+    return True
+
+
+def weight_transport(store, coordinate: int):
+    """Mooncake over TCP on loopback (the design's one-sided pull), else the store snapshot."""
+    prefix = f"test/weights/{coordinate}"
+    if mooncake_imports():
+        from gyre.dist.transport_mooncake import MooncakeWeightTransport
+
+        return MooncakeWeightTransport(store=store, host="127.0.0.1", prefix=prefix, timeout_s=60)
+    return StoreSnapshotTransport(store, prefix)
+
+
+def stream_worker(
+    rank: int,
+    world_size: int,
+    *,
+    port: int,
+    seed: int,
+    mu: int,
+    joins: list[list[int]],
+    out: str,
+    backend: str = "native",
+    cell_size: int = 1,
+):
+    import torch.distributed as dist
+
+    from gyre.dist.claims import StepClaimer
+    from gyre.dist.groups import build_process_groups
+    from gyre.dist.layout import Layout
+    from gyre.train.streaming import publish_parameters, pull_parameters, train_step
+
+    num_cells = world_size // cell_size
+    cell, coordinate = divmod(rank, cell_size)
+    groups = build_process_groups(Layout(world_size=world_size, num_cells=num_cells, cell_size=cell_size))
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    trainable = make_trainable(backend, cell_size)
+    params = trainable.parameters()
+    dist.barrier(group=groups.control_group)  # every rank is up before the stream starts
+    feeder = None
+    if rank == 0:
+        feed_store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        feeder = threading.Thread(
+            target=controller,
+            args=(feed_store,),
+            kwargs={"seed": seed, "mu": mu, "num_cells": num_cells, "joins": joins},
+            daemon=True,
+        )
+        feeder.start()
+
+    def claim_in_cell(claimer):
+        """The leader claims; the cell's other ranks get the index over the cell group and read the same unit."""
+        index = torch.tensor([claimer.claim_index() if coordinate == 0 else -1])
+        if cell_size > 1:
+            dist.broadcast(index, src=cell * cell_size, group=groups.cell_group)
+        unit = claimer.receive(int(index))
+        return None if unit is None else (int(index), unit)
+
+    transport = weight_transport(store, coordinate)
+    joined = cell == 0
+    processed: dict[str, list[int]] = {}
+    for step in range(mu):
+        if cell == 0:  # the core exposes the step's weights (frozen during accumulation) for joiners
+            publish_parameters(transport, params, version=step + 1)
+        if not joined:
+            key = f"test/join/{step}/{cell}"
+            store.wait([key], timeout)
+            if store.get(key) != b"1":
+                continue
+            pull_parameters(transport, params, version=step + 1)
+            joined = True
+        claimer = StepClaimer(store, step, timeout_s=60)
+        result = train_step(
+            trainable,
+            claim=lambda claimer=claimer: claim_in_cell(claimer),
+            cells=claimer.cells,
+            prefix_group=groups.prefix_group,
+            is_core=cell == 0,
+            core_rank=coordinate,
+            final=step == mu - 1,
+            config=loss_config(),
+        )
+        processed[str(step)] = result.units if coordinate == 0 else []
+    state = hf_parameters(trainable) if backend == "megatron" or rank == 0 else None  # gather: every TP rank joins
+    if feeder is not None:
+        feeder.join(timeout=30)
+        torch.save(state, out)
+    dist.barrier(group=groups.control_group)  # the store lives on rank 0: keep it until every rank is done
+    transport.close()
+    return {"processed": processed, "transport": type(transport).__name__}
+
+
+def check_elastic_run(results, elastic, reference, initial, seed, mu, joins) -> None:
+    assert sorted(elastic) == sorted(reference)
+    assert any(not torch.equal(reference[n], initial[n]) for n in reference)  # the updates moved the parameters
+    difference = torch.cat([(elastic[n] - reference[n]).reshape(-1) for n in sorted(reference)]).norm()
+    relative = float(difference / torch.cat([reference[n].reshape(-1) for n in sorted(reference)]).norm())
+    assert relative <= 1e-5, f"elastic vs one process: relative difference {relative:.2e}"
+    for step in range(mu):
+        done = [u for r in results for u in r["processed"].get(str(step), [])]
+        assert sorted(done) == list(range(len(units_of(seed, step))))  # every unit exactly once
+    print(f"joins {joins}, weights pulled over {results[0]['transport']}")
+    by_satellites = sum(len(units) for r in results if r["cell"] > 0 for units in r["processed"].values())
+    assert by_satellites > 0, f"no satellite processed a unit (joins {joins}, {results}): the test exercised nothing"
+
+
+def join_plan(seed: int, mu: int, num_cells: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [sorted(rng.sample(range(4), rng.randint(1, num_cells - 1))) for _ in range(mu)]  # before micro-step 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world_size", "mu", "seed"), [(3, 1, 1), (4, 3, 2)])
+def test_satellites_joining_mid_batch_give_the_one_process_update(tmp_path, world_size, mu, seed):
+    joins = join_plan(seed, mu, world_size)
+    out = tmp_path / "core.pt"
+    results = run_local(
+        f"{__file__}:stream_worker",
+        world_size,
+        kwargs={"port": free_port(), "seed": seed, "mu": mu, "joins": joins, "out": str(out)},
+        timeout_s=TIMEOUT_S,
+    )
+    for rank, r in enumerate(results):
+        r["cell"] = rank
+    reference = make_trainable()
+    initial = hf_parameters(reference)
+    run_reference(reference, seed, mu)
+    check_elastic_run(results, torch.load(out), hf_parameters(reference), initial, seed, mu, joins)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mu", "seed"), [(1, 3), (3, 4)])
+def test_megatron_cells_of_two_tensor_parallel_ranks(tmp_path, mu, seed):
+    """2 cells x TP 2 (Megatron, gloo) against one Megatron process at TP 1 on the same micro-steps."""
+    joins = join_plan(seed, mu, 2)
+    out, reference_out = tmp_path / "core.pt", tmp_path / "reference.pt"
+    common = {"seed": seed, "mu": mu}
+    results = run_local(
+        f"{__file__}:stream_worker",
+        4,
+        kwargs={**common, "port": free_port(), "joins": joins, "out": str(out), "backend": "megatron", "cell_size": 2},
+        timeout_s=TIMEOUT_S,
+        env={"PYTHONWARNINGS": "ignore"},
+    )
+    for rank, r in enumerate(results):
+        r["cell"] = rank // 2
+    run_local(
+        f"{__file__}:reference_worker",
+        1,
+        kwargs={**common, "out": str(reference_out)},
+        timeout_s=TIMEOUT_S,
+        env={"PYTHONWARNINGS": "ignore"},
+    )
+    initial = {name: p.detach().clone() for name, p in make_trainable().model.state_dict().items()}
+    check_elastic_run(results, torch.load(out), torch.load(reference_out), initial, seed, mu, joins)
