@@ -79,11 +79,19 @@ def packed_logprobs(
     mask = block_causal_mask(positions_U).to(device)
     ids_1U, positions_1U = ids.to(device)[None], positions_U.to(device)[None]
     logits_1UV = model(ids_1U, positions_1U, mask)  # [1, U, V / tp] (parallel_output)
+    return logprobs_from_logits(logits_1UV, ids_1U, positions_U.to(device), temperature=temperature)
+
+
+def logprobs_from_logits(
+    logits_1UV: torch.Tensor, ids_1U: torch.Tensor, positions_U: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """fp32 `[U]` from the (vocab-parallel) logits of a packed row: token u's log-prob from the logits at u - 1,
+    0.0 where a row starts (`positions_U == 0`). Also the last pipeline stage's step (`gyre.train.pipeline`)."""
     # Megatron's CE is [S, B]-shaped and subtracts the max in place: give it its own fp32 tensor.
     logits_S1V = (logits_1UV[:, :-1].float() / temperature).transpose(0, 1).contiguous()
     nll_S1 = vocab_parallel_cross_entropy(logits_S1V, ids_1U[:, 1:].transpose(0, 1).contiguous())
-    logp_U = torch.cat((torch.zeros(1, dtype=torch.float32, device=device), -nll_S1[:, 0]))
-    return torch.where(positions_U.to(device) == 0, torch.zeros_like(logp_U), logp_U)
+    logp_U = torch.cat((torch.zeros(1, dtype=torch.float32, device=logits_1UV.device), -nll_S1[:, 0]))
+    return torch.where(positions_U == 0, torch.zeros_like(logp_U), logp_U)
 
 
 def microstep_logprobs(model: torch.nn.Module, step: MicroStep, *, temperature: float = 1.0) -> torch.Tensor:

@@ -177,6 +177,7 @@ def train_step(
     core_rank: int,
     final: bool,
     config: LossConfig,
+    pipeline=None,
 ) -> StepResult:
     """One optimizer step on one rank of a training cell.
 
@@ -185,15 +186,20 @@ def train_step(
     prefix_group: the process group of the first k cells at this rank's in-cell coordinate (None for k = 1).
     is_core: this rank belongs to the core cell (it owns the optimizer). core_rank: the core's global rank at this
     rank's coordinate (the source of the parameter broadcast). final: the last step of the burst (no broadcast:
-    satellites return to rollout and the core publishes to engines instead).
+    satellites return to rollout and the core publishes to engines instead). pipeline: a cell with PP > 1 passes
+    its `gyre.train.pipeline.StreamingPipeline`, which runs the claim loop as one continuous 1F1B pipeline (one
+    warm-up and one drain per step); at PP = 1 the units are accumulated one after another here.
     """
-    result = StepResult()
-    while (claimed := claim()) is not None:  # the stream: claim whenever compute frees up
-        index, unit = claimed
-        result.loss += accumulate_unit(model, unit, config)
-        result.units.append(index)
-        result.micro_steps += len(unit)
-        result.tokens += sum(step.num_tokens for step in unit)
+    if pipeline is not None:
+        result = pipeline.run(claim)
+    else:
+        result = StepResult()
+        while (claimed := claim()) is not None:  # the stream: claim whenever compute frees up
+            index, unit = claimed
+            result.loss += accumulate_unit(model, unit, config)
+            result.units.append(index)
+            result.micro_steps += len(unit)
+            result.tokens += sum(step.num_tokens for step in unit)
     result.cells = cells()
     params = model.parameters()
     group = prefix_group(result.cells)
