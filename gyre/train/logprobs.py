@@ -2,23 +2,25 @@
 
 Contract (the conventions of `gyre.data.microstep`)
 - Input: one packed row of U tokens `ids_U` holding R rows back to back, `row_offsets_R1` (R + 1 offsets, first 0,
-  last U). Positions restart at 0 at every row (they set the RoPE angles), and the attention mask is
-  block-diagonal causal: no token attends across rows. The mask is always passed explicitly (megatron's default
-  causal mask is built on "cuda"; on CPU it must come from the caller). Megatron's mask convention is
-  True = masked out.
+  last U). Positions restart at 0 at every row (they set the RoPE angles), and no token attends across rows. Each
+  row runs its own forward with a causal mask (megatron's local attention is dense: one forward over the packed
+  tokens under a block-diagonal mask costs U^2 instead of the sum of the rows' squared lengths). The mask is
+  always passed explicitly (megatron's default causal mask is built on "cuda"; on CPU it must come from the
+  caller). Megatron's mask convention is True = masked out.
 - Output: `logp_U[u] = log p(ids_U[u] | the tokens of its row before u)`, from the logits at u - 1, in fp32;
   0.0 at each row's first token (it has no context in its row). With `temperature != 1` the logits are divided by
   it first (the distribution a sampler at that temperature drew from; no top-k/top-p).
 - Tensor parallel: the logits stay vocab-parallel and the log-prob is minus megatron's
   `vocab_parallel_cross_entropy` (an autograd function: gradients flow to the model). Every TP rank gets the
   same `logp_U`. Pipeline parallel forwards go through megatron's schedules, not this function (ValueError).
-- Verified with megatron's local layer spec (CPU). Under TransformerEngine's spec the attention must honour the
-  explicit block mask (TE's `arbitrary` mask type) or take the rows as THD `cu_seqlens = row_offsets_R1`: not
-  done or run here (no GPU).
+- Verified with megatron's local layer spec (CPU). Under TransformerEngine's spec the packed tokens should go in
+  one forward as THD with `cu_seqlens = row_offsets_R1` (varlen attention, no U^2 term): not done or run here (no
+  GPU). The pipeline path (`gyre.train.pipeline`) still sends one packed forward with the block mask per stage.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -75,11 +77,21 @@ def packed_logprobs(
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"ids_U must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
     U = ids.numel()
-    positions_U = packed_positions(row_offsets_R1, U)
-    mask = block_causal_mask(positions_U).to(device)
-    ids_1U, positions_1U = ids.to(device)[None], positions_U.to(device)[None]
-    logits_1UV = model(ids_1U, positions_1U, mask)  # [1, U, V / tp] (parallel_output)
-    return logprobs_from_logits(logits_1UV, ids_1U, positions_U.to(device), temperature=temperature)
+    positions_U = packed_positions(row_offsets_R1, U)  # checks the offsets
+    offsets = torch.as_tensor(np.asarray(row_offsets_R1), dtype=torch.int64).tolist()
+    # One forward per row: the local spec computes attention densely, so one forward of the packed U tokens under a
+    # block mask would cost U^2 per layer instead of sum L_r^2 (4.2x slower at 4096-token micro-steps of ~400-token
+    # rows, benchmarks/train_throughput.py). Rows never attend across each other, so the result is the same.
+    parts = []
+    for start, end in itertools.pairwise(offsets):
+        if end - start == 1:  # a one-token row has no target
+            parts.append(torch.zeros(1, dtype=torch.float32, device=device))
+            continue
+        row_positions = positions_U[start:end].to(device)
+        ids_1L = ids[start:end].to(device)[None]
+        logits_1LV = model(ids_1L, row_positions[None], block_causal_mask(row_positions))  # [1, L, V / tp]
+        parts.append(logprobs_from_logits(logits_1LV, ids_1L, row_positions, temperature=temperature))
+    return torch.cat(parts)
 
 
 def logprobs_from_logits(

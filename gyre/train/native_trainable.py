@@ -6,6 +6,7 @@ the module's own tensors (no tensor parallelism).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -13,22 +14,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gyre.data.microstep import MicroStep
-from gyre.engine.model import DecoderLM, block_causal_mask, segments_from_positions
+from gyre.engine.model import DecoderLM
 
 __all__ = ["NativeTrainable", "packed_logprobs"]
 
 
 def packed_logprobs(model: DecoderLM, step: MicroStep) -> Tensor:
-    """`[U]` log-probs of every token given the tokens before it in its row (0 at each row's first token)."""
+    """`[U]` log-probs of every token given the tokens before it in its row (0 at each row's first token).
+    One forward per row (dense attention over the packed tokens would cost U^2, see gyre.train.logprobs)."""
     device = model.output_weight.device
-    ids_1U = torch.from_numpy(step.ids_U).to(device)[None]
-    positions_1U = torch.from_numpy(step.positions_U()).to(device)[None]
-    mask_1UU = block_causal_mask(segments_from_positions(positions_1U))
-    logits_1UV, _ = model(ids_1U, positions_1U, attention_mask=mask_1UU)
-    logp_UV = F.log_softmax(logits_1UV[0, :-1].float(), dim=-1)
-    next_logp = logp_UV.gather(1, ids_1U[0, 1:, None])[:, 0]
-    row_start_U = positions_1U[0] == 0
-    return torch.cat((next_logp.new_zeros(1), next_logp)).masked_fill(row_start_U, 0.0)
+    parts = []
+    for start, end in itertools.pairwise(step.row_offsets_R1.tolist()):
+        ids_1L = torch.from_numpy(step.ids_U[start:end]).to(device)[None]
+        positions_1L = torch.arange(end - start, device=device)[None]
+        logits_1LV, _ = model(ids_1L, positions_1L)  # causal within the row
+        logp_LV = F.log_softmax(logits_1LV[0, :-1].float(), dim=-1)
+        parts += [logp_LV.new_zeros(1), logp_LV.gather(1, ids_1L[0, 1:, None])[:, 0]]
+    return torch.cat(parts)
 
 
 class NativeTrainable:
