@@ -25,6 +25,10 @@ ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 # Why the model stopped, in dialect-free terms: "stop" (end of turn), "tool_calls" (ended after calling tools),
 # "length" (max tokens), "abort" (cancelled: only seen when the proxy could not complete a call).
 StopReason = Literal["stop", "tool_calls", "length", "abort"]
+# Headers any harness may send, in every dialect, to state the role of a call (gyre's builtin harness always does):
+# `x-gyre-role` is one of the four role labels of `gyre.traj.roles.Role` (main, main-summary, sub-agent,
+# sub-agent-summary); `x-gyre-agent-id` names a sub-agent's conversation thread (its own prompt builder).
+GYRE_SIGNAL_HEADERS = ("x-gyre-role", "x-gyre-agent-id")
 
 
 class ApiError(Exception):

@@ -39,7 +39,9 @@ from gyre.proxy.output import OutputDecoder
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
 from gyre.proxy.sessions import ExecutionSession, SessionRegistry, key_from_headers, thread_key
 from gyre.traj.record import CallMeta
-from gyre.traj.roles import is_claude_code_summary_request
+from gyre.traj.roles import Role, is_claude_code_summary_request
+
+ROLE_LABELS = tuple(role.value for role in Role)
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +193,9 @@ class ProxyServer:
         else:
             request = dialect.module.parse_request(body, headers, dict(http.query))
         self._check_model(request.model)
+        role = request.signals.get("x-gyre-role")
+        if role is not None and role not in ROLE_LABELS:
+            raise ApiError("invalid_request", f"header x-gyre-role: got {role!r}, expected one of {list(ROLE_LABELS)}")
         return session, request
 
     def _authenticate(self, http: web.Request) -> ExecutionSession:
@@ -395,6 +400,9 @@ def role_signals(request: ChatRequest) -> dict[str, Any]:
     dialect, `agent_id` from header `x-claude-code-agent-id` (a Claude Code sub-agent) and `summary_request`
     when the last user turn is Claude Code's compaction instruction."""
     signals = dict(request.signals)
+    role = signals.get("x-gyre-role")
+    if role:  # any harness may state its role (gyre's builtin harness always does): see GYRE_SIGNAL_HEADERS
+        signals["gyre_role"] = role
     if request.dialect != "anthropic":
         return signals
     agent_id = signals.get("x-claude-code-agent-id")

@@ -36,7 +36,7 @@ _EXECUTION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def thread_key(signals: Mapping[str, Any]) -> str:
     """Which conversation thread of an execution a call continues: sub-agents get their own."""
-    for name in ("x-claude-code-agent-id", "agent_id", "thread-id", "parent_thread_id"):
+    for name in ("x-gyre-agent-id", "x-claude-code-agent-id", "agent_id", "thread-id", "parent_thread_id"):
         value = signals.get(name)
         if value:
             return f"{name}={value}"

@@ -47,9 +47,9 @@ class StackThread:
     def call(self, coro, timeout_s: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def post(self, path: str, body: bytes, *, key: str | None = None) -> tuple[int, dict]:
+    def post(self, path: str, body: bytes, *, key: str | None = None, headers: dict | None = None) -> tuple[int, dict]:
         connection = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        headers = {"content-type": "application/json", "x-api-key": key or self.session.key}
+        headers = {"content-type": "application/json", "x-api-key": key or self.session.key, **(headers or {})}
         if path.startswith("/v1/chat") or path.startswith("/v1/responses"):
             headers["authorization"] = f"Bearer {key or self.session.key}"
         connection.request("POST", path, body=body, headers=headers)
@@ -116,6 +116,19 @@ def test_bad_requests_get_the_dialects_4xx_and_record_nothing(served, path):
     assert code == 200, reply
     recorded = 0 if path.endswith("count_tokens") else 1
     assert calls_recorded(served) == before + recorded  # only the valid call
+
+
+@pytest.mark.parametrize("path", [p for p in ROUTES if not p.endswith("count_tokens")])
+def test_an_unknown_gyre_role_is_a_400_and_a_known_one_is_recorded(served, path):
+    before = calls_recorded(served)
+    body = json.dumps(VALID[path]).encode()
+    code, reply = served.post(path, body, headers={"x-gyre-role": "boss"})
+    assert code == 400 and "x-gyre-role" in error_message(path, reply)
+    assert calls_recorded(served) == before
+    code, reply = served.post(path, body, headers={"x-gyre-role": "main-summary"})
+    assert code == 200, reply
+    last = max(load_tree(served.stack.registry.records_dir / "fuzz.jsonl").calls, key=lambda call: call.index)
+    assert last.meta.role_signals["gyre_role"] == "main-summary"
 
 
 def test_a_tool_result_that_answers_no_call_is_a_400(served):

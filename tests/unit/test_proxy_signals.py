@@ -30,3 +30,23 @@ def test_claude_code_sub_agents_and_compaction_are_classified_from_the_recorded_
 def test_other_dialects_keep_their_signals_as_parsed():
     signals = {"request_kind": "compaction", "thread_source": "subagent"}
     assert role_signals(request("openai_responses", SUMMARY_TEXT, signals)) == signals
+
+
+def test_every_dialect_takes_the_gyre_role_headers():
+    from gyre.proxy.dialects import anthropic, openai_chat, openai_responses
+    from gyre.proxy.sessions import thread_key
+
+    headers = {"X-Gyre-Role": "sub-agent", "x-gyre-agent-id": "helper-2", "anthropic-version": "2023-06-01"}
+    parsed = [
+        anthropic.parse_request(
+            {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, headers, {}
+        ),
+        openai_chat.parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, headers, {}),
+        openai_responses.parse_request({"model": "m", "input": "hi"}, headers, {}),
+    ]
+    classify = classifier_for("builtin").call_role
+    for chat in parsed:
+        signals = role_signals(chat)
+        assert signals["gyre_role"] == "sub-agent", chat.dialect
+        assert classify(signals, "r") == Role.SUB_AGENT
+        assert thread_key(signals) == "x-gyre-agent-id=helper-2"  # a sub-agent's own conversation thread

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gyre.proxy.conversation import (
+    GYRE_SIGNAL_HEADERS,
     ApiError,
     AssistantOutput,
     ChatRequest,
@@ -41,7 +42,7 @@ from gyre.proxy.dialects.incremental import MessageCache
 from gyre.proxy.dialects.sse import sse_event
 
 # Headers that tell requests of one harness session apart (main agent, sub-agents); keys are lower-cased.
-SIGNAL_HEADERS = ("x-claude-code-session-id", "x-claude-code-agent-id", "user-agent")
+SIGNAL_HEADERS = ("x-claude-code-session-id", "x-claude-code-agent-id", "user-agent", *GYRE_SIGNAL_HEADERS)
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}
 

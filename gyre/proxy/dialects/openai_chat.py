@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gyre.proxy.conversation import (
+    GYRE_SIGNAL_HEADERS,
     ApiError,
     AssistantOutput,
     ChatRequest,
@@ -319,7 +320,7 @@ def parse_request(
         stop=_stop(body.get("stop")),
         include_usage=include_usage,
         thinking=effort is not None and effort != "none",
-        signals={k: hdrs[k] for k in ("user-agent",) if k in hdrs},
+        signals={k: hdrs[k] for k in ("user-agent", *GYRE_SIGNAL_HEADERS) if k in hdrs},
     )
     if cache is not None:
         cache.store(messages, items)

@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from gyre.proxy.conversation import (
+    GYRE_SIGNAL_HEADERS,
     ApiError,
     AssistantOutput,
     ChatRequest,
@@ -60,7 +61,7 @@ __all__ = ["StreamWriter", "error_body", "parse_request", "response_body"]
 
 CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 TURN_METADATA_KEYS = ("request_kind", "thread_source", "parent_thread_id")
-SIGNAL_HEADERS = ("thread-id", "session_id", "user-agent", "x-openai-subagent")
+SIGNAL_HEADERS = ("thread-id", "session_id", "user-agent", "x-openai-subagent", *GYRE_SIGNAL_HEADERS)
 # ApiError.kind -> `response.error.code` of a failed streamed response (Codex reads context_length_exceeded).
 FAILED_CODES = {"prompt_too_long": "context_length_exceeded", "rate_limit": "rate_limit_exceeded"}
 
