@@ -1,0 +1,188 @@
+"""The bundled demo task family: integer arithmetic a tiny model solves by calling a calculator tool.
+
+DESIGN.md ("A tiny model can show learning on 2 cores"): a ~2M-parameter model guesses products of
+4-digit numbers badly and learns, under RL, to hand them to a tool. Each task asks "What is 4275 * 3662?";
+the builtin harness offers the `calculator` tool (`metadata.tools` is its `--tools` file, `metadata.tools_impl`
+its `--tools-impl`) and the final assistant message must end up in `answer.txt` in the workspace
+(`metadata.final_answer_file`); the hidden check (`gyre.tasks.demo.check:score_answer`, inline python
+evaluator) compares the last integer there with `hidden/expected.json`. A perfect episode:
+
+    user:       What is 4275 * 3662?
+    assistant:  <tool_call>{"name": "calculator", "arguments": {"expression": "4275 * 3662"}}</tool_call>
+    tool:       15655050
+    assistant:  15655050
+
+`make_demo_problems(n, seed, config)` is pure and deterministic; `generate_demo_tasks(n, seed, out_dir)`
+writes task directories (task.toml, empty workspace/, hidden/expected.json) and loads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gyre.tasks.demo.calculator import CALCULATOR_TOOL, CALCULATOR_TOOL_SPEC, calculator, evaluate_expression
+from gyre.tasks.demo.check import EXPECTED_FILE
+from gyre.tasks.spec import TASK_FILE, Task, load_task, write_task_toml
+
+__all__ = [
+    "CALCULATOR_TOOL",
+    "CALCULATOR_TOOL_SPEC",
+    "DemoConfig",
+    "DemoProblem",
+    "calculator",
+    "demo_episode",
+    "generate_demo_tasks",
+    "make_demo_problems",
+]
+
+SYSTEM_PROMPT = "You are a careful assistant. Use the calculator for arithmetic."  # as in the tiny model's corpus
+_OPERATORS = "+-*"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Difficulty knobs and episode shape of the demo family."""
+
+    num_operands: int = 2  # numbers per expression (2: "a * b"; 3+: "a + b * c", precedence matters)
+    min_digits: int = 1  # each operand has between min_digits and max_digits digits (uniform in the count)
+    max_digits: int = 4  # 4 digits: products a tiny model cannot guess, trivial for the tool
+    operators: str = "+-*"  # drawn uniformly per position; '*' is where the tool pays
+    parentheses: bool = False  # with 3+ operands, half the expressions group their first two operands
+    prompt_template: str = "What is {expression}?"  # a few dozen tokens at most; {expression} is required
+    answer_file: str = "answer.txt"  # where the answer must end up in the workspace
+    harness_timeout_s: float = 60.0  # a demo episode is seconds; past this the answer file is scored as is
+    overall_timeout_s: float = 120.0
+    id_prefix: str = "demo"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_operands, int) or self.num_operands < 2:
+            raise ValueError(f"DemoConfig.num_operands: expected an int >= 2, got {self.num_operands!r}")
+        if not (isinstance(self.min_digits, int) and isinstance(self.max_digits, int)):
+            raise TypeError("DemoConfig.min_digits and max_digits must be ints")
+        if not 1 <= self.min_digits <= self.max_digits <= 12:
+            raise ValueError(
+                f"DemoConfig: expected 1 <= min_digits <= max_digits <= 12, got {self.min_digits}, {self.max_digits}"
+            )
+        if not self.operators or any(op not in _OPERATORS for op in self.operators):
+            raise ValueError(
+                f"DemoConfig.operators: expected a non-empty subset of {_OPERATORS!r}, got {self.operators!r}"
+            )
+        if "{expression}" not in self.prompt_template:
+            raise ValueError(f"DemoConfig.prompt_template must contain {{expression}}, got {self.prompt_template!r}")
+        if not self.answer_file or "/" in self.answer_file or self.answer_file.startswith("."):
+            raise ValueError(f"DemoConfig.answer_file: expected a plain file name, got {self.answer_file!r}")
+        if not 0 < self.harness_timeout_s <= self.overall_timeout_s:
+            raise ValueError(
+                "DemoConfig: expected 0 < harness_timeout_s <= overall_timeout_s, got "
+                f"{self.harness_timeout_s}, {self.overall_timeout_s}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoProblem:
+    id: str
+    expression: str  # e.g. "4275 * 3662"
+    answer: int
+    prompt: str
+
+
+def _operand(rng: random.Random, config: DemoConfig) -> int:
+    digits = rng.randint(config.min_digits, config.max_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return rng.randint(low, 10**digits - 1)
+
+
+def make_demo_problems(n: int, seed: int, config: DemoConfig | None = None) -> list[DemoProblem]:
+    """`n` problems, the same for the same (n, seed, config) on any machine (`random.Random(seed)`)."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n: expected an int >= 0, got {n!r}")
+    config = config or DemoConfig()
+    rng = random.Random(seed)
+    problems = []
+    for i in range(n):
+        numbers = [str(_operand(rng, config)) for _ in range(config.num_operands)]
+        ops = [rng.choice(config.operators) for _ in range(config.num_operands - 1)]
+        if config.parentheses and config.num_operands >= 3 and rng.random() < 0.5:
+            numbers[0] = f"({numbers[0]} {ops[0]} {numbers.pop(1)})"
+            ops.pop(0)
+        expression = numbers[0] + "".join(f" {op} {x}" for op, x in zip(ops, numbers[1:], strict=True))
+        answer = evaluate_expression(expression)
+        assert isinstance(answer, int), expression  # +, -, * on ints
+        problems.append(
+            DemoProblem(
+                id=f"{config.id_prefix}-{seed}-{i:05d}",
+                expression=expression,
+                answer=answer,
+                prompt=config.prompt_template.format(expression=expression),
+            )
+        )
+    return problems
+
+
+def _metadata(problem: DemoProblem, config: DemoConfig) -> dict[str, Any]:
+    return {
+        "family": "demo.arithmetic",
+        "expression": problem.expression,  # also in the prompt; the answer is only in hidden/
+        "system_prompt": SYSTEM_PROMPT,
+        # The builtin harness's task tools: json.dump(tools) is its --tools file, tools_impl its --tools-impl.
+        "tools": [CALCULATOR_TOOL_SPEC],
+        "tools_impl": "gyre.tasks.demo.calculator:call",
+        "final_answer_file": config.answer_file,
+        "difficulty": {
+            k: v
+            for k, v in asdict(config).items()
+            if k in ("num_operands", "min_digits", "max_digits", "operators", "parentheses")
+        },
+    }
+
+
+def generate_demo_tasks(n: int, seed: int, out_dir: str | Path, *, config: DemoConfig | None = None) -> list[Task]:
+    """Write `n` demo task directories under `out_dir` (absent or empty) and return them loaded."""
+    config = config or DemoConfig()
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"out_dir {out_dir} must be absent or an empty directory")
+    tasks = []
+    for problem in make_demo_problems(n, seed, config):
+        task_dir = out_dir / problem.id
+        (task_dir / "workspace").mkdir(parents=True)
+        (task_dir / "hidden").mkdir()
+        expected = {"answer": str(problem.answer), "answer_file": config.answer_file}
+        (task_dir / "hidden" / EXPECTED_FILE).write_text(json.dumps(expected) + "\n", encoding="utf-8")
+        write_task_toml(
+            task_dir / TASK_FILE,
+            {
+                "id": problem.id,
+                "prompt": problem.prompt,
+                "evaluator": {
+                    "kind": "python",
+                    "function": "gyre.tasks.demo.check:score_answer",
+                    "isolation": "inline",  # our own bounded check: no child process per episode
+                    "timeout_s": 10.0,
+                },
+                "timeouts": {"harness_s": config.harness_timeout_s, "overall_s": config.overall_timeout_s},
+                "metadata": _metadata(problem, config),
+            },
+        )
+        tasks.append(load_task(task_dir))
+    return tasks
+
+
+def demo_episode(problem: DemoProblem) -> list[dict[str, Any]]:
+    """The messages of a perfect episode (for warm-start demonstrations): call the tool, answer with its value."""
+    value = calculator(problem.expression)
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": problem.prompt},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"name": "calculator", "arguments": {"expression": problem.expression}}],
+        },
+        {"role": "tool", "content": value},
+        {"role": "assistant", "content": value},
+    ]

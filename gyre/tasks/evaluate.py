@@ -1,0 +1,364 @@
+"""Evaluators: score the workspace an execution preserved, on a copy, under a time limit (partial scoring).
+
+`evaluate(task, workspace)` copies the preserved workspace (and `hidden/`) into a scratch directory, hashes
+the copy (the artifact reference: the evaluated state), runs the task's evaluator on the copy and returns an
+`EvaluationResult`. The preserved workspace is never modified, so an attempt can be retried on the same
+state and gets the same artifact reference.
+
+- `command`: argv with `{workspace}`, `{hidden}`, `{python}` substituted, cwd = the workspace copy, its own
+  process group killed at the time limit; stdout parsed as a pytest summary (passed / (passed + failed +
+  errors)), a fraction `a/b`, or a float in [0, 1].
+- `python`: `module:function(workspace, hidden_dir) -> float in [0, 1]`, in a child process (default, time
+  limited) or inline (trusted, bounded checks; no time limit).
+
+A workspace left by a timed-out harness is scored exactly like any other. Evaluator failure is NOT a score:
+a timeout of the evaluator itself is PENDING, a crash or an unreadable output is FAILED; both may be retried
+on the same preserved state within the execution's budget (`gyre.traj.outcomes`). `to_evaluation` maps a
+result onto `gyre.traj.outcomes.Evaluation`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from gyre.tasks.spec import CommandEvaluatorSpec, PythonEvaluatorSpec, Task
+from gyre.traj.outcomes import EvaluatedState, Evaluation, ExecutionId, Validity
+
+__all__ = [
+    "EvaluationResult",
+    "evaluate",
+    "evaluated_state",
+    "evaluator_version",
+    "parse_score",
+    "to_evaluation",
+    "workspace_digest",
+]
+
+LOG_TAIL_CHARS = 4000  # how much of an evaluator's output a result keeps
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationResult:
+    """One evaluation attempt of one preserved workspace.
+
+    `score` counts only when `validity` is VALID (it is 0.0 otherwise). `artifact` names the evaluated
+    state: the content hash of the workspace files as evaluated (`workspace_digest`).
+    """
+
+    score: float
+    validity: Validity
+    artifact: str  # "sha256:<hex>" of the evaluated workspace files
+    evaluator: str  # e.g. "command:pytest" or "python:gyre.tasks.demo.check:score_answer"
+    evaluator_version: str  # hash of the evaluator spec and the hidden files
+    detail: str  # what happened, e.g. "2/4 passed" or "evaluator timed out after 60 s"
+    log: str = ""  # the tail of the evaluator's stdout and stderr
+    duration_s: float = 0.0
+
+    @property
+    def valid(self) -> bool:
+        return self.validity is Validity.VALID
+
+
+# -- hashing -------------------------------------------------------------------------------------------
+
+
+def workspace_digest(workspace: str | Path) -> str:
+    """Content hash of a directory: relative paths, file bytes, executable bits and symlink targets, in
+    sorted order. Timestamps and the directory's own location do not count."""
+    root = Path(workspace)
+    if not root.is_dir():
+        raise ValueError(f"workspace {root} is not a directory: nothing to evaluate")
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]):
+            path = Path(dirpath, name)
+            rel = path.relative_to(root).as_posix().encode()
+            if path.is_symlink():
+                h.update(b"L" + rel + b"\0" + os.readlink(path).encode() + b"\0")
+                continue
+            if not path.is_file():
+                continue  # sockets, FIFOs, devices: not content (and opening a FIFO would block)
+            h.update(b"F" + rel + b"\0" + (b"x" if os.access(path, os.X_OK) else b"-"))
+            file_hash = hashlib.sha256()
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    file_hash.update(chunk)
+            h.update(file_hash.digest())
+    return "sha256:" + h.hexdigest()
+
+
+def _special_files(directory: str, names: list[str]) -> list[str]:
+    """copytree's ignore: skip what is neither a file, a directory nor a symlink (a FIFO would block the copy)."""
+    return [
+        n
+        for n in names
+        if not (os.path.islink(p := os.path.join(directory, n)) or os.path.isfile(p) or os.path.isdir(p))
+    ]
+
+
+def evaluator_version(task: Task) -> str:
+    """Changes when the evaluator spec or any hidden file changes (16 hex digits)."""
+    spec = task.evaluator
+    text = json.dumps({k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(spec).items()}, sort_keys=True)
+    hidden = workspace_digest(task.hidden_dir) if task.hidden_dir is not None else "none"
+    return hashlib.sha256(f"{text}\n{hidden}".encode()).hexdigest()[:16]
+
+
+def _evaluator_name(task: Task) -> str:
+    spec = task.evaluator
+    return f"command:{spec.score}" if isinstance(spec, CommandEvaluatorSpec) else f"python:{spec.function}"
+
+
+# -- score parsing -------------------------------------------------------------------------------------
+
+_PYTEST_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s\b")
+_PYTEST_COUNT = re.compile(r"(\d+) (\w+)")
+_FRACTION = re.compile(r"(\d+)\s*/\s*(\d+)")
+
+
+def parse_score(kind: str, stdout: str) -> tuple[float, str]:
+    """Read a score in [0, 1] from an evaluator's stdout; raises ValueError when there is none."""
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    if kind == "pytest":
+        for line in reversed(lines):
+            m = _PYTEST_SUMMARY.match(line)
+            if m:
+                counts: dict[str, int] = {}
+                for n, word in _PYTEST_COUNT.findall(m.group(1)):
+                    key = "errors" if word in ("error", "errors") else word
+                    counts[key] = counts.get(key, 0) + int(n)
+                passed = counts.get("passed", 0)
+                total = passed + counts.get("failed", 0) + counts.get("errors", 0)
+                if total == 0:
+                    raise ValueError(f"pytest ran no test that passed or failed: {line!r}")
+                return passed / total, f"{passed}/{total} passed"
+        raise ValueError("no pytest summary line (e.g. '2 failed, 2 passed in 0.1s') in the output")
+    if kind == "fraction":
+        for line in reversed(lines):
+            m = _FRACTION.search(line)
+            if m:
+                a, b = int(m.group(1)), int(m.group(2))
+                if b == 0 or a > b:
+                    raise ValueError(f"fraction {a}/{b} is not a score in [0, 1]")
+                return a / b, f"{a}/{b}"
+        raise ValueError("no 'passed/total' fraction in the output")
+    if kind == "float":
+        if not lines:
+            raise ValueError("no output: expected a score in [0, 1] on the last line")
+        try:
+            score = float(lines[-1])
+        except ValueError:
+            raise ValueError(f"last line {lines[-1]!r} is not a number") from None
+        if not (math.isfinite(score) and 0.0 <= score <= 1.0):
+            raise ValueError(f"score {score!r} is not in [0, 1]")
+        return score, f"score {score:g}"
+    raise ValueError(f"unknown score parser {kind!r}")
+
+
+def _check_score(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"the evaluator returned {type(value).__name__} {value!r}, expected a float in [0, 1]")
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"the evaluator returned {value!r}, expected a float in [0, 1]")
+    return float(value)
+
+
+# -- running -------------------------------------------------------------------------------------------
+
+
+def _tail(text: str) -> str:
+    return text if len(text) <= LOG_TAIL_CHARS else "...\n" + text[-LOG_TAIL_CHARS:]
+
+
+def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
+    """Run argv in its own process group; returns (exit code or None on timeout, stdout, stderr)."""
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,  # the whole group is killed at the limit, children included
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _run_command(spec: CommandEvaluatorSpec, workspace: Path, hidden: Path | None) -> tuple[Validity, float, str, str]:
+    values = {"workspace": str(workspace), "hidden": str(hidden or ""), "python": sys.executable}
+    argv = [a.replace("{workspace}", values["workspace"]).replace("{hidden}", values["hidden"]) for a in spec.argv]
+    argv = [a.replace("{python}", values["python"]) for a in argv]
+    env = _child_env({**spec.env, "GYRE_WORKSPACE": values["workspace"], "GYRE_HIDDEN_DIR": values["hidden"]})
+    try:
+        code, out, err = _run(argv, cwd=workspace, env=env, timeout_s=spec.timeout_s)
+    except OSError as e:  # the command itself is missing or not executable: the task's problem, retryable
+        return Validity.FAILED, 0.0, f"evaluator could not start {argv[0]!r}: {e}", ""
+    log = _tail(out + ("\n[stderr]\n" + err if err else ""))
+    if code is None:
+        return Validity.PENDING, 0.0, f"evaluator timed out after {spec.timeout_s:g} s", log
+    # pytest: 0 all passed, 1 some failed, 2 interrupted by collection errors (the agent's code) all carry a
+    # summary; 3 internal error, 4 usage error, 5 no tests collected are the evaluator's problem.
+    if (spec.score == "pytest" and code not in (0, 1, 2)) or (spec.score != "pytest" and code != 0):
+        return Validity.FAILED, 0.0, f"evaluator exited with status {code}", log
+    try:
+        score, detail = parse_score(spec.score, out)
+    except ValueError as e:
+        return Validity.FAILED, 0.0, f"evaluator output unreadable: {e}", log
+    return Validity.VALID, score, detail, log
+
+
+# The child imports nothing of gyre (importing gyre.tasks would pull in gyre.traj and numpy: ~0.1 s a call).
+_CHILD = """
+import importlib, json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+module_name, func_name = sys.argv[1].split(":")
+func = getattr(importlib.import_module(module_name), func_name)
+score = func(Path(sys.argv[3]), Path(sys.argv[4]) if sys.argv[4] else None)
+print("\\n" + json.dumps({"score": score}))
+"""
+
+
+def _call_function(function: str, workspace: str, hidden: str) -> object:
+    module_name, func_name = function.split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return func(Path(workspace), Path(hidden) if hidden else None)
+
+
+def _run_python(
+    spec: PythonEvaluatorSpec, task: Task, workspace: Path, hidden: Path | None, scratch: Path
+) -> tuple[Validity, float, str, str]:
+    if spec.isolation == "inline":
+        top = spec.function.split(".")[0].split(":")[0]
+        beside = (task.task_dir / top).is_dir() or (task.task_dir / f"{top}.py").is_file()
+        if beside and str(task.task_dir) not in sys.path:
+            sys.path.append(str(task.task_dir))  # appended: the task's checker never shadows an installed module
+        try:
+            value = _call_function(spec.function, str(workspace), str(hidden or ""))
+        except Exception:  # the user's checker crashed: a FAILED attempt carrying the traceback, not a score
+            return Validity.FAILED, 0.0, "evaluator raised", _tail(traceback.format_exc())
+        try:
+            return Validity.VALID, _check_score(value), f"score {value:g}", ""
+        except ValueError as e:
+            return Validity.FAILED, 0.0, str(e), ""
+    # cwd is an empty scratch directory, never the workspace: `python -c` puts the cwd on sys.path, and the
+    # agent must not be able to shadow the checker's modules.
+    cwd = scratch / "cwd"
+    cwd.mkdir()
+    argv = [sys.executable, "-c", _CHILD, spec.function, str(task.task_dir), str(workspace), str(hidden or "")]
+    code, out, err = _run(argv, cwd=cwd, env=_child_env(), timeout_s=spec.timeout_s)
+    log = _tail(out + ("\n[stderr]\n" + err if err else ""))
+    if code is None:
+        return Validity.PENDING, 0.0, f"evaluator timed out after {spec.timeout_s:g} s", log
+    if code != 0:
+        return Validity.FAILED, 0.0, f"evaluator exited with status {code}", log
+    try:
+        value = json.loads(out.strip().splitlines()[-1])["score"]
+        return Validity.VALID, _check_score(value), f"score {value:g}", log
+    except (ValueError, IndexError, KeyError, TypeError) as e:
+        return Validity.FAILED, 0.0, f"evaluator result unreadable: {e}", log
+
+
+def evaluate(task: Task, workspace: str | Path, *, scratch_root: str | Path | None = None) -> EvaluationResult:
+    """Evaluate the preserved `workspace` of one execution of `task` (on a copy; the original is untouched).
+
+    Raises ValueError when `workspace` is not a directory (there is no preserved state: a total failure is
+    closed as `CloseKind.FAILED`, not evaluated). Evaluator failures come back as PENDING/FAILED results.
+    """
+    workspace = Path(workspace)
+    if not workspace.is_dir():
+        raise ValueError(f"workspace {workspace} of task {task.id!r} is not a directory: nothing to evaluate")
+    started = time.monotonic()
+    scratch = Path(tempfile.mkdtemp(prefix=f"gyre-eval-{task.id}-", dir=scratch_root))
+    try:
+        work = scratch / "workspace"
+        shutil.copytree(workspace, work, symlinks=True, ignore=_special_files)
+        artifact = workspace_digest(work)  # hashed before the evaluator can touch the copy
+        hidden: Path | None = None
+        spec = task.evaluator
+        if task.hidden_dir is not None:
+            if isinstance(spec, CommandEvaluatorSpec) and spec.hidden_dest is not None:
+                hidden = work / spec.hidden_dest
+                shutil.copytree(task.hidden_dir, hidden, symlinks=True, dirs_exist_ok=True)
+            else:
+                hidden = scratch / "hidden"
+                shutil.copytree(task.hidden_dir, hidden, symlinks=True)
+        if isinstance(spec, CommandEvaluatorSpec):
+            validity, score, detail, log = _run_command(spec, work, hidden)
+        else:
+            assert isinstance(spec, PythonEvaluatorSpec)
+            validity, score, detail, log = _run_python(spec, task, work, hidden, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return EvaluationResult(
+        score=score if validity is Validity.VALID else 0.0,
+        validity=validity,
+        artifact=artifact,
+        evaluator=_evaluator_name(task),
+        evaluator_version=evaluator_version(task),
+        detail=detail,
+        log=log,
+        duration_s=time.monotonic() - started,
+    )
+
+
+# -- mapping onto gyre.traj.outcomes -------------------------------------------------------------------
+
+
+def evaluated_state(execution: ExecutionId, workspace: str | Path, *, branch: str = "main") -> EvaluatedState:
+    """The state to name when an execution closes: its preserved workspace's content hash."""
+    return EvaluatedState(execution=execution, artifact_version=workspace_digest(workspace), branch=branch)
+
+
+def to_evaluation(
+    result: EvaluationResult, *, execution: ExecutionId, attempt: int, created_at: float, branch: str = "main"
+) -> Evaluation:
+    """Map an evaluator result onto the outcomes model (the paper's failure classes):
+
+    - VALID (a partial score after a harness timeout included) -> a VALID evaluation: a reward, 0.0 too.
+    - PENDING (the evaluator timed out) / FAILED (it crashed, exited badly, printed no score) -> the same
+      validity: NOT a score; retry on the same state while `ExecutionOutcomes.retry_allowed(now)`, and
+      `expire(now)` excludes the execution once the budget is gone.
+    - A total failure (no preserved workspace) never reaches an evaluator: `close(CloseKind.FAILED)` makes
+      the zero-reward placeholder.
+    """
+    return Evaluation(
+        score=result.score,
+        validity=result.validity,
+        state=EvaluatedState(execution=execution, artifact_version=result.artifact, branch=branch),
+        attempt=attempt,
+        evaluator=result.evaluator,
+        evaluator_version=result.evaluator_version,
+        created_at=created_at,
+        detail=result.detail,
+    )
