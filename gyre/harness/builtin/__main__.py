@@ -1,0 +1,156 @@
+"""`python -m gyre.harness.builtin [options] (TASK | --task-file FILE)`: run one agent episode.
+
+Exit codes: 0 the model answered without tool calls (its answer is printed to stdout); 2 bad usage (one line on
+stderr); 3 the model API refused a request or kept failing (the reason on stderr); 4 `--max-turns` reached
+without a final answer. The transcript is `<log dir>/transcript.jsonl`. See docs/builtin-harness.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_USAGE, EXIT_MODEL_ERROR, EXIT_MAX_TURNS = 0, 2, 3, 4
+PROG = "gyre.harness.builtin"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", description="gyre's builtin agent harness")
+    parser.add_argument("task", nargs="?", help="the task prompt (or use --task-file)")
+    parser.add_argument("--task-file", type=Path, help="read the task prompt from this file")
+    parser.add_argument(
+        "--backend",
+        choices=("anthropic", "openai"),
+        default="anthropic",
+        help="anthropic: Messages API (ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY); openai: Chat "
+        "Completions (OPENAI_BASE_URL/OPENAI_API_KEY)",
+    )
+    parser.add_argument("--model", default=os.environ.get("GYRE_MODEL", "gyre"), help="model name ($GYRE_MODEL)")
+    parser.add_argument("--workspace", type=Path, default=Path.cwd(), help="directory the tools work in (default .)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="where transcript.jsonl goes (default: workspace)")
+    parser.add_argument("--max-turns", type=int, default=30, help="model turns of the main agent")
+    parser.add_argument("--sub-agent-max-turns", type=int, default=10, help="model turns of each sub-agent")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="output tokens asked per call")
+    parser.add_argument(
+        "--context-limit",
+        type=int,
+        default=0,
+        help="tokens allowed per call, for proactive compaction (0: only on 'prompt is too long')",
+    )
+    parser.add_argument(
+        "--compact-fraction",
+        type=float,
+        default=0.8,
+        help="compact once the last call used this fraction of --context-limit",
+    )
+    parser.add_argument("--keep-tail", type=int, default=1, help="exchanges kept verbatim after a compaction")
+    parser.add_argument("--force-compaction-after", type=int, default=0, help="compact every N main turns (tests)")
+    parser.add_argument("--force-delegation", action="store_true", help="first turn delegates the task (tests)")
+    parser.add_argument("--tools", type=Path, help="JSON list of extra tool schemas {name, description, input_schema}")
+    parser.add_argument(
+        "--tools-impl",
+        action="append",
+        default=[],
+        help="implements --tools: 'module:function' called as f(name, arguments, workspace), or (repeatable) "
+        "'NAME=module:function' called as f(**arguments)",
+    )
+    parser.add_argument("--system-prompt-file", type=Path, help="replaces the main agent's system prompt")
+    parser.add_argument(
+        "--final-answer-file", help="also write the final answer to this file (relative to the workspace)"
+    )
+    parser.add_argument("--shell-timeout", type=float, default=60.0, help="default seconds per shell command")
+    parser.add_argument("--output-cap", type=int, default=16_000, help="bytes of tool output the model sees")
+    parser.add_argument("--max-retries", type=int, default=4, help="retries of a transient failure per call")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per HTTP request")
+    return parser
+
+
+def _usage_error(message: str) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gyre.harness.builtin.agent import (
+        DELEGATE,
+        MAIN_SYSTEM,
+        Agent,
+        AgentConfig,
+        AnthropicBackend,
+        ModelCallError,
+        OpenAIChatBackend,
+        Transcript,
+    )
+    from gyre.harness.builtin.tools import ToolBox, ToolError, Workspace, builtin_tools, load_task_tools
+
+    if (args.task is None) == (args.task_file is None):
+        return _usage_error("give the task either as an argument or with --task-file, not both")
+    if (args.tools is None) != (not args.tools_impl):
+        return _usage_error("--tools and --tools-impl go together")
+    try:
+        task = args.task if args.task is not None else args.task_file.read_text()
+        workspace = Workspace(args.workspace)
+        tools = builtin_tools(workspace, shell_timeout_s=args.shell_timeout, output_cap=args.output_cap)
+        if args.tools is not None:
+            tools += load_task_tools(args.tools, args.tools_impl, workspace)
+        toolbox = ToolBox(tools)
+        system = args.system_prompt_file.read_text() if args.system_prompt_file else MAIN_SYSTEM
+        answer_path = workspace.resolve(args.final_answer_file) if args.final_answer_file else None
+        if DELEGATE in toolbox.tools:
+            raise ValueError(f"--tools: the name {DELEGATE!r} is taken by the builtin delegation tool")
+        config = AgentConfig(
+            max_turns=args.max_turns,
+            sub_agent_max_turns=args.sub_agent_max_turns,
+            context_limit=args.context_limit,
+            compact_fraction=args.compact_fraction,
+            keep_tail=args.keep_tail,
+            force_compaction_after=args.force_compaction_after,
+            force_delegation=args.force_delegation,
+            max_retries=args.max_retries,
+        )
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens: got {args.max_tokens}, expected an integer >= 1")
+    except (OSError, ValueError, ToolError) as err:
+        return _usage_error(str(err))
+    env_prefix = "ANTHROPIC" if args.backend == "anthropic" else "OPENAI"
+    base_url, api_key = os.environ.get(f"{env_prefix}_BASE_URL"), os.environ.get(f"{env_prefix}_API_KEY")
+    if not api_key:
+        return _usage_error(f"{env_prefix}_API_KEY is not set")
+    backend_type = AnthropicBackend if args.backend == "anthropic" else OpenAIChatBackend
+    backend = backend_type(
+        model=args.model, max_tokens=args.max_tokens, timeout_s=args.request_timeout, base_url=base_url, api_key=api_key
+    )
+    log_dir = args.log_dir or workspace.root
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / "transcript.jsonl").open("a") as stream:
+        transcript = Transcript(stream)
+        transcript.write("start", backend=args.backend, model=args.model, base_url=base_url, task=task)
+        agent = Agent(backend, toolbox, config, transcript, main_system=system)
+        try:
+            result = agent.run(task)
+        except ModelCallError as err:
+            transcript.write("end", status="error", error=str(err))
+            print(f"{PROG}: {err}", file=sys.stderr)
+            return EXIT_MODEL_ERROR
+        transcript.write("end", status=result.status, turns=result.turns, compactions=result.compactions)
+    if result.status == "max_turns":
+        print(f"{PROG}: stopped after --max-turns {args.max_turns} without a final answer", file=sys.stderr)
+        return EXIT_MAX_TURNS
+    if answer_path is not None:
+        answer_path.parent.mkdir(parents=True, exist_ok=True)
+        answer_path.write_text(result.text)
+    print(result.text)
+    print(
+        json.dumps({"status": result.status, "turns": result.turns, "compactions": result.compactions}), file=sys.stderr
+    )
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

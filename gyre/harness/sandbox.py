@@ -1,0 +1,513 @@
+"""Where a harness runs: one private directory tree, process session, resource limits and environment per execution.
+
+Contract (`Sandbox`): `prepare(execution_id)` creates the execution's directories (workspace, home, logs) and
+returns them; the caller builds the `ExecutionContext` from them. `start(spec, context, stdout=, stderr=)` writes
+the spec's files, starts the harness in a NEW SESSION (its pid is its process group id, so the whole group can be
+signalled) with exactly `spec.env` (plus TMPDIR) and returns the asyncio process. `release(context)` runs after
+the process has ended or been killed: it reaps anything the harness left behind and hands the workspace back to
+the controller; the workspace itself is always preserved (its work is what gets scored).
+
+Implementations (what each isolates is measured in tests/integration/test_harness_sandbox.py, docs/harness.md):
+- `LocalSandbox`: plain processes. Resource limits via `setrlimit` in the child. When the controller runs as root
+  it gives every execution its OWN uid (allocated from `uid_range`, no passwd entry needed) and chowns the
+  execution's workspace and home to it with mode 0700: other executions' workspaces, the run directory (made
+  private with `protected_paths`) and anything else not world-readable are then closed to the harness. Without
+  root it isolates processes and environment only.
+- `BubblewrapSandbox`: `bwrap` (a mount namespace) on top of `LocalSandbox`: only system directories (read-only),
+  the harness's install prefix (read-only), `ro_binds` and the execution's own workspace and home (read-write)
+  exist inside; a private /tmp, /proc of its own pid namespace.
+- `ContainerSandbox`: the argv for `docker run` / `apptainer exec`; an interface for clusters, tested for the argv
+  it builds only (no container engine runs on the development machines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pwd
+import resource
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+from gyre.harness.protocol import ExecutionContext, LaunchSpec
+
+__all__ = [
+    "BubblewrapSandbox",
+    "ContainerSandbox",
+    "ExecutionDirs",
+    "LocalSandbox",
+    "ResourceLimits",
+    "Sandbox",
+    "SandboxError",
+]
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+REAP_TIMEOUT_S = 10.0  # bound on the helper that kills an execution uid's leftover processes
+PRIVATE_DIR_MODE = 0o700
+TRAVERSE_ONLY_MODE = 0o711  # others may pass through to their own subdirectory, not list it
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot host this execution (misconfiguration, missing tool, permission); the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourceLimits:
+    """Per-process rlimits set in the harness's child process before exec (None: inherit the controller's).
+
+    Each limit applies to every process of the harness separately (rlimits are per process), except
+    `max_processes`, which the kernel counts per real uid: it is applied only when the harness has its own uid
+    (LocalSandbox as root), since otherwise it would count the controller's own processes and threads.
+    """
+
+    address_space_bytes: int | None = 64 * GiB  # RLIMIT_AS: virtual memory; node/V8 reserve several GiB up front
+    cpu_seconds: int | None = 24 * 3600  # RLIMIT_CPU: CPU time per process (SIGXCPU, then SIGKILL)
+    file_size_bytes: int | None = 16 * GiB  # RLIMIT_FSIZE: largest file a process may write (SIGXFSZ)
+    max_processes: int | None = 1024  # RLIMIT_NPROC: processes + threads of the harness's uid
+    open_files: int | None = 65536  # RLIMIT_NOFILE
+
+    def __post_init__(self) -> None:
+        for name in ("address_space_bytes", "cpu_seconds", "file_size_bytes", "max_processes", "open_files"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"ResourceLimits.{name} must be a positive int or None, got {value!r}")
+
+    def rlimits(self, *, own_uid: bool) -> list[tuple[int, int]]:
+        """(resource, value) pairs to set, soft = hard = value."""
+        pairs = [
+            (resource.RLIMIT_AS, self.address_space_bytes),
+            (resource.RLIMIT_CPU, self.cpu_seconds),
+            (resource.RLIMIT_FSIZE, self.file_size_bytes),
+            (resource.RLIMIT_NOFILE, self.open_files),
+        ]
+        if own_uid:
+            pairs.append((resource.RLIMIT_NPROC, self.max_processes))
+        return [(res, value) for res, value in pairs if value is not None]
+
+
+def _child_setup(limits: list[tuple[int, int]], uid: int | None) -> Callable[[], None]:
+    """The child's preexec, between fork and exec: set the rlimits, then (as root) drop to the execution's uid.
+
+    Done here rather than with Popen's `user=`/`group=`, which uvloop's subprocess_exec (the controller's loop,
+    gyre.eventloop) refuses. Only `setrlimit`/`set*id` calls: no imports, no logging, no locks of other threads.
+    """
+
+    def setup() -> None:
+        for res, value in limits:
+            _soft, hard = resource.getrlimit(res)
+            cap = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(res, (cap, cap))
+        if uid is not None:  # groups first: after setuid there is no privilege left to change them
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
+    return setup
+
+
+@dataclass(frozen=True)
+class ExecutionDirs:
+    """One execution's directory tree: `root/<execution_id>/{workspace,home,logs}`; TMPDIR is `home/tmp`."""
+
+    root: Path
+    workspace: Path
+    home: Path
+    log_dir: Path
+
+    @property
+    def tmp(self) -> Path:
+        return self.home / "tmp"
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """Where and how isolated one execution's harness runs (see the module docstring for the contract)."""
+
+    name: str
+
+    def check(self) -> None:
+        """Raise `SandboxError` if this sandbox cannot run here (tool missing, configuration unusable)."""
+        ...
+
+    def prepare(self, execution_id: str) -> ExecutionDirs:
+        """Create the execution's directories (idempotent for the same id)."""
+        ...
+
+    async def start(
+        self, spec: LaunchSpec, context: ExecutionContext, *, stdout: int, stderr: int
+    ) -> asyncio.subprocess.Process:
+        """Write `spec.files`, start `spec.argv` in a new session in `context.workspace`; stdout/stderr are fds."""
+        ...
+
+    def release(self, context: ExecutionContext) -> None:
+        """After the harness ended: reap its leftovers, hand the preserved workspace back to the controller."""
+        ...
+
+
+def _check_id(execution_id: str) -> None:
+    if not execution_id or "/" in execution_id or execution_id in (".", "..") or "\0" in execution_id:
+        raise ValueError(f"execution_id must be a non-empty name without '/', got {execution_id!r}")
+
+
+def _inside(path: Path, parent: Path) -> bool:
+    try:
+        path.resolve().relative_to(parent.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _chown_tree(top: Path, uid: int, gid: int) -> None:
+    """chown `top` and everything below it, never following symlinks (a harness may plant links anywhere)."""
+    os.chown(top, uid, gid, follow_symlinks=False)
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+        for name in (*dirnames, *filenames):
+            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+
+
+def _unreachable_by_others(executable: str) -> Path | None:
+    """The first directory or file on the way to `executable` (symlinks resolved) that a uid other than its owner
+    cannot traverse or execute; None when an unrelated uid can run it."""
+    target = Path(os.path.realpath(executable))
+    for path in (*reversed(target.parents), target):
+        if not path.stat().st_mode & 0o001:
+            return path
+    return None
+
+
+@dataclass(kw_only=True)
+class LocalSandbox:
+    """Plain processes: own dirs, own session, rlimits, the given environment only; its own uid when root."""
+
+    root: Path  # executions live in root/<execution_id>/; every ancestor must be traversable (o+x) for own-uid runs
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
+    isolate_user: bool | None = None  # None: an own uid per execution exactly when the controller runs as root
+    uid_range: tuple[int, int] = (6_100_000, 6_199_999)  # inclusive; uids with a passwd entry are skipped
+    protected_paths: Sequence[Path] = ()  # made private (chmod go-rwx) at check(); e.g. the run dir, checkpoints
+    name: str = "local"
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).absolute()
+        self.protected_paths = tuple(Path(p).absolute() for p in self.protected_paths)
+        if self.isolate_user is None:
+            self.isolate_user = os.geteuid() == 0
+        low, high = self.uid_range
+        if not 0 < low <= high:
+            raise ValueError(f"LocalSandbox.uid_range must be (low, high) with 0 < low <= high, got {self.uid_range}")
+        for path in self.protected_paths:
+            if _inside(self.root, path):
+                raise ValueError(
+                    f"LocalSandbox.root {self.root} lies inside protected path {path}: the harness could not reach "
+                    "its workspace once that path is private; put the executions' root outside it"
+                )
+        self._uids: dict[str, int] = {}  # execution id -> uid, while prepared and not released
+        self._checked = False
+
+    # -- setup --------------------------------------------------------------------------------------
+    def check(self) -> None:
+        if self.isolate_user:
+            if os.geteuid() != 0:
+                raise SandboxError("LocalSandbox(isolate_user=True) needs root to give each execution its own uid")
+            for ancestor in (self.root, *self.root.parents):
+                if ancestor.exists() and not ancestor.stat().st_mode & 0o001:
+                    raise SandboxError(
+                        f"{ancestor} is not traversable by other users (mode {ancestor.stat().st_mode & 0o777:o}): an "
+                        f"execution's own uid cannot reach its workspace under {self.root}; choose another root or "
+                        "chmod o+x it"
+                    )
+        for path in self.protected_paths:
+            if path.exists():
+                os.chmod(path, path.stat().st_mode & ~0o077)
+        self._checked = True
+
+    def prepare(self, execution_id: str) -> ExecutionDirs:
+        _check_id(execution_id)
+        if not self._checked:
+            self.check()
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, TRAVERSE_ONLY_MODE)
+        top = self.root / execution_id
+        dirs = ExecutionDirs(root=top, workspace=top / "workspace", home=top / "home", log_dir=top / "logs")
+        for path in (top, dirs.workspace, dirs.home, dirs.tmp, dirs.log_dir):
+            path.mkdir(exist_ok=True)
+        os.chmod(top, TRAVERSE_ONLY_MODE)
+        os.chmod(dirs.log_dir, PRIVATE_DIR_MODE)  # written by the controller through fds only
+        for path in (dirs.workspace, dirs.home):
+            os.chmod(path, PRIVATE_DIR_MODE)
+        if self.isolate_user:
+            uid = self._uids.get(execution_id)
+            if uid is None:
+                uid = self._allocate_uid()
+                self._reap(uid)  # a previous controller's leftovers under this uid
+                self._uids[execution_id] = uid
+            for path in (dirs.workspace, dirs.home):
+                _chown_tree(path, uid, uid)
+        return dirs
+
+    def uid_of(self, execution_id: str) -> int | None:
+        """The uid an execution runs as (None: the controller's own)."""
+        return self._uids.get(execution_id)
+
+    def _allocate_uid(self) -> int:
+        in_use = set(self._uids.values())
+        low, high = self.uid_range
+        for uid in range(low, high + 1):
+            if uid in in_use:
+                continue
+            try:
+                pwd.getpwuid(uid)
+            except KeyError:
+                return uid
+        raise SandboxError(f"no free uid in LocalSandbox.uid_range {self.uid_range} ({len(in_use)} in use)")
+
+    # -- start --------------------------------------------------------------------------------------
+    def _write_files(self, spec: LaunchSpec, context: ExecutionContext, uid: int | None) -> None:
+        for path, text in spec.files.items():
+            path = Path(path)
+            if not (_inside(path, context.home) or _inside(path, context.workspace)):
+                raise SandboxError(f"launch file {path} lies outside the execution's home and workspace")
+            top = context.home if _inside(path, context.home) else context.workspace
+            # The controller writes as root into a directory the harness owned before (a re-run): never follow
+            # a link the harness may have planted there.
+            for part in (path, *path.parents):
+                if part == top:
+                    break
+                if part.is_symlink():
+                    raise SandboxError(f"launch file {path}: {part} is a symlink; refusing to write through it")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            if uid is not None:
+                _chown_tree(top, uid, uid)
+
+    def _environment(self, spec: LaunchSpec, context: ExecutionContext) -> dict[str, str]:
+        env = dict(spec.env)
+        env.setdefault("TMPDIR", str(context.home / "tmp"))
+        return env
+
+    def command(self, spec: LaunchSpec, context: ExecutionContext) -> list[str]:
+        """The argv actually executed (subclasses wrap it)."""
+        return list(spec.argv)
+
+    async def start(
+        self, spec: LaunchSpec, context: ExecutionContext, *, stdout: int, stderr: int
+    ) -> asyncio.subprocess.Process:
+        uid = self._uids.get(context.execution_id)
+        if self.isolate_user and uid is None:
+            raise SandboxError(f"execution {context.execution_id!r} was not prepared by this sandbox (call prepare)")
+        if uid is not None and os.path.isabs(spec.argv[0]):
+            closed = _unreachable_by_others(spec.argv[0])
+            if closed is not None:
+                raise SandboxError(
+                    f"{spec.argv[0]} cannot be run by the execution's own uid {uid}: {closed} is closed to other "
+                    "users; install the harness where all users may read it, use BubblewrapSandbox, or "
+                    "LocalSandbox(isolate_user=False)"
+                )
+        self._write_files(spec, context, uid)
+        return await asyncio.create_subprocess_exec(
+            *self.command(spec, context),
+            cwd=context.workspace,
+            env=self._environment(spec, context),
+            stdin=subprocess.DEVNULL if spec.stdin is None else subprocess.PIPE,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            preexec_fn=_child_setup(self.limits.rlimits(own_uid=uid is not None), uid),
+        )
+
+    # -- release ------------------------------------------------------------------------------------
+    def _reap(self, uid: int) -> None:
+        """Kill every process of `uid`: a helper that becomes `uid` sends SIGKILL to -1 (all it may signal)."""
+
+        def kill_all() -> None:
+            os.kill(-1, signal.SIGKILL)  # as uid: every process of uid except this one
+
+        try:
+            subprocess.run(
+                ["/bin/sh", "-c", ":"],
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                preexec_fn=kill_all,
+                env={},
+                timeout=REAP_TIMEOUT_S,
+                check=False,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        except ProcessLookupError:  # os.kill(-1) found nothing to kill: raised through the preexec
+            pass
+        except subprocess.SubprocessError as exc:  # the helper itself failed after killing; nothing left to do
+            logger.debug("reaping uid %d: %s", uid, exc)
+
+    def release(self, context: ExecutionContext) -> None:
+        uid = self._uids.pop(context.execution_id, None)
+        if uid is None:
+            return
+        self._reap(uid)
+        me = os.geteuid(), os.getegid()
+        for path in (context.workspace, context.home):
+            if path.exists():
+                _chown_tree(path, *me)  # preserved for evaluation, private to the controller from now on
+
+
+SYSTEM_RO_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_RO_PATHS = (
+    "/etc/alternatives",
+    "/etc/ca-certificates",
+    "/etc/ssl",
+    "/etc/pki",
+    "/etc/resolv.conf",
+    "/etc/hosts",
+    "/etc/nsswitch.conf",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/localtime",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+)
+
+
+def _install_prefix(executable: str) -> Path | None:
+    """The directory a harness binary needs read-only: an npm prefix (above node_modules) or its own directory."""
+    path = Path(executable)
+    if not path.is_absolute():
+        return None
+    if any(str(path).startswith(p + "/") for p in SYSTEM_RO_PATHS):
+        return None
+    parts = path.parts
+    if "node_modules" in parts:
+        return Path(*parts[: parts.index("node_modules")])
+    return path.resolve().parent
+
+
+@dataclass(kw_only=True)
+class BubblewrapSandbox(LocalSandbox):
+    """`LocalSandbox` inside `bwrap`: a mount namespace holding only system dirs (read-only) and the execution's own.
+
+    The harness keeps the host network (it must reach the proxy on 127.0.0.1) and runs as the controller's uid
+    unless `isolate_user` (default here: False, the mount namespace is the isolation).
+    """
+
+    bwrap: str = "bwrap"
+    ro_binds: Sequence[Path] = ()  # extra read-only paths (a venv, an agent's code), bound at the same path
+    isolate_user: bool | None = False
+    name: str = "bubblewrap"
+
+    def check(self) -> None:
+        if shutil.which(self.bwrap) is None:
+            raise SandboxError(f"{self.bwrap!r} not found: install bubblewrap (Debian: apt-get install bubblewrap)")
+        super().check()
+
+    def command(self, spec: LaunchSpec, context: ExecutionContext) -> list[str]:
+        # No --die-with-parent: it would SIGKILL the harness the moment bwrap itself dies of the group's SIGTERM,
+        # leaving it no grace period. The harness shares bwrap's process group, so the group's signals reach it.
+        argv = [shutil.which(self.bwrap) or self.bwrap, "--unshare-pid", "--unshare-ipc"]
+        for path in SYSTEM_RO_PATHS:
+            if os.path.islink(path):
+                argv += ["--symlink", os.readlink(path), path]
+            elif os.path.exists(path):
+                argv += ["--ro-bind", path, path]
+        for path in ETC_RO_PATHS:
+            if os.path.exists(path):
+                argv += ["--ro-bind", path, path]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # before the binds: /tmp would hide them
+        extra = [Path(p).absolute() for p in self.ro_binds]
+        prefix = _install_prefix(spec.argv[0])
+        if prefix is not None:
+            extra.append(prefix)
+        for path in extra:
+            argv += ["--ro-bind", str(path), str(path)]
+        for path in (context.workspace, context.home):
+            argv += ["--bind", str(path), str(path)]
+        argv += ["--chdir", str(context.workspace), "--", *spec.argv]
+        return argv
+
+
+@dataclass(kw_only=True)
+class ContainerSandbox(LocalSandbox):
+    """The harness in a container (docker or podman: `run`; apptainer: `exec` of a SIF image).
+
+    Only the execution's workspace and home are mounted (at the same paths). Environment values never appear on
+    the command line (other users can read it): docker gets `-e NAME` and reads the value from its own
+    environment; apptainer gets `APPTAINERENV_NAME` variables with `--cleanenv`. The container engine's client
+    is the process group leader; `release` removes a docker container that outlived its client.
+    """
+
+    engine: Literal["docker", "podman", "apptainer"] = "docker"
+    image: str = ""  # docker image reference, or the path of an apptainer .sif
+    network: str = "host"  # the harness must reach the proxy; "host" keeps 127.0.0.1 the controller's
+    extra_args: Sequence[str] = ()
+    isolate_user: bool | None = False
+    name: str = "container"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.image:
+            raise ValueError("ContainerSandbox.image is required (a docker image, or an apptainer .sif path)")
+        if self.engine not in ("docker", "podman", "apptainer"):
+            raise ValueError(f"ContainerSandbox.engine must be docker, podman or apptainer, got {self.engine!r}")
+
+    def check(self) -> None:
+        if shutil.which(self.engine) is None:
+            raise SandboxError(f"container engine {self.engine!r} not found on PATH")
+        super().check()
+
+    def container_name(self, context: ExecutionContext) -> str:
+        return f"gyre-{context.execution_id}"
+
+    def command(self, spec: LaunchSpec, context: ExecutionContext) -> list[str]:
+        mounts = (context.workspace, context.home)
+        env_names = sorted({*spec.env, "TMPDIR"})
+        if self.engine == "apptainer":
+            argv = ["apptainer", "exec", "--containall", "--cleanenv", "--no-home"]
+            for path in mounts:
+                argv += ["--bind", f"{path}:{path}"]
+            argv += ["--pwd", str(context.workspace), *self.extra_args, self.image, *spec.argv]
+            return argv
+        argv = [self.engine, "run", "--rm", "--init", "-i", "--name", self.container_name(context)]
+        argv += ["--network", self.network, "--workdir", str(context.workspace)]
+        lim = self.limits
+        if lim.max_processes is not None:
+            argv += ["--pids-limit", str(lim.max_processes)]
+        if lim.cpu_seconds is not None:
+            argv += ["--ulimit", f"cpu={lim.cpu_seconds}:{lim.cpu_seconds}"]
+        if lim.file_size_bytes is not None:
+            argv += ["--ulimit", f"fsize={lim.file_size_bytes}:{lim.file_size_bytes}"]
+        if lim.open_files is not None:
+            argv += ["--ulimit", f"nofile={lim.open_files}:{lim.open_files}"]
+        for path in mounts:
+            argv += ["-v", f"{path}:{path}"]
+        for name in env_names:  # PATH is no secret, and the client keeps its own PATH to find itself
+            argv += ["-e", f"PATH={spec.env['PATH']}" if name == "PATH" else name]
+        argv += [*self.extra_args, self.image, *spec.argv]
+        return argv
+
+    def _environment(self, spec: LaunchSpec, context: ExecutionContext) -> dict[str, str]:
+        env = super()._environment(spec, context)
+        if self.engine != "apptainer":
+            return {**env, "PATH": os.environ.get("PATH", os.defpath)}  # the client needs its own PATH; -e NAME
+        return {"PATH": os.environ.get("PATH", os.defpath), **{f"APPTAINERENV_{k}": v for k, v in env.items()}}
+
+    def stop_argv(self, context: ExecutionContext) -> list[str] | None:
+        """The command that removes a container left behind by a killed client (None: nothing to do)."""
+        if self.engine == "apptainer":
+            return None  # apptainer's processes are the client's own children: the process group kill ends them
+        return [self.engine, "rm", "-f", self.container_name(context)]
+
+    def release(self, context: ExecutionContext) -> None:
+        stop = self.stop_argv(context)
+        if stop is not None:
+            try:
+                subprocess.run(stop, timeout=REAP_TIMEOUT_S, check=False, capture_output=True)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                logger.warning("could not remove container %s: %s", self.container_name(context), exc)
+        super().release(context)

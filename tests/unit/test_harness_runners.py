@@ -1,0 +1,204 @@
+"""Runners, the registry, configs and the container argv: what each builds, without starting a process.
+
+Checked: every runner satisfies `HarnessRunner`; the environment is exactly the documented keys (nothing of the
+controller's environment, e.g. a secret, leaks in); Claude Code and Codex get the HARNESS-NOTES switches and files;
+`runner_for` names the known runners; a missing binary raises `HarnessNotFoundError` saying what to install;
+`ExecutionLimits`, `ResourceLimits` and `close_kind_after_evaluation`; the docker and apptainer argv.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gyre.harness.execution import ExecutionLimits, close_kind_after_evaluation
+from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, HarnessRunner
+from gyre.harness.runners import ClaudeCodeRunner, CodexRunner, CommandRunner, runner_for
+from gyre.harness.sandbox import ContainerSandbox, ResourceLimits
+from gyre.traj.outcomes import CloseKind
+from gyre.traj.roles import classifier_for
+
+BASE_KEYS = {
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "NO_PROXY",
+    "no_proxy",
+    "OPENAI_BASE_URL",
+    "OPENAI_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "ANTHROPIC_API_KEY",
+    "GYRE_MODEL",
+    "GYRE_EXECUTION_ID",
+}
+
+
+def make_context(tmp_path: Path, **overrides) -> ExecutionContext:
+    fields = {
+        "execution_id": "exec-00007",
+        "task_prompt": "Fix the bug; don't touch tests.",
+        "workspace": tmp_path / "workspace",
+        "home": tmp_path / "home",
+        "log_dir": tmp_path / "logs",
+        "anthropic_base_url": "http://127.0.0.1:8080",
+        "openai_base_url": "http://127.0.0.1:8080/v1",
+        "api_key": "sk-exec-7",
+        "model": "gyre",
+    }
+    fields.update(overrides)
+    return ExecutionContext(**fields)
+
+
+@pytest.fixture
+def fake_cli(tmp_path: Path) -> Path:
+    path = tmp_path / "bin" / "fake-cli"
+    path.parent.mkdir()
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_registry_builds_each_runner_and_names_the_known_ones_on_a_typo():
+    assert isinstance(runner_for("command", argv=["true"]), CommandRunner)
+    assert isinstance(runner_for("claude_code"), ClaudeCodeRunner)
+    assert isinstance(runner_for("codex"), CodexRunner)
+    for runner in (runner_for("command", argv=["true"]), runner_for("claude_code"), runner_for("codex")):
+        assert isinstance(runner, HarnessRunner)
+        classifier_for(runner.name)  # every runner's name selects a role classifier
+    with pytest.raises(ValueError, match="known runners: builtin, claude_code, codex, command"):
+        runner_for("claud_code")
+    with pytest.raises(ValueError, match="bad options"):
+        runner_for("codex", no_such_option=1)
+
+
+def test_command_runner_fills_the_template_and_builds_only_the_documented_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("GYRE_TEST_CONTROLLER_SECRET", "do-not-leak")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-leak")
+    context = make_context(tmp_path, extra_env={"MY_AGENT_MODE": "fast"})
+    runner = CommandRunner(argv=["sh", "agent.sh", "{prompt}", "--ws={workspace}", "--model", "{model}"])
+    spec = runner.launch_spec(context)
+    assert os.path.isabs(spec.argv[0]) and spec.argv[0].endswith("/sh")
+    assert spec.argv[1:] == ("agent.sh", context.task_prompt, f"--ws={context.workspace}", "--model", "gyre")
+    assert set(spec.env) == BASE_KEYS | {"MY_AGENT_MODE"}
+    assert "do-not-leak" not in spec.env.values()
+    assert spec.env["HOME"] == str(context.home)
+    assert spec.env["OPENAI_BASE_URL"] == context.openai_base_url
+    assert spec.env["ANTHROPIC_BASE_URL"] == context.anthropic_base_url
+    assert spec.env["OPENAI_API_KEY"] == spec.env["ANTHROPIC_API_KEY"] == "sk-exec-7"
+    assert all("sk-exec-7" not in arg for arg in spec.argv)  # the key never goes on the command line
+    assert spec.stdin is None and not spec.files
+
+
+def test_command_runner_rejects_unknown_placeholders_and_reports_a_missing_program(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown placeholder \{api_key\}"):
+        CommandRunner(argv=["agent", "{api_key}"])
+    with pytest.raises(ValueError, match="non-empty"):
+        CommandRunner(argv=[])
+    runner = CommandRunner(argv=["gyre-no-such-agent-xyz"], name="my_agent")
+    with pytest.raises(HarnessNotFoundError, match="my_agent runner: program 'gyre-no-such-agent-xyz' not found"):
+        runner.check()
+
+
+def test_claude_code_runner_uses_the_offline_switches_and_the_served_model(tmp_path, fake_cli):
+    context = make_context(tmp_path)
+    spec = ClaudeCodeRunner(binary=str(fake_cli), extra_args=["--max-turns", "3"]).launch_spec(context)
+    assert spec.argv == (
+        str(fake_cli),
+        "-p",
+        context.task_prompt,
+        "--dangerously-skip-permissions",
+        "--max-turns",
+        "3",
+    )
+    assert spec.env["IS_SANDBOX"] == "1"
+    assert spec.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    for key in ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
+        assert spec.env[key] == "gyre"
+    assert spec.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8080"
+    assert spec.env["ANTHROPIC_API_KEY"] == "sk-exec-7"
+    assert spec.env["PATH"].split(":")[0] == str(fake_cli.parent)
+
+
+def test_codex_runner_writes_its_provider_config_under_the_private_home(tmp_path, fake_cli):
+    context = make_context(tmp_path)
+    spec = CodexRunner(binary=str(fake_cli)).launch_spec(context)
+    assert spec.argv[1:] == (
+        "exec",
+        "--skip-git-repo-check",
+        "-c",
+        "analytics.enabled=false",
+        "-c",
+        "check_for_update_on_startup=false",
+        "--disable",
+        "plugins",
+        context.task_prompt,
+    )
+    codex_home = context.home / ".codex"
+    assert spec.env["CODEX_HOME"] == str(codex_home)
+    assert spec.stdin is None  # /dev/null: codex exec would otherwise read the task from a terminal
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is stdlib from Python 3.11")
+    config = tomllib.loads(spec.files[codex_home / "config.toml"])
+    provider = config["model_providers"][config["model_provider"]]
+    assert config["model"] == "gyre"
+    assert provider["base_url"] == "http://127.0.0.1:8080/v1" and provider["wire_api"] == "responses"
+    assert spec.env[provider["env_key"]] == "sk-exec-7"
+
+
+def test_missing_cli_binaries_say_what_to_install(tmp_path):
+    missing = str(tmp_path / "nope" / "claude")
+    with pytest.raises(HarnessNotFoundError, match=r"npm install -g @anthropic-ai/claude-code@2\.1\.197"):
+        ClaudeCodeRunner(binary=missing).check()
+    with pytest.raises(HarnessNotFoundError, match=r"npm install -g @openai/codex@0\.171\.0"):
+        CodexRunner(binary=missing).check()
+
+
+def test_limits_validate_and_overall_timeout_applies_only_to_evaluable_work():
+    limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=90)
+    assert limits.grace_period_s > 0 and limits.resources.max_processes is not None
+    with pytest.raises(ValueError, match="overall_timeout_s"):
+        ExecutionLimits(harness_timeout_s=60, overall_timeout_s=30)
+    with pytest.raises(ValueError, match="grace_period_s"):
+        ExecutionLimits(grace_period_s=0)
+    with pytest.raises(ValueError, match="cpu_seconds"):
+        ResourceLimits(cpu_seconds=-1)
+    assert close_kind_after_evaluation(CloseKind.COMPLETED, 91.0, 90.0) is CloseKind.OVERALL_TIMEOUT
+    assert close_kind_after_evaluation(CloseKind.HARNESS_TIMEOUT, 91.0, 90.0) is CloseKind.OVERALL_TIMEOUT
+    assert close_kind_after_evaluation(CloseKind.HARNESS_TIMEOUT, 89.0, 90.0) is CloseKind.HARNESS_TIMEOUT
+    assert close_kind_after_evaluation(CloseKind.FAILED, 500.0, 90.0) is CloseKind.FAILED
+    assert close_kind_after_evaluation(CloseKind.CANCELLED, 500.0, 90.0) is CloseKind.CANCELLED
+
+
+def test_docker_argv_mounts_only_the_execution_and_keeps_values_off_the_command_line(tmp_path):
+    context = make_context(tmp_path)
+    spec = CommandRunner(argv=["sh", "-c", "echo {prompt}"]).launch_spec(context)
+    sandbox = ContainerSandbox(root=tmp_path, image="ghcr.io/acme/agent:1", limits=ResourceLimits(max_processes=256))
+    argv = sandbox.command(spec, context)
+    assert argv[:7] == ["docker", "run", "--rm", "--init", "-i", "--name", "gyre-exec-00007"]
+    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
+    assert mounts == [f"{context.workspace}:{context.workspace}", f"{context.home}:{context.home}"]
+    assert argv[argv.index("--pids-limit") + 1] == "256"
+    assert argv[argv.index("--network") + 1] == "host"
+    env_args = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
+    assert "OPENAI_API_KEY" in env_args and f"PATH={spec.env['PATH']}" in env_args
+    assert not any("sk-exec-7" in a for a in argv)
+    assert argv[argv.index("ghcr.io/acme/agent:1") + 1 :] == list(spec.argv)
+    assert sandbox._environment(spec, context)["OPENAI_API_KEY"] == "sk-exec-7"  # docker reads it from its env
+    assert sandbox.stop_argv(context) == ["docker", "rm", "-f", "gyre-exec-00007"]
+
+
+def test_apptainer_argv_uses_cleanenv_and_prefixed_variables(tmp_path):
+    context = make_context(tmp_path)
+    spec = CommandRunner(argv=["sh"]).launch_spec(context)
+    sandbox = ContainerSandbox(root=tmp_path, engine="apptainer", image="/images/agent.sif")
+    argv = sandbox.command(spec, context)
+    assert argv[:5] == ["apptainer", "exec", "--containall", "--cleanenv", "--no-home"]
+    assert argv[argv.index("--pwd") + 1] == str(context.workspace)
+    assert argv[-2:] == ["/images/agent.sif", spec.argv[0]]
+    env = sandbox._environment(spec, context)
+    assert env["APPTAINERENV_OPENAI_API_KEY"] == "sk-exec-7" and "OPENAI_API_KEY" not in env
+    assert sandbox.stop_argv(context) is None
+    with pytest.raises(ValueError, match="image is required"):
+        ContainerSandbox(root=tmp_path)
