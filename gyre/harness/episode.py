@@ -1,0 +1,204 @@
+"""One execution end to end (workspace from the task, harness, evaluation, outcome), and a rollout group of them.
+
+This is the harness manager's core on the controller (DESIGN.md: rank 0 runs the harness manager and evaluators):
+
+- `run_episode`: a fresh workspace from the task's template, the harness in its sandbox with the execution's key,
+  then the evaluator on the preserved workspace, all recorded in the execution's `ExecutionOutcomes`
+  (`gyre.traj.outcomes`; the paper's "Partial scoring"):
+  - the harness exits, or is stopped at its own budget (HARNESS_TIMEOUT): the preserved work is evaluated and a
+    valid score is a reward, a partial one included;
+  - the evaluator fails (crash, no score) or times out: not a score; it is retried on the same preserved state
+    while the execution's overall budget allows (`evaluation_attempts`);
+  - the overall budget (harness + evaluation, `ExecutionLimits.overall_timeout_s`, the outcome's deadline) runs
+    out without a valid evaluation: EXCLUDED, no reward;
+  - the harness cannot start or its workspace cannot be made (total failure, no evaluable work): FAILED, the
+    zero-reward placeholder that keeps the group complete;
+  - cancelled (surplus under oversampling): CANCELLED, outside the group's N.
+- `run_group`: the N + surplus executions of one group concurrently; once the group is ready (N valid outcomes or
+  placeholders, `GroupOutcomes.ready`) the executions still running are cancelled. One execution's failure never
+  stops the others.
+
+Times are `time.monotonic()` seconds, the clock of the outcomes' deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gyre.harness.execution import ExecutionLimits, HarnessRun, run_harness
+from gyre.harness.protocol import ExecutionContext, HarnessRunner
+from gyre.harness.sandbox import Sandbox
+from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, to_evaluation
+from gyre.tasks.spec import Task, prepare_workspace
+from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EpisodeResult", "ProxyAccess", "run_episode", "run_group"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyAccess:
+    """How harnesses reach the proxy (the same for every execution; the key differs)."""
+
+    anthropic_base_url: str
+    openai_base_url: str
+    model: str
+
+
+@dataclass(kw_only=True)
+class EpisodeResult:
+    """What happened to one execution (its outcome is in the group's `GroupOutcomes`)."""
+
+    execution_id: str
+    task_id: str
+    run: HarnessRun | None  # None when the harness never started (the workspace could not be made)
+    evaluations: list[EvaluationResult] = field(default_factory=list)
+    status: Status | None = None  # the outcome's status after the episode (VALID, EXCLUDED, PLACEHOLDER, ...)
+    reward: float | None = None
+    reason: str | None = None  # why it failed or was excluded
+
+
+async def run_episode(
+    task: Task,
+    *,
+    execution_id: str,
+    api_key: str,
+    runner: HarnessRunner,
+    sandbox: Sandbox,
+    proxy: ProxyAccess,
+    limits: ExecutionLimits,
+    group: GroupOutcomes,
+    cancel_event: asyncio.Event | None = None,
+    evaluation_attempts: int = 3,
+    evaluation_retry_s: float = 5.0,
+) -> EpisodeResult:
+    """Run one execution of `task` and record its close and evaluations in `group` (see the module docstring).
+
+    A failed or timed-out evaluation is retried on the same preserved state, `evaluation_retry_s` apart, at most
+    `evaluation_attempts` times and never past the overall budget; without a valid score the execution stays
+    pending until its budget ends and is then EXCLUDED."""
+    if evaluation_attempts < 1:
+        raise ValueError(f"evaluation_attempts must be >= 1, got {evaluation_attempts!r}")
+    harness_timeout_s = min(task.harness_timeout_s or limits.harness_timeout_s, limits.harness_timeout_s)
+    overall_timeout_s = min(task.overall_timeout_s or limits.overall_timeout_s, limits.overall_timeout_s)
+    started = time.monotonic()
+    group.start(execution_id, deadline=started + overall_timeout_s)
+    result = EpisodeResult(execution_id=execution_id, task_id=task.id, run=None)
+    try:
+        dirs = sandbox.prepare(execution_id)
+        prepare_workspace(task, dirs.workspace)
+    except (OSError, ValueError) as error:  # no workspace: a total failure (no evaluable work)
+        return _finish(result, group, CloseKind.FAILED, reason=f"workspace of task {task.id!r}: {error}")
+    context = ExecutionContext(
+        execution_id=execution_id,
+        task_prompt=task.prompt,
+        workspace=dirs.workspace,
+        home=dirs.home,
+        log_dir=dirs.log_dir,
+        anthropic_base_url=proxy.anthropic_base_url,
+        openai_base_url=proxy.openai_base_url,
+        api_key=api_key,
+        model=proxy.model,
+    )
+    try:
+        result.run = await run_harness(
+            runner,
+            sandbox,
+            context,
+            harness_timeout_s=harness_timeout_s,
+            cancel_event=cancel_event,
+            grace_period_s=limits.grace_period_s,
+            kill_wait_s=limits.kill_wait_s,
+        )
+    finally:
+        sandbox.release(context)  # the workspace back to the controller, stray processes gone
+    kind = result.run.close_kind
+    if not kind.evaluable:  # FAILED (placeholder) or CANCELLED (surplus)
+        return _finish(result, group, kind, reason=result.run.reason)
+    state = evaluated_state(execution_id, dirs.workspace)
+    group.close(execution_id, kind, now=time.monotonic(), final_state=state)
+    outcome = group.execution(execution_id)
+    while outcome.retry_allowed(time.monotonic()) and len(result.evaluations) < evaluation_attempts:
+        if result.evaluations:  # an earlier attempt failed: wait a little, never past the budget
+            await asyncio.sleep(max(0.0, min(evaluation_retry_s, outcome.deadline - time.monotonic())))
+            if not outcome.retry_allowed(time.monotonic()):
+                break
+        evaluation = await asyncio.to_thread(evaluate, task, dirs.workspace)
+        result.evaluations.append(evaluation)
+        now = time.monotonic()
+        if now >= outcome.deadline:  # it came back after the overall budget: not recorded
+            result.reason = f"the overall budget of {overall_timeout_s:g} s ran out during the evaluation"
+            break
+        attempt = outcome.next_attempt(state)
+        group.record(to_evaluation(evaluation, execution=execution_id, attempt=attempt, created_at=now))
+        if evaluation.valid:
+            break
+        result.reason = f"evaluator ({evaluation.validity.name}): {evaluation.detail}"
+    if outcome.status is Status.AWAITING:  # no valid score: it stays pending until the budget ends, then EXCLUDED
+        await asyncio.sleep(max(0.0, outcome.deadline - time.monotonic()))
+        group.expire(max(time.monotonic(), outcome.deadline))
+    result.status, result.reward = outcome.status, outcome.reward
+    return result
+
+
+def _finish(result: EpisodeResult, group: GroupOutcomes, kind: CloseKind, *, reason: str | None) -> EpisodeResult:
+    group.close(result.execution_id, kind, now=time.monotonic())
+    outcome = group.execution(result.execution_id)
+    result.status, result.reward, result.reason = outcome.status, outcome.reward, reason
+    if kind is CloseKind.FAILED:
+        log.warning("execution %s of task %s failed: %s", result.execution_id, result.task_id, reason)
+    return result
+
+
+async def run_group(
+    task: Task,
+    *,
+    group_size: int,
+    execution_ids: Sequence[str],
+    api_keys: Sequence[str],
+    runner: HarnessRunner,
+    sandbox: Sandbox,
+    proxy: ProxyAccess,
+    limits: ExecutionLimits,
+    max_concurrent: int | None = None,
+    evaluation_attempts: int = 3,
+    evaluation_retry_s: float = 5.0,
+) -> tuple[GroupOutcomes, list[EpisodeResult]]:
+    """Run `len(execution_ids)` executions of `task` (N = `group_size`, the rest oversampling surplus); once the group
+    is ready, cancel those still running. Returns the group's outcomes and each execution's result, in order."""
+    if len(api_keys) != len(execution_ids):
+        raise ValueError(f"{len(execution_ids)} execution ids but {len(api_keys)} keys: one key per execution")
+    group = GroupOutcomes(group_size, list(execution_ids))
+    cancels = {execution: asyncio.Event() for execution in execution_ids}
+    slots = asyncio.Semaphore(max_concurrent or len(execution_ids))
+
+    async def one(execution: str, key: str) -> EpisodeResult:
+        async with slots:
+            if group.ready:  # never started: the group no longer needs it
+                cancels[execution].set()
+            try:
+                return await run_episode(
+                    task,
+                    execution_id=execution,
+                    api_key=key,
+                    runner=runner,
+                    sandbox=sandbox,
+                    proxy=proxy,
+                    limits=limits,
+                    group=group,
+                    cancel_event=cancels[execution],
+                    evaluation_attempts=evaluation_attempts,
+                    evaluation_retry_s=evaluation_retry_s,
+                )
+            finally:
+                if group.ready:
+                    for surplus in group.surplus:
+                        cancels[surplus].set()
+
+    results = await asyncio.gather(*(one(e, k) for e, k in zip(execution_ids, api_keys, strict=True)))
+    return group, list(results)
