@@ -8,6 +8,7 @@ controller's environment, e.g. a secret, leaks in); Claude Code and Codex get th
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -202,3 +203,31 @@ def test_apptainer_argv_uses_cleanenv_and_prefixed_variables(tmp_path):
     assert sandbox.stop_argv(context) is None
     with pytest.raises(ValueError, match="image is required"):
         ContainerSandbox(root=tmp_path)
+
+
+def test_the_builtin_runner_takes_its_tools_and_prompts_from_the_task(tmp_path):
+    from gyre.harness.builtin.runner import BuiltinRunner
+    from gyre.tasks.demo import generate_demo_tasks
+
+    (task,) = generate_demo_tasks(1, seed=3, out_dir=tmp_path / "tasks")
+    runner = BuiltinRunner.for_task(task, max_turns=4)
+    context = ExecutionContext(
+        execution_id="x1",
+        task_prompt=task.prompt,
+        workspace=tmp_path / "ws",
+        home=tmp_path / "home",
+        log_dir=tmp_path / "logs",
+        anthropic_base_url="http://127.0.0.1:9",
+        openai_base_url="http://127.0.0.1:9/v1",
+        api_key="k",
+        model="gyre",
+    )
+    spec = runner.launch_spec(context)
+    argv = list(spec.argv)
+    tools_file = Path(argv[argv.index("--tools") + 1])
+    assert json.loads(spec.files[tools_file]) == list(task.metadata["tools"])
+    assert argv[argv.index("--tools-impl") + 1] == task.metadata["tools_impl"]
+    assert "--only-task-tools" in argv
+    assert spec.files[Path(argv[argv.index("--system-prompt-file") + 1])] == task.metadata["system_prompt"]
+    assert argv[argv.index("--final-answer-file") + 1] == "answer.txt"
+    assert spec.files[tmp_path / "home" / "task.md"] == task.prompt

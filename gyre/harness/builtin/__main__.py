@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="implements --tools: 'module:function' called as f(name, arguments, workspace), or (repeatable) "
         "'NAME=module:function' called as f(**arguments)",
     )
+    parser.add_argument(
+        "--only-task-tools",
+        action="store_true",
+        help="offer only the --tools (no shell, files or delegate): short prompts for small models",
+    )
     parser.add_argument("--system-prompt-file", type=Path, help="replaces the main agent's system prompt")
     parser.add_argument(
         "--final-answer-file", help="also write the final answer to this file (relative to the workspace)"
@@ -96,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         task = args.task if args.task is not None else args.task_file.read_text()
         workspace = Workspace(args.workspace)
-        tools = builtin_tools(workspace, shell_timeout_s=args.shell_timeout, output_cap=args.output_cap)
+        if args.only_task_tools and args.tools is None:
+            raise ValueError("--only-task-tools needs --tools")
+        tools = (
+            []
+            if args.only_task_tools
+            else builtin_tools(workspace, shell_timeout_s=args.shell_timeout, output_cap=args.output_cap)
+        )
         if args.tools is not None:
             tools += load_task_tools(args.tools, args.tools_impl, workspace)
         toolbox = ToolBox(tools)
@@ -112,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             keep_tail=args.keep_tail,
             force_compaction_after=args.force_compaction_after,
             force_delegation=args.force_delegation,
+            delegation=not args.only_task_tools,
             max_retries=args.max_retries,
         )
         if args.max_tokens < 1:

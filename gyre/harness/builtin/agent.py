@@ -264,6 +264,7 @@ class AgentConfig:
     keep_tail: int = 1  # (assistant, tool results) exchanges kept verbatim after a compaction
     force_compaction_after: int = 0  # main agent: compact every N turns (tests); 0 = off
     force_delegation: bool = False  # main agent's first turn delegates the task (tests)
+    delegation: bool = True  # offer the `delegate` tool to the main agent
     max_retries: int = 4  # per call, for transient failures
     retry_base_s: float = 0.5  # first backoff; doubles per retry
     retry_max_s: float = 8.0  # cap on one backoff
@@ -275,6 +276,8 @@ class AgentConfig:
         for name in ("context_limit", "keep_tail", "force_compaction_after", "max_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected an integer >= 0")
+        if self.force_delegation and not self.delegation:
+            raise ValueError("force_delegation needs delegation (the delegate tool) to be on")
         if not 0 < self.compact_fraction <= 1:
             raise ValueError(f"compact_fraction: got {self.compact_fraction}, expected a number in (0, 1]")
 
@@ -326,7 +329,7 @@ class Agent:
 
     def tools(self) -> list[ToolSchema]:
         schemas = [ToolSchema(t.name, t.description, t.input_schema) for t in self.toolbox.tools.values()]
-        if not self.is_sub_agent:
+        if not self.is_sub_agent and self.config.delegation:
             schemas.append(ToolSchema(DELEGATE, "Give a sub-task to a sub-agent; returns its answer.", DELEGATE_SCHEMA))
         return schemas
 
@@ -382,7 +385,7 @@ class Agent:
         return AgentResult("max_turns", last_text, turns, self.compactions)
 
     def run_tool(self, call: ToolCall) -> ToolResult:
-        if call.name == DELEGATE and not self.is_sub_agent:
+        if call.name == DELEGATE and not self.is_sub_agent and self.config.delegation:
             result = self.delegate(call.arguments)
         else:
             result = self.toolbox.call(call.name, call.arguments)

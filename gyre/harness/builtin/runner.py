@@ -10,6 +10,7 @@ so the harness imports the same `gyre`.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from pathlib import Path
 import gyre
 from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, LaunchSpec
 from gyre.harness.runners.command import harness_environment
+from gyre.tasks.spec import Task
 
 TASK_FILE = "task.md"
 
@@ -29,6 +31,11 @@ class BuiltinRunner:
     max_turns: int = 30
     extra_args: Sequence[str] = field(default_factory=tuple)  # more flags of `python -m gyre.harness.builtin`
     python: str = sys.executable
+    task_tools: list[dict] | None = None  # extra tool schemas (--tools), implemented by task_tools_impl
+    task_tools_impl: tuple[str, ...] = ()  # --tools-impl values
+    only_task_tools: bool = False  # --only-task-tools: no shell, files or delegate (short prompts for small models)
+    system_prompt: str | None = None  # replaces the main agent's system prompt
+    final_answer_file: str | None = None  # the final answer is also written here (relative to the workspace)
 
     def __post_init__(self) -> None:
         if self.backend not in ("anthropic", "openai"):
@@ -40,8 +47,41 @@ class BuiltinRunner:
                 f"the builtin harness needs the {self.backend!r} SDK: pip install {self.backend}"
             )
 
+    @classmethod
+    def for_task(cls, task: Task, **options) -> BuiltinRunner:
+        """A runner configured from the task's metadata (`gyre.tasks`): `tools` (schemas) with `tools_impl`,
+        `system_prompt`, `final_answer_file`, `only_task_tools` (the demo family sets all of them)."""
+        meta = task.metadata
+        runner = cls(**options)
+        if "tools" in meta:
+            if "tools_impl" not in meta:
+                raise ValueError(f"task {task.id!r}: metadata.tools needs metadata.tools_impl (module:function)")
+            impls = meta["tools_impl"] if isinstance(meta["tools_impl"], list) else [meta["tools_impl"]]
+            runner.task_tools = [dict(tool) for tool in meta["tools"]]
+            runner.task_tools_impl = tuple(str(impl) for impl in impls)
+        runner.system_prompt = meta.get("system_prompt", runner.system_prompt)
+        runner.final_answer_file = meta.get("final_answer_file", runner.final_answer_file)
+        runner.only_task_tools = bool(meta.get("only_task_tools", runner.only_task_tools))
+        return runner
+
     def launch_spec(self, context: ExecutionContext) -> LaunchSpec:
         task_file = context.home / TASK_FILE
+        files: dict[Path, str] = {task_file: context.task_prompt}
+        task_args: list[str] = []
+        if self.task_tools is not None:
+            tools_file = context.home / "task_tools.json"
+            files[tools_file] = json.dumps(self.task_tools)
+            task_args += ["--tools", str(tools_file)]
+            for impl in self.task_tools_impl:
+                task_args += ["--tools-impl", impl]
+        if self.only_task_tools:
+            task_args.append("--only-task-tools")
+        if self.system_prompt is not None:
+            system_file = context.home / "system_prompt.md"
+            files[system_file] = self.system_prompt
+            task_args += ["--system-prompt-file", str(system_file)]
+        if self.final_answer_file is not None:
+            task_args += ["--final-answer-file", self.final_answer_file]
         argv = (
             self.python, "-m", "gyre.harness.builtin",
             "--task-file", str(task_file),
@@ -50,9 +90,10 @@ class BuiltinRunner:
             "--workspace", str(context.workspace),
             "--log-dir", str(context.log_dir),
             "--max-turns", str(self.max_turns),
+            *task_args,
             *self.extra_args,
         )  # fmt: skip
         env = harness_environment(context)  # PATH, HOME, LANG, NO_PROXY, both SDKs' URL and key, extra_env
         ours = {"PYTHONPATH": str(Path(gyre.__file__).resolve().parent.parent), "PYTHONUNBUFFERED": "1"}
         env.update({k: v for k, v in ours.items() if k not in context.extra_env})
-        return LaunchSpec(argv=argv, env=env, files={task_file: context.task_prompt})
+        return LaunchSpec(argv=argv, env=env, files=files)

@@ -14,11 +14,16 @@ from gyre.harness.runners.claude_code import ClaudeCodeRunner
 from gyre.harness.runners.codex import CodexRunner
 from gyre.harness.runners.command import CommandRunner, harness_environment
 
-from gyre.harness.builtin.runner import BuiltinRunner  # isort: skip (it uses harness_environment from above)
+
+def _builtin(**options: object) -> HarnessRunner:
+    # imported here: gyre.harness.builtin.runner imports gyre.harness.runners.command (no import cycle)
+    from gyre.harness.builtin.runner import BuiltinRunner
+
+    return BuiltinRunner(**options)
+
 
 __all__ = [
     "RUNNERS",
-    "BuiltinRunner",
     "ClaudeCodeRunner",
     "CodexRunner",
     "CommandRunner",
@@ -27,7 +32,7 @@ __all__ = [
 ]
 
 RUNNERS: dict[str, Callable[..., HarnessRunner]] = {
-    "builtin": BuiltinRunner,
+    "builtin": _builtin,
     "command": CommandRunner,
     "claude_code": ClaudeCodeRunner,
     "codex": CodexRunner,

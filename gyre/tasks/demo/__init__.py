@@ -132,6 +132,7 @@ def _metadata(problem: DemoProblem, config: DemoConfig) -> dict[str, Any]:
         "tools": [CALCULATOR_TOOL_SPEC],
         "tools_impl": "gyre.tasks.demo.calculator:call",
         "final_answer_file": config.answer_file,
+        "only_task_tools": True,  # the builtin harness offers the calculator only: short prompts for a tiny model
         "difficulty": {
             k: v
             for k, v in asdict(config).items()
