@@ -24,6 +24,7 @@ Times are `time.monotonic()` seconds, the clock of the outcomes' deadlines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -84,14 +85,15 @@ async def run_episode(
     pending until its budget ends and is then EXCLUDED."""
     if evaluation_attempts < 1:
         raise ValueError(f"evaluation_attempts must be >= 1, got {evaluation_attempts!r}")
-    harness_timeout_s = min(task.harness_timeout_s or limits.harness_timeout_s, limits.harness_timeout_s)
     overall_timeout_s = min(task.overall_timeout_s or limits.overall_timeout_s, limits.overall_timeout_s)
+    harness_timeout_s = min(task.harness_timeout_s or limits.harness_timeout_s, limits.harness_timeout_s)
+    harness_timeout_s = min(harness_timeout_s, overall_timeout_s)  # the overall budget covers the harness too
     started = time.monotonic()
     group.start(execution_id, deadline=started + overall_timeout_s)
     result = EpisodeResult(execution_id=execution_id, task_id=task.id, run=None)
     try:
-        dirs = sandbox.prepare(execution_id)
-        prepare_workspace(task, dirs.workspace)
+        dirs = await asyncio.to_thread(sandbox.prepare, execution_id)
+        await asyncio.to_thread(prepare_workspace, task, dirs.workspace)
     except (OSError, ValueError) as error:  # no workspace: a total failure (no evaluable work)
         return _finish(result, group, CloseKind.FAILED, reason=f"workspace of task {task.id!r}: {error}")
     context = ExecutionContext(
@@ -105,28 +107,32 @@ async def run_episode(
         api_key=api_key,
         model=proxy.model,
     )
-    try:
-        result.run = await run_harness(
-            runner,
-            sandbox,
-            context,
-            harness_timeout_s=harness_timeout_s,
-            cancel_event=cancel_event,
-            grace_period_s=limits.grace_period_s,
-            kill_wait_s=limits.kill_wait_s,
-        )
-    finally:
-        sandbox.release(context)  # the workspace back to the controller, stray processes gone
+    result.run = await run_harness(  # it releases the sandbox (processes reaped, workspace handed back) at its end
+        runner,
+        sandbox,
+        context,
+        harness_timeout_s=harness_timeout_s,
+        cancel_event=cancel_event,
+        grace_period_s=limits.grace_period_s,
+        kill_wait_s=limits.kill_wait_s,
+    )
     kind = result.run.close_kind
     if not kind.evaluable:  # FAILED (placeholder) or CANCELLED (surplus)
         return _finish(result, group, kind, reason=result.run.reason)
-    state = evaluated_state(execution_id, dirs.workspace)
+    try:
+        state = await asyncio.to_thread(evaluated_state, execution_id, dirs.workspace)
+    except (OSError, ValueError) as error:  # the harness removed its own workspace: nothing to evaluate
+        return _finish(result, group, CloseKind.FAILED, reason=f"preserved workspace unreadable: {error}")
     group.close(execution_id, kind, now=time.monotonic(), final_state=state)
     outcome = group.execution(execution_id)
-    while outcome.retry_allowed(time.monotonic()) and len(result.evaluations) < evaluation_attempts:
+
+    def worth_evaluating() -> bool:  # the group may have become ready meanwhile: surplus is not evaluated further
+        return outcome.retry_allowed(time.monotonic()) and execution_id not in group.surplus
+
+    while worth_evaluating() and len(result.evaluations) < evaluation_attempts:
         if result.evaluations:  # an earlier attempt failed: wait a little, never past the budget
             await asyncio.sleep(max(0.0, min(evaluation_retry_s, outcome.deadline - time.monotonic())))
-            if not outcome.retry_allowed(time.monotonic()):
+            if not worth_evaluating():
                 break
         evaluation = await asyncio.to_thread(evaluate, task, dirs.workspace)
         result.evaluations.append(evaluation)
@@ -139,8 +145,14 @@ async def run_episode(
         if evaluation.valid:
             break
         result.reason = f"evaluator ({evaluation.validity.name}): {evaluation.detail}"
-    if outcome.status is Status.AWAITING:  # no valid score: it stays pending until the budget ends, then EXCLUDED
-        await asyncio.sleep(max(0.0, outcome.deadline - time.monotonic()))
+    if outcome.status is Status.AWAITING and execution_id not in group.surplus:
+        # no valid score: pending until the budget ends (or the group no longer needs it), then EXCLUDED
+        remaining = max(0.0, outcome.deadline - time.monotonic())
+        if cancel_event is None:
+            await asyncio.sleep(remaining)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cancel_event.wait(), remaining)
         group.expire(max(time.monotonic(), outcome.deadline))
     result.status, result.reward = outcome.status, outcome.reward
     return result
@@ -153,6 +165,24 @@ def _finish(result: EpisodeResult, group: GroupOutcomes, kind: CloseKind, *, rea
     if kind is CloseKind.FAILED:
         log.warning("execution %s of task %s failed: %s", result.execution_id, result.task_id, reason)
     return result
+
+
+async def _guarded(execution: str, episode, group: GroupOutcomes) -> EpisodeResult:
+    """An unexpected error in one execution closes it FAILED (placeholder) instead of failing the whole group."""
+    try:
+        return await episode
+    except Exception as error:  # a bug or an odd runner must not take the group's other executions down (logged)
+        log.exception("execution %s: unexpected error", execution)
+        outcome = group.execution(execution)
+        result = EpisodeResult(execution_id=execution, task_id="?", run=None, reason=f"unexpected error: {error!r}")
+        if outcome.status is Status.OPEN:
+            if outcome.deadline is None:
+                group.start(execution, deadline=time.monotonic())
+            group.close(execution, CloseKind.FAILED, now=time.monotonic())
+        elif outcome.status is Status.AWAITING:  # closed, evaluation interrupted: no valid score will come
+            group.expire(max(time.monotonic(), outcome.deadline))
+        result.status, result.reward = outcome.status, outcome.reward
+        return result
 
 
 async def run_group(
@@ -182,18 +212,22 @@ async def run_group(
             if group.ready:  # never started: the group no longer needs it
                 cancels[execution].set()
             try:
-                return await run_episode(
-                    task,
-                    execution_id=execution,
-                    api_key=key,
-                    runner=runner,
-                    sandbox=sandbox,
-                    proxy=proxy,
-                    limits=limits,
-                    group=group,
-                    cancel_event=cancels[execution],
-                    evaluation_attempts=evaluation_attempts,
-                    evaluation_retry_s=evaluation_retry_s,
+                return await _guarded(
+                    execution,
+                    run_episode(
+                        task,
+                        execution_id=execution,
+                        api_key=key,
+                        runner=runner,
+                        sandbox=sandbox,
+                        proxy=proxy,
+                        limits=limits,
+                        group=group,
+                        cancel_event=cancels[execution],
+                        evaluation_attempts=evaluation_attempts,
+                        evaluation_retry_s=evaluation_retry_s,
+                    ),
+                    group,
                 )
             finally:
                 if group.ready:

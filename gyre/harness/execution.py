@@ -10,7 +10,8 @@
 The workspace is always preserved; `sandbox.release` runs in every case (also when this coroutine is itself
 cancelled, after a SIGKILL of the group). Every wait is bounded.
 
-OVERALL_TIMEOUT is decided after evaluation (`close_kind_after_evaluation`); evaluation lives in `gyre.tasks`.
+The overall budget (harness + evaluation) is the outcome's deadline, applied by `gyre.harness.episode`; evaluation
+lives in `gyre.tasks`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, Harnes
 from gyre.harness.sandbox import ResourceLimits, Sandbox, SandboxError
 from gyre.traj.outcomes import CloseKind
 
-__all__ = ["ExecutionLimits", "HarnessRun", "close_kind_after_evaluation", "run_harness"]
+__all__ = ["ExecutionLimits", "HarnessRun", "run_harness"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +74,6 @@ class HarnessRun:
     stderr_path: Path
     workspace: Path  # preserved in every case
     reason: str | None = None  # why it FAILED, or what stopped it (timeout, cancel)
-
-
-def close_kind_after_evaluation(
-    harness_close: CloseKind, elapsed_total_s: float, overall_timeout_s: float
-) -> CloseKind:
-    """The execution's final close: evaluable work whose harness + evaluation time ran past the overall budget is
-    OVERALL_TIMEOUT (excluded); anything else keeps the harness's close kind."""
-    if harness_close.evaluable and elapsed_total_s > overall_timeout_s:
-        return CloseKind.OVERALL_TIMEOUT
-    return harness_close
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -178,7 +169,7 @@ async def run_harness(
     if cancel_event is not None and cancel_event.is_set():
         stdout_path.touch()
         stderr_path.touch()
-        sandbox.release(context)
+        await asyncio.to_thread(sandbox.release, context)
         return result(CloseKind.CANCELLED, None, "cancelled before start")
 
     process: asyncio.subprocess.Process | None = None
@@ -220,4 +211,4 @@ async def run_harness(
     finally:
         if process is not None and process.returncode is None:  # we were cancelled or failed mid-wait
             _signal_group(process.pid, signal.SIGKILL)
-        sandbox.release(context)
+        await asyncio.to_thread(sandbox.release, context)  # reaping and chown walk the tree: off the event loop

@@ -3,7 +3,7 @@
 Checked: every runner satisfies `HarnessRunner`; the environment is exactly the documented keys (nothing of the
 controller's environment, e.g. a secret, leaks in); Claude Code and Codex get the HARNESS-NOTES switches and files;
 `runner_for` names the known runners; a missing binary raises `HarnessNotFoundError` saying what to install;
-`ExecutionLimits`, `ResourceLimits` and `close_kind_after_evaluation`; the docker and apptainer argv.
+`ExecutionLimits` and `ResourceLimits`; the docker and apptainer argv.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness.execution import ExecutionLimits, close_kind_after_evaluation
+from gyre.harness.execution import ExecutionLimits
 from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, HarnessRunner
 from gyre.harness.runners import ClaudeCodeRunner, CodexRunner, CommandRunner, runner_for
 from gyre.harness.sandbox import ContainerSandbox, ResourceLimits
-from gyre.traj.outcomes import CloseKind
 from gyre.traj.roles import classifier_for
 
 BASE_KEYS = {
@@ -165,11 +164,6 @@ def test_limits_validate_and_overall_timeout_applies_only_to_evaluable_work():
         ExecutionLimits(grace_period_s=0)
     with pytest.raises(ValueError, match="cpu_seconds"):
         ResourceLimits(cpu_seconds=-1)
-    assert close_kind_after_evaluation(CloseKind.COMPLETED, 91.0, 90.0) is CloseKind.OVERALL_TIMEOUT
-    assert close_kind_after_evaluation(CloseKind.HARNESS_TIMEOUT, 91.0, 90.0) is CloseKind.OVERALL_TIMEOUT
-    assert close_kind_after_evaluation(CloseKind.HARNESS_TIMEOUT, 89.0, 90.0) is CloseKind.HARNESS_TIMEOUT
-    assert close_kind_after_evaluation(CloseKind.FAILED, 500.0, 90.0) is CloseKind.FAILED
-    assert close_kind_after_evaluation(CloseKind.CANCELLED, 500.0, 90.0) is CloseKind.CANCELLED
 
 
 def test_docker_argv_mounts_only_the_execution_and_keeps_values_off_the_command_line(tmp_path):
