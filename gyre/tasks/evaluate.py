@@ -19,6 +19,7 @@ result onto `gyre.traj.outcomes.Evaluation`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -186,29 +187,55 @@ def _tail(text: str) -> str:
 
 
 def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
-    """Run argv in its own process group; returns (exit code or None on timeout, stdout, stderr)."""
-    proc = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        errors="replace",
-        start_new_session=True,  # the whole group is killed at the limit, children included
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return None, out, err
+    """Run argv in its own process group; returns (exit code or None on timeout, stdout, stderr).
+
+    Output goes to files, not pipes, and only the process itself is waited for: a daemon the code under test
+    leaves behind (even in a session of its own) can neither stretch the wait nor turn a finish into a timeout.
+    What is left of the group is killed in every case."""
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out_file,
+            stderr=err_file,
+            start_new_session=True,  # the whole group is killed at the limit, children included
+        )
+        try:
+            code: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if code is None:
+            proc.wait(timeout=10)
+        out_file.seek(0)
+        err_file.seek(0)
+        return code, out_file.read().decode(errors="replace"), err_file.read().decode(errors="replace")
+
+
+# What an evaluator process inherits from the controller: nothing else (the controller's keys and tokens must not
+# reach code that runs next to the agent's).
+_INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT")
+
+
+def _planted_symlink(top: Path, path: Path) -> str | None:
+    """Why `path` (below `top`) cannot receive the hidden files: one of its existing components is a symlink
+    (which would send them, and the writes, out of the copy). None when it is safe."""
+    current = top
+    for part in path.relative_to(top).parts:
+        current = current / part
+        if current.is_symlink():
+            return f"{current.relative_to(top)} is a symbolic link"
+        if not current.exists():
+            return None
+    return None
 
 
 def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {name: os.environ[name] for name in _INHERITED_ENV if name in os.environ}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.update(extra or {})
     return env
@@ -305,15 +332,20 @@ def evaluate(task: Task, workspace: str | Path, *, scratch_root: str | Path | No
         shutil.copytree(workspace, work, symlinks=True, ignore=_special_files)
         artifact = workspace_digest(work)  # hashed before the evaluator can touch the copy
         hidden: Path | None = None
+        planted: str | None = None
         spec = task.evaluator
         if task.hidden_dir is not None:
             if isinstance(spec, CommandEvaluatorSpec) and spec.hidden_dest is not None:
                 hidden = work / spec.hidden_dest
-                shutil.copytree(task.hidden_dir, hidden, symlinks=True, dirs_exist_ok=True)
+                planted = _planted_symlink(work, hidden)  # the work would redirect the hidden files out of the copy
+                if planted is None:
+                    shutil.copytree(task.hidden_dir, hidden, symlinks=True, dirs_exist_ok=True)
             else:
                 hidden = scratch / "hidden"
                 shutil.copytree(task.hidden_dir, hidden, symlinks=True)
-        if isinstance(spec, CommandEvaluatorSpec):
+        if planted is not None:  # such work cannot pass the hidden tests: a valid 0
+            validity, score, detail, log = Validity.VALID, 0.0, f"hidden_dest: {planted}", ""
+        elif isinstance(spec, CommandEvaluatorSpec):
             validity, score, detail, log = _run_command(spec, work, hidden)
         else:
             assert isinstance(spec, PythonEvaluatorSpec)

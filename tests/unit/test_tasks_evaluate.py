@@ -4,6 +4,7 @@ workspace; evaluator failure is not a score; partial scoring; the mapping onto g
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,39 @@ def test_collection_error_from_the_agents_code_is_a_valid_zero(pytest_task, tmp_
     (ws / "calc.py").unlink()  # the agent deleted the module the hidden tests import: pytest exits 2
     result = evaluate(pytest_task, ws)
     assert (result.validity, result.score, result.detail) == (Validity.VALID, 0.0, "0/1 passed")
+
+
+def test_a_daemon_left_by_the_code_under_test_neither_stretches_nor_spoils_the_evaluation(tmp_path: Path) -> None:
+    # The command finishes at once but leaves a process in a session of its own holding stdout: the result comes
+    # back at once (not after the daemon), and the daemon is gone or orphaned without blocking us.
+    task = load_task(
+        make_task(
+            tmp_path,
+            'kind = "command"\ncommand = ["sh", "-c", "setsid sleep 30 & echo 1/1"]\nscore = "fraction"\ntimeout_s = 20',
+        )
+    )
+    started = time.monotonic()
+    result = evaluate(task, prepare_workspace(task, tmp_path / "exec"))
+    assert result.valid and result.score == 1.0
+    assert time.monotonic() - started < 10
+
+
+def test_the_controllers_secrets_do_not_reach_the_evaluator(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("GYRE_TEST_SECRET", "hunter2")
+    script = 'import os; print("1/1" if "GYRE_TEST_SECRET" not in os.environ else "0/1")'
+    task = load_task(
+        make_task(tmp_path, f'kind = "command"\ncommand = ["{{python}}", "-c", {script!r}]\nscore = "fraction"')
+    )
+    assert evaluate(task, prepare_workspace(task, tmp_path / "exec")).score == 1.0
+
+
+def test_a_symlink_planted_at_hidden_dest_scores_zero_and_writes_nothing_outside(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    evaluator = 'kind = "command"\ncommand = ["sh", "-c", "echo 1/1"]\nscore = "fraction"\nhidden_dest = "tests/hidden"'
+    task = load_task(make_task(tmp_path, evaluator))
+    ws = prepare_workspace(task, tmp_path / "exec")
+    (ws / "tests").symlink_to(outside)
+    result = evaluate(task, ws)
+    assert result.valid and result.score == 0.0 and "symbolic link" in result.detail
+    assert list(outside.iterdir()) == []
