@@ -309,12 +309,8 @@ def test_collection_error_from_the_agents_code_is_a_valid_zero(pytest_task, tmp_
 def test_a_daemon_left_by_the_code_under_test_neither_stretches_nor_spoils_the_evaluation(tmp_path: Path) -> None:
     # The command finishes at once but leaves a process in a session of its own holding stdout: the result comes
     # back at once (not after the daemon), and the daemon is gone or orphaned without blocking us.
-    task = load_task(
-        make_task(
-            tmp_path,
-            'kind = "command"\ncommand = ["sh", "-c", "setsid sleep 30 & echo 1/1"]\nscore = "fraction"\ntimeout_s = 20',
-        )
-    )
+    evaluator = 'kind = "command"\ncommand = ["sh", "-c", "setsid sleep 30 & echo 1/1"]\nscore = "fraction"\n'
+    task = load_task(make_task(tmp_path, evaluator + "timeout_s = 20"))
     started = time.monotonic()
     result = evaluate(task, prepare_workspace(task, tmp_path / "exec"))
     assert result.valid and result.score == 1.0
