@@ -181,7 +181,7 @@ def run_harness(served, execution: str, tmp_path: Path, *, backend="anthropic", 
         text=True,
         timeout=HARNESS_TIMEOUT_S,
     )
-    transcript_path = context.log_dir / "transcript.jsonl"
+    transcript_path = context.home / "transcript.jsonl"
     events = [json.loads(line) for line in transcript_path.read_text().splitlines()] if transcript_path.exists() else []
     return done, events
 

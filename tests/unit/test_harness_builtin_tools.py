@@ -264,3 +264,26 @@ def test_runner_launch_spec(tmp_path):
     assert spec.env["X"] == "1" and spec.env["HOME"] == str(tmp_path / "home")
     with pytest.raises(ValueError, match="backend"):
         BuiltinRunner(backend="gemini")
+
+
+def test_background_commands_are_ended_when_the_harness_stops(tmp_path):
+    import os
+    import time
+
+    from gyre.harness.builtin.tools import kill_running_commands, run_shell
+
+    out = run_shell("sleep 30 >/dev/null 2>&1 & echo $!", tmp_path, timeout_s=10, output_cap=1000)
+    pid = int(out.split()[-1])
+    os.kill(pid, 0)  # still running after the command returned (it left it in the background)
+    kill_running_commands()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(")")[-1].split()[0] == "Z":
+                    break  # killed, waiting to be reaped
+        except FileNotFoundError:
+            break  # gone
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"background process {pid} survived kill_running_commands")

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -79,7 +80,25 @@ def _usage_error(message: str) -> int:
     return EXIT_USAGE
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """The sandbox stops the harness (timeout, cancel): end the shell commands' own process groups first."""
+    from gyre.harness.builtin.tools import kill_running_commands
+
+    kill_running_commands()
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        from gyre.harness.builtin.tools import kill_running_commands
+
+        kill_running_commands()
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from gyre.harness.builtin.agent import (

@@ -88,7 +88,7 @@ class BuiltinRunner:
             "--backend", self.backend,
             "--model", context.model,
             "--workspace", str(context.workspace),
-            "--log-dir", str(context.log_dir),
+            "--log-dir", str(context.home),  # the harness writes transcript.jsonl where it may write: its home
             "--max-turns", str(self.max_turns),
             *task_args,
             *self.extra_args,

@@ -15,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -120,8 +121,24 @@ def shell_tool(workspace: Workspace, *, timeout_s: float, output_cap: int) -> To
     return Tool("shell", "Run a shell command in the workspace; returns its exit code and output.", schema, run)
 
 
+# Process groups of the shell commands started: a command gets its own group (so its timeout kills its children
+# too), which takes it and what it leaves in the background out of the harness's group; `kill_running_commands`
+# ends them when the harness is stopped (SIGTERM from its sandbox) or exits, so nothing keeps writing into the
+# workspace being scored.
+_RUNNING_GROUPS: set[int] = set()
+
+
+def kill_running_commands() -> None:
+    """SIGKILL every shell command group that may still have members (the harness is stopping)."""
+    for pgid in list(_RUNNING_GROUPS):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        _RUNNING_GROUPS.discard(pgid)
+
+
 def run_shell(command: str, cwd: Path, *, timeout_s: float, output_cap: int) -> str:
-    """Run `command`; its exit code and (capped) merged output. A timeout kills its whole process group."""
+    """Run `command`; its exit code and (capped) merged output. A timeout kills its whole process group; what a
+    finished command left in the background runs on until the harness ends (`kill_running_commands`)."""
     with tempfile.TemporaryFile() as out:
         process = subprocess.Popen(
             ["/bin/sh", "-c", command],
@@ -131,12 +148,15 @@ def run_shell(command: str, cwd: Path, *, timeout_s: float, output_cap: int) -> 
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: the timeout kills children too
         )
+        _RUNNING_GROUPS.add(process.pid)
         try:
             code = process.wait(timeout=timeout_s)
             status = f"exit code {code}"
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the group we created for this command, by its id
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)  # the group we created for this command, by its id
             process.wait()
+            _RUNNING_GROUPS.discard(process.pid)
             status = f"timed out after {timeout_s:g} s (killed)"
         out.seek(0)
         output = out.read(output_cap + 1)
