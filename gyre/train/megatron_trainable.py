@@ -3,8 +3,9 @@
 The streaming step reduces gradients over prefix groups of cells that change from step to step, which Megatron's
 DDP (one fixed data-parallel group, set at start-up) cannot do; so the model is used without DDP and the update is
 plain: gradients are in `param.grad`, the global norm counts each tensor-parallel shard once and each replicated
-tensor (norms, qkv biases) once (`param_is_not_tensor_parallel_duplicate`, as Megatron's own `clip_grads` does),
-summed over the cell's TP group; then clip and `torch.optim.AdamW`. Only the core's ranks call `update`.
+tensor (norms, qkv biases) once and a tied embedding's pipeline copy not at all (as Megatron's own `clip_grads`
+does), summed over the cell's model-parallel group; then clip and `torch.optim.AdamW`. Only the core's ranks
+call `update`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 from torch import Tensor
 
 from gyre.data.microstep import MicroStep
@@ -24,13 +26,16 @@ __all__ = ["MegatronTrainable", "global_grad_norm"]
 
 
 def global_grad_norm(params: list[Tensor]) -> Tensor:
-    """The L2 norm of the whole model's gradient from this rank's shards (fp32; summed over the TP group)."""
+    """The L2 norm of the whole model's gradient from this rank's shards (fp32), summed over the model-parallel
+    group (TP x PP), each tensor counted once: TP-replicated tensors on TP rank 0 only, the copy of tied embeddings
+    on the last pipeline stage not at all (as Megatron's own `clip_grads` counts)."""
     squares = torch.zeros(1, dtype=torch.float32)
     for p in params:
-        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
             squares += p.grad.detach().float().pow(2).sum().cpu()
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+    group = parallel_state.get_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
     return squares.sqrt()[0]
 
 

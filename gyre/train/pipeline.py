@@ -56,10 +56,10 @@ from torch import Tensor
 from gyre.config.loss import LossConfig
 from gyre.data.microstep import MicroStep
 from gyre.dist.claims import decode_unit, encode_unit
-from gyre.rl import finalize_sequence_ratio, policy_loss, sequence_log_ratio_sums
+from gyre.rl import finalize_sequence_ratio, policy_loss
 from gyre.train.cpu_patch import apply_cpu_patches
 from gyre.train.logprobs import block_causal_mask, logprobs_from_logits, packed_positions
-from gyre.train.streaming import StepResult
+from gyre.train.streaming import StepResult, add_sequence_sums
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
@@ -235,15 +235,7 @@ class StreamingPipeline:
                 self._score_unit, self._seq_ratio = unit, None
                 self._sums = torch.zeros(2, step.num_executions, dtype=torch.float64)
             assert self._sums is not None and self._seq_ratio is None, "SCORE after TRAIN of the same unit"
-            target = torch.from_numpy(step.target_U)
-            inputs = step.target_inputs()
-            logp_T = self._logprobs(step, output)[target].float().cpu()
-            sum_E, count_E = sequence_log_ratio_sums(
-                logp_T - inputs["behavior_logp_T"], inputs["execution_T"], inputs["num_local"]
-            )
-            slots = torch.from_numpy(step.batch_execution_E)
-            self._sums[0].index_add_(0, slots, sum_E)
-            self._sums[1].index_add_(0, slots, count_E.double())
+            add_sequence_sums(self._sums, step, self._logprobs(step, output).cpu())
 
     def _forward(self, train: tuple[Tensor | None, MicroStep, int], result: StepResult) -> _InFlight:
         input_BSH, step, unit = train

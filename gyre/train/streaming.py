@@ -38,6 +38,7 @@ __all__ = [
     "StepResult",
     "Trainable",
     "accumulate_unit",
+    "add_sequence_sums",
     "broadcast_parameters",
     "publish_parameters",
     "pull_parameters",
@@ -75,6 +76,19 @@ class StepResult:
     update: dict[str, float] = field(default_factory=dict)  # core: the optimizer's metrics (grad norm, ...)
 
 
+def add_sequence_sums(sums_2B: Tensor, step: MicroStep, logp_U: Tensor) -> None:
+    """Add one micro-step's pieces of Eq. 5 (sum of log rho and target count per execution) into `sums_2B`, indexed
+    by the executions' batch slots: after all micro-steps of a unit, `finalize_sequence_ratio(*sums_2B)` is s_i."""
+    inputs = step.target_inputs()
+    logp_T = logp_U[torch.from_numpy(step.target_U)].float()
+    sum_E, count_E = sequence_log_ratio_sums(
+        logp_T - inputs["behavior_logp_T"], inputs["execution_T"], inputs["num_local"]
+    )
+    slots = torch.from_numpy(step.batch_execution_E)
+    sums_2B[0].index_add_(0, slots, sum_E)
+    sums_2B[1].index_add_(0, slots, count_E.double())
+
+
 def accumulate_unit(model: Trainable, unit: Sequence[MicroStep], config: LossConfig) -> float:
     """Forward and backward over one claim unit, gradients added into `.grad`; returns the summed loss.
 
@@ -82,19 +96,10 @@ def accumulate_unit(model: Trainable, unit: Sequence[MicroStep], config: LossCon
     do not change during accumulation, so that pass sees the same log-probs as the backward passes."""
     seq_ratio = None
     if any(step.has_split for step in unit):
-        num_executions = unit[0].num_executions
-        sums = torch.zeros(2, num_executions, dtype=torch.float64)
+        sums = torch.zeros(2, unit[0].num_executions, dtype=torch.float64)
         with torch.no_grad():
             for step in unit:
-                target = torch.from_numpy(step.target_U)
-                inputs = step.target_inputs()
-                logp_T = model.logprobs(step)[target].float()
-                sum_E, count_E = sequence_log_ratio_sums(
-                    logp_T - inputs["behavior_logp_T"], inputs["execution_T"], inputs["num_local"]
-                )
-                slots = torch.from_numpy(step.batch_execution_E)
-                sums[0].index_add_(0, slots, sum_E)
-                sums[1].index_add_(0, slots, count_E.double())
+                add_sequence_sums(sums, step, model.logprobs(step))
         seq_ratio = finalize_sequence_ratio(sums[0], sums[1])
     total = 0.0
     for step in unit:
@@ -204,11 +209,13 @@ def train_step(
     params = model.parameters()
     group = prefix_group(result.cells)
     reduce_gradients(params, core_rank, group)
-    if is_core:
-        result.update = model.update()
-    else:
-        for p in params:
-            p.grad = None
-    if not final:
-        broadcast_parameters(params, core_rank, group)
+    try:
+        if is_core:
+            result.update = model.update()
+        else:
+            for p in params:
+                p.grad = None
+    finally:  # satellites wait in this broadcast: it happens even when the core's update raised (unchanged weights)
+        if not final:
+            broadcast_parameters(params, core_rank, group)
     return result

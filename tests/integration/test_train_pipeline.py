@@ -122,13 +122,14 @@ def loss_config():
 
 def reference_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: str) -> float:
     """PP = 1: `accumulate_unit` over the batch's units in order ("plain"), and over its first unit alone ("one")."""
-    from gyre.train.megatron_trainable import MegatronTrainable
+    from gyre.train.megatron_trainable import MegatronTrainable, global_grad_norm
     from gyre.train.streaming import accumulate_unit
 
     trainable = MegatronTrainable(build_stage(tied, 1), lr=1e-2)
     losses = {}
     for name, units in (("plain", batch_units(seed)), ("one", batch_units(seed)[:1])):
         losses[name] = sum(accumulate_unit(trainable, unit, loss_config()) for _, unit in units)
+        losses[f"{name}_grad_norm"] = float(global_grad_norm(trainable.parameters()))
         torch.save(hf_gradients(trainable.model, tied), f"{out}.{name}")
         for p in trainable.parameters():
             p.grad = None
@@ -171,6 +172,7 @@ def stream(units: list, pauses: list[int]):
 def pipeline_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: str) -> dict:
     """PP = world_size: the batch streamed plain, with pauses, then only its first unit (fewer micro-steps than
     the first stage's warm-up at PP 3), then an empty batch; gradients zeroed between."""
+    from gyre.train.megatron_trainable import global_grad_norm
     from gyre.train.pipeline import StreamingPipeline
 
     model = build_stage(tied, world_size)
@@ -184,6 +186,7 @@ def pipeline_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: s
         result = pipeline.run(claim)
         elapsed = time.perf_counter() - started
         counters = {k: v - before[k] for k, v in vars(pipeline.counters).items()}
+        grad_norm = float(global_grad_norm([p for p in model.parameters() if p.requires_grad]))  # what clips
         grads = hf_gradients(model, tied)
         tied_copies_equal = tied_gradients_equal(model) if tied else None
         if rank == 0:
@@ -198,6 +201,7 @@ def pipeline_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: s
             "loss": result.loss,
             "seconds": elapsed,
             "tied_copies_equal": tied_copies_equal,
+            "grad_norm": grad_norm,
         }
     return runs
 
@@ -254,6 +258,8 @@ def test_streaming_1f1b_gives_the_pp1_gradients(tmp_path, pipeline_parallel, tie
             run = runs[name]
             print(f"    stage {rank}: {run['counters']} in {run['seconds'] * 1e3:.0f} ms")
             assert run["counters"]["warmups"] == 1 and run["counters"]["drains"] == 1  # one fill, one flush
+            norm, reference_norm = run["grad_norm"], reference_losses[f"{want['reference']}_grad_norm"]
+            assert abs(norm - reference_norm) <= 1e-5 * reference_norm, (name, rank, norm, reference_norm)
             assert run["counters"]["forwards"] == run["counters"]["backwards"] == len(steps)
             assert run["counters"]["score_forwards"] == want["scores"]  # the split unit's s_i pass
             assert run["counters"]["pauses"] == want["pauses"]
