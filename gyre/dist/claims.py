@@ -191,9 +191,11 @@ class StepBoard:
 class StepClaimer:
     """Cell side of one optimizer step: `claim` on the cell leader, `receive` on the cell's other ranks.
 
-    timeout_s bounds every wait on the store (a controller that died must not hang the job forever)."""
+    timeout_s bounds every wait on the store (a controller that died must not hang the job forever). Micro-steps
+    arrive as executions finish, which can take hours, so the default is a day; a wait that runs out raises a
+    TimeoutError naming the step and the unit."""
 
-    def __init__(self, store, step: int, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, store, step: int, *, timeout_s: float = 24 * 3600.0) -> None:
         self.store, self.step = store, step
         self._prefix = _prefix(step)
         self._timeout = datetime.timedelta(seconds=timeout_s)
@@ -206,7 +208,7 @@ class StepClaimer:
     def receive(self, index: int) -> tuple[MicroStep, ...] | None:
         """The unit at `index`, waiting until it is written; None when the stream closed before it."""
         key = f"{self._prefix}unit/{index}"
-        self.store.wait([key], self._timeout)
+        self._wait(key, f"unit {index}")
         data = self.store.get(key)
         if data == CLOSED:
             return None
@@ -222,5 +224,14 @@ class StepClaimer:
     def cells(self) -> int:
         """The number of cells that train this step (valid once `claim` returned None)."""
         key = self._prefix + "cells"
-        self.store.wait([key], self._timeout)
+        self._wait(key, "the membership")
         return int(self.store.get(key))
+
+    def _wait(self, key: str, what: str) -> None:
+        try:
+            self.store.wait([key], self._timeout)
+        except (RuntimeError, TimeoutError) as error:  # torch's DistStoreError is a RuntimeError
+            raise TimeoutError(
+                f"step {self.step}: {what} did not arrive within {self._timeout.total_seconds():g} s "
+                f"(is the controller alive?): {error}"
+            ) from error

@@ -96,7 +96,7 @@ def test_claims_are_disjoint_and_closed_streams_answer_none(store):
     pending = satellite.claim_index()  # claimed before the stream ends: answered by a sentinel
     assert board.close() == 2
     assert satellite.receive(pending) is None
-    assert core.claim() is None and core.claim() is None  # a late claim ends at once too
+    assert core.claim() is None  # after the close: answered by a sentinel at once
     assert core.cells() == satellite.cells() == 2
     with pytest.raises(ValueError, match="closed"):
         board.put(step(2, ["e3"]))
@@ -114,6 +114,12 @@ def test_a_split_run_is_held_until_it_ends(store):
     board.close()
     index, unit = StepClaimer(store, 0, timeout_s=10).claim()
     assert index == 0 and [s.index for s in unit] == [0, 1]
+
+
+def test_a_wait_that_runs_out_names_the_step_and_unit(store):
+    claimer = StepClaimer(store, 9, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="step 9: unit 0 did not arrive"):
+        claimer.claim()
 
 
 def test_board_checks_its_cells(store):
