@@ -74,7 +74,7 @@ def _warm_start(args: argparse.Namespace) -> int:
     try:
         earlier = read_meta(args.out_dir) if Path(args.out_dir).is_dir() else None
         out, meta = warm_start(args.out_dir, config, args.seed)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # bad arguments, an unwritable or full OUT_DIR
         print(f"warm-start: error: {err}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start

@@ -354,13 +354,23 @@ def train_steps(model, demos: Sequence[Demonstration], config: WarmStartConfig, 
 
 
 def warm_start_key(config: WarmStartConfig, seed: int, base_dir: str | Path | None = None) -> str:
-    """16 hex digits: settings, seed, base model (tiny spec hash or directory), this file, gyre's version."""
+    """16 hex digits: settings, seed, base model (tiny spec hash or directory), gyre's version, and the source of
+    what shapes the demonstrations and the training: this file, the demo family, the proxy's rendering and output
+    parsing, the native model (a change in any of them trains anew instead of reusing a stale checkpoint)."""
     base = spec_hash() if base_dir is None else str(Path(base_dir).resolve())
     digest = hashlib.sha256()
     payload = {"config": config.key_fields(), "seed": seed, "base": base, "gyre": gyre.__version__, "format": FORMAT}
     digest.update(json.dumps(payload, sort_keys=True, default=str).encode())
-    digest.update(Path(__file__).read_bytes())
+    for path in _key_sources():
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _key_sources() -> list[Path]:
+    package = Path(gyre.__file__).parent
+    paths = [Path(__file__), *sorted((package / "tasks" / "demo").glob("*.py"))]
+    paths += [package / "proxy" / name for name in ("render.py", "template.py", "output.py", "payload.py")]
+    return [*paths, package / "engine" / "model.py"]
 
 
 def read_meta(out_dir: str | Path) -> dict[str, Any] | None:
