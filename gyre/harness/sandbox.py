@@ -23,6 +23,7 @@ Implementations (what each isolates is measured in tests/integration/test_harnes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pwd
@@ -327,7 +328,8 @@ class LocalSandbox:
         """Kill every process of `uid`: a helper that becomes `uid` sends SIGKILL to -1 (all it may signal)."""
 
         def kill_all() -> None:
-            os.kill(-1, signal.SIGKILL)  # as uid: every process of uid except this one
+            with contextlib.suppress(ProcessLookupError):  # nothing of uid left to kill
+                os.kill(-1, signal.SIGKILL)  # as uid: every process of uid except this one
 
         try:
             subprocess.run(
@@ -342,9 +344,7 @@ class LocalSandbox:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-        except ProcessLookupError:  # os.kill(-1) found nothing to kill: raised through the preexec
-            pass
-        except subprocess.SubprocessError as exc:  # the helper itself failed after killing; nothing left to do
+        except subprocess.SubprocessError as exc:  # the helper could not become uid or start: log, nothing to undo
             logger.debug("reaping uid %d: %s", uid, exc)
 
     def release(self, context: ExecutionContext) -> None:
