@@ -59,7 +59,7 @@ from gyre.dist.claims import decode_unit, encode_unit
 from gyre.rl import finalize_sequence_ratio, policy_loss
 from gyre.train.cpu_patch import apply_cpu_patches
 from gyre.train.logprobs import block_causal_mask, logprobs_from_logits, packed_positions
-from gyre.train.streaming import StepResult, add_sequence_sums
+from gyre.train.streaming import StepResult, add_sequence_sums, loss_inputs_on
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
@@ -253,7 +253,7 @@ class StreamingPipeline:
             ratio_E = self._seq_ratio[torch.from_numpy(step.batch_execution_E)]
         target = torch.from_numpy(step.target_U).to(self.device)
         logp_T = self._logprobs(step, output)[target].float()
-        loss, _ = policy_loss(logp_T, **step.loss_inputs(seq_ratio_E=ratio_E), config=self.config)
+        loss, _ = policy_loss(logp_T, **loss_inputs_on(step, logp_T.device, ratio_E), config=self.config)
         result.loss += float(loss.detach())
         return _InFlight(input_BSH, loss)
 

@@ -40,6 +40,7 @@ __all__ = [
     "accumulate_unit",
     "add_sequence_sums",
     "broadcast_parameters",
+    "loss_inputs_on",
     "publish_parameters",
     "pull_parameters",
     "reduce_gradients",
@@ -80,13 +81,19 @@ def add_sequence_sums(sums_2B: Tensor, step: MicroStep, logp_U: Tensor) -> None:
     """Add one micro-step's pieces of Eq. 5 (sum of log rho and target count per execution) into `sums_2B`, indexed
     by the executions' batch slots: after all micro-steps of a unit, `finalize_sequence_ratio(*sums_2B)` is s_i."""
     inputs = step.target_inputs()
-    logp_T = logp_U[torch.from_numpy(step.target_U)].float()
+    logp_T = logp_U.detach().float().cpu()[torch.from_numpy(step.target_U)]  # the sums live on the CPU
     sum_E, count_E = sequence_log_ratio_sums(
         logp_T - inputs["behavior_logp_T"], inputs["execution_T"], inputs["num_local"]
     )
     slots = torch.from_numpy(step.batch_execution_E)
     sums_2B[0].index_add_(0, slots, sum_E)
     sums_2B[1].index_add_(0, slots, count_E.double())
+
+
+def loss_inputs_on(step: MicroStep, device: torch.device, seq_ratio_E: Tensor | None) -> dict:
+    """`step.loss_inputs(...)` (CPU tensors) on the device of the log-probs (the GPU when training there)."""
+    inputs = step.loss_inputs(seq_ratio_E=seq_ratio_E)
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
 
 
 def accumulate_unit(model: Trainable, unit: Sequence[MicroStep], config: LossConfig) -> float:
@@ -103,10 +110,10 @@ def accumulate_unit(model: Trainable, unit: Sequence[MicroStep], config: LossCon
         seq_ratio = finalize_sequence_ratio(sums[0], sums[1])
     total = 0.0
     for step in unit:
-        target = torch.from_numpy(step.target_U)
         ratio_E = seq_ratio[torch.from_numpy(step.batch_execution_E)] if seq_ratio is not None else None
-        logp_T = model.logprobs(step)[target].float()
-        loss, _ = policy_loss(logp_T, **step.loss_inputs(seq_ratio_E=ratio_E), config=config)
+        logp_U = model.logprobs(step)
+        logp_T = logp_U[torch.from_numpy(step.target_U).to(logp_U.device)].float()
+        loss, _ = policy_loss(logp_T, **loss_inputs_on(step, logp_T.device, ratio_E), config=config)
         loss.backward()
         total += float(loss.detach())
     return total
