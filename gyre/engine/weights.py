@@ -14,6 +14,7 @@ Contract
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -68,6 +69,41 @@ def read_state_dict(path: str | Path, *, dtype: torch.dtype, device: torch.devic
     return state
 
 
+def without_tolerated(state: dict[str, torch.Tensor], config: DecoderConfig, *, where: str) -> dict[str, torch.Tensor]:
+    """`state` without the extras transformers tolerates: `*.rotary_emb.inv_freq` buffers, and an `lm_head.weight`
+    equal to the embedding when the config ties them (a different one is a ValueError naming `where`)."""
+    state = {name: t for name, t in state.items() if not name.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings and "lm_head.weight" in state:
+        embed = state.get("model.embed_tokens.weight")
+        if embed is None or not torch.equal(state["lm_head.weight"], embed):
+            raise ValueError(
+                f"{where}: tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight; "
+                "set tie_word_embeddings=false in config.json if the checkpoint has a separate lm_head"
+            )
+        del state["lm_head.weight"]
+    return state
+
+
+def state_mismatch(
+    state: Mapping[str, torch.Tensor],
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    line: str = "{name}: got {got}, expected {want}",
+) -> str | None:
+    """'missing [...]; unexpected [...]; wrong shape [...]' when `state`'s names or shapes differ from `expected`
+    (each wrong shape written with `line`); None when they match."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = sorted(
+        line.format(name=n, got=tuple(state[n].shape), want=tuple(expected[n]))
+        for n in set(expected) & set(state)
+        if tuple(state[n].shape) != tuple(expected[n])
+    )
+    if not (missing or unexpected or wrong_shape):
+        return None
+    return f"missing {missing}; unexpected {unexpected}; wrong shape {wrong_shape}"
+
+
 def load_pretrained(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> DecoderLM:
@@ -77,27 +113,11 @@ def load_pretrained(
     with torch.device("meta"):
         model = DecoderLM(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    for name in [n for n in state if n.endswith(IGNORED_SUFFIXES)]:
-        del state[name]
-    if config.tie_word_embeddings and "lm_head.weight" in state:
-        embed = state.get("model.embed_tokens.weight")
-        if embed is None or not torch.equal(state["lm_head.weight"], embed):
-            raise ValueError(
-                f"{path}: tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight; "
-                "set tie_word_embeddings=false in config.json if the checkpoint has a separate lm_head"
-            )
-        del state["lm_head.weight"]
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong_shape = sorted(
-        f"{n}: file {tuple(state[n].shape)} vs config {expected[n]}"
-        for n in set(expected) & set(state)
-        if tuple(state[n].shape) != expected[n]
-    )
-    if missing or unexpected or wrong_shape:
+    state = without_tolerated(state, config, where=str(path))
+    mismatch = state_mismatch(state, expected, line="{name}: file {got} vs config {want}")
+    if mismatch:
         raise ValueError(
-            f"checkpoint {path} does not match its config.json (model_type={config.model_type!r}): "
-            f"missing {missing}; unexpected {unexpected}; wrong shape {wrong_shape}"
+            f"checkpoint {path} does not match its config.json (model_type={config.model_type!r}): {mismatch}"
         )
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -41,12 +41,12 @@ from megatron.core import parallel_state
 
 from gyre.engine.hf_config import DecoderConfig
 from gyre.engine.model import DecoderLM
+from gyre.engine.weights import state_mismatch, without_tolerated
 from gyre.train.cpu_patch import apply_cpu_patches
 from gyre.train.model import validate_layout
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 EXTRA_STATE = "_extra_state"  # megatron/TE serialization slots, not weights
 
 
@@ -59,28 +59,10 @@ def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 def check_hf_state_dict(hf_state: Mapping[str, torch.Tensor], config: DecoderConfig) -> dict[str, torch.Tensor]:
     """`hf_state` without tolerated extras; ValueError listing missing, unexpected and mis-shaped tensors."""
-    expected = hf_shapes(config)
-    state = {name: t for name, t in hf_state.items() if not name.endswith(IGNORED_SUFFIXES)}
-    if config.tie_word_embeddings and "lm_head.weight" in state:
-        embed = state.get("model.embed_tokens.weight")
-        if embed is None or not torch.equal(state["lm_head.weight"], embed):
-            raise ValueError(
-                "tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight: expected equal "
-                "tensors (or tie_word_embeddings=False)"
-            )
-        del state["lm_head.weight"]
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong_shape = sorted(
-        f"{n}: got {tuple(state[n].shape)}, expected {expected[n]}"
-        for n in set(expected) & set(state)
-        if tuple(state[n].shape) != expected[n]
-    )
-    if missing or unexpected or wrong_shape:
-        raise ValueError(
-            f"HF state dict does not match the config (model_type={config.model_type!r}): missing {missing}; "
-            f"unexpected {unexpected}; wrong shape {wrong_shape}"
-        )
+    state = without_tolerated(dict(hf_state), config, where="HF state dict")
+    mismatch = state_mismatch(state, hf_shapes(config))
+    if mismatch:
+        raise ValueError(f"HF state dict does not match the config (model_type={config.model_type!r}): {mismatch}")
     return state
 
 
@@ -241,18 +223,9 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, torch.Tens
     )
     expected = model_shapes(model)
     state = to_model_names(state, expected)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong_shape = sorted(
-        f"{n}: got {tuple(state[n].shape)}, expected {expected[n]}"
-        for n in set(expected) & set(state)
-        if tuple(state[n].shape) != expected[n]
-    )
-    if missing or unexpected or wrong_shape:
-        raise ValueError(
-            f"converted state dict does not match the Megatron model: missing {missing}; unexpected {unexpected}; "
-            f"wrong shape {wrong_shape}"
-        )
+    mismatch = state_mismatch(state, expected)
+    if mismatch:
+        raise ValueError(f"converted state dict does not match the Megatron model: {mismatch}")
     result = model.load_state_dict(state, strict=False)
     leftover = [n for n in result.missing_keys if not n.endswith(EXTRA_STATE)]
     assert not leftover and not result.unexpected_keys, (leftover, result.unexpected_keys)
