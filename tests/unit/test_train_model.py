@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gyre.engine.hf_config import DecoderConfig, RopeScaling
 from gyre.engine.model import build_model
@@ -18,7 +17,7 @@ from gyre.engine.weights import read_config, read_state_dict
 from gyre.models.tiny import tiny_model_dir
 from gyre.train.convert import load_hf_state_dict
 from gyre.train.logprobs import packed_logprobs
-from gyre.train.model import build_gpt_model, init_model_parallel, validate_layout
+from gyre.train.model import build_gpt_model, validate_layout
 
 pytestmark = pytest.mark.slow  # megatron import and model builds: several seconds
 
@@ -50,22 +49,6 @@ VARIANTS = {
         rope_scaling=RopeScaling(rope_type="llama3", factor=8.0),
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory):
-    """A one-rank gloo group with megatron's parallel_state at TP=1, PP=1 (torn down if this module made it)."""
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("gloo") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    init_model_parallel(1, 1, seed=0)
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def perturbed_native(config: DecoderConfig, seed: int):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gyre.engine.hf_config import DecoderConfig
 from gyre.engine.model import build_model
@@ -15,7 +14,7 @@ from gyre.train import offload
 from gyre.train.convert import gather_hf_state_dict, load_hf_state_dict
 from gyre.train.logprobs import packed_logprobs
 from gyre.train.megatron_trainable import MegatronTrainable
-from gyre.train.model import build_gpt_model, init_model_parallel
+from gyre.train.model import build_gpt_model
 from gyre.train.offload import TrainerState
 
 pytestmark = pytest.mark.slow  # megatron import and model builds: several seconds
@@ -33,22 +32,6 @@ CONFIG = DecoderConfig(
     tie_word_embeddings=True,  # one parameter used twice: offloaded and restored once
 )
 ROW = torch.tensor([3, 17, 5, 40, 2, 9, 33, 12, 7, 60, 1, 25])
-
-
-@pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory):
-    """A one-rank gloo group with megatron's parallel_state at TP=1, PP=1 (torn down if this module made it)."""
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("gloo") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    init_model_parallel(1, 1, seed=0)
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def make_trainable() -> MegatronTrainable:

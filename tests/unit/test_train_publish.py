@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gyre.dist.transport import unflatten
 from gyre.engine.hf_config import DecoderConfig
@@ -26,23 +25,6 @@ CONFIG = DecoderConfig(
     head_dim=8,
     qk_norm=True,
 )
-
-
-@pytest.fixture(scope="module")
-def model_parallel(tmp_path_factory):
-    from gyre.train.model import init_model_parallel
-
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("gloo") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    init_model_parallel(1, 1, seed=0)
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 async def greedy(engine: NativeEngine, name: str) -> list[list[int]]:
