@@ -1,10 +1,10 @@
 """gyre's builtin harness as a process against a real `python -m gyre.serve`: roles on the wire, compaction,
 delegation, tools, and a run with the real tiny model.
 
-The served engine in the scripted tests is `ScriptedAgentEngine` — a stand-in named as such (the approach of
-test_proxy_tool_round_trips.py), served by the real engine endpoint in this process and given to
-`gyre.serve engine.enabled=false engine_urls=[...]` — that reads the prompt and answers as a tool-using model
-would, in the tiny model's Hermes format:
+The served engine in the scripted tests is `ScriptedEngine` (tests/integration/scripted_engine.py, shared with
+test_proxy_tool_round_trips.py) — a stand-in named as such, served by the real engine endpoint in this process and
+given to `gyre.serve engine.enabled=false engine_urls=[...]` — that reads the prompt and answers as a tool-using
+model would, in the tiny model's Hermes format:
 - a summary request (the prompt holds the harness's summary instruction) -> `<summary>SUMMARY-MARK ...</summary>`,
   carrying `CAT-hi` if the prompt did (a summarizer that keeps the facts);
 - a sub-agent (its system prompt) -> `shell echo SUB-$((40+2))`, then, once `SUB-42` is in the prompt, an answer;
@@ -23,10 +23,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from scripted_engine import ScriptedEngine
 from serve_process import start_serve
 
 from gyre.engine.endpoint import ServerThread
-from gyre.engine.protocol import EngineLoad, GenerateRequest, GenerateResult, GenerateTimings, TokenChunk
 from gyre.harness.builtin.agent import SUB_AGENT_SYSTEM, SUMMARY_INSTRUCTION
 from gyre.harness.builtin.runner import BuiltinRunner
 from gyre.harness.protocol import ExecutionContext
@@ -68,66 +68,10 @@ def scripted_answer(prompt: str) -> str:
     return _call("write_file", {"path": "hello.txt", "content": "hi"})
 
 
-class ScriptedAgentEngine:
-    """Stands in for a tool-using model: the answer is a function of the decoded prompt (`scripted_answer`)."""
-
-    def __init__(self, template: ChatTemplate):
-        self.template = template
-        (self.stop_id,) = template.end_of_turn_ids
-        self.prompt_lengths: list[int] = []
-
-    async def generate_stream(self, request: GenerateRequest):
-        self.prompt_lengths.append(len(request.input_ids))
-        prompt = self.template.tokenizer.decode(list(request.input_ids), skip_special_tokens=False)
-        ids = [*self.template.encode(scripted_answer(prompt)), self.stop_id][: request.params.max_new_tokens]
-        for index, token in enumerate(ids):
-            last = index == len(ids) - 1
-            yield TokenChunk(
-                request_id=request.request_id,
-                index=index,
-                token_ids=(token,),
-                logprobs=(-0.5,),
-                policy_version=0,
-                finish_reason=("stop" if token == self.stop_id else "length") if last else None,
-                timings=GenerateTimings(queued_s=0.0, first_token_s=0.0, total_s=0.0) if last else None,
-                cached_tokens=0 if last else None,
-            )
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        chunks = [chunk async for chunk in self.generate_stream(request)]
-        ids = tuple(t for c in chunks for t in c.token_ids)
-        return GenerateResult(
-            request_id=request.request_id,
-            output_ids=ids,
-            output_logprobs=(-0.5,) * len(ids),
-            finish_reason=chunks[-1].finish_reason,
-            policy_version=0,
-            last_policy_version=0,
-            prompt_tokens=len(request.input_ids),
-            cached_tokens=0,
-            timings=chunks[-1].timings,
-        )
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-    def load(self) -> EngineLoad:
-        return EngineLoad(
-            capacity=64,
-            running=0,
-            queued=0,
-            kv_tokens_total=1 << 20,
-            kv_tokens_free=1 << 20,
-            accepting=True,
-            memory_released=False,
-            policy_version=0,
-        )
-
-
 @pytest.fixture(scope="module")
 def scripted_url():
     template = ChatTemplate.from_pretrained(tiny_model_dir())
-    thread = ServerThread(lambda: ScriptedAgentEngine(template))
+    thread = ServerThread(lambda: ScriptedEngine(template, lambda request, prompt: scripted_answer(prompt)))
     yield thread.start()
     thread.stop()
 

@@ -16,11 +16,12 @@ import json
 import anthropic
 import openai
 import pytest
+from scripted_engine import ScriptedEngine
 
 from gyre.config.proxy import ProxyConfig
 from gyre.config.serve import EngineConfig, ServeConfig
 from gyre.engine.endpoint import ServerThread
-from gyre.engine.protocol import EngineLoad, GenerateRequest, GenerateResult, GenerateTimings, TokenChunk
+from gyre.engine.protocol import GenerateRequest
 from gyre.models.tiny import tiny_model_dir
 from gyre.proxy.render import ChatTemplate
 from gyre.serve.stack import build_stack
@@ -31,66 +32,22 @@ TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*
 ANSWER = "The answer is 42."
 
 
-class ScriptedEngine:
-    """Stands in for a model that calls tools: per execution, a tool call first, then a text answer."""
+def tool_call_then_answer():
+    """Per execution: a tool call first, then a text answer."""
+    calls: dict[str, int] = {}
 
-    def __init__(self, template: ChatTemplate):
-        (self.stop_id,) = template.end_of_turn_ids
-        self.scripts = [[*template.encode(TOOL_CALL), self.stop_id], [*template.encode(ANSWER), self.stop_id]]
-        self.calls: dict[str, int] = {}
+    def respond(request: GenerateRequest, prompt: str) -> str:
+        step = calls.get(request.execution_id, 0)
+        calls[request.execution_id] = step + 1
+        return TOOL_CALL if step == 0 else ANSWER
 
-    async def generate_stream(self, request: GenerateRequest):
-        step = self.calls.get(request.execution_id, 0)
-        self.calls[request.execution_id] = step + 1
-        ids = self.scripts[min(step, 1)][: request.params.max_new_tokens]
-        for index, token in enumerate(ids):
-            last = index == len(ids) - 1
-            yield TokenChunk(
-                request_id=request.request_id,
-                index=index,
-                token_ids=(token,),
-                logprobs=(-0.5,),
-                policy_version=0,
-                finish_reason=("stop" if token == self.stop_id else "length") if last else None,
-                timings=GenerateTimings(queued_s=0.0, first_token_s=0.0, total_s=0.0) if last else None,
-                cached_tokens=0 if last else None,
-            )
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        chunks = [chunk async for chunk in self.generate_stream(request)]
-        ids = tuple(t for c in chunks for t in c.token_ids)
-        return GenerateResult(
-            request_id=request.request_id,
-            output_ids=ids,
-            output_logprobs=(-0.5,) * len(ids),
-            finish_reason=chunks[-1].finish_reason,
-            policy_version=0,
-            last_policy_version=0,
-            prompt_tokens=len(request.input_ids),
-            cached_tokens=0,
-            timings=chunks[-1].timings,
-        )
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-    def load(self) -> EngineLoad:
-        return EngineLoad(
-            capacity=64,
-            running=0,
-            queued=0,
-            kv_tokens_total=1 << 20,
-            kv_tokens_free=1 << 20,
-            accepting=True,
-            memory_released=False,
-            policy_version=0,
-        )
+    return respond
 
 
 @pytest.fixture(scope="module")
 def scripted_url():
     template = ChatTemplate.from_pretrained(tiny_model_dir())
-    thread = ServerThread(lambda: ScriptedEngine(template))
+    thread = ServerThread(lambda: ScriptedEngine(template, tool_call_then_answer()))
     yield thread.start()
     thread.stop()
 
