@@ -159,9 +159,10 @@ def test_delegation_forced_compaction_and_tools_record_every_role(scripted_serve
 
 
 def test_task_tools_system_prompt_and_answer_file_as_the_demo_task_declares_them(scripted_serve, tmp_path):
-    demo = pytest.importorskip("gyre.tasks.demo", reason="the demo task family is not in this checkout")
-    (tmp_path / "tools.json").write_text(json.dumps([demo.CALCULATOR_TOOL]))  # OpenAI-shaped schema
-    (tmp_path / "system.txt").write_text("You are a careful assistant. Use the calculator for arithmetic.")
+    from gyre.tasks.demo import CALCULATOR_TOOL, SYSTEM_PROMPT
+
+    (tmp_path / "tools.json").write_text(json.dumps([CALCULATOR_TOOL]))  # OpenAI-shaped schema
+    (tmp_path / "system.txt").write_text(SYSTEM_PROMPT)
     flags = (
         *("--tools", str(tmp_path / "tools.json"), "--tools-impl", "calculator=gyre.tasks.demo.calculator:calculator"),
         *("--system-prompt-file", str(tmp_path / "system.txt"), "--final-answer-file", "answer.txt"),
