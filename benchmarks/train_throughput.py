@@ -9,7 +9,7 @@ same number of optimizer updates on the same batches; which side goes first rota
 
 - streaming: rows packed first-fit decreasing (`gyre.data.packing.first_fit_decreasing`, executions are single rows so
   none is split) into micro-steps of at most `--budget` tokens, then `gyre.train.streaming.train_step` with
-  `MegatronTrainable` on one process (one cell, TP 1), claim units from `gyre.dist.claims.ClaimUnitAssembler`. A
+  `MegatronTrainable` on one process (one cell, TP 1), claim units from `gyre.data.ClaimUnitAssembler`. A
   micro-step feeds exactly its U tokens, no padding (`gyre.train.logprobs.packed_logprobs`: one forward per row, so
   attention costs the sum of the rows' squared lengths, not U^2).
 - plain: the slime/verl-style loop: the rows in batch order, fixed micro-batches of `--micro-batch-rows` rows, each
@@ -113,7 +113,7 @@ def fixed_batches(rows, micro_batch_rows: int) -> list[list]:
 
 
 def streaming_step(trainable, micro_steps, loss_config) -> float:
-    from gyre.dist.claims import ClaimUnitAssembler
+    from gyre.data.claim_units import ClaimUnitAssembler
     from gyre.train.streaming import train_step
 
     assembler = ClaimUnitAssembler()

@@ -10,16 +10,19 @@
 - `microstep`: `TokenRow` and `MicroStep`, the packed training input (flat tokens, row offsets, targets,
   behavior log-probs, per-execution A_i, L_i, batch slot and split flag, B * N).
 - `queue`: `MicroStepQueue`, atomic disjoint claims by training cells.
+- `claim_units`: `ClaimUnitAssembler`, a run of micro-steps sharing a split execution as one claim unit.
 
 Pure: imports gyre.traj, gyre.rl (torch) and numpy; no IO, no torch.distributed, no HTTP. See docs/data.md.
 """
 
+from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import MicroStep, TokenRow, build_microstep
 from gyre.data.packing import PackingConfig, StreamPackingBuffer, first_fit_decreasing, materialize_group
 from gyre.data.queue import MicroStepQueue
 from gyre.data.trajectory_buffer import RolloutGroup, TrajectoryBuffer
 
 __all__ = [
+    "ClaimUnitAssembler",
     "MicroStep",
     "MicroStepQueue",
     "PackingConfig",

@@ -13,7 +13,7 @@ Keys of optimizer step `s` (under `gyre/step/{s}/`):
 - `cells`: the number of training cells of the step (a prefix 0..k-1 of the cells, core first), written once by
   `close` before any `CLOSED`; a cell that reads `CLOSED` then reads it to pick the prefix group it reduces over.
 
-Claim units. A split execution (rows in several micro-steps, `MicroStep.split_E`) needs s_i (Eq. 5) over all its
+Claim units (`gyre.data.claim_units`). A split execution (rows in several micro-steps, `MicroStep.split_E`) needs s_i (Eq. 5) over all its
 micro-steps before any of them computes its loss. Its micro-steps are emitted consecutively, so the controller
 ships such a run as one unit: the claiming cell does a no-grad pass over the unit, then the forward-backward of
 each micro-step, and no cross-cell reduction of s_i is needed mid-stream. Every other micro-step is a unit alone.
@@ -32,9 +32,10 @@ from dataclasses import fields
 
 import numpy as np
 
+from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import MicroStep
 
-__all__ = ["CLOSED", "ClaimUnitAssembler", "StepBoard", "StepClaimer", "decode_unit", "encode_unit"]
+__all__ = ["CLOSED", "StepBoard", "StepClaimer", "decode_unit", "encode_unit"]
 
 CLOSED = b"gyre:closed"
 _MAGIC = b"GYREUNIT1\n"
@@ -88,44 +89,6 @@ def decode_unit(data: bytes) -> tuple[MicroStep, ...]:
     if offset != len(data):
         raise ValueError(f"claim unit has {len(data) - offset} trailing bytes")
     return tuple(steps)
-
-
-# ----------------------------------------------------------------------------- units (pure)
-
-
-def _split_executions(step: MicroStep) -> set[str]:
-    return {e for e, split in zip(step.execution_ids, step.split_E.tolist(), strict=True) if split}
-
-
-class ClaimUnitAssembler:
-    """Groups a stream of micro-steps into claim units: a run of consecutive micro-steps sharing a split execution
-    becomes one unit; any other micro-step is a unit alone. Pure; the controller feeds it in emission order."""
-
-    def __init__(self) -> None:
-        self._pending: list[MicroStep] = []
-        self._pending_split: set[str] = set()
-
-    def add(self, step: MicroStep) -> list[tuple[MicroStep, ...]]:
-        """Feed one micro-step; returns the units it completes (zero, one or two)."""
-        split = _split_executions(step)
-        done = []
-        if self._pending and not (split & self._pending_split):
-            done.append(self._take())
-        if split:
-            self._pending.append(step)
-            self._pending_split |= split
-        else:
-            done.append((step,))
-        return done
-
-    def flush(self) -> list[tuple[MicroStep, ...]]:
-        """The held-back run, at the end of the stream."""
-        return [self._take()] if self._pending else []
-
-    def _take(self) -> tuple[MicroStep, ...]:
-        unit = tuple(self._pending)
-        self._pending, self._pending_split = [], set()
-        return unit
 
 
 # ----------------------------------------------------------------------------- store adapters

@@ -44,8 +44,8 @@ def model_config(tied: bool):
 def batch_units(seed: int) -> list[tuple[int, tuple]]:
     """(index, claim unit) of one batch: 6 micro-steps of 1-3 rows of 5-20 tokens; micro-steps 2 and 3 share a
     split execution and form one unit."""
+    from gyre.data.claim_units import ClaimUnitAssembler
     from gyre.data.microstep import TokenRow, build_microstep
-    from gyre.dist.claims import ClaimUnitAssembler
 
     rng = np.random.default_rng(seed)
     num_steps = 6

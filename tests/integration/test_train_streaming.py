@@ -113,7 +113,7 @@ def flat_parameters(trainable) -> torch.Tensor:
 
 
 def units_of(seed: int, step: int) -> list:
-    from gyre.dist.claims import ClaimUnitAssembler
+    from gyre.data.claim_units import ClaimUnitAssembler
 
     assembler = ClaimUnitAssembler()
     return [u for ms in batch_microsteps(seed, step) for u in assembler.add(ms)] + assembler.flush()

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import TokenRow, build_microstep
-from gyre.dist.claims import ClaimUnitAssembler, StepBoard, StepClaimer, decode_unit, encode_unit
+from gyre.dist.claims import StepBoard, StepClaimer, decode_unit, encode_unit
 from gyre.dist.local import free_port
 
 
