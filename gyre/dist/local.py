@@ -2,9 +2,10 @@
 
 `run_local(target, world_size, kwargs=..., timeout_s=...)` starts `world_size` subprocesses of
 `python -m gyre.dist.local`, each of which calls `torch.distributed.init_process_group("gloo")` on a free port of
-127.0.0.1, runs `target(rank, world_size, **kwargs)`, destroys the group and writes the JSON-able return value to
-a file. The parent returns the values by rank. Every wait is bounded: past `timeout_s`, or as soon as one rank
-fails, the remaining processes are killed by PID and a `LocalRunError` carries each failed rank's stderr tail.
+127.0.0.1, runs `target(rank, world_size, **kwargs)`, destroys the group, writes the JSON-able return value to a
+file and leaves without interpreter finalization (see `_child`). The parent returns the values by rank. Every wait
+is bounded: past `timeout_s`, or as soon as one rank fails, the remaining processes are killed by PID and a
+`LocalRunError` carries each failed rank's stderr tail.
 
 `target` is `"package.module:function"` or `"/path/to/file.py:function"` (a test module need not be importable;
 the file's directory goes on `sys.path`, as when it runs as a script).
@@ -124,7 +125,11 @@ def _wait(processes: list, timeout_s: float) -> str | None:
 
 
 def _child(argv: list[str]) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    faulthandler.enable()  # an abort in C++ (gloo, torch) still shows the Python stack in the stderr tail
 
     target, rank, world_size, port, kwargs, out, timeout_s = argv
     rank, world_size = int(rank), int(world_size)
@@ -140,6 +145,12 @@ def _child(argv: list[str]) -> None:
     finally:
         dist.destroy_process_group()
     Path(out).write_text(json.dumps(result))
+    # Skip interpreter finalization: groups that megatron's parallel_state still references keep their gloo worker
+    # threads, and one that releases a finished collective's Python-owned tensors while the interpreter finalizes
+    # cannot take the GIL and aborts the process (std::terminate; seen about once in 12 runs of the PP tests).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
