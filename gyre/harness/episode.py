@@ -8,7 +8,9 @@ This is the harness manager's core on the controller (DESIGN.md: rank 0 runs the
   - the harness exits, or is stopped at its own budget (HARNESS_TIMEOUT): the preserved work is evaluated and a
     valid score is a reward, a partial one included;
   - the evaluator fails (crash, no score) or times out: not a score; it is retried on the same preserved state
-    while the execution's overall budget allows (`evaluation_attempts`);
+    while the execution's overall budget allows (`evaluation_attempts`). It runs inside the execution's sandbox
+    (`gyre.harness.evaluation.SandboxHost`: its own uid, or bubblewrap), since it may execute the agent's code;
+    `evaluate_in_sandbox=False` runs it as the controller's user (trusted policies only);
   - the overall budget (harness + evaluation, `ExecutionLimits.overall_timeout_s`, the outcome's deadline) runs
     out without a valid evaluation: EXCLUDED, no reward;
   - the harness cannot start or its workspace cannot be made (total failure, no evaluable work): FAILED, the
@@ -29,11 +31,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from gyre.harness.evaluation import SandboxHost
 from gyre.harness.execution import ExecutionLimits, HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, HarnessRunner
-from gyre.harness.sandbox import Sandbox
-from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, to_evaluation
+from gyre.harness.sandbox import Sandbox, SandboxError
+from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, not_started, to_evaluation
 from gyre.tasks.spec import Task, prepare_workspace
 from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status
 
@@ -77,6 +81,7 @@ async def run_episode(
     cancel_event: asyncio.Event | None = None,
     evaluation_attempts: int = 3,
     evaluation_retry_s: float = 5.0,
+    evaluate_in_sandbox: bool = True,
 ) -> EpisodeResult:
     """Run one execution of `task` and record its close and evaluations in `group` (see the module docstring).
 
@@ -134,7 +139,9 @@ async def run_episode(
             await asyncio.sleep(max(0.0, min(evaluation_retry_s, outcome.deadline - time.monotonic())))
             if not worth_evaluating():
                 break
-        evaluation = await asyncio.to_thread(evaluate, task, dirs.workspace)
+        evaluation = await asyncio.to_thread(
+            _evaluate, task, dirs.workspace, sandbox, execution_id, evaluate_in_sandbox
+        )
         result.evaluations.append(evaluation)
         now = time.monotonic()
         if now >= outcome.deadline:  # it came back after the overall budget: not recorded
@@ -156,6 +163,20 @@ async def run_episode(
         group.expire(max(time.monotonic(), outcome.deadline))
     result.status, result.reward = outcome.status, outcome.reward
     return result
+
+
+def _evaluate(task: Task, workspace: Path, sandbox: Sandbox, execution_id: str, in_sandbox: bool) -> EvaluationResult:
+    """One evaluation attempt (in a worker thread): inside the execution's sandbox, or as the controller's user."""
+    if not in_sandbox:
+        return evaluate(task, workspace)
+    try:
+        host = SandboxHost(sandbox, execution_id)
+    except (SandboxError, OSError) as error:  # e.g. no uid left: an attempt that failed, retried like any other
+        return not_started(task, workspace, f"evaluation sandbox: {error}")
+    try:
+        return evaluate(task, workspace, host=host)
+    finally:
+        host.close()
 
 
 def _finish(result: EpisodeResult, group: GroupOutcomes, kind: CloseKind, *, reason: str | None) -> EpisodeResult:
@@ -198,6 +219,7 @@ async def run_group(
     max_concurrent: int | None = None,
     evaluation_attempts: int = 3,
     evaluation_retry_s: float = 5.0,
+    evaluate_in_sandbox: bool = True,
 ) -> tuple[GroupOutcomes, list[EpisodeResult]]:
     """Run `len(execution_ids)` executions of `task` (N = `group_size`, the rest oversampling surplus); once the group
     is ready, cancel those still running. Returns the group's outcomes and each execution's result, in order."""
@@ -226,6 +248,7 @@ async def run_group(
                         cancel_event=cancels[execution],
                         evaluation_attempts=evaluation_attempts,
                         evaluation_retry_s=evaluation_retry_s,
+                        evaluate_in_sandbox=evaluate_in_sandbox,
                     ),
                     group,
                 )

@@ -166,7 +166,7 @@ def _inside(path: Path, parent: Path) -> bool:
     return True
 
 
-def _chown_tree(top: Path, uid: int, gid: int) -> None:
+def chown_tree(top: Path, uid: int, gid: int) -> None:
     """chown `top` and everything below it, never following symlinks (a harness may plant links anywhere)."""
     os.chown(top, uid, gid, follow_symlinks=False)
     for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
@@ -250,7 +250,7 @@ class LocalSandbox:
                 self._reap(uid)  # a previous controller's leftovers under this uid
                 self._uids[execution_id] = uid
             for path in (dirs.workspace, dirs.home):
-                _chown_tree(path, uid, uid)
+                chown_tree(path, uid, uid)
         return dirs
 
     def uid_of(self, execution_id: str) -> int | None:
@@ -270,7 +270,7 @@ class LocalSandbox:
         raise SandboxError(f"no free uid in LocalSandbox.uid_range {self.uid_range} ({len(in_use)} in use)")
 
     # -- start --------------------------------------------------------------------------------------
-    def _write_files(self, spec: LaunchSpec, context: ExecutionContext, uid: int | None) -> None:
+    def _write_files(self, spec: LaunchSpec, context: ExecutionContext) -> None:
         for path, text in spec.files.items():
             path = Path(path)
             if not (_inside(path, context.home) or _inside(path, context.workspace)):
@@ -285,8 +285,6 @@ class LocalSandbox:
                     raise SandboxError(f"launch file {path}: {part} is a symlink; refusing to write through it")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-            if uid is not None:
-                _chown_tree(top, uid, uid)
 
     def _environment(self, spec: LaunchSpec, context: ExecutionContext) -> dict[str, str]:
         env = dict(spec.env)
@@ -311,7 +309,12 @@ class LocalSandbox:
                     "users; install the harness where all users may read it, use BubblewrapSandbox, or "
                     "LocalSandbox(isolate_user=False)"
                 )
-        self._write_files(spec, context, uid)
+        self._write_files(spec, context)
+        if uid is not None:
+            # Everything the controller put there since `prepare` (the task's template files, the launch files)
+            # becomes the execution's to change.
+            for path in (context.workspace, context.home):
+                chown_tree(path, uid, uid)
         return await asyncio.create_subprocess_exec(
             *self.command(spec, context),
             cwd=context.workspace,
@@ -355,7 +358,7 @@ class LocalSandbox:
         me = os.geteuid(), os.getegid()
         for path in (context.workspace, context.home):
             if path.exists():
-                _chown_tree(path, *me)  # preserved for evaluation, private to the controller from now on
+                chown_tree(path, *me)  # preserved for evaluation, private to the controller from now on
 
 
 SYSTEM_RO_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")

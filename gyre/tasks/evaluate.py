@@ -11,6 +11,11 @@ state and gets the same artifact reference.
 - `python`: `module:function(workspace, hidden_dir) -> float in [0, 1]`, in a child process (default, time
   limited) or inline (trusted, bounded checks; no time limit).
 
+Where the evaluator's processes run (`EvaluatorHost`): by default plain processes of the controller's user in a
+scratch directory (`LocalHost`); `gyre.harness.evaluation.SandboxHost` runs them inside the execution's sandbox
+(its own uid, or bubblewrap), since a command evaluator such as pytest executes the agent's code. An inline python
+evaluator always runs in the controller (it is trusted by declaration).
+
 A workspace left by a timed-out harness is scored exactly like any other. Evaluator failure is NOT a score:
 a timeout of the evaluator itself is PENDING, a crash or an unreadable output is FAILED; both may be retried
 on the same preserved state within the execution's budget (`gyre.traj.outcomes`). `to_evaluation` maps a
@@ -35,15 +40,20 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from gyre.tasks.spec import CommandEvaluatorSpec, PythonEvaluatorSpec, Task
 from gyre.traj.outcomes import EvaluatedState, Evaluation, ExecutionId, Validity
 
 __all__ = [
     "EvaluationResult",
+    "EvaluatorHost",
+    "EvaluatorStartError",
+    "LocalHost",
     "evaluate",
     "evaluated_state",
     "evaluator_version",
+    "not_started",
     "parse_score",
     "to_evaluation",
     "workspace_digest",
@@ -179,6 +189,41 @@ def _check_score(value: object) -> float:
     return float(value)
 
 
+# -- where evaluators run ------------------------------------------------------------------------------
+
+
+class EvaluatorStartError(RuntimeError):
+    """The evaluator could not be started where it was to run (the message says why); an attempt, not a score."""
+
+
+@runtime_checkable
+class EvaluatorHost(Protocol):
+    """Where one evaluation's processes run. `evaluate` copies the work (and the hidden files) below `directory`,
+    then calls `run` once; the caller of `evaluate` opened the host and closes it (which removes `directory`)."""
+
+    directory: Path  # fresh and empty; everything the evaluator reads or writes is below it
+
+    def run(self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
+        """Run argv (its own process group, killed with whatever it left once it ends or at `timeout_s`); returns
+        (exit code, None on timeout; stdout; stderr). Raises `EvaluatorStartError` or OSError if it cannot start."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalHost:
+    """Plain processes of the controller's user in a scratch directory (`mkdtemp` under `scratch_root`)."""
+
+    def __init__(self, task_id: str, scratch_root: str | Path | None = None) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix=f"gyre-eval-{task_id}-", dir=scratch_root))
+
+    def run(self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
+        return _run(argv, cwd=cwd, env=env, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 # -- running -------------------------------------------------------------------------------------------
 
 
@@ -241,14 +286,16 @@ def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _run_command(spec: CommandEvaluatorSpec, workspace: Path, hidden: Path | None) -> tuple[Validity, float, str, str]:
+def _run_command(
+    spec: CommandEvaluatorSpec, host: EvaluatorHost, workspace: Path, hidden: Path | None
+) -> tuple[Validity, float, str, str]:
     values = {"workspace": str(workspace), "hidden": str(hidden or ""), "python": sys.executable}
     argv = [a.replace("{workspace}", values["workspace"]).replace("{hidden}", values["hidden"]) for a in spec.argv]
     argv = [a.replace("{python}", values["python"]) for a in argv]
     env = _child_env({**spec.env, "GYRE_WORKSPACE": values["workspace"], "GYRE_HIDDEN_DIR": values["hidden"]})
     try:
-        code, out, err = _run(argv, cwd=workspace, env=env, timeout_s=spec.timeout_s)
-    except OSError as e:  # the command itself is missing or not executable: the task's problem, retryable
+        code, out, err = host.run(argv, cwd=workspace, env=env, timeout_s=spec.timeout_s)
+    except (OSError, EvaluatorStartError) as e:  # missing, not executable, closed to the sandbox: retryable
         return Validity.FAILED, 0.0, f"evaluator could not start {argv[0]!r}: {e}", ""
     log = _tail(out + ("\n[stderr]\n" + err if err else ""))
     if code is None:
@@ -283,7 +330,7 @@ def _call_function(function: str, workspace: str, hidden: str) -> object:
 
 
 def _run_python(
-    spec: PythonEvaluatorSpec, task: Task, workspace: Path, hidden: Path | None, scratch: Path
+    spec: PythonEvaluatorSpec, task: Task, host: EvaluatorHost, workspace: Path, hidden: Path | None
 ) -> tuple[Validity, float, str, str]:
     if spec.isolation == "inline":
         top = spec.function.split(".")[0].split(":")[0]
@@ -300,10 +347,13 @@ def _run_python(
             return Validity.FAILED, 0.0, str(e), ""
     # cwd is an empty scratch directory, never the workspace: `python -c` puts the cwd on sys.path, and the
     # agent must not be able to shadow the checker's modules.
-    cwd = scratch / "cwd"
+    cwd = host.directory / "cwd"
     cwd.mkdir()
     argv = [sys.executable, "-c", _CHILD, spec.function, str(task.task_dir), str(workspace), str(hidden or "")]
-    code, out, err = _run(argv, cwd=cwd, env=_child_env(), timeout_s=spec.timeout_s)
+    try:
+        code, out, err = host.run(argv, cwd=cwd, env=_child_env(), timeout_s=spec.timeout_s)
+    except (OSError, EvaluatorStartError) as e:
+        return Validity.FAILED, 0.0, f"evaluator could not start {sys.executable!r}: {e}", ""
     log = _tail(out + ("\n[stderr]\n" + err if err else ""))
     if code is None:
         return Validity.PENDING, 0.0, f"evaluator timed out after {spec.timeout_s:g} s", log
@@ -316,17 +366,28 @@ def _run_python(
         return Validity.FAILED, 0.0, f"evaluator result unreadable: {e}", log
 
 
-def evaluate(task: Task, workspace: str | Path, *, scratch_root: str | Path | None = None) -> EvaluationResult:
+def evaluate(
+    task: Task,
+    workspace: str | Path,
+    *,
+    scratch_root: str | Path | None = None,
+    host: EvaluatorHost | None = None,
+) -> EvaluationResult:
     """Evaluate the preserved `workspace` of one execution of `task` (on a copy; the original is untouched).
 
-    Raises ValueError when `workspace` is not a directory (there is no preserved state: a total failure is
-    closed as `CloseKind.FAILED`, not evaluated). Evaluator failures come back as PENDING/FAILED results.
+    host: where the evaluator runs (opened and closed by the caller; it must be fresh for each call); None: a
+    `LocalHost` under `scratch_root`, closed here. Raises ValueError when `workspace` is not a directory (there
+    is no preserved state: a total failure is closed as `CloseKind.FAILED`, not evaluated). Evaluator failures
+    come back as PENDING/FAILED results.
     """
     workspace = Path(workspace)
     if not workspace.is_dir():
         raise ValueError(f"workspace {workspace} of task {task.id!r} is not a directory: nothing to evaluate")
     started = time.monotonic()
-    scratch = Path(tempfile.mkdtemp(prefix=f"gyre-eval-{task.id}-", dir=scratch_root))
+    own_host = host is None
+    if host is None:
+        host = LocalHost(task.id, scratch_root)
+    scratch = host.directory
     try:
         work = scratch / "workspace"
         shutil.copytree(workspace, work, symlinks=True, ignore=_special_files)
@@ -346,12 +407,13 @@ def evaluate(task: Task, workspace: str | Path, *, scratch_root: str | Path | No
         if planted is not None:  # such work cannot pass the hidden tests: a valid 0
             validity, score, detail, log = Validity.VALID, 0.0, f"hidden_dest: {planted}", ""
         elif isinstance(spec, CommandEvaluatorSpec):
-            validity, score, detail, log = _run_command(spec, work, hidden)
+            validity, score, detail, log = _run_command(spec, host, work, hidden)
         else:
             assert isinstance(spec, PythonEvaluatorSpec)
-            validity, score, detail, log = _run_python(spec, task, work, hidden, scratch)
+            validity, score, detail, log = _run_python(spec, task, host, work, hidden)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if own_host:
+            host.close()
     return EvaluationResult(
         score=score if validity is Validity.VALID else 0.0,
         validity=validity,
@@ -361,6 +423,18 @@ def evaluate(task: Task, workspace: str | Path, *, scratch_root: str | Path | No
         detail=detail,
         log=log,
         duration_s=time.monotonic() - started,
+    )
+
+
+def not_started(task: Task, workspace: str | Path, detail: str) -> EvaluationResult:
+    """A FAILED attempt for an evaluator that could not even be set up (e.g. its sandbox refused): not a score."""
+    return EvaluationResult(
+        score=0.0,
+        validity=Validity.FAILED,
+        artifact=workspace_digest(workspace),
+        evaluator=_evaluator_name(task),
+        evaluator_version=evaluator_version(task),
+        detail=detail,
     )
 
 
