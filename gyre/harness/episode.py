@@ -33,12 +33,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.harness.evaluation import SandboxHost
+from gyre.harness.evaluation import SandboxHost, evaluator_read_paths
 from gyre.harness.execution import ExecutionLimits, HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, HarnessRunner
 from gyre.harness.sandbox import Sandbox, SandboxError
 from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, not_started, to_evaluation
-from gyre.tasks.spec import Task, prepare_workspace
+from gyre.tasks.spec import PythonEvaluatorSpec, Task, prepare_workspace
 from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status
 
 log = logging.getLogger(__name__)
@@ -167,10 +167,11 @@ async def run_episode(
 
 def _evaluate(task: Task, workspace: Path, sandbox: Sandbox, execution_id: str, in_sandbox: bool) -> EvaluationResult:
     """One evaluation attempt (in a worker thread): inside the execution's sandbox, or as the controller's user."""
-    if not in_sandbox:
-        return evaluate(task, workspace)
+    spec = task.evaluator
+    if not in_sandbox or (isinstance(spec, PythonEvaluatorSpec) and spec.isolation == "inline"):
+        return evaluate(task, workspace)  # an inline checker runs in the controller whatever the host
     try:
-        host = SandboxHost(sandbox, execution_id)
+        host = SandboxHost(sandbox, execution_id, ro_paths=evaluator_read_paths(task.task_dir))
     except (SandboxError, OSError) as error:  # e.g. no uid left: an attempt that failed, retried like any other
         return not_started(task, workspace, f"evaluation sandbox: {error}")
     try:

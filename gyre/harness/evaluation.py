@@ -5,17 +5,21 @@ the harness ran. `SandboxHost(sandbox, execution_id)` prepares a separate execut
 `<execution_id>.evaluate`, whose home is the evaluation's directory: `evaluate` copies the preserved workspace
 and the hidden files below it, and the evaluator process is started with `sandbox.start` like a harness:
 
-- `LocalSandbox` as root (own uid per execution): the evaluator runs as a uid of its own, which owns only the
-  copy; the run directory (`protected_paths`), other executions' workspaces and the controller's files stay
-  closed to it, and `release` kills every process of that uid afterwards (also a daemon in a session of its own).
-  Its interpreter must be reachable by other users (`SandboxError` otherwise: an attempt that FAILED, with why).
-- `BubblewrapSandbox`: a mount namespace holding the system directories, the interpreter's install prefix,
-  `ro_binds` and the evaluation's directory only.
-- `LocalSandbox(isolate_user=False)`: its own session and the scrubbed environment; no file isolation.
+- `LocalSandbox` as root (own uid per execution): the evaluator runs as a uid of its own (allocated round robin,
+  so not the uid the harness just released), which owns only the copy; the run directory (`protected_paths`),
+  other executions' workspaces and the controller's files stay closed to it, and `release` kills every process of
+  that uid afterwards (also a daemon in a session of its own). Its interpreter must be reachable by other users:
+  an absolute `argv[0]` that is not is refused at the start (`EvaluatorStartError`: a FAILED attempt, with why).
+- `BubblewrapSandbox` / `ContainerSandbox`: their filesystem view, plus `ro_paths` bound read-only: for
+  `run_episode`, `evaluator_read_paths` (the controller's Python: `sys.prefix`, `sys.base_prefix`, the existing
+  directories of `sys.path`, the gyre package; and the task's directory), which `{python}` and python evaluators
+  need.
+- `LocalSandbox(isolate_user=False)`: its own session, rlimits and the scrubbed environment; no file isolation.
 
 The environment stays the evaluator's own (PATH and locale, the task's `env`), plus HOME and TMPDIR below the
-evaluation's directory. Output goes to files in the evaluation's private log directory. `close` releases the
-evaluation and removes its directories.
+evaluation's directory. Output goes to files in the evaluation's private log directory. `run` is called once;
+`close` releases the evaluation (if `run` did not) and removes its directories. Both block: call them from a
+worker thread (`run_episode` does), never on a running event loop.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 
+import gyre
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
-from gyre.harness.sandbox import LocalSandbox, Sandbox, SandboxError, chown_tree
+from gyre.harness.sandbox import Sandbox, SandboxError, chown_tree
 from gyre.tasks.evaluate import EvaluatorStartError
 
-__all__ = ["SandboxHost"]
+__all__ = ["SandboxHost", "evaluator_read_paths"]
 
 EVALUATION_SUFFIX = ".evaluate"
 
@@ -39,20 +46,18 @@ EVALUATION_SUFFIX = ".evaluate"
 class SandboxHost:
     """One evaluation of `execution_id`'s work inside `sandbox` (see the module docstring); close it after use."""
 
-    def __init__(self, sandbox: Sandbox, execution_id: str) -> None:
+    def __init__(self, sandbox: Sandbox, execution_id: str, *, ro_paths: Iterable[Path] = ()) -> None:
         self.sandbox = sandbox
         self.evaluation_id = execution_id + EVALUATION_SUFFIX
+        self.ro_paths = _outside_private_paths(sandbox, ro_paths)
         self._dirs = sandbox.prepare(self.evaluation_id)
         self.directory = self._dirs.home  # bound read-write by every sandbox; TMPDIR (home/tmp) lies below it
 
-    def _uid(self) -> int | None:
-        return self.sandbox.uid_of(self.evaluation_id) if isinstance(self.sandbox, LocalSandbox) else None
-
-    def run(self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
-        context = ExecutionContext(
+    def _context(self, workspace: Path) -> ExecutionContext:
+        return ExecutionContext(
             execution_id=self.evaluation_id,
             task_prompt="",
-            workspace=cwd,  # below `directory`: the sandbox starts (and bwrap chdirs) here
+            workspace=workspace,  # below `directory`: the sandbox starts (and bwrap chdirs) here
             home=self.directory,
             log_dir=self._dirs.log_dir,
             anthropic_base_url="",
@@ -60,18 +65,21 @@ class SandboxHost:
             api_key="",
             model="",
         )
-        uid = self._uid()
+
+    def run(self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
+        context = self._context(cwd)
+        uid = self.sandbox.uid_of(self.evaluation_id)
         if uid is not None:  # evaluate copied the work in as the controller: hand it to the evaluation's uid
             chown_tree(self.directory, uid, uid)
         env = {**env, "HOME": str(self.directory), "TMPDIR": str(self._dirs.tmp)}
-        stdout_path, stderr_path = self._dirs.log_dir / "stdout.txt", self._dirs.log_dir / "stderr.txt"
+        spec = LaunchSpec(argv=tuple(argv), env=env, ro_paths=self.ro_paths)
         try:
-            code = asyncio.run(self._start_and_wait(LaunchSpec(argv=tuple(argv), env=env), context, timeout_s))
+            code = asyncio.run(self._start_and_wait(spec, context, timeout_s))
         except SandboxError as error:
             raise EvaluatorStartError(str(error)) from None
         finally:
             self.sandbox.release(context)  # every process of the evaluation's uid killed; the copy is ours again
-        return code, _read(stdout_path), _read(stderr_path)
+        return code, _read(self._dirs.log_dir / "stdout.txt"), _read(self._dirs.log_dir / "stderr.txt")
 
     async def _start_and_wait(self, spec: LaunchSpec, context: ExecutionContext, timeout_s: float) -> int | None:
         with (
@@ -90,7 +98,40 @@ class SandboxHost:
             return code
 
     def close(self) -> None:
-        shutil.rmtree(self._dirs.root, ignore_errors=True)
+        try:
+            self.sandbox.release(self._context(self.directory))  # when `run` never ran: the uid goes back
+        finally:
+            shutil.rmtree(self._dirs.root, ignore_errors=True)
+
+
+def evaluator_read_paths(task_dir: Path | None = None) -> tuple[Path, ...]:
+    """What an evaluator started with the controller's Python reads: `sys.prefix`, `sys.base_prefix`, the
+    existing absolute directories of `sys.path`, the gyre package's directory, and `task_dir`."""
+    candidates = [Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent]
+    candidates += [Path(p) for p in sys.path if p and os.path.isabs(p)]
+    if task_dir is not None:
+        candidates.append(Path(task_dir))
+    paths: list[Path] = []
+    for path in candidates:
+        if path.is_dir() and path not in paths:
+            paths.append(path)
+    return tuple(paths)
+
+
+def _outside_private_paths(sandbox: Sandbox, paths: Iterable[Path]) -> tuple[Path, ...]:
+    """`paths` without those that would bind the sandbox's executions or a protected path (the run directory)
+    into the evaluation: a path equal to, above or below one of them (e.g. a repository checkout on `sys.path`
+    that holds Hydra's `outputs/`)."""
+    private = [*getattr(sandbox, "protected_paths", ())]
+    if getattr(sandbox, "root", None) is not None:
+        private.append(sandbox.root)
+    private = [Path(p).resolve() for p in private]
+    kept = []
+    for path in paths:
+        resolved = Path(path).resolve()
+        if not any(p.is_relative_to(resolved) or resolved.is_relative_to(p) for p in private):
+            kept.append(Path(path))
+    return tuple(kept)
 
 
 def _read(path: Path) -> str:

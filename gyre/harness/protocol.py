@@ -47,6 +47,9 @@ class LaunchSpec:
     env: Mapping[str, str]  # the whole environment of the harness (nothing is inherited implicitly)
     files: Mapping[Path, str] = field(default_factory=dict)  # written (parents created) before the start
     stdin: str | None = None  # None: /dev/null (a harness never waits on a terminal)
+    # What the process reads beyond the system directories: a sandbox with a filesystem view of its own (bubblewrap,
+    # a container) binds these read-only at the same paths; the others ignore them.
+    ro_paths: tuple[Path, ...] = ()
 
 
 @runtime_checkable

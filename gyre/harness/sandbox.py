@@ -9,7 +9,7 @@ the controller; the workspace itself is always preserved (its work is what gets 
 
 Implementations (what each isolates is measured in tests/integration/test_harness_sandbox.py, docs/harness.md):
 - `LocalSandbox`: plain processes. Resource limits via `setrlimit` in the child. When the controller runs as root
-  it gives every execution its OWN uid (allocated from `uid_range`, no passwd entry needed) and chowns the
+  it gives every execution its OWN uid (allocated round robin from `uid_range`, no passwd entry needed) and chowns the
   execution's workspace and home to it with mode 0700: other executions' workspaces, the run directory (made
   private with `protected_paths`) and anything else not world-readable are then closed to the harness. Without
   root it isolates processes and environment only.
@@ -31,6 +31,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,10 @@ class Sandbox(Protocol):
         """After the harness ended: reap its leftovers, hand the preserved workspace back to the controller."""
         ...
 
+    def uid_of(self, execution_id: str) -> int | None:
+        """The uid a prepared execution runs as (None: the controller's own)."""
+        ...
+
 
 def _check_id(execution_id: str) -> None:
     if not execution_id or "/" in execution_id or execution_id in (".", "..") or "\0" in execution_id:
@@ -167,11 +172,15 @@ def _inside(path: Path, parent: Path) -> bool:
 
 
 def chown_tree(top: Path, uid: int, gid: int) -> None:
-    """chown `top` and everything below it, never following symlinks (a harness may plant links anywhere)."""
+    """chown `top` and everything below it, never following symlinks (a harness may plant links anywhere).
+
+    Walks by directory file descriptors (`os.fwalk`): a directory swapped for a symlink while the walk runs is
+    not followed, so root never chowns anything outside `top`."""
     os.chown(top, uid, gid, follow_symlinks=False)
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+    for _dirpath, dirnames, filenames, dir_fd in os.fwalk(top, follow_symlinks=False):
         for name in (*dirnames, *filenames):
-            os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def _unreachable_by_others(executable: str) -> Path | None:
@@ -210,6 +219,8 @@ class LocalSandbox:
                     "its workspace once that path is private; put the executions' root outside it"
                 )
         self._uids: dict[str, int] = {}  # execution id -> uid, while prepared and not released
+        self._uids_lock = threading.Lock()  # prepare and release run in worker threads, several at once
+        self._next_uid = self.uid_range[0]  # round robin: a released uid is not handed out again soon
         self._checked = False
 
     # -- setup --------------------------------------------------------------------------------------
@@ -244,11 +255,13 @@ class LocalSandbox:
         for path in (dirs.workspace, dirs.home):
             os.chmod(path, PRIVATE_DIR_MODE)
         if self.isolate_user:
-            uid = self._uids.get(execution_id)
-            if uid is None:
-                uid = self._allocate_uid()
+            with self._uids_lock:  # allocated and recorded at once: two executions never share a uid
+                uid = self._uids.get(execution_id)
+                fresh = uid is None
+                if uid is None:
+                    uid = self._uids[execution_id] = self._allocate_uid()
+            if fresh:
                 self._reap(uid)  # a previous controller's leftovers under this uid
-                self._uids[execution_id] = uid
             for path in (dirs.workspace, dirs.home):
                 chown_tree(path, uid, uid)
         return dirs
@@ -258,14 +271,19 @@ class LocalSandbox:
         return self._uids.get(execution_id)
 
     def _allocate_uid(self) -> int:
+        """The next uid of `uid_range` after the last one handed out that is neither in use nor a passwd user
+        (round robin: files a released uid left in a shared /tmp do not pass to the next execution). Call with
+        `_uids_lock` held."""
         in_use = set(self._uids.values())
         low, high = self.uid_range
-        for uid in range(low, high + 1):
+        for offset in range(high - low + 1):
+            uid = low + (self._next_uid - low + offset) % (high - low + 1)
             if uid in in_use:
                 continue
             try:
                 pwd.getpwuid(uid)
             except KeyError:
+                self._next_uid = uid + 1 if uid < high else low
                 return uid
         raise SandboxError(f"no free uid in LocalSandbox.uid_range {self.uid_range} ({len(in_use)} in use)")
 
@@ -351,14 +369,19 @@ class LocalSandbox:
             logger.debug("reaping uid %d: %s", uid, exc)
 
     def release(self, context: ExecutionContext) -> None:
-        uid = self._uids.pop(context.execution_id, None)
+        with self._uids_lock:
+            uid = self._uids.get(context.execution_id)
         if uid is None:
             return
         self._reap(uid)
-        me = os.geteuid(), os.getegid()
-        for path in (context.workspace, context.home):
-            if path.exists():
-                chown_tree(path, *me)  # preserved for evaluation, private to the controller from now on
+        try:
+            me = os.geteuid(), os.getegid()
+            for path in (context.workspace, context.home):
+                if path.exists():
+                    chown_tree(path, *me)  # preserved for evaluation, private to the controller from now on
+        finally:
+            with self._uids_lock:  # free only now: no process of the uid is left, nothing of it is its own
+                self._uids.pop(context.execution_id, None)
 
 
 SYSTEM_RO_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -423,7 +446,7 @@ class BubblewrapSandbox(LocalSandbox):
             if os.path.exists(path):
                 argv += ["--ro-bind", path, path]
         argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # before the binds: /tmp would hide them
-        extra = [Path(p).absolute() for p in self.ro_binds]
+        extra = [Path(p).absolute() for p in (*self.ro_binds, *spec.ro_paths)]
         prefix = _install_prefix(spec.argv[0])
         if prefix is not None:
             extra.append(prefix)
@@ -474,6 +497,8 @@ class ContainerSandbox(LocalSandbox):
             argv = ["apptainer", "exec", "--containall", "--cleanenv", "--no-home"]
             for path in mounts:
                 argv += ["--bind", f"{path}:{path}"]
+            for path in spec.ro_paths:
+                argv += ["--bind", f"{path}:{path}:ro"]
             argv += ["--pwd", str(context.workspace), *self.extra_args, self.image, *spec.argv]
             return argv
         argv = [self.engine, "run", "--rm", "--init", "-i", "--name", self.container_name(context)]
@@ -489,6 +514,8 @@ class ContainerSandbox(LocalSandbox):
             argv += ["--ulimit", f"nofile={lim.open_files}:{lim.open_files}"]
         for path in mounts:
             argv += ["-v", f"{path}:{path}"]
+        for path in spec.ro_paths:
+            argv += ["-v", f"{path}:{path}:ro"]
         for name in env_names:  # PATH is no secret, and the client keeps its own PATH to find itself
             argv += ["-e", f"PATH={spec.env['PATH']}" if name == "PATH" else name]
         argv += [*self.extra_args, self.image, *spec.argv]

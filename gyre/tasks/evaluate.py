@@ -266,8 +266,8 @@ _INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT")
 
 
 def _planted_symlink(top: Path, path: Path) -> str | None:
-    """Why `path` (below `top`) cannot receive the hidden files: one of its existing components is a symlink
-    (which would send them, and the writes, out of the copy). None when it is safe."""
+    """Why `path` (below `top`) cannot receive a hidden file: one of its existing components is a symlink
+    (which would send it, and the write, out of the copy). None when it is safe."""
     current = top
     for part in path.relative_to(top).parts:
         current = current / part
@@ -275,6 +275,18 @@ def _planted_symlink(top: Path, path: Path) -> str | None:
             return f"{current.relative_to(top)} is a symbolic link"
         if not current.exists():
             return None
+    return None
+
+
+def _planted_in_destination(top: Path, destination: Path, hidden_dir: Path) -> str | None:
+    """`_planted_symlink` for `destination` and every path the hidden files would be copied to below it."""
+    if (why := _planted_symlink(top, destination)) is not None:
+        return why
+    for dirpath, dirnames, filenames in os.walk(hidden_dir):
+        for name in (*dirnames, *filenames):
+            relative = Path(dirpath, name).relative_to(hidden_dir)
+            if (why := _planted_symlink(top, destination / relative)) is not None:
+                return why
     return None
 
 
@@ -398,7 +410,8 @@ def evaluate(
         if task.hidden_dir is not None:
             if isinstance(spec, CommandEvaluatorSpec) and spec.hidden_dest is not None:
                 hidden = work / spec.hidden_dest
-                planted = _planted_symlink(work, hidden)  # the work would redirect the hidden files out of the copy
+                # the work would redirect the hidden files (root's writes) out of the copy
+                planted = _planted_in_destination(work, hidden, task.hidden_dir)
                 if planted is None:
                     shutil.copytree(task.hidden_dir, hidden, symlinks=True, dirs_exist_ok=True)
             else:

@@ -8,6 +8,9 @@ many it read as the score, so a score of 0 means the evaluator's process was clo
 - a daemon the evaluated code leaves in a session of its own is gone after the evaluation;
 - an evaluator the evaluation's uid cannot execute is a FAILED attempt naming the closed directory, not a score;
 - BubblewrapSandbox: neither path exists inside; the hidden files do;
+- a host closed without running anything (an inline checker, a planted `hidden_dest`) returns its uid, and paths
+  that would bind the executions' root or the run directory are not bound;
+- BubblewrapSandbox runs `{python} -m pytest` and a python evaluator with the controller's Python bound read-only;
 - `run_episode` evaluates in the sandbox by default, and as the controller's user with `evaluate_in_sandbox=False`;
   the harness, under its own uid, may rewrite the task's template files (the controller copied them in as root).
 
@@ -26,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from gyre.harness.episode import ProxyAccess, run_episode
-from gyre.harness.evaluation import SandboxHost
+from gyre.harness.evaluation import SandboxHost, evaluator_read_paths
 from gyre.harness.execution import ExecutionLimits
 from gyre.harness.runners import CommandRunner
 from gyre.harness.sandbox import BubblewrapSandbox, LocalSandbox
@@ -87,7 +90,7 @@ def make_task(root: Path, solution: str, *, evaluator: str = "/bin/sh") -> Path:
 
 
 def evaluate_in(sandbox, task, workspace, execution_id="attacker"):
-    host = SandboxHost(sandbox, execution_id)
+    host = SandboxHost(sandbox, execution_id, ro_paths=evaluator_read_paths(task.task_dir))
     try:
         return evaluate(task, workspace, host=host), host
     finally:
@@ -154,7 +157,8 @@ def test_run_episode_evaluates_inside_the_sandbox_unless_told_otherwise(base, se
     task_dir = make_task(base, "echo 0/1\n")  # the template's solution; the harness writes the stealing one
     task = load_task(task_dir)
     stealing = stealing_solution(secrets)
-    runner = CommandRunner(argv=("/bin/sh", "-c", f"cat > solution.sh <<'EOF'\n{stealing}EOF\n"))
+    script = f"id -u > harness-uid; cat > solution.sh <<'EOF'\n{stealing}EOF\n"
+    runner = CommandRunner(argv=("/bin/sh", "-c", script))
     sandbox = LocalSandbox(root=base / "executions", protected_paths=[base / "run"])
     limits = ExecutionLimits(harness_timeout_s=20, overall_timeout_s=40, grace_period_s=0.5)
 
@@ -174,6 +178,60 @@ def test_run_episode_evaluates_inside_the_sandbox_unless_told_otherwise(base, se
     assert sandboxed.status is Status.VALID and sandboxed.reward == 0.0, sandboxed.evaluations
     # the harness (its own uid) could replace the task's template file, and the evaluation ran it as another uid
     assert sandboxed.evaluations[0].detail == "0/2" and "uid=" in sandboxed.evaluations[0].log
-    assert "uid=0" not in sandboxed.evaluations[0].log
+    evaluation_uid = int(sandboxed.evaluations[0].log.split("uid=")[1].split()[0])
+    harness_uid = int((sandbox.root / "e-sandboxed" / "workspace" / "harness-uid").read_text())
+    assert len({evaluation_uid, harness_uid, 0}) == 3  # neither root nor the uid the harness just released
+    assert sandbox.uid_of("e-sandboxed") is None and sandbox.uid_of("e-sandboxed.evaluate") is None
     trusted = asyncio.run(episode("e-trusted", False))
     assert trusted.status is Status.VALID and trusted.reward == 1.0, trusted.evaluations  # the control: 2/2
+
+
+@needs_root
+def test_a_host_closed_unused_returns_its_uid_and_private_paths_are_not_bound(base):
+    sandbox = LocalSandbox(root=base / "executions", protected_paths=[base / "run"])
+    host = SandboxHost(sandbox, "inline", ro_paths=[base, base / "run" / "checkpoints", Path("/usr/share")])
+    assert sandbox.uid_of("inline.evaluate") is not None
+    assert host.ro_paths == (Path("/usr/share"),)  # base holds the executions' root, run/ is protected
+    host.close()
+    assert sandbox.uid_of("inline.evaluate") is None and not host.directory.exists()
+
+
+CALC_TESTS = """\
+from calc import add, sub
+
+def test_add():
+    assert add(2, 3) == 5
+
+def test_sub():
+    assert sub(5, 3) == 2
+"""
+CHECKER = """\
+def score(workspace, hidden):
+    answer = (workspace / "answer.txt").read_text().strip()
+    return 1.0 if answer == (hidden / "expected.txt").read_text().strip() else 0.0
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("kind", ["pytest", "python"])
+def test_bubblewrap_runs_the_controllers_python_for_pytest_and_python_evaluators(tmp_path, base, kind):
+    task_dir = tmp_path / "task"
+    (task_dir / "workspace").mkdir(parents=True)
+    (task_dir / "hidden").mkdir()
+    if kind == "pytest":
+        (task_dir / "workspace" / "calc.py").write_text("def add(a, b):\n    return a + b\n\nsub = None\n")
+        (task_dir / "hidden" / "test_calc.py").write_text(CALC_TESTS)
+        evaluator = (
+            'kind = "command"\ncommand = ["{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider", "{hidden}"]\n'
+            "timeout_s = 60"
+        )
+    else:
+        (task_dir / "workspace" / "answer.txt").write_text("42\n")
+        (task_dir / "hidden" / "expected.txt").write_text("42\n")
+        (task_dir / "checker.py").write_text(CHECKER)
+        evaluator = 'kind = "python"\nfunction = "checker:score"\ntimeout_s = 60'
+    (task_dir / "task.toml").write_text(f'id = "bw"\nprompt = "p"\n[evaluator]\n{evaluator}\n')
+    task = load_task(task_dir)
+    result, _ = evaluate_in(BubblewrapSandbox(root=base / "executions"), task, prepare_workspace(task, base / "w"))
+    assert result.validity is Validity.VALID, (result.detail, result.log)
+    assert result.score == (0.5 if kind == "pytest" else 1.0), (result.detail, result.log)

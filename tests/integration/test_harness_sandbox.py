@@ -243,3 +243,19 @@ def test_launch_files_are_never_written_through_a_planted_symlink(base):
     assert result.close_kind is CloseKind.FAILED, result
     assert "symlink" in result.reason or "outside" in result.reason, result
     assert not (outside / "config.toml").exists()
+
+
+@needs_root
+def test_concurrent_prepares_get_distinct_uids_and_a_released_uid_is_not_reused_at_once(base):
+    from concurrent.futures import ThreadPoolExecutor
+
+    sandbox = LocalSandbox(root=base / "executions")
+    ids = [f"e{i}" for i in range(6)]
+    with ThreadPoolExecutor(len(ids)) as pool:  # run_episode prepares in worker threads, several at once
+        list(pool.map(sandbox.prepare, ids))
+    uids = [sandbox.uid_of(i) for i in ids]
+    assert len(set(uids)) == len(ids) and None not in uids
+    first = context_of(sandbox, "e0")
+    sandbox.release(first)
+    assert sandbox.uid_of("e0") is None
+    assert sandbox.uid_of(context_of(sandbox, "next").execution_id) not in uids  # round robin

@@ -8,6 +8,7 @@ controller's environment, e.g. a secret, leaks in); Claude Code and Codex get th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -225,3 +226,12 @@ def test_the_builtin_runner_takes_its_tools_and_prompts_from_the_task(tmp_path):
     assert spec.files[Path(argv[argv.index("--system-prompt-file") + 1])] == task.metadata["system_prompt"]
     assert argv[argv.index("--final-answer-file") + 1] == "answer.txt"
     assert spec.files[tmp_path / "home" / "task.md"] == task.prompt
+
+
+def test_container_argv_mounts_the_specs_read_only_paths_read_only(tmp_path):
+    context = make_context(tmp_path)
+    spec = dataclasses.replace(CommandRunner(argv=["sh"]).launch_spec(context), ro_paths=(Path("/opt/python"),))
+    docker = ContainerSandbox(root=tmp_path, image="img").command(spec, context)
+    assert [docker[i + 1] for i, a in enumerate(docker) if a == "-v"][-1] == "/opt/python:/opt/python:ro"
+    apptainer = ContainerSandbox(root=tmp_path, engine="apptainer", image="/i.sif").command(spec, context)
+    assert [apptainer[i + 1] for i, a in enumerate(apptainer) if a == "--bind"][-1] == "/opt/python:/opt/python:ro"

@@ -336,3 +336,18 @@ def test_a_symlink_planted_at_hidden_dest_scores_zero_and_writes_nothing_outside
     result = evaluate(task, ws)
     assert result.valid and result.score == 0.0 and "symbolic link" in result.detail
     assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("planted", ["tests/hidden/test_calc.py", "tests/hidden"])
+def test_a_symlink_planted_inside_hidden_dest_scores_zero_and_overwrites_nothing(tmp_path: Path, planted: str) -> None:
+    """A link where a hidden file (or the destination itself) will be copied: the copy would write through it."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("ROOT-ONLY")
+    evaluator = 'kind = "command"\ncommand = ["sh", "-c", "echo 1/1"]\nscore = "fraction"\nhidden_dest = "tests/hidden"'
+    task = load_task(make_task(tmp_path, evaluator))
+    ws = prepare_workspace(task, tmp_path / "exec")
+    (ws / planted).parent.mkdir(parents=True, exist_ok=True)
+    (ws / planted).symlink_to(victim if planted.endswith(".py") else tmp_path)
+    result = evaluate(task, ws)
+    assert result.valid and result.score == 0.0 and "symbolic link" in result.detail
+    assert victim.read_text() == "ROOT-ONLY" and not (tmp_path / "test_calc.py").exists()
