@@ -36,8 +36,8 @@ micro-steps reach it (they follow the SCOREs in the same FIFO).
 
 Tensor parallelism: each TP rank of the first stage must get the same units from `claim` (the cell's leader
 claims and broadcasts, as `train_step`'s callers do); headers and activations then travel along each TP rank's own
-pipeline group. Sequence parallelism is rejected (the activation would be `[U / tp, 1, hidden]`). Only TP = 1 was
-run here.
+pipeline group. Sequence parallelism is rejected (the activation would be `[U / tp, 1, hidden]`). Run here at
+PP 2, PP 3 and TP 2 x PP 2 (tests/integration/test_train_pipeline.py).
 """
 
 from __future__ import annotations

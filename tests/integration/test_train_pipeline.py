@@ -1,10 +1,11 @@
-"""The streaming 1F1B pipeline (`gyre.train.pipeline`) on real gloo processes: PP = 2 against PP = 1.
+"""The streaming 1F1B pipeline (`gyre.train.pipeline`) on real gloo processes: PP 2, PP 3, TP 2 x PP 2 against PP 1.
 
-Two processes hold the two stages of one Megatron GPTModel (weights of a native `build_model(seed=...)` through
-`load_hf_state_dict`) and stream one batch of micro-steps of different lengths, including a unit with a split
-execution (s_i over two micro-steps, Eq. 5). The accumulated gradients, gathered back to HF names, must equal those
-of one process running `accumulate_unit` over the same units (fp32: relative 1e-5), with exactly one warm-up and one
-drain per batch, also when the stream pauses (the claim sleeps and answers WAIT) and when the batch is empty.
+PP x TP processes hold the stages (and tensor shards) of one Megatron GPTModel (weights of a native
+`build_model(seed=...)` through `load_hf_state_dict`) and stream one batch of micro-steps of different lengths,
+including a unit with a split execution (s_i over two micro-steps, Eq. 5). The accumulated gradients, gathered back
+to HF names, must equal those of one process running `accumulate_unit` over the same units (fp32: relative 1e-5),
+with exactly one warm-up and one drain per batch, also when the stream pauses (the claim sleeps and answers WAIT)
+and when the batch is empty.
 """
 
 from __future__ import annotations
@@ -85,33 +86,39 @@ def batch_units(seed: int) -> list[tuple[int, tuple]]:
     return list(enumerate(units))
 
 
-def build_stage(tied: bool, pipeline_parallel: int):
-    """This rank's stage of the Megatron model with the native model's weights (seed 3)."""
+def build_stage(tied: bool, pipeline_parallel: int, tensor_parallel: int = 1):
+    """This rank's stage (and TP shard) of the Megatron model with the native model's weights (seed 3)."""
     from gyre.engine.model import build_model
     from gyre.train.convert import load_hf_state_dict
     from gyre.train.model import build_gpt_model, init_model_parallel
 
-    init_model_parallel(1, pipeline_parallel)
+    init_model_parallel(tensor_parallel, pipeline_parallel)
     model = build_gpt_model(model_config(tied))
     load_hf_state_dict(model, build_model(model_config(tied), seed=3).state_dict(), model_config(tied))
     return model
 
 
 def hf_gradients(model, tied: bool) -> dict[str, torch.Tensor]:
-    """Every stage's `.grad` in HF names, on every rank (collective over the pipeline group)."""
+    """Every stage's and TP shard's `.grad` in HF names, on every rank (collective over the model-parallel group)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from gyre.train.convert import megatron_to_hf
 
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in model.named_parameters()}
-    size = parallel_state.get_pipeline_model_parallel_world_size()
-    stages = [None] * size
-    if size > 1:
-        dist.all_gather_object(stages, grads, group=parallel_state.get_pipeline_model_parallel_group())
-    else:
-        stages = [grads]
-    return megatron_to_hf([[stage] for stage in stages], model_config(tied))
+    pp, tp = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(), grads)
+    gathered = [mine]
+    if pp * tp > 1:
+        gathered = [None] * (pp * tp)
+        dist.all_gather_object(gathered, mine, group=parallel_state.get_model_parallel_group())
+    shards = [[None] * tp for _ in range(pp)]
+    for pp_rank, tp_rank, shard in gathered:
+        shards[pp_rank][tp_rank] = shard
+    return megatron_to_hf(shards, model_config(tied))
 
 
 def loss_config():
@@ -169,13 +176,14 @@ def stream(units: list, pauses: list[int]):
     return claim
 
 
-def pipeline_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: str) -> dict:
-    """PP = world_size: the batch streamed plain, with pauses, then only its first unit (fewer micro-steps than
-    the first stage's warm-up at PP 3), then an empty batch; gradients zeroed between."""
+def pipeline_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: str, tensor_parallel: int = 1) -> dict:
+    """PP = world_size / TP: the batch streamed plain, with pauses, then only its first unit (fewer micro-steps
+    than the first stage's warm-up at PP 3), then an empty batch; gradients zeroed between. At TP > 1 every TP
+    rank of the first stage claims the same units (as a cell leader's broadcast gives them)."""
     from gyre.train.megatron_trainable import global_grad_norm
     from gyre.train.pipeline import StreamingPipeline
 
-    model = build_stage(tied, world_size)
+    model = build_stage(tied, world_size // tensor_parallel, tensor_parallel)
     pipeline = StreamingPipeline(model, config=loss_config())
     runs = {}
     batches = {"plain": batch_units(seed), "paused": batch_units(seed), "one": batch_units(seed)[:1], "empty": []}
@@ -217,16 +225,19 @@ def relative_difference(grads: dict, reference: dict) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("pipeline_parallel", "tied"), [(2, False), (2, True), (3, False)])
-def test_streaming_1f1b_gives_the_pp1_gradients(tmp_path, pipeline_parallel, tied):
-    """PP = 2 (untied and tied embeddings) and PP = 3 (a middle stage) against PP = 1 on the same claim units."""
+@pytest.mark.parametrize(
+    ("pipeline_parallel", "tied", "tensor_parallel"), [(2, False, 1), (2, True, 1), (3, False, 1), (2, True, 2)]
+)
+def test_streaming_1f1b_gives_the_pp1_gradients(tmp_path, pipeline_parallel, tied, tensor_parallel):
+    """PP = 2 (untied and tied embeddings), PP = 3 (a middle stage) and TP 2 x PP 2 (4 processes) against one
+    process at PP = 1 on the same claim units."""
     seed = 5
     out, reference_out = tmp_path / "pipeline", tmp_path / "reference"
     started = time.perf_counter()
     results = run_local(
         f"{__file__}:pipeline_worker",
-        pipeline_parallel,
-        kwargs={"seed": seed, "tied": tied, "out": str(out)},
+        pipeline_parallel * tensor_parallel,
+        kwargs={"seed": seed, "tied": tied, "out": str(out), "tensor_parallel": tensor_parallel},
         timeout_s=TIMEOUT_S,
         env=ENV,
     )
@@ -237,7 +248,9 @@ def test_streaming_1f1b_gives_the_pp1_gradients(tmp_path, pipeline_parallel, tie
         timeout_s=TIMEOUT_S,
         env=ENV,
     )[0]
-    print(f"PP={pipeline_parallel} tied={tied}: both worlds in {time.perf_counter() - started:.1f} s")
+    print(
+        f"PP={pipeline_parallel} TP={tensor_parallel} tied={tied}: both worlds in {time.perf_counter() - started:.1f} s"
+    )
     units = batch_units(seed)
     num_steps = sum(len(unit) for _, unit in units)
     num_tokens = sum(step.num_tokens for _, unit in units for step in unit)
