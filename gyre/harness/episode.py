@@ -31,14 +31,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from gyre.harness.evaluation import SandboxHost, evaluator_read_paths
+from gyre.harness.evaluation import sandboxed_evaluation
 from gyre.harness.execution import ExecutionLimits, HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, HarnessRunner
-from gyre.harness.sandbox import Sandbox, SandboxError
-from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, not_started, to_evaluation
-from gyre.tasks.spec import PythonEvaluatorSpec, Task, prepare_workspace
+from gyre.harness.sandbox import Sandbox
+from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, to_evaluation
+from gyre.tasks.spec import Task, prepare_workspace
 from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status
 
 log = logging.getLogger(__name__)
@@ -139,9 +138,10 @@ async def run_episode(
             await asyncio.sleep(max(0.0, min(evaluation_retry_s, outcome.deadline - time.monotonic())))
             if not worth_evaluating():
                 break
-        evaluation = await asyncio.to_thread(
-            _evaluate, task, dirs.workspace, sandbox, execution_id, evaluate_in_sandbox
-        )
+        if evaluate_in_sandbox:
+            evaluation = await asyncio.to_thread(sandboxed_evaluation, task, dirs.workspace, sandbox, execution_id)
+        else:
+            evaluation = await asyncio.to_thread(evaluate, task, dirs.workspace)
         result.evaluations.append(evaluation)
         now = time.monotonic()
         if now >= outcome.deadline:  # it came back after the overall budget: not recorded
@@ -163,21 +163,6 @@ async def run_episode(
         group.expire(max(time.monotonic(), outcome.deadline))
     result.status, result.reward = outcome.status, outcome.reward
     return result
-
-
-def _evaluate(task: Task, workspace: Path, sandbox: Sandbox, execution_id: str, in_sandbox: bool) -> EvaluationResult:
-    """One evaluation attempt (in a worker thread): inside the execution's sandbox, or as the controller's user."""
-    spec = task.evaluator
-    if not in_sandbox or (isinstance(spec, PythonEvaluatorSpec) and spec.isolation == "inline"):
-        return evaluate(task, workspace)  # an inline checker runs in the controller whatever the host
-    try:
-        host = SandboxHost(sandbox, execution_id, ro_paths=evaluator_read_paths(task.task_dir))
-    except (SandboxError, OSError) as error:  # e.g. no uid left: an attempt that failed, retried like any other
-        return not_started(task, workspace, f"evaluation sandbox: {error}")
-    try:
-        return evaluate(task, workspace, host=host)
-    finally:
-        host.close()
 
 
 def _finish(result: EpisodeResult, group: GroupOutcomes, kind: CloseKind, *, reason: str | None) -> EpisodeResult:

@@ -16,31 +16,50 @@ and the hidden files below it, and the evaluator process is started with `sandbo
   need.
 - `LocalSandbox(isolate_user=False)`: its own session, rlimits and the scrubbed environment; no file isolation.
 
-The environment stays the evaluator's own (PATH and locale, the task's `env`), plus HOME and TMPDIR below the
-evaluation's directory. Output goes to files in the evaluation's private log directory. `run` is called once;
-`close` releases the evaluation (if `run` did not) and removes its directories. Both block: call them from a
-worker thread (`run_episode` does), never on a running event loop.
+The process goes through the harness lifecycle (`gyre.harness.execution.run_harness`: its own session, the group
+killed when it ends or at the time limit, the sandbox released). The environment stays the evaluator's own (PATH
+and locale, the task's `env`), plus HOME and TMPDIR below the evaluation's directory; output goes to the
+evaluation's private log directory. `run` is called once; `close` releases the evaluation (if `run` did not) and
+removes its directories. `sandboxed_evaluation` is one attempt end to end (what `run_episode` calls). All of them
+block: call them from a worker thread, never on a running event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
-import signal
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import gyre
+from gyre.harness.execution import run_harness
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
 from gyre.harness.sandbox import Sandbox, SandboxError, chown_tree
-from gyre.tasks.evaluate import EvaluatorStartError
+from gyre.tasks.evaluate import EvaluationResult, EvaluatorStartError, evaluate, not_started
+from gyre.tasks.spec import PythonEvaluatorSpec, Task
+from gyre.traj.outcomes import CloseKind
 
-__all__ = ["SandboxHost", "evaluator_read_paths"]
+__all__ = ["SandboxHost", "evaluator_read_paths", "sandboxed_evaluation"]
 
 EVALUATION_SUFFIX = ".evaluate"
+GRACE_PERIOD_S = 1.0  # an evaluator past its time limit: SIGTERM, then SIGKILL this much later
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """The evaluator's process as a `HarnessRunner`, so that it runs through `run_harness`'s lifecycle."""
+
+    spec: LaunchSpec
+    name: str = "evaluator"
+
+    def check(self) -> None:
+        pass
+
+    def launch_spec(self, context: ExecutionContext) -> LaunchSpec:
+        return self.spec
 
 
 class SandboxHost:
@@ -72,36 +91,39 @@ class SandboxHost:
         if uid is not None:  # evaluate copied the work in as the controller: hand it to the evaluation's uid
             chown_tree(self.directory, uid, uid)
         env = {**env, "HOME": str(self.directory), "TMPDIR": str(self._dirs.tmp)}
-        spec = LaunchSpec(argv=tuple(argv), env=env, ro_paths=self.ro_paths)
-        try:
-            code = asyncio.run(self._start_and_wait(spec, context, timeout_s))
-        except SandboxError as error:
-            raise EvaluatorStartError(str(error)) from None
-        finally:
-            self.sandbox.release(context)  # every process of the evaluation's uid killed; the copy is ours again
-        return code, _read(self._dirs.log_dir / "stdout.txt"), _read(self._dirs.log_dir / "stderr.txt")
-
-    async def _start_and_wait(self, spec: LaunchSpec, context: ExecutionContext, timeout_s: float) -> int | None:
-        with (
-            open(self._dirs.log_dir / "stdout.txt", "wb") as stdout,
-            open(self._dirs.log_dir / "stderr.txt", "wb") as stderr,
-        ):
-            process = await self.sandbox.start(spec, context, stdout=stdout.fileno(), stderr=stderr.fileno())
-            try:
-                code: int | None = await asyncio.wait_for(process.wait(), timeout_s)
-            except TimeoutError:
-                code = None
-            with contextlib.suppress(ProcessLookupError):  # its own session: the whole group goes
-                os.killpg(process.pid, signal.SIGKILL)
-            if code is None:
-                await process.wait()
-            return code
+        launch = _Launch(LaunchSpec(argv=tuple(argv), env=env, ro_paths=self.ro_paths))
+        # The harness lifecycle: its own session, the group killed at the end, the sandbox released (every process
+        # of the evaluation's uid killed, the copy ours again).
+        run = asyncio.run(
+            run_harness(launch, self.sandbox, context, harness_timeout_s=timeout_s, grace_period_s=GRACE_PERIOD_S)
+        )
+        if run.close_kind is CloseKind.FAILED:
+            raise EvaluatorStartError(run.reason or "the sandbox refused it")
+        code = None if run.close_kind is CloseKind.HARNESS_TIMEOUT else run.exit_code
+        return code, _read(run.stdout_path), _read(run.stderr_path)
 
     def close(self) -> None:
         try:
             self.sandbox.release(self._context(self.directory))  # when `run` never ran: the uid goes back
         finally:
             shutil.rmtree(self._dirs.root, ignore_errors=True)
+
+
+def sandboxed_evaluation(task: Task, workspace: Path, sandbox: Sandbox, execution_id: str) -> EvaluationResult:
+    """One evaluation attempt of `execution_id`'s preserved `workspace` inside `sandbox` (blocking). An inline python
+    checker runs in the controller (trusted by declaration); a sandbox that refuses the evaluation is a FAILED
+    attempt, not an error."""
+    spec = task.evaluator
+    if isinstance(spec, PythonEvaluatorSpec) and spec.isolation == "inline":
+        return evaluate(task, workspace)
+    try:
+        host = SandboxHost(sandbox, execution_id, ro_paths=evaluator_read_paths(task.task_dir))
+    except (SandboxError, OSError) as error:  # e.g. no uid left: retried like any other failed attempt
+        return not_started(task, workspace, f"evaluation sandbox: {error}")
+    try:
+        return evaluate(task, workspace, host=host)
+    finally:
+        host.close()
 
 
 def evaluator_read_paths(task_dir: Path | None = None) -> tuple[Path, ...]:

@@ -40,7 +40,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from gyre.tasks.spec import CommandEvaluatorSpec, PythonEvaluatorSpec, Task
 from gyre.traj.outcomes import EvaluatedState, Evaluation, ExecutionId, Validity
@@ -196,7 +196,6 @@ class EvaluatorStartError(RuntimeError):
     """The evaluator could not be started where it was to run (the message says why); an attempt, not a score."""
 
 
-@runtime_checkable
 class EvaluatorHost(Protocol):
     """Where one evaluation's processes run. `evaluate` copies the work (and the hidden files) below `directory`,
     then calls `run` once; the caller of `evaluate` opened the host and closes it (which removes `directory`)."""

@@ -11,6 +11,7 @@ many it read as the score, so a score of 0 means the evaluator's process was clo
 - a host closed without running anything (an inline checker, a planted `hidden_dest`) returns its uid, and paths
   that would bind the executions' root or the run directory are not bound;
 - BubblewrapSandbox runs `{python} -m pytest` and a python evaluator with the controller's Python bound read-only;
+- an evaluator past its time limit inside the sandbox is PENDING (not a score) and stopped;
 - `run_episode` evaluates in the sandbox by default, and as the controller's user with `evaluate_in_sandbox=False`;
   the harness, under its own uid, may rewrite the task's template files (the controller copied them in as root).
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from gyre.harness.episode import ProxyAccess, run_episode
-from gyre.harness.evaluation import SandboxHost, evaluator_read_paths
+from gyre.harness.evaluation import SandboxHost, sandboxed_evaluation
 from gyre.harness.execution import ExecutionLimits
 from gyre.harness.runners import CommandRunner
 from gyre.harness.sandbox import BubblewrapSandbox, LocalSandbox
@@ -89,25 +90,18 @@ def make_task(root: Path, solution: str, *, evaluator: str = "/bin/sh") -> Path:
     return task_dir
 
 
-def evaluate_in(sandbox, task, workspace, execution_id="attacker"):
-    host = SandboxHost(sandbox, execution_id, ro_paths=evaluator_read_paths(task.task_dir))
-    try:
-        return evaluate(task, workspace, host=host), host
-    finally:
-        host.close()
-
-
 @needs_root
 def test_an_own_uid_closes_the_run_directory_and_other_workspaces_to_the_evaluated_code(base, secrets):
     task = load_task(make_task(base, stealing_solution(secrets)))
     workspace = prepare_workspace(task, base / "preserved")
     sandbox = LocalSandbox(root=base / "executions", protected_paths=[base / "run"])
 
-    result, host = evaluate_in(sandbox, task, workspace)
+    result = sandboxed_evaluation(task, workspace, sandbox, "attacker")
     assert result.validity is Validity.VALID and result.score == 0.0 and result.detail == "0/2", result.log
     uid = int(result.log.split("uid=")[1].split()[0])
     assert uid not in (0, os.geteuid()) and sandbox.uid_range[0] <= uid <= sandbox.uid_range[1]
-    assert not host.directory.exists() and sandbox.uid_of(host.evaluation_id) is None  # removed, uid returned
+    evaluation = "attacker.evaluate"
+    assert not (sandbox.root / evaluation).exists() and sandbox.uid_of(evaluation) is None  # removed, uid returned
     assert result.artifact == workspace_digest(workspace)  # the preserved work is untouched
 
     control = evaluate(task, workspace)  # the controller's user: the probe does read both
@@ -119,7 +113,7 @@ def test_a_daemon_the_evaluated_code_leaves_is_killed(base):
     token = "987653"
     task = load_task(make_task(base, f"setsid sleep {token} >/dev/null 2>&1 &\necho 1/1\n"))
     workspace = prepare_workspace(task, base / "preserved")
-    result, _ = evaluate_in(LocalSandbox(root=base / "executions"), task, workspace)
+    result = sandboxed_evaluation(task, workspace, LocalSandbox(root=base / "executions"), "attacker")
     assert result.valid and result.detail == "1/1", result.log
     time.sleep(0.2)
     left = []
@@ -139,7 +133,8 @@ def test_an_evaluator_the_own_uid_cannot_execute_is_a_failed_attempt(base):
     private.mkdir(mode=0o700)
     shutil.copy("/bin/sh", private / "sh")
     task = load_task(make_task(base, "echo 1/1\n", evaluator=str(private / "sh")))
-    result, _ = evaluate_in(LocalSandbox(root=base / "executions"), task, prepare_workspace(task, base / "w"))
+    sandbox = LocalSandbox(root=base / "executions")
+    result = sandboxed_evaluation(task, prepare_workspace(task, base / "w"), sandbox, "attacker")
     assert result.validity is Validity.FAILED and result.score == 0.0
     assert "could not start" in result.detail and str(private) in result.detail
 
@@ -148,7 +143,7 @@ def test_an_evaluator_the_own_uid_cannot_execute_is_a_failed_attempt(base):
 def test_bubblewrap_shows_the_evaluator_only_its_copy_and_the_hidden_files(base, secrets):
     task = load_task(make_task(base, stealing_solution(secrets)))
     workspace = prepare_workspace(task, base / "preserved")
-    result, _ = evaluate_in(BubblewrapSandbox(root=base / "executions"), task, workspace)
+    result = sandboxed_evaluation(task, workspace, BubblewrapSandbox(root=base / "executions"), "attacker")
     assert result.validity is Validity.VALID and result.detail == "0/2", result.log  # check.sh found hidden/
 
 
@@ -232,6 +227,19 @@ def test_bubblewrap_runs_the_controllers_python_for_pytest_and_python_evaluators
         evaluator = 'kind = "python"\nfunction = "checker:score"\ntimeout_s = 60'
     (task_dir / "task.toml").write_text(f'id = "bw"\nprompt = "p"\n[evaluator]\n{evaluator}\n')
     task = load_task(task_dir)
-    result, _ = evaluate_in(BubblewrapSandbox(root=base / "executions"), task, prepare_workspace(task, base / "w"))
+    sandbox = BubblewrapSandbox(root=base / "executions")
+    result = sandboxed_evaluation(task, prepare_workspace(task, base / "w"), sandbox, "attacker")
     assert result.validity is Validity.VALID, (result.detail, result.log)
     assert result.score == (0.5 if kind == "pytest" else 1.0), (result.detail, result.log)
+
+
+def test_an_evaluator_past_its_time_limit_in_the_sandbox_is_pending_not_a_score(base):
+    task_dir = make_task(base, "sleep 30\n")
+    toml = (task_dir / "task.toml").read_text().replace("timeout_s = 20", "timeout_s = 1")
+    (task_dir / "task.toml").write_text(toml)
+    task = load_task(task_dir)
+    sandbox = LocalSandbox(root=base / "executions", isolate_user=False)
+    started = time.monotonic()
+    result = sandboxed_evaluation(task, prepare_workspace(task, base / "w"), sandbox, "slow")
+    assert result.validity is Validity.PENDING and result.score == 0.0 and "timed out after 1 s" in result.detail
+    assert time.monotonic() - started < 10  # stopped at its limit (SIGTERM, then SIGKILL a second later)

@@ -258,4 +258,5 @@ def test_concurrent_prepares_get_distinct_uids_and_a_released_uid_is_not_reused_
     first = context_of(sandbox, "e0")
     sandbox.release(first)
     assert sandbox.uid_of("e0") is None
-    assert sandbox.uid_of(context_of(sandbox, "next").execution_id) not in uids  # round robin
+    sandbox.prepare("next")
+    assert sandbox.uid_of("next") not in uids  # round robin
