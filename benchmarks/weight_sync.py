@@ -1,6 +1,6 @@
 """Weight transport throughput: Mooncake over TCP on loopback vs torch.distributed (gloo), core -> 1 and 2 receivers.
 
-For each transport and receiver count, one run of 1 + R local processes (`gyre.dist.local`): a flat uint8 buffer
+For each transport and receiver count, one run of 1 + R local processes (`gyre.distributed.local`): a flat uint8 buffer
 of each size is published `--repeats` times (after one warm-up publication: engine handshake, registration) and
 every receiver pulls each version into its own preallocated buffer. A trial is timed on the core from a barrier
 before the publication to a barrier after the last receiver finished. Reported: per-receiver GB/s (bytes / median
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from report import emit
 
-from gyre.dist.local import free_port, run_local
+from gyre.distributed.local import free_port, run_local
 
 TRANSPORTS = ("mooncake_tcp", "torch_gloo")
 
@@ -31,17 +31,17 @@ def bench_worker(
     import torch
     import torch.distributed as dist
 
-    from gyre.dist.transport import flatten_state_dict
+    from gyre.distributed.transport import flatten_state_dict
     from gyre.engine.protocol import FlatWeights
     from gyre.engine.weights import load_pretrained
 
     if transport == "mooncake_tcp":
-        from gyre.dist.transport_mooncake import MooncakeWeightTransport
+        from gyre.distributed.transport_mooncake import MooncakeWeightTransport
 
         store = dist.TCPStore("127.0.0.1", store_port, world_size, rank == 0)
         mover = MooncakeWeightTransport(store=store, host="127.0.0.1")
     else:
-        from gyre.dist.transport_torch import TorchWeightTransport
+        from gyre.distributed.transport_torch import TorchWeightTransport
 
         mover = TorchWeightTransport(source_rank=0)
     version = 0

@@ -3,7 +3,7 @@
 A split execution (rows in several micro-steps, `MicroStep.split_E`) needs s_i (Eq. 5) over all its micro-steps
 before any of them computes its loss; the packer emits such micro-steps consecutively, so a run of micro-steps
 sharing a split execution is one unit (the claiming cell takes s_i in a no-grad pass first), and every other
-micro-step is a unit alone. Pure; `gyre.dist.claims` ships the units to the cells.
+micro-step is a unit alone. Pure; `gyre.distributed.claims` ships the units to the cells.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Contract:
   done (closed and drained: the cell flushes its pipeline). With `timeout` (seconds, None = wait
   without limit) a claim on an empty open queue blocks until a put, a close or the timeout.
 - `put` after `close` is a ValueError: a closed stream is complete.
-- One queue per batch; the next batch gets a new queue. Cross-process claims (gyre/dist) will wrap the
+- One queue per batch; the next batch gets a new queue. Cross-process claims (gyre/distributed) will wrap the
   same small interface: `put`, `claim(cell)`, `close`, `closed_and_drained`.
 """
 

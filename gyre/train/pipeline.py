@@ -12,7 +12,7 @@ Who sends what (all point-to-point over megatron's pipeline group, between neigh
 - The first stage calls `claim()`: a claim unit `(index, micro_steps)`, `WAIT` (nothing yet, the stream is open) or
   None (closed and drained). Downstream, stage r sends stage r + 1, in order, for every message a fixed int64 header
   `[kind, unit index, U, payload bytes]` and then, for micro-steps, the `MicroStep` (uint8, as
-  `gyre.dist.claims.encode_unit` writes it) and the activation `[U, 1, hidden]` (`pipeline_dtype`). U differs
+  `gyre.distributed.claims.encode_unit` writes it) and the activation `[U, 1, hidden]` (`pipeline_dtype`). U differs
   between micro-steps, so the receiver learns it from the header before it posts the activation's receive.
   Kinds: TRAIN (forward now, backward later), SCORE (no-grad forward for the s_i pass of a unit with split
   executions, Eq. 5), WAIT (a pause), END (the stream is done).
@@ -55,7 +55,7 @@ from torch import Tensor
 
 from gyre.config.loss import LossConfig
 from gyre.data.microstep import MicroStep
-from gyre.dist.claims import decode_unit, encode_unit
+from gyre.distributed.claims import decode_unit, encode_unit
 from gyre.rl import finalize_sequence_ratio, policy_loss
 from gyre.train.cpu_patch import apply_cpu_patches
 from gyre.train.logprobs import block_causal_mask, logprobs_from_logits, packed_positions

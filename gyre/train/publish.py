@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gyre.dist.transport import flatten_state_dict
+from gyre.distributed.transport import flatten_state_dict
 from gyre.engine.hf_config import DecoderConfig
 from gyre.engine.protocol import Engine, FlatWeights
 from gyre.train.convert import gather_hf_state_dict

@@ -10,7 +10,8 @@ Contract (DESIGN.md contract 7): the parameters after a step equal those of one 
 micro-steps, whatever cells claimed which micro-steps and whenever satellites joined (fp32, up to summation order).
 That holds because the loss of a micro-step is its share of the batch loss (`gyre.rl.policy_loss` with the batch's
 `num_executions` and each execution's whole L_i), so per-cell gradient sums add up to the batch gradient; a split
-execution's micro-steps arrive as one claim unit (`gyre.dist.claims`) so s_i (Eq. 5) is computed over all of them.
+execution's micro-steps arrive as one claim unit (`gyre.distributed.claims`) so s_i (Eq. 5) is computed over all of
+them.
 
 The model side is a `Trainable` (a torch module here, Megatron in `gyre.train.megatron_trainable`); this module
 owns the order of operations, not the math of the model.
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from gyre.config.loss import LossConfig
 from gyre.data.microstep import MicroStep
-from gyre.dist.transport import WeightTransport, flatten_state_dict, unflatten
+from gyre.distributed.transport import WeightTransport, flatten_state_dict, unflatten
 from gyre.rl import finalize_sequence_ratio, policy_loss, sequence_log_ratio_sums
 
 log = logging.getLogger(__name__)

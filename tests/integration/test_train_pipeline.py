@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.dist.local import run_local
+from gyre.distributed.local import run_local
 
 TIMEOUT_S = 150.0
 VOCAB = 64

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.dist.local import free_port, run_local
+from gyre.distributed.local import free_port, run_local
 
 TIMEOUT_S = 150.0
 VOCAB = 64
@@ -155,7 +155,7 @@ def hf_parameters(trainable) -> dict[str, torch.Tensor]:
 
 def controller(store, *, seed: int, mu: int, num_cells: int, joins: list[list[int]]) -> None:
     """Feed each step's micro-steps slowly and admit satellites before the micro-steps `joins[step]` names."""
-    from gyre.dist.claims import StepBoard
+    from gyre.distributed.claims import StepBoard
 
     rng = random.Random(seed)
     cells = 1
@@ -182,13 +182,13 @@ class StoreSnapshotTransport:
         self.store, self.prefix = store, prefix
 
     def publish(self, weights, version: int) -> None:
-        from gyre.dist.transport import publication_of
+        from gyre.distributed.transport import publication_of
 
         wire = publication_of(weights, version).to_wire()
         self.store.set(f"{self.prefix}/{version}", json.dumps(wire).encode() + b"\n" + weights.buffer.numpy().tobytes())
 
     def pull(self, into, *, version: int):
-        from gyre.dist.transport import Publication
+        from gyre.distributed.transport import Publication
         from gyre.engine.protocol import FlatWeights
 
         key = f"{self.prefix}/{version}"
@@ -204,7 +204,7 @@ class StoreSnapshotTransport:
 
 def mooncake_imports() -> bool:
     try:
-        from gyre.dist.transport_mooncake import import_transfer_engine
+        from gyre.distributed.transport_mooncake import import_transfer_engine
 
         import_transfer_engine()
     except ImportError:
@@ -216,7 +216,7 @@ def weight_transport(store, coordinate: int):
     """Mooncake over TCP on loopback (the design's one-sided pull), else the store snapshot."""
     prefix = f"test/weights/{coordinate}"
     if mooncake_imports():
-        from gyre.dist.transport_mooncake import MooncakeWeightTransport
+        from gyre.distributed.transport_mooncake import MooncakeWeightTransport
 
         return MooncakeWeightTransport(store=store, host="127.0.0.1", prefix=prefix, timeout_s=60)
     return StoreSnapshotTransport(store, prefix)
@@ -236,9 +236,9 @@ def stream_worker(
 ):
     import torch.distributed as dist
 
-    from gyre.dist.claims import StepClaimer
-    from gyre.dist.groups import build_process_groups
-    from gyre.dist.layout import Layout
+    from gyre.distributed.claims import StepClaimer
+    from gyre.distributed.groups import build_process_groups
+    from gyre.distributed.layout import Layout
     from gyre.train.streaming import publish_parameters, pull_parameters, train_step
 
     num_cells = world_size // cell_size

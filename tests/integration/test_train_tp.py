@@ -146,4 +146,4 @@ def test_tp2_matches_tp1_and_gathers_back(tmp_path):
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
     sys.stdout.flush()
-    os._exit(0)  # no interpreter finalization: it can race gloo's worker threads (see gyre.dist.local._child)
+    os._exit(0)  # no interpreter finalization: it can race gloo's worker threads (see gyre.distributed.local._child)

@@ -1,4 +1,4 @@
-"""gyre.dist transports: bit-exact weights from a core to two receivers, versions, and malformed manifests.
+"""gyre.distributed transports: bit-exact weights from a core to two receivers, versions, and malformed manifests.
 
 One contract, parametrized over the implementations (torch.distributed broadcast, Mooncake over TCP on loopback):
 three real processes (rank 0 the core, ranks 1 and 2 receivers; receiver 1 pulls into a uint8 buffer, receiver
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.dist.local import free_port, run_local
-from gyre.dist.transport import WeightTransport, check_manifest, flatten_state_dict, unflatten
+from gyre.distributed.local import free_port, run_local
+from gyre.distributed.transport import WeightTransport, check_manifest, flatten_state_dict, unflatten
 from gyre.engine.protocol import FlatWeights, TensorSpec
 
 TIMEOUT_S = 120.0
@@ -62,7 +62,7 @@ def _error(call) -> str:
 
 def torch_worker(rank: int, world_size: int) -> dict:
     """Collective sequence: v1, v2, a stale receiver at v3 (nothing moves), a malformed manifest, then v4."""
-    from gyre.dist.transport_torch import TorchWeightTransport
+    from gyre.distributed.transport_torch import TorchWeightTransport
 
     transport = TorchWeightTransport(source_rank=0)
     out: dict = {"is_protocol": isinstance(transport, WeightTransport)}
@@ -93,7 +93,7 @@ def mooncake_worker(rank: int, world_size: int, *, store_port: int) -> dict:
 
     import torch.distributed as dist
 
-    from gyre.dist.transport_mooncake import MooncakeWeightTransport
+    from gyre.distributed.transport_mooncake import MooncakeWeightTransport
 
     store = dist.TCPStore("127.0.0.1", store_port, world_size, rank == 0, use_libuv=True)
     transport = MooncakeWeightTransport(store=store, host="127.0.0.1", chunk_bytes=96, timeout_s=60)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from gyre.dist.transport import unflatten
+from gyre.distributed.transport import unflatten
 from gyre.engine.hf_config import DecoderConfig
 from gyre.engine.model import build_model
 from gyre.engine.native import NativeEngine

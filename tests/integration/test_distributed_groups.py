@@ -1,4 +1,4 @@
-"""gyre.dist.groups on real gloo processes: every prefix and cell group sums over exactly its members.
+"""gyre.distributed.groups on real gloo processes: every prefix and cell group sums over exactly its members.
 
 Each rank contributes 10**rank to an all_reduce over every group it belongs to, so the sum's digits name the
 members (e.g. 101 = ranks 0 and 2); the expected sums come from hand-written member lists, not from the layout.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gyre.dist.local import run_local
+from gyre.distributed.local import run_local
 
 TIMEOUT_S = 90.0
 
@@ -17,8 +17,8 @@ def groups_worker(rank: int, world_size: int, *, num_cells: int, cell_size: int,
     import torch
     import torch.distributed as dist
 
-    from gyre.dist.groups import build_process_groups
-    from gyre.dist.layout import Layout
+    from gyre.distributed.groups import build_process_groups
+    from gyre.distributed.layout import Layout
 
     layout = Layout(
         world_size=world_size, num_cells=num_cells, cell_size=cell_size, num_rollout_ranks=num_rollout_ranks
@@ -85,15 +85,15 @@ def test_two_cells_of_one_and_a_rollout_rank():
 
 @pytest.mark.slow  # real processes: a few seconds each on 2 cores
 def test_layout_must_match_the_world():
-    from gyre.dist.local import LocalRunError
+    from gyre.distributed.local import LocalRunError
 
     with pytest.raises(LocalRunError, match="world_size: the layout has 4, the process group has 2"):
         run_local(f"{__file__}:mismatch_worker", 2, timeout_s=TIMEOUT_S)
 
 
 def mismatch_worker(rank: int, world_size: int) -> None:
-    from gyre.dist.groups import build_process_groups
-    from gyre.dist.layout import Layout
+    from gyre.distributed.groups import build_process_groups
+    from gyre.distributed.layout import Layout
 
     build_process_groups(Layout(world_size=4, num_cells=2, cell_size=2))
 
@@ -113,7 +113,7 @@ def hanging_worker(rank: int, world_size: int, *, pid_dir: str) -> int:
 def test_a_hanging_rank_is_stopped_by_pid_at_the_time_limit(tmp_path):
     import os
 
-    from gyre.dist.local import LocalRunError
+    from gyre.distributed.local import LocalRunError
 
     with pytest.raises(LocalRunError, match="timed out after 12 s"):
         run_local(f"{__file__}:hanging_worker", 2, kwargs={"pid_dir": str(tmp_path)}, timeout_s=12)

@@ -1,10 +1,10 @@
-"""gyre.dist.layout: cells, coordinates, leaders and prefix groups against hand-written lists."""
+"""gyre.distributed.layout: cells, coordinates, leaders and prefix groups against hand-written lists."""
 
 from __future__ import annotations
 
 import pytest
 
-from gyre.dist.layout import GroupSpec, Layout
+from gyre.distributed.layout import GroupSpec, Layout
 
 
 def test_three_cells_of_two_with_a_rollout_rank():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gyre.dist.transport import (
+from gyre.distributed.transport import (
     Publication,
     WeightVersionError,
     as_bytes,

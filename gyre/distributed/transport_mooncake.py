@@ -29,7 +29,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from gyre.dist.transport import (
+from gyre.distributed.transport import (
     Publication,
     WeightVersionError,
     as_bytes,

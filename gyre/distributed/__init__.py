@@ -3,6 +3,6 @@
 `layout` is pure (stdlib); `groups` and `transport` need torch.distributed. See docs/distributed.md.
 """
 
-from gyre.dist.layout import GroupSpec, Layout
+from gyre.distributed.layout import GroupSpec, Layout
 
 __all__ = ["GroupSpec", "Layout"]

@@ -1,4 +1,4 @@
-"""gyre.dist.claims: unit encoding, split runs as one claim unit, and the store protocol on a real TCPStore."""
+"""gyre.distributed.claims: unit encoding, split runs as one claim unit, and the store protocol on a real TCPStore."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import TokenRow, build_microstep
-from gyre.dist.claims import StepBoard, StepClaimer, decode_unit, encode_unit
-from gyre.dist.local import free_port
+from gyre.distributed.claims import StepBoard, StepClaimer, decode_unit, encode_unit
+from gyre.distributed.local import free_port
 
 
 def row(execution: str, slot: int, length: int = 5, num_targets: int | None = None) -> TokenRow:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from gyre.dist.layout import Layout
+from gyre.distributed.layout import Layout
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Where every rank sits: cells, in-cell coordinates, cell leaders, rollout ranks and prefix groups.
 
-Pure (stdlib only): `gyre.dist.groups` turns this plan into torch.distributed groups, and the tests check the plan
-by hand without starting a process.
+Pure (stdlib only): `gyre.distributed.groups` turns this plan into torch.distributed groups, and the tests check the
+plan by hand without starting a process.
 
 Contract (DESIGN.md, process model)
 - Ranks `0 .. num_cells * cell_size - 1` form K = `num_cells` cells of `cell_size` consecutive ranks; cell 0 is

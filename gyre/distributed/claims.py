@@ -13,10 +13,11 @@ Keys of optimizer step `s` (under `gyre/step/{s}/`):
 - `cells`: the number of training cells of the step (a prefix 0..k-1 of the cells, core first), written once by
   `close` before any `CLOSED`; a cell that reads `CLOSED` then reads it to pick the prefix group it reduces over.
 
-Claim units (`gyre.data.claim_units`). A split execution (rows in several micro-steps, `MicroStep.split_E`) needs s_i (Eq. 5) over all its
-micro-steps before any of them computes its loss. Its micro-steps are emitted consecutively, so the controller
-ships such a run as one unit: the claiming cell does a no-grad pass over the unit, then the forward-backward of
-each micro-step, and no cross-cell reduction of s_i is needed mid-stream. Every other micro-step is a unit alone.
+Claim units (`gyre.data.claim_units`). A split execution (rows in several micro-steps, `MicroStep.split_E`) needs
+s_i (Eq. 5) over all its micro-steps before any of them computes its loss. Its micro-steps are emitted
+consecutively, so the controller ships such a run as one unit: the claiming cell does a no-grad pass over the unit,
+then the forward-backward of each micro-step, and no cross-cell reduction of s_i is needed mid-stream. Every other
+micro-step is a unit alone.
 
 Sentinels. Each cell leader holds at most one claimed index it has not yet received. So at close, with n units
 put, `CLOSED` is written at n .. n + max_cells - 1: every outstanding claim gets an answer, and a cell that joins

@@ -1,7 +1,7 @@
 """Run a function on N local processes joined by a gloo process group on 127.0.0.1 (tests and benchmarks).
 
 `run_local(target, world_size, kwargs=..., timeout_s=...)` starts `world_size` subprocesses of
-`python -m gyre.dist.local`, each of which calls `torch.distributed.init_process_group("gloo")` on a free port of
+`python -m gyre.distributed.local`, each of which calls `torch.distributed.init_process_group("gloo")` on a free port of
 127.0.0.1, runs `target(rank, world_size, **kwargs)`, destroys the group, writes the JSON-able return value to a
 file and leaves without interpreter finalization (see `_child`). The parent returns the values by rank. Every wait
 is bounded: past `timeout_s`, or as soon as one rank fails, the remaining processes are killed by PID and a
@@ -79,7 +79,7 @@ def run_local(
             command = [
                 sys.executable,
                 "-m",
-                "gyre.dist.local",
+                "gyre.distributed.local",
                 target,
                 str(rank),
                 str(world_size),
