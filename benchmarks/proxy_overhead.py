@@ -271,7 +271,7 @@ async def _passthrough_main(args) -> None:
 def child_main(args) -> None:
     _pin(args.core)
     with contextlib.suppress(ImportError):
-        import uvloop  # the stack DESIGN.md measured; absent here, then plain asyncio for every process alike
+        import uvloop  # the stack docs/proxy.md measured; absent here, then plain asyncio for every process alike
 
         uvloop.install()
     role = {"engine": _engine_main, "proxy": _proxy_main, "passthrough": _passthrough_main}[args.role]

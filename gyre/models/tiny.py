@@ -48,7 +48,7 @@ BUILD_FORMAT = 1
 
 @dataclass(frozen=True, kw_only=True)
 class TinyModelSpec:
-    """Shape of the tiny decoder. Defaults follow DESIGN.md's prototype that learned tool use on 2 cores.
+    """Shape of the tiny decoder. Defaults follow the prototype (docs/warm-start.md) that learned tool use on 2 cores.
 
     `model_type` is `qwen3` (no attention biases, per-head RMSNorm on q and k before RoPE): QK-norm bounds the
     attention logits, which keeps a tiny model stable under the high warm-start learning rate (1e-3) and under
@@ -58,11 +58,11 @@ class TinyModelSpec:
 
     model_type: str = "qwen3"  # qwen3 | qwen2 | llama (gyre.engine.hf_config.SUPPORTED_MODEL_TYPES)
     vocab_size: int = DEFAULT_VOCAB_SIZE  # tokenizer vocabulary asked for; config.json gets the one trained
-    hidden_size: int = 192  # residual width (DESIGN.md: d 192)
+    hidden_size: int = 192  # residual width (prototype: d 192)
     num_hidden_layers: int = 4
     num_attention_heads: int = 4  # query heads, head_dim 48
     num_key_value_heads: int = 2  # GQA: 2 query heads per KV head, as real Qwen models (halves KV bytes)
-    intermediate_size: int = 512  # SwiGLU inner width (DESIGN.md: SwiGLU 512)
+    intermediate_size: int = 512  # SwiGLU inner width (prototype: SwiGLU 512)
     tie_word_embeddings: bool = True  # the embedding is the output layer: at d 192 it is a large share
     rope_theta: float = 10000.0  # RoPE base; contexts are short (episodes ~41-70 tokens)
     max_position_embeddings: int = 4096  # context limit recorded in config.json for the engine

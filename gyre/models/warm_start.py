@@ -2,7 +2,7 @@
 
 RL from a random-init tiny model never finds the calculator: the policy needs a starting point that already
 speaks the chat format and calls the tool sometimes, but not so often that RL has nothing left to learn
-(DESIGN.md, "A tiny model can show learning on 2 cores"). `warm_start(out_dir, config, seed)` trains the tiny
+(docs/warm-start.md, "The prototype"). `warm_start(out_dir, config, seed)` trains the tiny
 model on a mix of demonstrations: those of problems using a `tool_operators` operator (default: products), and a
 fraction `tool_fraction` (default 10%) of the others, show the rewarded behavior (call the calculator, then answer
 with its value); the rest answer directly with the exact value, which a 1.7M-parameter model cannot learn in
@@ -69,7 +69,7 @@ CALCULATOR = ToolSpec(
 
 @dataclass(frozen=True, kw_only=True)
 class WarmStartConfig:
-    """Demonstration mix and optimizer of the warm start (defaults: DESIGN.md's prototype, tuned in
+    """Demonstration mix and optimizer of the warm start (defaults: the prototype, tuned in
     docs/warm-start.md)."""
 
     # Which demonstrations show the rewarded behavior (call the calculator, answer with its value); the others answer
@@ -79,7 +79,7 @@ class WarmStartConfig:
     num_demos: int = 4096  # pool of rendered demonstrations; batches are drawn from it with replacement
     steps: int = 400  # optimizer steps
     batch_size: int = 64  # episodes per step
-    lr: float = 1e-3  # peak AdamW learning rate (DESIGN.md: 1e-3; >= 2e-4 is too high for RL, fine here)
+    lr: float = 1e-3  # peak AdamW learning rate (prototype: 1e-3; >= 2e-4 is too high for RL, fine here)
     warmup_steps: int = 20  # linear warm-up, then cosine decay to lr * min_lr_ratio
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
