@@ -4,8 +4,8 @@ Kinds:
 - `native`: `NativeEngine` in the test's event loop;
 - `remote`: a `NativeEngine` served by `gyre.engine.endpoint` on 127.0.0.1 from its own thread and event loop,
   reached through `RemoteEngine` over real HTTP (what the proxy holds);
-- `sglang`: `SGLangEngine` over a real `sglang.Engine`, skipped where sglang does not import (it needs CUDA torch
-  and a GPU; see docs/sglang.md);
+- `sglang`: `SGLangEngine` over a real `sglang.Engine`, marked `gpu` and skipped where sglang does not import (it
+  needs CUDA torch and a GPU; see docs/sglang.md);
 - `scripted`: `gyre.engine.scripted.ScriptedEngine`, the stand-in that tests above the engine serve, with a
   counting script; the request lifecycle holds for it, while the cases that need a model's numerics or a KV cache
   skip it with that reason.
@@ -63,7 +63,7 @@ def model():
     return sharp_tiny_model()
 
 
-@pytest.fixture(params=["native", "remote", "sglang", "scripted"])
+@pytest.fixture(params=["native", "remote", pytest.param("sglang", marks=pytest.mark.gpu), "scripted"])
 def engines(request, model, tmp_path):
     if request.param == "sglang" and SGLANG_SKIP:
         pytest.skip(SGLANG_SKIP)
