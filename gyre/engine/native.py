@@ -47,7 +47,6 @@ from gyre.engine.protocol import (
     EngineLoad,
     EngineUnavailableError,
     FinishReason,
-    FlatWeights,
     GenerateRequest,
     GenerateResult,
     GenerateTimings,
@@ -58,7 +57,7 @@ from gyre.engine.protocol import (
     drain_in_flight,
 )
 from gyre.engine.sampling import request_generator, sample_next
-from gyre.engine.wire import unflatten_weights
+from gyre.models.flat_weights import FlatWeights, unflatten_weights
 
 logger = logging.getLogger(__name__)
 

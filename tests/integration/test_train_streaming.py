@@ -189,7 +189,7 @@ class StoreSnapshotTransport:
 
     def pull(self, into, *, version: int):
         from gyre.distributed.transport import Publication
-        from gyre.engine.protocol import FlatWeights
+        from gyre.models.flat_weights import FlatWeights
 
         key = f"{self.prefix}/{version}"
         self.store.wait([key], datetime.timedelta(seconds=60))
