@@ -10,6 +10,8 @@ of every tensor back to back. KV exports and flat weight buffers travel as frame
 
 Errors travel as `{"error": {"type": ..., "message": ...}}` with an HTTP status; `error_status` and
 `error_from_wire` map the protocol's exceptions both ways, so a remote engine raises what a local one would.
+The wire's own errors (`WireError`, `PromptBaseUnknown`, `RemoteEngineError`) live in `gyre.engine.errors`,
+which imports no torch; they are importable from here too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import orjson
 import torch
 
+from gyre.engine.errors import PromptBaseUnknown, RemoteEngineError, WireError
 from gyre.engine.protocol import (
     EngineBusyError,
     EngineLoad,
@@ -52,10 +55,6 @@ from gyre.models.flat_weights import unflatten_weights as unflatten_weights  # r
 
 FRAME_MAGIC = b"GYRF"
 _HEADER_LEN = struct.Struct("<Q")
-
-
-class WireError(ValueError):
-    """A message that does not follow the wire format (a client or server bug, or a foreign peer)."""
 
 
 # ----------------------------------------------------------------------------- JSON messages
@@ -118,11 +117,6 @@ def ids_from_wire(text: str, *, what: str) -> array:
     if sys.byteorder == "big":
         ids.byteswap()
     return ids
-
-
-class PromptBaseUnknown(LookupError):
-    """A `/generate` frame extends a base prompt the endpoint does not hold (evicted, or another call of the same
-    execution came in between): the client sends the whole prompt instead."""
 
 
 @dataclass(frozen=True)
@@ -311,10 +305,6 @@ def error_status(error: BaseException) -> tuple[int, dict]:
             message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
             return status, {"error": {"type": kind, "message": str(message)}}
     return 500, {"error": {"type": "internal", "message": f"{type(error).__name__}: {error}"}}
-
-
-class RemoteEngineError(RuntimeError):
-    """The endpoint failed in a way the protocol does not name (HTTP 500 or a foreign status)."""
 
 
 def error_from_wire(status: int, body: bytes) -> BaseException:
