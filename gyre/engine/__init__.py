@@ -2,8 +2,9 @@
 
 Importing this package loads the protocol only (stdlib, `gyre.engine.protocol`), so a light process such as the
 proxy imports the protocol and its errors without torch. The inference stack is imported on first access to one
-of its names (PEP 562): `NativeEngine`, `KVBuffer` (`gyre.engine.native`), `KVCache` (`gyre.engine.decode`) and
-the sampling functions (`gyre.engine.sampling`); those need torch.
+of its names (PEP 562): `NativeEngine`, `KVBuffer` (`gyre.engine.native`) and the sampling functions
+(`gyre.engine.sampling`); those need torch. `gyre.engine.decode` holds the inference path the native engine applies
+to the shared model (stacked projections, `decode_forward`).
 
 Also here, imported from their modules: `gyre.engine.endpoint` (HTTP server of an engine), `gyre.engine.remote`
 (`RemoteEngine`, its client), `gyre.engine.wire` (their format) and `gyre.engine.errors` (its errors, stdlib),
@@ -33,17 +34,6 @@ _LAZY = {
     "TensorSpec": "gyre.models.flat_weights",
     "KVBuffer": "gyre.engine.native",
     "NativeEngine": "gyre.engine.native",
-    "DecoderConfig": "gyre.engine.hf_config",
-    "RopeScaling": "gyre.engine.hf_config",
-    "DecoderLM": "gyre.engine.model",
-    "KVCache": "gyre.engine.model",
-    "block_causal_mask": "gyre.engine.model",
-    "build_model": "gyre.engine.model",
-    "rope_inv_freq": "gyre.engine.model",
-    "segments_from_positions": "gyre.engine.model",
-    "load_pretrained": "gyre.engine.weights",
-    "read_config": "gyre.engine.weights",
-    "save_pretrained": "gyre.engine.weights",
     "request_generator": "gyre.engine.sampling",
     "sample_next": "gyre.engine.sampling",
     "sampling_logprobs": "gyre.engine.sampling",
@@ -75,7 +65,6 @@ __all__ = [
     "GenerateResult",
     "GenerateTimings",
     "KVBuffer",
-    "KVCache",
     "KVExport",
     "NativeEngine",
     "SamplingParams",

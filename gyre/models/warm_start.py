@@ -258,7 +258,7 @@ def masked_loss(model, batch: Sequence[Demonstration], prefix: int, pad_id: int)
     import torch
     import torch.nn.functional as F
 
-    from gyre.engine.model import KVCache
+    from gyre.models.decoder import KVCache
 
     cache_1 = None
     if prefix:
@@ -370,7 +370,7 @@ def _key_sources() -> list[Path]:
     package = Path(gyre.__file__).parent
     paths = [Path(__file__), *sorted((package / "tasks" / "demo").glob("*.py"))]
     paths += [package / "proxy" / name for name in ("render.py", "template.py", "output.py", "payload.py")]
-    return [*paths, package / "engine" / "model.py"]
+    return [*paths, package / "models" / "decoder.py"]
 
 
 def read_meta(out_dir: str | Path) -> dict[str, Any] | None:
@@ -418,7 +418,7 @@ def warm_start(
 
     import torch
 
-    from gyre.engine.weights import load_pretrained, save_pretrained
+    from gyre.models.hf_weights import load_pretrained, save_pretrained
 
     base = Path(base_dir) if base_dir is not None else tiny_model_dir()
     template = ChatTemplate.from_pretrained(base)
@@ -564,7 +564,7 @@ def evaluate_greedy(
     the native engine, parse with the proxy's `OutputDecoder`, run the calculator on calls, repeat (at most
     `max_calls` model calls), score the final answer with the demo check. Returns rates and per-episode results.
     `temperature` > 0 samples instead (seeded per episode from `seed`): what RL's rollouts would see."""
-    from gyre.engine.weights import load_pretrained
+    from gyre.models.hf_weights import load_pretrained
 
     template = ChatTemplate.from_pretrained(model_dir)
     model = load_pretrained(model_dir)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gyre.distributed.transport import flatten_state_dict
-from gyre.engine.hf_config import DecoderConfig
+from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights
 from gyre.train.convert import gather_hf_state_dict
 

@@ -478,7 +478,7 @@ def test_real_sglang_engine_matches_native_logprobs(tmp_path):
     from engine_fixtures import sharp_tiny_model
 
     from gyre.engine.sampling import sequence_logprobs
-    from gyre.engine.weights import save_pretrained
+    from gyre.models.hf_weights import save_pretrained
 
     model = sharp_tiny_model()
     save_pretrained(model, tmp_path)

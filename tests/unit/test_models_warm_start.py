@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre.engine.weights import load_pretrained
 from gyre.models.__main__ import main
+from gyre.models.hf_weights import load_pretrained
 from gyre.models.tiny import tiny_model_dir
 from gyre.models.warm_start import (
     META_FILE,
