@@ -23,7 +23,8 @@ Contract:
 - `max_minutes` is a wall-clock budget: training stops early when it runs out (recorded as `complete: false`).
 - `evaluate_greedy(model_dir, problems)` plays each episode as the harness + proxy would, greedily, with the
   native engine, and scores the final answer with the demo check.
-Torch is imported inside the functions that need it. See docs/warm-start.md.
+Torch is imported inside the functions that need it. CLI: `python -m gyre.tasks.demo warm-start OUT_DIR`
+(`gyre/tasks/demo/__main__.py`). See docs/warm-start.md.
 """
 
 from __future__ import annotations
@@ -368,7 +369,8 @@ def warm_start_key(config: WarmStartConfig, seed: int, base_dir: str | Path | No
 
 def _key_sources() -> list[Path]:
     package = Path(gyre.__file__).parent
-    paths = [Path(__file__), *sorted((package / "tasks" / "demo").glob("*.py"))]
+    demo = Path(__file__).parent  # this file and the demo family's modules; the CLI (__main__.py) trains nothing
+    paths = sorted(path for path in demo.glob("*.py") if path.name != "__main__.py")
     paths += [package / "proxy" / name for name in ("render.py", "template.py", "output.py", "payload.py")]
     return [*paths, package / "models" / "decoder.py"]
 
