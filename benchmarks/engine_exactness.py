@@ -24,7 +24,7 @@ from report import emit
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.engine.sampling import sequence_logprobs
-from gyre.engine.weights import load_pretrained
+from gyre.models.hf_weights import load_pretrained
 from gyre.models.tiny import tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from report import emit
 
-from gyre.engine.model import build_model
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
-from gyre.engine.weights import load_pretrained, read_config, read_state_dict
+from gyre.models.decoder import build_model
+from gyre.models.hf_weights import load_pretrained, read_config, read_state_dict
 from gyre.models.tiny import tiny_model_dir
 from gyre.train.convert import gather_hf_state_dict, load_hf_state_dict
 from gyre.train.logprobs import packed_logprobs

@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from gyre.config.loss import LossConfig
-    from gyre.engine.weights import read_config, read_state_dict
+    from gyre.models.hf_weights import read_config, read_state_dict
     from gyre.models.tiny import tiny_model_dir
     from gyre.train.convert import load_hf_state_dict
     from gyre.train.megatron_trainable import MegatronTrainable

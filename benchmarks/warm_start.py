@@ -1,6 +1,6 @@
 """Warm start of the tiny default model: greedy success on held-out demo problems before and after, and its cost.
 
-Trains `gyre.models.warm_start` (default settings unless overridden) into a temporary directory with one torch
+Trains `gyre.tasks.demo.warm_start` (default settings unless overridden) into a temporary directory with one torch
 thread, then plays held-out problems (a different seed) greedily as harness + proxy would. Target: greedy success
 in 20-60% (RL needs room above it, and a start it can find the tool from) after <= 5 CPU minutes of training.
 Prints one JSON object (last line).
@@ -21,8 +21,8 @@ import torch
 from report import emit
 
 from gyre.models.tiny import tiny_model_dir
-from gyre.models.warm_start import WarmStartConfig, evaluate_greedy, uses_tool_operator, warm_start
 from gyre.tasks.demo import make_demo_problems
+from gyre.tasks.demo.warm_start import WarmStartConfig, evaluate_greedy, uses_tool_operator, warm_start
 
 TARGET_LOW, TARGET_HIGH, TARGET_CPU_S = 0.20, 0.60, 300.0
 HELD_OUT_SEED_OFFSET = 1_000_003  # held-out problems never share a seed with the demonstrations

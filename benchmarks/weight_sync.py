@@ -32,8 +32,8 @@ def bench_worker(
     import torch.distributed as dist
 
     from gyre.distributed.transport import flatten_state_dict
-    from gyre.engine.protocol import FlatWeights
-    from gyre.engine.weights import load_pretrained
+    from gyre.models.flat_weights import FlatWeights
+    from gyre.models.hf_weights import load_pretrained
 
     if transport == "mooncake_tcp":
         from gyre.distributed.transport_mooncake import MooncakeWeightTransport

@@ -2,7 +2,7 @@
 
 Contract (docs/architecture.md: the core publishes; satellites and engines pull)
 - The core holds its weights as one flat contiguous buffer plus a manifest (`TensorSpec`: name, dtype, shape,
-  byte offset per tensor) and an integer version: a `FlatWeights` (`gyre.engine.protocol`), the same object the
+  byte offset per tensor) and an integer version: a `FlatWeights` (`gyre.models.flat_weights`), the same object the
   engines' `update_weights` takes. `flatten_state_dict` builds one; `unflatten` views the tensors back out.
 - `WeightTransport.publish(weights, version)` on the core makes `version` the current publication; versions
   strictly increase. `pull(into, version=None)` on a receiver copies the current publication into `into`, the
@@ -29,8 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from gyre.engine.protocol import FlatWeights, TensorSpec
-from gyre.engine.wire import flatten_weights, unflatten_weights
+from gyre.models.flat_weights import FlatWeights, TensorSpec, flatten_weights, unflatten_weights
 
 
 class WeightVersionError(ValueError):
@@ -53,7 +52,7 @@ class WeightTransport(Protocol):
 
 
 def flatten_state_dict(tensors: Mapping[str, torch.Tensor]) -> FlatWeights:
-    """Named tensors packed into one 16-byte-aligned uint8 buffer with its manifest (`gyre.engine.wire`)."""
+    """Named tensors packed into one 16-byte-aligned uint8 buffer with its manifest (`gyre.models.flat_weights`)."""
     return flatten_weights(tensors)
 
 

@@ -22,7 +22,7 @@ from gyre.distributed.transport import (
     check_receiver,
     publication_of,
 )
-from gyre.engine.protocol import FlatWeights
+from gyre.models.flat_weights import FlatWeights
 
 
 class TorchWeightTransport:

@@ -1,41 +1,60 @@
-"""Rollout engines: the protocol, the native torch engine and its dense decoder, HF-layout weights.
+"""Rollout engines: the protocol every engine implements, and the native torch engine with its decode path.
+
+Importing this package loads the protocol only (stdlib, `gyre.engine.protocol`), so a light process such as the
+proxy imports the protocol and its errors without torch. The inference stack is imported on first access to one
+of its names (PEP 562): `NativeEngine`, `KVBuffer` (`gyre.engine.native`) and the sampling functions
+(`gyre.engine.sampling`); those need torch. `gyre.engine.decode` holds the inference path the native engine applies
+to the shared model (stacked projections, `decode_forward`).
 
 Also here, imported from their modules: `gyre.engine.endpoint` (HTTP server of an engine), `gyre.engine.remote`
-(`RemoteEngine`, its client), `gyre.engine.wire` (their format), `gyre.engine.sglang_engine` (the SGLang adapter).
-See `docs/engine.md`, `docs/native-model.md`, `docs/sglang.md`. This package's import needs torch and safetensors.
+(`RemoteEngine`, its client), `gyre.engine.wire` (their format) and `gyre.engine.errors` (its errors, stdlib),
+`gyre.engine.sglang_engine` (the SGLang adapter). The model both engines and trainers run (`DecoderConfig`,
+`DecoderLM`, HF-layout weights IO) is `gyre.models`. See `docs/engine.md`, `docs/native-model.md`, `docs/sglang.md`.
 """
 
-from gyre.engine.hf_config import DecoderConfig, RopeScaling
-from gyre.engine.model import (
-    DecoderLM,
-    KVCache,
-    block_causal_mask,
-    build_model,
-    rope_inv_freq,
-    segments_from_positions,
-)
-from gyre.engine.native import KVBuffer, NativeEngine
+import importlib
+
 from gyre.engine.protocol import (
     Engine,
     EngineBusyError,
     EngineLoad,
     EngineUnavailableError,
     FinishReason,
-    FlatWeights,
     GenerateRequest,
     GenerateResult,
     GenerateTimings,
     KVExport,
     SamplingParams,
-    TensorSpec,
     TokenChunk,
 )
-from gyre.engine.sampling import request_generator, sample_next, sampling_logprobs, sequence_logprobs
-from gyre.engine.weights import load_pretrained, read_config, save_pretrained
+
+# name -> module defining it, imported on first access (each imports torch)
+_LAZY = {
+    "FlatWeights": "gyre.models.flat_weights",
+    "TensorSpec": "gyre.models.flat_weights",
+    "KVBuffer": "gyre.engine.native",
+    "NativeEngine": "gyre.engine.native",
+    "request_generator": "gyre.engine.sampling",
+    "sample_next": "gyre.engine.sampling",
+    "sampling_logprobs": "gyre.engine.sampling",
+    "sequence_logprobs": "gyre.engine.sampling",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
-    "DecoderConfig",
-    "DecoderLM",
     "Engine",
     "EngineBusyError",
     "EngineLoad",
@@ -46,22 +65,13 @@ __all__ = [
     "GenerateResult",
     "GenerateTimings",
     "KVBuffer",
-    "KVCache",
     "KVExport",
     "NativeEngine",
-    "RopeScaling",
     "SamplingParams",
     "TensorSpec",
     "TokenChunk",
-    "block_causal_mask",
-    "build_model",
-    "load_pretrained",
-    "read_config",
     "request_generator",
-    "rope_inv_freq",
     "sample_next",
     "sampling_logprobs",
-    "save_pretrained",
-    "segments_from_positions",
     "sequence_logprobs",
 ]

@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from gyre import eventloop
-    from gyre.engine.weights import load_pretrained
+    from gyre.models.hf_weights import load_pretrained
 
     if args.max_running < 1 or not 0 <= args.port <= 65535:
         print("gyre.engine serve: error: --max-running must be >= 1 and --port in [0, 65535]", file=sys.stderr)

@@ -1,6 +1,8 @@
 """The native rollout engine: `DecoderLM` behind the `Engine` protocol, with continuous batching on asyncio.
 
 Contract (beyond `gyre.engine.protocol`)
+- The model is the shared `gyre.models.decoder.DecoderLM`; the engine applies its inference stacking to it in place
+  (`gyre.engine.decode.stack_projections`: q|k|v and gate|up one matmul each; names and state_dict unchanged).
 - One scheduler task per engine, started by the first request on the running event loop. Each iteration is one
   step: finish aborted requests, admit queued requests (prefill one at a time, first token sampled from the
   prefill logits), then one batched decode of every running request. A step is synchronous (it blocks the event
@@ -24,7 +26,7 @@ Contract (beyond `gyre.engine.protocol`)
   `numel * element_size` of the live parameters and KV buffers (prefix entries and pinned exports included).
   `release_memory(weights=True)` moves the parameters to a host copy (on a CPU device the copy is the same
   storage, so process RAM does not drop; the model's live parameters do) and leaves empty tensors in the model.
-- `compile_decode=True` runs the batched decode step as `torch.compile(decode_forward)` (gyre.engine.model): the
+- `compile_decode=True` runs the batched decode step as `torch.compile(decode_forward)` (gyre.engine.decode): the
   same tokens, log-probs equal within float noise (1e-5 fp32); compiles per new batch shape (docs/engine.md).
 See `docs/engine.md` ("Native engine").
 """
@@ -41,13 +43,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyre.engine.model import DecoderLM, DecodeWeights, KVCache, decode_forward
+from gyre.engine.decode import DecodeWeights, decode_forward, decode_weights, stack_projections
 from gyre.engine.protocol import (
     EngineBusyError,
     EngineLoad,
     EngineUnavailableError,
     FinishReason,
-    FlatWeights,
     GenerateRequest,
     GenerateResult,
     GenerateTimings,
@@ -58,7 +59,8 @@ from gyre.engine.protocol import (
     drain_in_flight,
 )
 from gyre.engine.sampling import request_generator, sample_next
-from gyre.engine.wire import unflatten_weights
+from gyre.models.decoder import DecoderLM, KVCache
+from gyre.models.flat_weights import FlatWeights, unflatten_weights
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +224,7 @@ class NativeEngine:
         if not isinstance(max_tokens_in_flight, int) or max_tokens_in_flight < 2:
             raise ValueError(f"max_tokens_in_flight={max_tokens_in_flight!r} is not allowed: expected an integer >= 2")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.model = model.to(self.device).eval()
+        self.model = stack_projections(model.to(self.device).eval())  # q|k|v and gate|up: one matmul each
         self.dtype = next(model.parameters()).dtype
         self.max_running = max_running
         self.max_tokens_in_flight = max_tokens_in_flight
@@ -611,7 +613,7 @@ class NativeEngine:
 
     def _current_decode_weights(self) -> DecodeWeights:
         if self._decode_weights is None:
-            self._decode_weights = self.model.decode_weights(self.device)
+            self._decode_weights = decode_weights(self.model, self.device)
         return self._decode_weights
 
     def _record(self, entry: _Request, token: int, logprob: float) -> bool:

@@ -16,7 +16,9 @@ Contract
   what staleness accounting reads.
 
 Only dataclasses, exceptions and the `Engine` protocol live here: stdlib at import time (torch only for type
-hints), so the proxy can import it without the model stack. See `docs/engine.md`.
+hints), so the proxy can import it without the model stack. The weight format `update_weights` takes,
+`FlatWeights` and `TensorSpec`, lives in `gyre.models.flat_weights` (re-exported here on first access, which
+imports torch). See `docs/engine.md`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from gyre.config.checks import ConfigError, require
 
 if TYPE_CHECKING:
     import torch
+
+    from gyre.models.flat_weights import FlatWeights
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -287,31 +291,6 @@ class TokenChunk:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TensorSpec:
-    """Where one named tensor lies in a flat weight buffer."""
-
-    name: str  # HF parameter name, e.g. "model.layers.0.self_attn.q_proj.weight"
-    dtype: str  # torch dtype name without the prefix, e.g. "bfloat16"
-    shape: tuple[int, ...]
-    offset: int  # byte offset of the first element in the buffer
-
-    def __post_init__(self) -> None:
-        require(_is_int(self.offset) and self.offset >= 0, "offset", self.offset, "a byte offset >= 0")
-        object.__setattr__(self, "shape", tuple(self.shape))
-
-
-@dataclass(frozen=True, kw_only=True)
-class FlatWeights:
-    """Many tensors in one contiguous byte buffer (one transfer instead of hundreds), described by a manifest."""
-
-    buffer: torch.Tensor  # 1-D uint8
-    manifest: tuple[TensorSpec, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "manifest", tuple(self.manifest))
-
-
-@dataclass(frozen=True, kw_only=True)
 class KVExport:
     """One request's KV state, enough for another engine with the same weights to continue without prefill.
 
@@ -463,3 +442,13 @@ class Engine(Protocol):
     def load(self) -> EngineLoad:
         """Current capacity and load (cheap; no device sync)."""
         ...
+
+
+def __getattr__(name: str):
+    """`FlatWeights` and `TensorSpec` live in `gyre.models.flat_weights` (torch); re-exported here on first access,
+    so that importing the protocol stays stdlib-only (PEP 562)."""
+    if name in ("FlatWeights", "TensorSpec"):
+        from gyre.models import flat_weights
+
+        return getattr(flat_weights, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,12 +31,12 @@ from gyre.engine import wire
 from gyre.engine.protocol import (
     EngineLoad,
     EngineUnavailableError,
-    FlatWeights,
     GenerateRequest,
     GenerateResult,
     KVExport,
     TokenChunk,
 )
+from gyre.models.flat_weights import FlatWeights
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from gyre.engine.protocol import (
     EngineLoad,
     EngineUnavailableError,
     FinishReason,
-    FlatWeights,
     GenerateRequest,
     GenerateResult,
     GenerateTimings,
@@ -51,7 +50,7 @@ from gyre.engine.protocol import (
     check_version,
     drain_in_flight,
 )
-from gyre.engine.wire import unflatten_weights
+from gyre.models.flat_weights import FlatWeights, unflatten_weights
 
 if TYPE_CHECKING:
     import torch

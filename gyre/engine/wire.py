@@ -10,6 +10,8 @@ of every tensor back to back. KV exports and flat weight buffers travel as frame
 
 Errors travel as `{"error": {"type": ..., "message": ...}}` with an HTTP status; `error_status` and
 `error_from_wire` map the protocol's exceptions both ways, so a remote engine raises what a local one would.
+The wire's own errors (`WireError`, `PromptBaseUnknown`, `RemoteEngineError`) live in `gyre.engine.errors`,
+which imports no torch; they are importable from here too.
 """
 
 from __future__ import annotations
@@ -28,27 +30,31 @@ from dataclasses import dataclass
 import orjson
 import torch
 
+from gyre.engine.errors import PromptBaseUnknown, RemoteEngineError, WireError
 from gyre.engine.protocol import (
     EngineBusyError,
     EngineLoad,
     EngineUnavailableError,
-    FlatWeights,
     GenerateRequest,
     GenerateResult,
     GenerateTimings,
     KVExport,
     SamplingParams,
-    TensorSpec,
     TokenChunk,
 )
+from gyre.models.flat_weights import (
+    FlatWeights,
+    TensorSpec,
+    dtype_name,
+    flatten_weights,
+    padding,
+    raw_bytes,
+    torch_dtype,
+)
+from gyre.models.flat_weights import unflatten_weights as unflatten_weights  # re-exported beside flatten_weights
 
 FRAME_MAGIC = b"GYRF"
-ALIGN = 16  # byte alignment of every tensor in a frame or flat buffer (a view needs offset % element size == 0)
 _HEADER_LEN = struct.Struct("<Q")
-
-
-class WireError(ValueError):
-    """A message that does not follow the wire format (a client or server bug, or a foreign peer)."""
 
 
 # ----------------------------------------------------------------------------- JSON messages
@@ -111,11 +117,6 @@ def ids_from_wire(text: str, *, what: str) -> array:
     if sys.byteorder == "big":
         ids.byteswap()
     return ids
-
-
-class PromptBaseUnknown(LookupError):
-    """A `/generate` frame extends a base prompt the endpoint does not hold (evicted, or another call of the same
-    execution came in between): the client sends the whole prompt instead."""
 
 
 @dataclass(frozen=True)
@@ -306,10 +307,6 @@ def error_status(error: BaseException) -> tuple[int, dict]:
     return 500, {"error": {"type": "internal", "message": f"{type(error).__name__}: {error}"}}
 
 
-class RemoteEngineError(RuntimeError):
-    """The endpoint failed in a way the protocol does not name (HTTP 500 or a foreign status)."""
-
-
 def error_from_wire(status: int, body: bytes) -> BaseException:
     """The exception a local engine would have raised, rebuilt from an error response."""
     try:
@@ -327,34 +324,21 @@ def error_from_wire(status: int, body: bytes) -> BaseException:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = torch_dtype(name)
+    if dtype is None:
         raise WireError(f"unknown dtype {name!r}")
     return dtype
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-def _padding(offset: int) -> bytes:
-    return bytes(-offset % ALIGN)
 
 
 def encode_frame(header: Mapping, tensors: Sequence[torch.Tensor]) -> bytes:
     """One body: magic, header length, JSON header (with a `tensors` table), raw tensor bytes, each 16-aligned."""
     table, parts, offset = [], [], 0
     for tensor in tensors:
-        raw = _raw_bytes(tensor)
-        table.append({"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
+        raw = raw_bytes(tensor)
+        table.append({"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "offset": offset})
         parts.append(raw)
         offset += raw.nbytes
-        parts.append(_padding(offset))
+        parts.append(padding(offset))
         offset += len(parts[-1])
     return _pack({**header, "tensors": table}, parts)
 
@@ -422,38 +406,6 @@ def kv_export_from_frame(body: bytes | bytearray) -> KVExport:
         raise WireError(f"a KV frame must carry keys and values for each of its layers ({layers!r})")
     fields = _tuples(_fields(header, KVExport, what="kv export"), "token_ids", "output_ids", "output_logprobs")
     return KVExport(**fields, keys=tuple(tensors[:layers]), values=tuple(tensors[layers:]))
-
-
-def flatten_weights(named: Mapping[str, torch.Tensor]) -> FlatWeights:
-    """Named tensors packed into one uint8 buffer with its manifest, each 16-aligned (inverse: `unflatten_weights`)."""
-    manifest, parts, offset = [], [], 0
-    for name, tensor in named.items():
-        spec = TensorSpec(name=name, dtype=_dtype_name(tensor.dtype), shape=tuple(tensor.shape), offset=offset)
-        manifest.append(spec)
-        raw = bytes(_raw_bytes(tensor))
-        parts.append(raw + _padding(offset + len(raw)))
-        offset += len(parts[-1])
-    joined = bytearray(b"".join(parts))
-    buffer = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
-    return FlatWeights(buffer=buffer, manifest=tuple(manifest))
-
-
-def unflatten_weights(flat: FlatWeights) -> dict[str, torch.Tensor]:
-    """Named tensors viewed out of a flat uint8 buffer by its manifest (no copy)."""
-    out = {}
-    for spec in flat.manifest:
-        try:
-            dtype = _dtype(spec.dtype)
-        except WireError:
-            raise ValueError(f"update_weights: {spec.name} has unknown dtype {spec.dtype!r}") from None
-        size = torch.empty(0, dtype=dtype).element_size()
-        nbytes = torch.Size(spec.shape).numel() * size
-        if spec.offset % size:
-            raise ValueError(f"update_weights: {spec.name} starts at byte {spec.offset}, not a multiple of {size}")
-        if spec.offset + nbytes > flat.buffer.numel():
-            raise ValueError(f"update_weights: {spec.name} lies beyond the buffer ({flat.buffer.numel()} bytes)")
-        out[spec.name] = flat.buffer[spec.offset : spec.offset + nbytes].view(dtype).reshape(spec.shape)
-    return out
 
 
 def weights_to_frame(weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> bytes:

@@ -1,5 +1,13 @@
-"""gyre's tiny default model, built locally with no downloads: tokenizer and chat template.
+"""The model both the trainer and the engines run, and gyre's tiny default model (built locally, no downloads).
 
+- `DecoderConfig` / `RopeScaling` (`decoder_config`, stdlib): the shape of a dense Llama/Qwen2/Qwen3-style
+  decoder, read from and written to HF `config.json`.
+- `DecoderLM`, `build_model`, `block_causal_mask`, `rope_inv_freq`, `segments_from_positions`, `KVCache`
+  (`decoder`): the dense decoder (training/prefill forward, RoPE, masks), imported on first access (torch).
+- `read_config`, `load_pretrained`, `save_pretrained`, `read_state_dict` (`hf_weights`): HF-layout config and
+  safetensors IO with the state-dict checks, imported on first access (torch, safetensors).
+- `flat_weights`: `FlatWeights` / `TensorSpec`, the one format weights move in between trainer, transports and
+  engines (import the module; torch).
 - `build_tokenizer(out_dir, vocab_size=512, corpus=None)`: byte-level BPE trained deterministically on the
   bundled corpus, saved in HF layout (`tokenizer.json`, `tokenizer_config.json` with the chat template,
   `special_tokens_map.json`); `load_tokenizer(dir)` reads it back as a `tokenizers.Tokenizer`.
@@ -9,11 +17,15 @@
   (`TinyModelSpec`) in one HF-layout directory; `tiny_model_dir()` builds it once under `~/.cache/gyre`
   (`$GYRE_CACHE`). CLI: `python -m gyre.models build-tiny OUT_DIR [--seed N]`.
 
-Importing this package imports neither `torch`, `tokenizers` nor `jinja2`; building or Jinja rendering does.
-See docs/tiny-model.md.
+Importing this package imports neither `torch`, `tokenizers` nor `jinja2`; building, Jinja rendering or the
+first access to a model name does. This package imports nothing of `gyre.engine`, `gyre.train`, `gyre.proxy` or
+`gyre.tasks`: they import it. See docs/native-model.md and docs/tiny-model.md.
 """
 
+import importlib
+
 from gyre.models.chat_template import CHAT_TEMPLATE, render_chat, render_chat_jinja
+from gyre.models.decoder_config import DecoderConfig, RopeScaling
 from gyre.models.tiny import TinyModelSpec, build_tiny_model, count_parameters, tiny_model_dir
 from gyre.models.tokenizer import (
     BOS_TOKEN,
@@ -28,6 +40,34 @@ from gyre.models.tokenizer import (
     train_tokenizer,
 )
 
+# name -> module defining it, imported on first access (PEP 562; each imports torch)
+_LAZY = {
+    "DecoderLM": "gyre.models.decoder",
+    "KVCache": "gyre.models.decoder",
+    "block_causal_mask": "gyre.models.decoder",
+    "build_model": "gyre.models.decoder",
+    "rope_inv_freq": "gyre.models.decoder",
+    "segments_from_positions": "gyre.models.decoder",
+    "load_pretrained": "gyre.models.hf_weights",
+    "read_config": "gyre.models.hf_weights",
+    "read_state_dict": "gyre.models.hf_weights",
+    "save_pretrained": "gyre.models.hf_weights",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
 __all__ = [
     "BOS_TOKEN",
     "CHAT_TEMPLATE",
@@ -36,14 +76,26 @@ __all__ = [
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
     "TOOL_CALL_TOKENS",
+    "DecoderConfig",
+    "DecoderLM",
+    "KVCache",
+    "RopeScaling",
     "TinyModelSpec",
+    "block_causal_mask",
+    "build_model",
     "build_tiny_model",
     "build_tokenizer",
     "bundled_corpus",
     "count_parameters",
+    "load_pretrained",
     "load_tokenizer",
+    "read_config",
+    "read_state_dict",
     "render_chat",
     "render_chat_jinja",
+    "rope_inv_freq",
+    "save_pretrained",
+    "segments_from_positions",
     "tiny_model_dir",
     "train_tokenizer",
 ]

@@ -1,10 +1,10 @@
 """Build gyre's tiny default model, tokenizer included, as one HF-layout directory; deterministic, no downloads.
 
 `build_tiny_model(out_dir, spec=None, seed=0)` trains the tokenizer (`build_tokenizer`), sizes a Qwen3-style
-decoder from `TinyModelSpec` and the tokenizer's vocabulary, initializes it with `gyre.engine.build_model`
+decoder from `TinyModelSpec` and the tokenizer's vocabulary, initializes it with `gyre.models.decoder.build_model`
 (seeded) and writes `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
 `special_tokens_map.json` into `out_dir`. Contract:
-- `gyre.engine.load_pretrained(out_dir)` and `load_tokenizer(out_dir)` load it, like a real local checkpoint;
+- `gyre.models.hf_weights.load_pretrained(out_dir)` and `load_tokenizer(out_dir)` load it, like a real local checkpoint;
 - `config.json` carries `bos_token_id`, `eos_token_id` and `pad_token_id` equal to the tokenizer's ids of
   `BOS_TOKEN`, `EOS_TOKEN` and `PAD_TOKEN`, and `vocab_size` equal to the tokenizer's vocabulary;
 - the same spec and seed give byte-identical files (for one version of torch, safetensors and tokenizers);
@@ -56,7 +56,7 @@ class TinyModelSpec:
     the same code path (`qwen2` would add q/k/v biases and no QK-norm; `llama` is also accepted).
     """
 
-    model_type: str = "qwen3"  # qwen3 | qwen2 | llama (gyre.engine.hf_config.SUPPORTED_MODEL_TYPES)
+    model_type: str = "qwen3"  # qwen3 | qwen2 | llama (gyre.models.decoder_config.SUPPORTED_MODEL_TYPES)
     vocab_size: int = DEFAULT_VOCAB_SIZE  # tokenizer vocabulary asked for; config.json gets the one trained
     hidden_size: int = 192  # residual width (prototype: d 192)
     num_hidden_layers: int = 4
@@ -108,8 +108,8 @@ class TinyModelSpec:
         return self.hidden_size // self.num_attention_heads
 
     def decoder_config(self, *, vocab_size: int, bos_token_id: int, eos_token_id: int):
-        """The `gyre.engine.DecoderConfig` for a tokenizer of `vocab_size` entries (imports gyre.engine)."""
-        from gyre.engine.hf_config import DecoderConfig
+        """The `DecoderConfig` for a tokenizer of `vocab_size` entries."""
+        from gyre.models.decoder_config import DecoderConfig
 
         return DecoderConfig(
             model_type=self.model_type,
@@ -138,8 +138,8 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, see
 
     Raises ValueError if `out_dir` is a file or a directory holding anything but the files a build writes.
     """
-    from gyre.engine.model import build_model
-    from gyre.engine.weights import save_pretrained
+    from gyre.models.decoder import build_model
+    from gyre.models.hf_weights import save_pretrained
     from gyre.models.tokenizer import load_tokenizer
 
     spec = TinyModelSpec() if spec is None else spec
@@ -194,9 +194,9 @@ def spec_hash(spec: TinyModelSpec | None = None, seed: int = 0) -> str:
         TEMPLATE_PATH,
         here / "tokenizer.py",
         here / "tiny.py",
-        here.parent / "engine" / "hf_config.py",
-        here.parent / "engine" / "model.py",
-        here.parent / "engine" / "weights.py",
+        here / "decoder_config.py",
+        here / "decoder.py",
+        here / "hf_weights.py",
     ]
     for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")

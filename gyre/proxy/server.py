@@ -30,8 +30,8 @@ import orjson
 from aiohttp import web
 
 from gyre.config.proxy import ProxyConfig
+from gyre.engine.errors import RemoteEngineError
 from gyre.engine.protocol import GenerateRequest, SamplingParams
-from gyre.engine.wire import RemoteEngineError
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
 from gyre.proxy.dialects import anthropic, openai_chat, openai_responses
 from gyre.proxy.heap import HeapFreezer

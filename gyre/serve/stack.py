@@ -51,7 +51,7 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
     import torch
 
     from gyre.engine.native import NativeEngine
-    from gyre.engine.weights import load_pretrained, read_config
+    from gyre.models.hf_weights import load_pretrained, read_config
     from gyre.proxy.render import ChatTemplate, PayloadCache, PromptBuilder
 
     model_dir = resolve_model_dir(cfg.model_dir)

@@ -1,4 +1,4 @@
-"""HF-named state dicts (as `gyre.engine.weights.read_state_dict` reads them) <-> Megatron `GPTModel` state dicts.
+"""HF-named state dicts (as `gyre.models.hf_weights.read_state_dict` reads them) <-> Megatron `GPTModel` state dicts.
 
 A hand-written dense mapping (docs/training.md, "Weight mapping"); per layer `i` (HF) of PP stage `s`, local
 index `i - s * L / pp` (Megatron numbers layers per stage):
@@ -22,7 +22,7 @@ value head (plain concatenation computes wrong attention); TP rank r holds group
 
 Contract: `hf_to_megatron` and `load_hf_state_dict` are strict. Missing, unexpected or mis-shaped HF tensors, and a
 converted dict that does not match the model's parameters, raise one ValueError listing them before anything is
-loaded. Tolerated, as in `gyre.engine.weights.load_pretrained`: `*.rotary_emb.inv_freq`, and a tied checkpoint's
+loaded. Tolerated, as in `gyre.models.hf_weights.load_pretrained`: `*.rotary_emb.inv_freq`, and a tied checkpoint's
 `lm_head.weight` equal to the embedding. `megatron_to_hf` inverts the mapping from every TP shard of every stage;
 the round trip returns bit-identical tensors (only copies and concatenations, no arithmetic).
 
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from gyre.engine.hf_config import DecoderConfig
-from gyre.engine.model import DecoderLM
-from gyre.engine.weights import state_mismatch, without_tolerated
+from gyre.models.decoder import DecoderLM
+from gyre.models.decoder_config import DecoderConfig
+from gyre.models.hf_weights import state_mismatch, without_tolerated
 from gyre.train.cpu_patch import apply_cpu_patches
 from gyre.train.model import validate_layout
 

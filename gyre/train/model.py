@@ -32,7 +32,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-from gyre.engine.hf_config import DecoderConfig
+from gyre.models.decoder_config import DecoderConfig
 from gyre.train.cpu_patch import apply_cpu_patches
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)

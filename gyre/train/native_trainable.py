@@ -1,4 +1,4 @@
-"""The native torch decoder (`gyre.engine.model.DecoderLM`) as a `Trainable`: packed rows, AdamW, clipping.
+"""The native torch decoder (`gyre.models.decoder.DecoderLM`) as a `Trainable`: packed rows, AdamW, clipping.
 
 For CPU runs, tests of the streaming step and a reference the Megatron trainable is compared with. Parameters are
 the module's own tensors (no tensor parallelism).
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gyre.data.microstep import MicroStep
-from gyre.engine.model import DecoderLM
+from gyre.models.decoder import DecoderLM
 
 __all__ = ["NativeTrainable", "packed_logprobs"]
 

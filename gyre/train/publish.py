@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from gyre.distributed.transport import flatten_state_dict
-from gyre.engine.hf_config import DecoderConfig
-from gyre.engine.protocol import Engine, FlatWeights
+from gyre.models.decoder_config import DecoderConfig
+from gyre.models.flat_weights import FlatWeights
 from gyre.train.convert import gather_hf_state_dict
+
+if TYPE_CHECKING:  # the trainer meets engines only through this protocol's methods; it loads no gyre.engine module
+    from gyre.engine.protocol import Engine
 
 __all__ = ["engine_weights", "publish_to_engines"]
 

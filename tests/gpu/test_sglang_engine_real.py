@@ -25,7 +25,7 @@ from gyre.engine.sglang_engine import SGLangEngine
 def test_real_sglang_engine_matches_native_logprobs(tmp_path):
     """On a GPU machine with sglang: the adapter over a real engine on a tiny saved model, log-probs vs gyre's."""
     from gyre.engine.sampling import sequence_logprobs
-    from gyre.engine.weights import save_pretrained
+    from gyre.models.hf_weights import save_pretrained
 
     model = sharp_tiny_model()
     save_pretrained(model, tmp_path)

@@ -1,6 +1,6 @@
 """The builtin harness solves bundled demo tasks through `gyre.serve` (issue 7's first acceptance item).
 
-The warm-started tiny model (`gyre.models.warm_start`, default settings, seed 0; cached under $GYRE_CACHE or
+The warm-started tiny model (`gyre.tasks.demo.warm_start`, default settings, seed 0; cached under $GYRE_CACHE or
 ~/.cache/gyre; ~3.5 CPU minutes on first use) is served greedily by `python -m gyre.serve`; each demo task (a
 product of two numbers: the warm start always reaches for the calculator there) runs as a real execution:
 `run_episode` makes its workspace, starts `python -m gyre.harness.builtin` with the task's calculator tool and the
@@ -30,7 +30,7 @@ NUM_TASKS = 4
 
 @pytest.fixture(scope="module")
 def warm_model() -> Path:
-    from gyre.models.warm_start import WarmStartConfig, read_meta, warm_start_dir
+    from gyre.tasks.demo.warm_start import WarmStartConfig, read_meta, warm_start_dir
 
     # The default settings, trained to the end however loaded the machine is (the budget is wall-clock time;
     # it is not part of the cache key, so this is the checkpoint `warm_start_dir()` gives everyone else too).

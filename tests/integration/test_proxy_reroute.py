@@ -21,7 +21,7 @@ from gyre.engine.endpoint import ServerThread
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.engine.remote import RemoteEngine
-from gyre.engine.weights import load_pretrained
+from gyre.models.hf_weights import load_pretrained
 from gyre.models.tiny import tiny_model_dir
 from gyre.proxy.output import OutputDecoder
 from gyre.proxy.routing import RoutedTokens, RoutingTable, generate_routed

@@ -26,7 +26,7 @@ ENV = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 def model_config(tied: bool):
-    from gyre.engine.hf_config import DecoderConfig
+    from gyre.models.decoder_config import DecoderConfig
 
     return DecoderConfig(
         model_type="qwen2",
@@ -88,7 +88,7 @@ def batch_units(seed: int) -> list[tuple[int, tuple]]:
 
 def build_stage(tied: bool, pipeline_parallel: int, tensor_parallel: int = 1):
     """This rank's stage (and TP shard) of the Megatron model with the native model's weights (seed 3)."""
-    from gyre.engine.model import build_model
+    from gyre.models.decoder import build_model
     from gyre.train.convert import load_hf_state_dict
     from gyre.train.model import build_gpt_model, init_model_parallel
 

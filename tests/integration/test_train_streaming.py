@@ -27,7 +27,7 @@ LR = 1e-2
 
 
 def model_config():
-    from gyre.engine.hf_config import DecoderConfig
+    from gyre.models.decoder_config import DecoderConfig
 
     return DecoderConfig(
         model_type="qwen2",
@@ -45,7 +45,7 @@ def model_config():
 def make_trainable(backend: str = "native", tensor_parallel: int = 1):
     """The model both runs start from: the native decoder, or the same weights in a Megatron GPTModel (TP-sharded;
     megatron's parallel state must be initialized on the default group first)."""
-    from gyre.engine.model import build_model
+    from gyre.models.decoder import build_model
 
     native = build_model(model_config(), seed=3)
     if backend == "native":
@@ -189,7 +189,7 @@ class StoreSnapshotTransport:
 
     def pull(self, into, *, version: int):
         from gyre.distributed.transport import Publication
-        from gyre.engine.protocol import FlatWeights
+        from gyre.models.flat_weights import FlatWeights
 
         key = f"{self.prefix}/{version}"
         self.store.wait([key], datetime.timedelta(seconds=60))

@@ -22,7 +22,7 @@ ROW_LENGTHS = (7, 19, 3, 12)
 
 
 def configs():
-    from gyre.engine.hf_config import DecoderConfig
+    from gyre.models.decoder_config import DecoderConfig
 
     base = DecoderConfig(
         model_type="qwen3",
@@ -46,9 +46,9 @@ def worker(out_dir: Path) -> None:
     """One rank: TP=2 log-probs and gather, then TP=1 (DP=2) log-probs, then a PP=2 load and gather."""
     import torch.distributed as dist
 
-    from gyre.engine.model import build_model
     from gyre.engine.protocol import SamplingParams
     from gyre.engine.sampling import sequence_logprobs
+    from gyre.models.decoder import build_model
     from gyre.train.convert import gather_hf_state_dict, load_hf_state_dict
     from gyre.train.logprobs import packed_logprobs
     from gyre.train.model import build_gpt_model, init_model_parallel

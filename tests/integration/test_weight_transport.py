@@ -13,7 +13,7 @@ import torch
 
 from gyre.distributed.local import free_port, run_local
 from gyre.distributed.transport import WeightTransport, check_manifest, flatten_state_dict, unflatten
-from gyre.engine.protocol import FlatWeights, TensorSpec
+from gyre.models.flat_weights import FlatWeights, TensorSpec
 
 TIMEOUT_S = 120.0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gyre.engine import DecoderConfig, DecoderLM, build_model
+from gyre.models import DecoderConfig, DecoderLM, build_model
 
 VOCAB = 97
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 from engine_fixtures import VOCAB, sharp_tiny_model
 
-from gyre.engine.model import KVCache, decode_forward
+from gyre.engine.decode import decode_forward, decode_weights
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.engine.sampling import sequence_logprobs
+from gyre.models.decoder import KVCache
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,
@@ -67,7 +68,7 @@ def test_decode_forward_equals_the_module_forward_with_a_cache(model):
     ids_B1, positions_B1 = torch.randint(VOCAB, (B, 1)), torch.randint(S, 2 * S, (B, 1))
     with torch.no_grad():
         logits_BV, new_keys, new_values = decode_forward(
-            ids_B1, positions_B1, keys_LBKSD, values_LBKSD, mask_BS, model.decode_weights(torch.device("cpu"))
+            ids_B1, positions_B1, keys_LBKSD, values_LBKSD, mask_BS, decode_weights(model, torch.device("cpu"))
         )
         # The module forward over the same buffers with one extra column for the new token.
         pad = torch.zeros(L, B, K, 1, D)

@@ -119,7 +119,7 @@ class Engines:
 
     def _sglang(self, model, max_running: int = 16, policy_version: int = 0, **_):  # pragma: no cover
         from gyre.engine.sglang_engine import SGLangEngine
-        from gyre.engine.weights import save_pretrained
+        from gyre.models.hf_weights import save_pretrained
 
         path = self.tmp_path / f"model-{random.randrange(1 << 30)}"
         save_pretrained(model, path)

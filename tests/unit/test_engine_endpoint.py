@@ -22,7 +22,7 @@ from gyre.engine.endpoint import ServerThread
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import EngineUnavailableError, GenerateRequest, SamplingParams
 from gyre.engine.remote import RemoteEngine
-from gyre.engine.weights import save_pretrained
+from gyre.models.hf_weights import save_pretrained
 
 TIMEOUT_S = 60.0
 LONG = {"temperature": 0.0, "max_new_tokens": 110}

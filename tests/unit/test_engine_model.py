@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gyre.engine import (
+from gyre.models import (
     DecoderConfig,
     DecoderLM,
     block_causal_mask,

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from gyre.engine import load_pretrained
 from gyre.models import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -33,6 +32,7 @@ from gyre.models import (
     tiny_model_dir,
 )
 from gyre.models import tiny as tiny_module
+from gyre.models.hf_weights import load_pretrained
 from gyre.models.tiny import MODEL_FILES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

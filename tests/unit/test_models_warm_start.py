@@ -1,4 +1,4 @@
-"""The warm start of the tiny model (gyre.models.warm_start) and its CLI (python -m gyre.models warm-start).
+"""The warm start of the tiny model (gyre.tasks.demo.warm_start) and its CLI (python -m gyre.tasks.demo warm-start).
 
 Covers: demonstrations are deterministic in the seed and mix tool calls at the configured fraction; every
 rendered sequence is token for token what the proxy's `PromptBuilder` gives for the same `ChatRequest` (the tool
@@ -20,10 +20,13 @@ import pytest
 import torch
 
 from gyre.engine.scripted import ScriptedEngine
-from gyre.engine.weights import load_pretrained
-from gyre.models.__main__ import main
+from gyre.models.hf_weights import load_pretrained
 from gyre.models.tiny import tiny_model_dir
-from gyre.models.warm_start import (
+from gyre.proxy.conversation import Turn
+from gyre.proxy.payload import PayloadCache
+from gyre.proxy.render import ChatTemplate, PromptBuilder
+from gyre.tasks.demo.__main__ import main
+from gyre.tasks.demo.warm_start import (
     META_FILE,
     Demonstration,
     WarmStartConfig,
@@ -36,9 +39,6 @@ from gyre.models.warm_start import (
     warm_start,
     warm_start_key,
 )
-from gyre.proxy.conversation import Turn
-from gyre.proxy.payload import PayloadCache
-from gyre.proxy.render import ChatTemplate, PromptBuilder
 from gyre.traj.record import Provenance
 
 TINY = WarmStartConfig(num_demos=16, steps=2, batch_size=4, warmup_steps=1, tool_fraction=0.5)
@@ -233,7 +233,7 @@ def test_cli_usage_errors_exit_2(capsys):
 
 
 def test_cli_reuses_a_finished_warm_start(tmp_path, capsys, monkeypatch):
-    import gyre.models.warm_start as module
+    import gyre.tasks.demo.warm_start as module
 
     monkeypatch.setattr(module, "WarmStartConfig", lambda **kw: replace(TINY, **kw))
     assert main(["warm-start", str(tmp_path / "ws"), "--seed", "3"]) == 0

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gyre.engine.hf_config import DecoderConfig
-from gyre.engine.model import build_model
+from gyre.models.decoder import build_model
+from gyre.models.decoder_config import DecoderConfig
 from gyre.train.convert import (
     gather_hf_state_dict,
     hf_to_megatron,

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from gyre.engine.hf_config import DecoderConfig, RopeScaling
-from gyre.engine.model import build_model
 from gyre.engine.protocol import SamplingParams
 from gyre.engine.sampling import sequence_logprobs
-from gyre.engine.weights import read_config, read_state_dict
+from gyre.models.decoder import build_model
+from gyre.models.decoder_config import DecoderConfig, RopeScaling
+from gyre.models.hf_weights import read_config, read_state_dict
 from gyre.models.tiny import tiny_model_dir
 from gyre.train.convert import load_hf_state_dict
 from gyre.train.logprobs import packed_logprobs

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.engine.hf_config import DecoderConfig
-from gyre.engine.model import build_model
+from gyre.models.decoder import build_model
+from gyre.models.decoder_config import DecoderConfig
 from gyre.train import offload
 from gyre.train.convert import gather_hf_state_dict, load_hf_state_dict
 from gyre.train.logprobs import packed_logprobs

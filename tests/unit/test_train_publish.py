@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from gyre.distributed.transport import unflatten
-from gyre.engine.hf_config import DecoderConfig
-from gyre.engine.model import build_model
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
+from gyre.models.decoder import build_model
+from gyre.models.decoder_config import DecoderConfig
 
 CONFIG = DecoderConfig(
     model_type="qwen3",

@@ -10,8 +10,8 @@ import torch
 
 from gyre.config.loss import LossConfig
 from gyre.data.microstep import TokenRow, build_microstep
-from gyre.engine.hf_config import DecoderConfig
-from gyre.engine.model import build_model
+from gyre.models.decoder import build_model
+from gyre.models.decoder_config import DecoderConfig
 from gyre.rl import policy_loss
 from gyre.train.native_trainable import NativeTrainable
 from gyre.train.streaming import accumulate_unit

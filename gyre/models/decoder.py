@@ -1,4 +1,6 @@
-"""The native dense decoder: a pure-torch Llama/Qwen2/Qwen3-style causal LM with an explicit KV cache.
+"""The dense decoder both sides run: a pure-torch Llama/Qwen2/Qwen3-style causal LM with an explicit KV cache.
+
+The trainer (`gyre.train`) and the native engine (`gyre.engine`) import this one module; it imports neither.
 
 Contract
 - `DecoderLM(config)(input_ids_BT, positions_BT, kv_cache=None, attention_mask=None)` returns
@@ -14,9 +16,12 @@ Contract
   True = may attend; `block_causal_mask(segment_ids_BT)` builds the block-diagonal mask for packed rows.
   A query row with no True entry has no defined output (softmax over nothing): give every query a key.
 - Parameter names equal HF's (`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints and weight updates
-  by name need no translation. With tied embeddings there is no `lm_head` parameter. Without autograd, q|k|v and
-  gate|up each run as one matmul over a stacked weight that is the storage of the named parameters (see
-  `StackedLinear`): the named parameters then share storage, so copy them before writing them to safetensors.
+  by name need no translation. With tied embeddings there is no `lm_head` parameter.
+- The projections are plain `nn.Linear`s; q|k|v and gate|up are computed through the seams
+  `Attention.project_qkv` and `MLP.project_gate_up` (the linears' outputs side by side). An inference engine may
+  replace them per instance by one matmul over stacked weights (`gyre.engine.decode.stack_projections`, whose
+  stack becomes the storage of the named parameters: copy them before writing them to safetensors); the model
+  itself carries no inference trick.
 - Device-agnostic: everything follows the device of the parameters and inputs; no CUDA calls. Token ids are
   not range-checked here (that costs a device sync); the engine validates requests.
 """
@@ -30,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gyre.engine.hf_config import DecoderConfig
+from gyre.models.decoder_config import DecoderConfig
 
 
 @dataclass(frozen=True)
@@ -101,58 +106,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without its weight: normalized in fp32, cast back to x's dtype (the weight is applied after, in HF)."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-class StackedLinear:
-    """Several `nn.Linear` of the same input computed as one matmul, over their weights stacked by rows.
-
-    At this model's sizes a decode step is bound by per-op overhead, so q|k|v in one matmul (and gate|up in one)
-    is cheaper than three (two). The HF-named parameters stay the parameters (names, `state_dict`, checkpoints,
-    updates by name are unchanged); without autograd the stacked matrix *is* their storage: each `linear.weight`
-    (and bias) is re-pointed (`param.data = row block`) into it, so an in-place update of a named parameter
-    (`update_weights`, `load_state_dict`, an optimizer step) is seen by the stacked matmul with nothing to refresh.
-    A parameter replaced by another tensor (`model.to`, `load_state_dict(assign=True)`, `resume_memory` on an
-    accelerator) no longer lies at its address in the stack; the next call notices (one pointer compare per
-    parameter) and re-stacks (one copy). With autograd on (training) the separate linears run, so gradients reach
-    the named parameters; their outputs are concatenated to the same layout.
-    """
-
-    def __init__(self, *linears: nn.Linear):
-        self.linears = linears
-        self.sizes = [linear.out_features for linear in linears]
-        self.weight: torch.Tensor | None = None  # [sum(sizes), in_features], storage of every linear.weight
-        self.bias: torch.Tensor | None = None
-        self._addresses: list[int] = []  # expected data_ptr of each linear's weight (and bias) inside the stack
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and any(p.requires_grad for lin in self.linears for p in lin.parameters()):
-            return torch.cat([linear(x) for linear in self.linears], dim=-1)
-        if self._addresses != self._current_addresses():
-            self._restack()
-        return F.linear(x, self.weight, self.bias)
-
-    def _current_addresses(self) -> list[int]:
-        return [p.data_ptr() for linear in self.linears for p in (linear.weight, linear.bias) if p is not None]
-
-    def _restack(self) -> None:
-        # inference_mode(False): the stack becomes the parameters' storage, so it must be a normal tensor even if
-        # the first call comes from inside inference mode (a later training step would reject an inference tensor).
-        with torch.no_grad(), torch.inference_mode(False):
-            self.weight = torch.cat([linear.weight.detach() for linear in self.linears])
-            for linear, block in zip(self.linears, self.weight.split(self.sizes), strict=True):
-                linear.weight.data = block
-            self.bias = None
-            if self.linears[0].bias is not None:
-                self.bias = torch.cat([linear.bias.detach() for linear in self.linears])
-                for linear, block in zip(self.linears, self.bias.split(self.sizes), strict=True):
-                    linear.bias.data = block
-        self._addresses = self._current_addresses()
 
 
 def attend_one_query(q_BHTD, k_BKSD, v_BKSD, bias_B11S: torch.Tensor | None) -> torch.Tensor:
@@ -172,97 +131,11 @@ def attend_one_query(q_BHTD, k_BKSD, v_BKSD, bias_B11S: torch.Tensor | None) -> 
     return torch.matmul(probs_BKGS, v_BKSD).reshape(B, H, T, D)
 
 
-def decode_forward(
-    ids_B1: torch.Tensor,
-    positions_B1: torch.Tensor,
-    keys_LBKSD: torch.Tensor,
-    values_LBKSD: torch.Tensor,
-    mask_BS: torch.Tensor,
-    weights: DecodeWeights,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decode token per row over a batch KV buffer, as one pure function (meant for `torch.compile`).
-
-    Row b's token attends to the buffer columns where `mask_BS[b]` is True and to itself; the buffers are only
-    read. Returns parameter-dtype logits `[B, V]` and this token's keys (RoPE applied) and values
-    `[L, B, K, 1, D]`, for the caller to write into its buffer. The same math as `DecoderLM.forward` with T = 1
-    (`attend_one_query`), except that the new key's score is computed beside the buffer's instead of after writing
-    it in: no graph input is mutated, so inductor neither copies the buffer nor guards on the write column.
-    """
-    H, K, D, eps = weights.num_heads, weights.num_kv_heads, weights.head_dim, weights.eps
-    x_B1C = F.embedding(ids_B1, weights.embed)
-    emb_B11D = positions_B1.float()[:, :, None, None] * weights.inv_freq_D
-    cos, signed_sin = emb_B11D.cos().to(x_B1C.dtype), (emb_B11D.sin() * weights.sign_D).to(x_B1C.dtype)
-    B = x_B1C.shape[0]
-    S = keys_LBKSD.shape[3]
-    bias_B11S = torch.zeros(mask_BS.shape, dtype=torch.float32, device=mask_BS.device)
-    bias_B11S = bias_B11S.masked_fill(~mask_BS, float("-inf"))[:, None, None, :]
-    new_keys, new_values = [], []
-    for i, layer in enumerate(weights.layers):
-        h_B1C = _rms_norm(x_B1C, layer.input_norm, eps)
-        qkv_B1ND = F.linear(h_B1C, layer.qkv, layer.qkv_bias).view(B, 1, H + 2 * K, D)
-        qk_B1ND = qkv_B1ND[:, :, : H + K]
-        if layer.q_norm is not None:
-            normed_B1ND = rms_normalize(qk_B1ND, eps)
-            qk_B1ND = torch.cat((layer.q_norm * normed_B1ND[:, :, :H], layer.k_norm * normed_B1ND[:, :, H:]), 2)
-        qk_B1ND = apply_rope(qk_B1ND, cos, signed_sin)
-        k_BK1D = qk_B1ND[:, :, H:].transpose(1, 2)
-        v_BK1D = qkv_B1ND[:, :, H + K :].transpose(1, 2)
-        new_keys.append(k_BK1D)
-        new_values.append(v_BK1D)
-        q_BKGD = qk_B1ND[:, :, :H].reshape(B, K, H // K, D) * (1.0 / math.sqrt(D))
-        # Products and sums, not matmuls: inductor fuses them into one loop each (no [B, K, G, S, D] tensor is
-        # materialized); ~10-20% faster per step than its batched-matmul calls at this size (S = 192 and 1024).
-        old_BKGS = (q_BKGD[:, :, :, None, :] * keys_LBKSD[i][:, :, None]).sum(-1).float() + bias_B11S
-        own_BKG1 = (q_BKGD * k_BK1D).sum(-1, keepdim=True).float()
-        probs_BKGT = torch.cat((old_BKGS, own_BKG1), -1).softmax(dim=-1).to(x_B1C.dtype)
-        out_BKGD = (probs_BKGT[..., :S, None] * values_LBKSD[i][:, :, None]).sum(-2) + probs_BKGT[..., S:] * v_BK1D
-        x_B1C = x_B1C + F.linear(out_BKGD.reshape(B, 1, H * D), layer.o_proj, layer.o_bias)
-        h_B1C = _rms_norm(x_B1C, layer.post_norm, eps)
-        gate, up = F.linear(h_B1C, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        x_B1C = x_B1C + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
-    logits_BV = F.linear(_rms_norm(x_B1C, weights.final_norm, eps), weights.output)[:, 0]
-    return logits_BV, torch.stack(new_keys), torch.stack(new_values)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`RMSNorm.forward` with its weight given."""
     if x.dtype == torch.float32 == weight.dtype:  # no cast to order around: one call, the same products
         return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     return weight * rms_normalize(x, eps)
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    """One decoder layer's tensors for `decode_forward` (the parameters themselves or their stacks; no copies)."""
-
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # q|k|v stacked by rows (`StackedLinear.weight`)
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate|up stacked by rows
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class DecodeWeights:
-    """What `decode_forward` reads of a `DecoderLM`: its weights and the shape constants; see `decode_weights`."""
-
-    embed: torch.Tensor
-    layers: tuple[LayerWeights, ...]
-    final_norm: torch.Tensor
-    output: torch.Tensor
-    inv_freq_D: torch.Tensor
-    sign_D: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
 
 
 class Attention(nn.Module):
@@ -281,7 +154,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv_proj = StackedLinear(self.q_proj, self.k_proj, self.v_proj)
+
+    def project_qkv(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        """q|k|v side by side `[B, T, (H + 2K) * D]`. A seam: an engine may replace it per instance by one matmul
+        over the stacked weights (`gyre.engine.decode.stack_projections`); the output is the same layout."""
+        return torch.cat((self.q_proj(x_BTC), self.k_proj(x_BTC), self.v_proj(x_BTC)), dim=-1)
 
     def forward(
         self,
@@ -296,7 +173,7 @@ class Attention(nn.Module):
         """`cos`/`signed_sin` are `[B, T, 1, D]`; `bias` is `mask` as 0 / -inf, used by the one-query path."""
         B, T, _ = x_BTC.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv_BTND = self.qkv_proj(x_BTC).view(B, T, H + 2 * K, D)
+        qkv_BTND = self.project_qkv(x_BTC).view(B, T, H + 2 * K, D)
         # q and k heads side by side ([B, T, H + K, D]): normalized and rotated in one call each, not two.
         qk_BTND = qkv_BTND[:, :, : H + K]
         if self.q_norm is not None:  # qwen3: per-head RMSNorm before RoPE
@@ -353,10 +230,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.gate_up_proj = StackedLinear(self.gate_proj, self.up_proj)
+
+    def project_gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """gate|up side by side `[..., 2 * intermediate_size]`; a seam like `Attention.project_qkv`."""
+        return torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = self.project_gate_up(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -397,66 +277,26 @@ class DecoderLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (inv_freq twice, sign) on one device
 
-    def _rope(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (first half negated, for `apply_rope`) `[B, T, 1, head_dim]` in `dtype`.
-
-        The same fp32 products as HF's cos/sin; the frequencies and the sign pattern are computed once per
-        device and kept (not buffers: not in `state_dict`), so a forward costs a multiply, cos and sin.
-        """
-        device = positions_BT.device
+    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(inv_freq_D, sign_D)` on `device`: the inverse frequencies twice (`[head_dim]`, fp32) and the sign
+        pattern of `apply_rope`'s signed sin (first half -1). Computed once per device and kept (not buffers: not
+        in `state_dict`)."""
         if self._rope_tables is None or self._rope_tables[0].device != device:
             with torch.inference_mode(False):  # kept across calls: a normal tensor even if made in inference mode
                 inv_freq = rope_inv_freq(self.config, device=device)
                 half = inv_freq.shape[0]
                 sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
                 self._rope_tables = (torch.cat((inv_freq, inv_freq)), sign)
-        inv_freq_D, sign_D = self._rope_tables
+        return self._rope_tables
+
+    def _rope(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (first half negated, for `apply_rope`) `[B, T, 1, head_dim]` in `dtype`.
+
+        The same fp32 products as HF's cos/sin; with the kept `rope_tables` a forward costs a multiply, cos and sin.
+        """
+        inv_freq_D, sign_D = self.rope_tables(positions_BT.device)
         emb_BT1D = positions_BT.float()[:, :, None, None] * inv_freq_D
         return emb_BT1D.cos().to(dtype), (emb_BT1D.sin() * sign_D).to(dtype)
-
-    def decode_weights(self, device: torch.device) -> DecodeWeights:
-        """The tensors `decode_forward` reads, collected now (cheap: attribute reads, no copies).
-
-        Collect them per step, not once: `StackedLinear` re-stacks after a parameter was replaced (release/resume,
-        `load_state_dict(assign=True)`), and the RoPE tables follow the device.
-        """
-        self._rope(torch.zeros(1, 1, dtype=torch.long, device=device), self.output_weight.dtype)  # tables on device
-        inv_freq_D, sign_D = self._rope_tables
-        layers = []
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for stack in (attn.qkv_proj, mlp.gate_up_proj):
-                if stack._addresses != stack._current_addresses():
-                    stack._restack()
-            layers.append(
-                LayerWeights(
-                    input_norm=layer.input_layernorm.weight,
-                    qkv=attn.qkv_proj.weight,
-                    qkv_bias=attn.qkv_proj.bias,
-                    q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
-                    k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
-                    o_proj=attn.o_proj.weight,
-                    o_bias=attn.o_proj.bias,
-                    post_norm=layer.post_attention_layernorm.weight,
-                    gate_up=mlp.gate_up_proj.weight,
-                    gate_up_bias=mlp.gate_up_proj.bias,
-                    down=mlp.down_proj.weight,
-                    down_bias=mlp.down_proj.bias,
-                )
-            )
-        config = self.config
-        return DecodeWeights(
-            embed=self.model.embed_tokens.weight,
-            layers=tuple(layers),
-            final_norm=self.model.norm.weight,
-            output=self.output_weight,
-            inv_freq_D=inv_freq_D,
-            sign_D=sign_D,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            eps=config.rms_norm_eps,
-        )
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Load and save the native decoder in HF layout: `config.json` + safetensors with HF parameter names.
+"""Load and save the shared decoder in HF layout: `config.json` + safetensors with HF parameter names.
 
 Contract
 - `load_pretrained(path, dtype, device)` reads `config.json` (via `DecoderConfig.from_hf`) and either the
@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gyre.engine.hf_config import DecoderConfig
-from gyre.engine.model import DecoderLM
+from gyre.models.decoder import DecoderLM
+from gyre.models.decoder_config import DecoderConfig
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -127,8 +127,8 @@ def save_pretrained(model: DecoderLM, path: str | Path, *, max_shard_bytes: int 
     """Write config.json and safetensors (sharded with an index past `max_shard_bytes`); returns the files."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    # copy=True: the native model's stacked projections make q/k/v (gate/up) parameters views of one tensor, and
-    # safetensors refuses tensors that share memory.
+    # copy=True: a model the engine serves has stacked projections (gyre.engine.decode) that make q/k/v (gate/up)
+    # parameters views of one tensor, and safetensors refuses tensors that share memory.
     state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
     dtype = next(iter(state.values())).dtype
     hf_config = model.config.to_hf()

@@ -23,7 +23,8 @@ Contract:
 - `max_minutes` is a wall-clock budget: training stops early when it runs out (recorded as `complete: false`).
 - `evaluate_greedy(model_dir, problems)` plays each episode as the harness + proxy would, greedily, with the
   native engine, and scores the final answer with the demo check.
-Torch is imported inside the functions that need it. See docs/warm-start.md.
+Torch is imported inside the functions that need it. CLI: `python -m gyre.tasks.demo warm-start OUT_DIR`
+(`gyre/tasks/demo/__main__.py`). See docs/warm-start.md.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ def masked_loss(model, batch: Sequence[Demonstration], prefix: int, pad_id: int)
     import torch
     import torch.nn.functional as F
 
-    from gyre.engine.model import KVCache
+    from gyre.models.decoder import KVCache
 
     cache_1 = None
     if prefix:
@@ -368,9 +369,10 @@ def warm_start_key(config: WarmStartConfig, seed: int, base_dir: str | Path | No
 
 def _key_sources() -> list[Path]:
     package = Path(gyre.__file__).parent
-    paths = [Path(__file__), *sorted((package / "tasks" / "demo").glob("*.py"))]
+    demo = Path(__file__).parent  # this file and the demo family's modules; the CLI (__main__.py) trains nothing
+    paths = sorted(path for path in demo.glob("*.py") if path.name != "__main__.py")
     paths += [package / "proxy" / name for name in ("render.py", "template.py", "output.py", "payload.py")]
-    return [*paths, package / "engine" / "model.py"]
+    return [*paths, package / "models" / "decoder.py"]
 
 
 def read_meta(out_dir: str | Path) -> dict[str, Any] | None:
@@ -418,7 +420,7 @@ def warm_start(
 
     import torch
 
-    from gyre.engine.weights import load_pretrained, save_pretrained
+    from gyre.models.hf_weights import load_pretrained, save_pretrained
 
     base = Path(base_dir) if base_dir is not None else tiny_model_dir()
     template = ChatTemplate.from_pretrained(base)
@@ -564,7 +566,7 @@ def evaluate_greedy(
     the native engine, parse with the proxy's `OutputDecoder`, run the calculator on calls, repeat (at most
     `max_calls` model calls), score the final answer with the demo check. Returns rates and per-episode results.
     `temperature` > 0 samples instead (seeded per episode from `seed`): what RL's rollouts would see."""
-    from gyre.engine.weights import load_pretrained
+    from gyre.models.hf_weights import load_pretrained
 
     template = ChatTemplate.from_pretrained(model_dir)
     model = load_pretrained(model_dir)
