@@ -33,10 +33,11 @@ from typing import Any
 import torch
 from report import emit
 
+from gyre.config import TinyModelSpec
 from gyre.engine import GenerateRequest, NativeEngine, SamplingParams, load_pretrained
 from gyre.engine.hf_config import DecoderConfig
 from gyre.engine.weights import read_config
-from gyre.models import TinyModelSpec, build_tiny_model, tiny_model_dir
+from gyre.models import build_tiny_model, tiny_model_dir
 
 RESULT_PATH = Path(__file__).parent / "results" / "engine_throughput.json"
 TARGETS = {1: 1.0, 16: 1.5}  # native/HF tokens/s ratio wanted at each batch size

@@ -6,7 +6,7 @@
 - `render_chat(messages, tools=None, add_generation_prompt=True)`: the Qwen/Hermes chat template in plain
   Python, equal to the Jinja `CHAT_TEMPLATE` stored in `tokenizer_config.json`.
 - `build_tiny_model(out_dir, spec=None, seed=0)`: tokenizer plus a seeded random-init Qwen3-style decoder
-  (`TinyModelSpec`) in one HF-layout directory; `tiny_model_dir()` builds it once under `~/.cache/gyre`
+  (`gyre.config.TinyModelSpec`) in one HF-layout directory; `tiny_model_dir()` builds it once under `~/.cache/gyre`
   (`$GYRE_CACHE`). CLI: `python -m gyre.models build-tiny OUT_DIR [--seed N]`.
 
 Importing this package imports neither `torch`, `tokenizers` nor `jinja2`; building or Jinja rendering does.
@@ -14,7 +14,7 @@ See docs/tiny-model.md.
 """
 
 from gyre.models.chat_template import CHAT_TEMPLATE, render_chat, render_chat_jinja
-from gyre.models.tiny import TinyModelSpec, build_tiny_model, count_parameters, tiny_model_dir
+from gyre.models.tiny import build_tiny_model, count_parameters, tiny_model_dir
 from gyre.models.tokenizer import (
     BOS_TOKEN,
     DEFAULT_VOCAB_SIZE,
@@ -36,7 +36,6 @@ __all__ = [
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
     "TOOL_CALL_TOKENS",
-    "TinyModelSpec",
     "build_tiny_model",
     "build_tokenizer",
     "bundled_corpus",

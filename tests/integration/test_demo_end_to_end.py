@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from serve_process import start_serve
 
+from gyre.config import DemoConfig, ExecutionLimits
 from gyre.harness.builtin.runner import BuiltinRunner
 from gyre.harness.episode import ProxyAccess, run_episode
-from gyre.harness.execution import ExecutionLimits
 from gyre.harness.sandbox import LocalSandbox
-from gyre.tasks.demo import DemoConfig, generate_demo_tasks
+from gyre.tasks.demo import generate_demo_tasks
 from gyre.traj.outcomes import GroupOutcomes, Status
 from gyre.traj.roles import Role, classifier_for
 from gyre.traj.store import load_tree

@@ -18,8 +18,8 @@ import openai
 import pytest
 from scripted_engine import ScriptedEngine
 
+from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig
-from gyre.config.serve import EngineConfig, ServeConfig
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.protocol import GenerateRequest
 from gyre.models.tiny import tiny_model_dir

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from gyre.config import TinyModelSpec
 from gyre.engine import load_pretrained
 from gyre.models import (
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
-    TinyModelSpec,
     build_tiny_model,
     count_parameters,
     load_tokenizer,
