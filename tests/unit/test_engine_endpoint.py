@@ -186,7 +186,7 @@ def test_an_unreachable_endpoint_is_unavailable(model):
 
 def test_serve_command_serves_a_model_directory_and_stops_on_sigterm(model, tmp_path):
     save_pretrained(model, tmp_path / "model")
-    command = [sys.executable, "-m", "gyre.engine", "serve", "--model-dir", str(tmp_path / "model"), "--port", "0"]
+    command = [sys.executable, "-m", "gyre.engine", "serve", f"model_dir={tmp_path / 'model'}", "port=0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = ""
@@ -216,7 +216,7 @@ def test_serve_command_serves_a_model_directory_and_stops_on_sigterm(model, tmp_
 
 
 def test_serve_command_refuses_an_unusable_model_directory(tmp_path):
-    command = [sys.executable, "-m", "gyre.engine", "serve", "--model-dir", str(tmp_path / "missing")]
+    command = [sys.executable, "-m", "gyre.engine", "serve", f"model_dir={tmp_path / 'missing'}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "config.json not found" in done.stderr
