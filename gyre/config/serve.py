@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config.checks import require
+from gyre.config.checks import require, require_duration, require_int
 from gyre.config.engine import EngineConfig
 from gyre.config.proxy import ProxyConfig
 
@@ -26,8 +26,8 @@ class ServeConfig:
     """Stop after this many seconds; 0 = serve until SIGINT/SIGTERM."""
 
     def __post_init__(self) -> None:
-        require(self.executions >= 0, "executions", self.executions, "an integer >= 0")
-        require(self.duration_s >= 0, "duration_s", self.duration_s, "a number >= 0 (0 = until a signal)")
+        require_int("executions", self.executions, ge=0)
+        require_duration("duration_s", self.duration_s, allow_zero=True, note="0 = until a signal")
         require(
             self.engine.enabled or len(self.engine_urls) > 0,
             "engine.enabled",
