@@ -58,6 +58,8 @@ def register_configs() -> None:
     cs.store(group="workload", name="base_workload", node=WorkloadConfig)
     cs.store(group="algo", name="base_algo", node=AlgoConfig)
     cs.store(group="loss", name="base_loss", node=LossConfig)
+    cs.store(group="proxy", name="base_proxy", node=ProxyConfig)
+    cs.store(group="sampling", name="base_sampling", node=SamplingConfig)
     cs.store(group="engine", name="base_engine", node=EngineConfig)
     cs.store(group="packing", name="base_packing", node=PackingConfig)
     cs.store(group="limits", name="base_limits", node=ExecutionLimits)
