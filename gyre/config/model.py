@@ -17,7 +17,7 @@ DEFAULT_VOCAB_SIZE = 512  # asked of the tokenizer trained for the tiny model (g
 
 @dataclass(kw_only=True)
 class TinyModelSpec:
-    """Shape of the tiny decoder: the prototype that learned tool use on 2 cores (docs/tiny-model.md).
+    """Shape of the tiny decoder. Defaults follow the prototype (docs/warm-start.md) that learned tool use on 2 cores.
 
     `model_type` is `qwen3` (no attention biases, per-head RMSNorm on q and k before RoPE): QK-norm bounds the
     attention logits, which keeps a tiny model stable under the high warm-start learning rate (1e-3) and under
@@ -30,7 +30,7 @@ class TinyModelSpec:
     vocab_size: int = DEFAULT_VOCAB_SIZE
     """Tokenizer vocabulary asked for; config.json gets the one trained."""
     hidden_size: int = 192
-    """Residual width; a multiple of num_attention_heads with an even head_dim (RoPE rotates pairs)."""
+    """Residual width (prototype: d 192); a multiple of num_attention_heads with an even head_dim."""
     num_hidden_layers: int = 4
     """Decoder layers."""
     num_attention_heads: int = 4
@@ -38,7 +38,7 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     """GQA: 2 query heads per KV head, as real Qwen models (halves KV bytes); divides num_attention_heads."""
     intermediate_size: int = 512
-    """SwiGLU inner width."""
+    """SwiGLU inner width (prototype: SwiGLU 512)."""
     tie_word_embeddings: bool = True
     """The embedding is the output layer: at d 192 a separate lm_head would be a large share."""
     rope_theta: float = 10000.0

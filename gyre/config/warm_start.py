@@ -13,7 +13,7 @@ from gyre.config.demo import DEMO_OPERATORS, DemoConfig
 
 @dataclass(kw_only=True)
 class WarmStartConfig:
-    """Demonstration mix and optimizer of the warm start (docs/warm-start.md)."""
+    """Demonstration mix and optimizer of the warm start (defaults: the prototype, tuned in docs/warm-start.md)."""
 
     # Which demonstrations show the rewarded behavior (call the calculator, answer with its value); the others answer
     # directly with the exact value, which the tiny model cannot learn beyond the easiest problems (its guesses).
@@ -28,7 +28,7 @@ class WarmStartConfig:
     batch_size: int = 64
     """Episodes per step."""
     lr: float = 1e-3
-    """Peak AdamW learning rate (> 0); 1e-3 is too high for RL, fine for this supervised start."""
+    """Peak AdamW learning rate (> 0; prototype: 1e-3; >= 2e-4 is too high for RL, fine here)."""
     warmup_steps: int = 20
     """Linear warm-up, then cosine decay to lr * min_lr_ratio."""
     min_lr_ratio: float = 0.1
