@@ -1,9 +1,9 @@
 """What gyre's proxy costs over calling the engine endpoint directly, every figure against its floor in the same run.
 
 Processes (2 cores are shared by load generator, proxy and engine, so figures are compared, not quoted):
-- engine: `PacedEngine` (below; a cheap, deterministic, decode-like stand-in: each request streams max_new_tokens
-  plain-text token ids of the tiny tokenizer, one per chunk, `token_delay_s` apart) served by the real
-  `gyre.engine.endpoint.EngineServer`, pinned to core 0;
+- engine: `gyre.engine.scripted.ScriptedEngine`, paced (a cheap, deterministic, decode-like stand-in: each request
+  streams max_new_tokens plain-text token ids of the tiny tokenizer, one per chunk, `token_delay_s` apart) served by
+  the real `gyre.engine.endpoint.EngineServer`, pinned to core 0;
 - proxy: the real stack of `gyre.serve.stack.build_stack` (engine disabled, the engine endpoint as `engine_urls`,
   records written to a temporary directory), pinned to core 1;
 - pass-through: a minimal relay on the same HTTP stack (aiohttp server + one shared ClientSession with
@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -56,17 +57,10 @@ if str(REPO) not in sys.path:  # `python benchmarks/proxy_overhead.py` from anyw
     sys.path.insert(0, str(REPO))
 
 from benchmarks.report import emit  # noqa: E402
-from gyre.engine.protocol import (  # noqa: E402
-    EngineLoad,
-    GenerateRequest,
-    GenerateResult,
-    GenerateTimings,
-    TokenChunk,
-)
 
 ENGINE_CORE, PROXY_CORE = 0, 1
 MODEL = "gyre"
-STOP_ID = 2  # the tiny template's end of turn: never emitted by PacedEngine
+STOP_ID = 2  # the tiny template's end of turn: never emitted by the paced engine (plain-text ids only)
 SYSTEM = "You are a coding agent working in a repository. Use the tools to read and edit files. " * 8
 TOOL_RESULT = "".join(f"line {i}: def function_{i}(x): return x * {i}  # comment\n" for i in range(40))
 TOOLS = [
@@ -78,107 +72,6 @@ TOOLS = [
     for i in range(24)
 ]
 CALL_TIMEOUT = aiohttp.ClientTimeout(total=120)
-
-
-# ============================================================================ the fake engine
-
-
-class PacedEngine:
-    """A decode-like stand-in engine: `max_new_tokens` tokens per request, one chunk each, `token_delay_s` apart.
-
-    Implements the parts of `gyre.engine.protocol.Engine` the endpoint and the proxy use; the token ids cycle
-    through `token_ids` (plain-text ids of the proxy's tokenizer), log-probs are -1.0, finish is "length".
-    """
-
-    def __init__(self, token_ids: list[int], token_delay_s: float):
-        self.token_ids = token_ids
-        self.token_delay_s = token_delay_s
-        self.running = 0
-
-    def _chunk(self, request: GenerateRequest, index: int, last: bool, started: float) -> TokenChunk:
-        token = self.token_ids[index % len(self.token_ids)]
-        timings = None
-        if last:
-            total = time.monotonic() - started
-            timings = GenerateTimings(queued_s=0.0, first_token_s=min(total, self.token_delay_s), total_s=total)
-        return TokenChunk(
-            request_id=request.request_id,
-            index=index,
-            token_ids=(token,),
-            logprobs=(-1.0,),
-            policy_version=0,
-            finish_reason="length" if last else None,
-            timings=timings,
-        )
-
-    async def generate_stream(self, request: GenerateRequest):
-        started = time.monotonic()
-        count = request.params.max_new_tokens
-        self.running += 1
-        try:
-            for index in range(count):
-                if self.token_delay_s > 0:
-                    await asyncio.sleep(self.token_delay_s)
-                yield self._chunk(request, index, index == count - 1, started)
-        finally:
-            self.running -= 1
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        chunks = [chunk async for chunk in self.generate_stream(request)]
-        ids = tuple(token for chunk in chunks for token in chunk.token_ids)
-        return GenerateResult(
-            request_id=request.request_id,
-            output_ids=ids,
-            output_logprobs=(-1.0,) * len(ids),
-            finish_reason="length",
-            policy_version=0,
-            last_policy_version=0,
-            prompt_tokens=len(request.input_ids),
-            cached_tokens=0,
-            timings=chunks[-1].timings,
-        )
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-    def stop_accepting(self) -> None:
-        pass
-
-    def resume_accepting(self) -> None:
-        pass
-
-    async def drain(self, *, abort_after_s: float | None = None) -> None:
-        pass
-
-    async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
-        pass
-
-    async def resume_memory(self, *, weights: bool = True, kv: bool = True) -> None:
-        pass
-
-    async def update_weights(self, weights, *, version: int) -> None:
-        raise NotImplementedError("PacedEngine has no weights")
-
-    async def export_kv(self, request_id: str):
-        raise NotImplementedError("PacedEngine has no KV")
-
-    async def import_kv(self, export) -> None:
-        raise NotImplementedError("PacedEngine has no KV")
-
-    def release_export(self, request_id: str) -> bool:
-        return False
-
-    def load(self) -> EngineLoad:
-        return EngineLoad(
-            capacity=100_000,
-            running=self.running,
-            queued=0,
-            kv_tokens_total=10**9,
-            kv_tokens_free=10**9,
-            accepting=True,
-            memory_released=False,
-            policy_version=0,
-        )
 
 
 # ============================================================================ child processes
@@ -200,8 +93,16 @@ async def _serve_until_signal(ready: dict) -> None:
 
 async def _engine_main(args) -> None:
     from gyre.engine.endpoint import EngineServer
+    from gyre.engine.scripted import ScriptedEngine
 
-    engine = PacedEngine([int(t) for t in args.token_ids.split(",")], args.token_delay_s)
+    token_ids = [int(t) for t in args.token_ids.split(",")]
+    # Every request runs at once (no queueing) and streams the ids round and round until max_new_tokens ("length").
+    engine = ScriptedEngine(
+        lambda request: itertools.cycle(token_ids),
+        token_delay_s=args.token_delay_s,
+        max_running=100_000,
+        kv_tokens=10**9,
+    )
     server = EngineServer(engine)
 
     async def pace(http: web.Request) -> web.Response:
@@ -271,7 +172,7 @@ async def _passthrough_main(args) -> None:
 def child_main(args) -> None:
     _pin(args.core)
     with contextlib.suppress(ImportError):
-        import uvloop  # the stack DESIGN.md measured; absent here, then plain asyncio for every process alike
+        import uvloop  # the stack docs/proxy.md measured; absent here, then plain asyncio for every process alike
 
         uvloop.install()
     role = {"engine": _engine_main, "proxy": _proxy_main, "passthrough": _passthrough_main}[args.role]

@@ -1,6 +1,6 @@
 """The event loop gyre's servers run on: uvloop where it is installed (Linux, macOS), else asyncio's own.
 
-DESIGN.md's probes of the proxy stack were made on uvloop (aiohttp + orjson on uvloop: ~0.5 ms CPU per
+The proxy stack's probes (docs/proxy.md) ran on uvloop (aiohttp + orjson on uvloop: ~0.5 ms CPU per
 request); it roughly halves the per-request cost of socket IO against the default loop. Entry points call
 `run(main())`; threads that host a loop call `new_event_loop()`.
 """

@@ -1,4 +1,4 @@
-"""Process groups of cells and prefixes, and weight transport from the core (DESIGN.md, process model).
+"""Process groups of cells and prefixes, and weight transport from the core (docs/architecture.md, process model).
 
 `layout` is pure (stdlib); `groups` and `transport` need torch.distributed. See docs/distributed.md.
 """

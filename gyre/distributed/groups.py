@@ -6,7 +6,7 @@ Contract
   rank, so group creation is identical everywhere (torch.distributed requires it, members or not).
 - The control group spans all ranks and is always gloo (decisions and small objects travel over it even on GPU).
   Cell and prefix groups use `backend` (gloo on CPU, nccl on GPU) and `use_local_synchronization=True`: creating
-  a group waits only for its members, which is why the plan is largest first (DESIGN.md, gloo prefix groups).
+  a group waits only for its members, which is why the plan is largest first (docs/distributed.md).
 - `ProcessGroups.prefix_group(k)` is the group over which the k cells training sum gradients, for this rank's
   in-cell coordinate: None when k == 1 (nothing to sum across cells); a `ValueError` when this rank is not in
   one of the first k cells.

@@ -3,7 +3,7 @@
 Pure (stdlib only): `gyre.distributed.groups` turns this plan into torch.distributed groups, and the tests check the
 plan by hand without starting a process.
 
-Contract (DESIGN.md, process model)
+Contract (docs/architecture.md, process model)
 - Ranks `0 .. num_cells * cell_size - 1` form K = `num_cells` cells of `cell_size` consecutive ranks; cell 0 is
   the core. Rank r of a cell has cell `r // cell_size` and in-cell coordinate `r % cell_size`; a cell's leader is
   its coordinate-0 rank. The `num_rollout_ranks` ranks after the cells are the separate rollout pool: no cell,
@@ -13,7 +13,7 @@ Contract (DESIGN.md, process model)
 - `creation_order()` is the one sequence of groups every rank creates (torch.distributed requires the same
   order on every rank): the control group (all ranks), the cell groups (cell 0 first), then the prefix groups
   largest first (k = K down to 2, coordinate 0 first within one k). Largest first matters: with
-  `use_local_synchronization=True`, smallest first deadlocks in torch 2.13 (DESIGN.md, gloo prefix groups).
+  `use_local_synchronization=True`, smallest first deadlocks in torch 2.13 (docs/distributed.md, group creation order).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Weight transport from the core to satellites and engines: the protocol, the manifest and its checks.
 
-Contract (DESIGN.md: the core publishes; satellites and engines pull)
+Contract (docs/architecture.md: the core publishes; satellites and engines pull)
 - The core holds its weights as one flat contiguous buffer plus a manifest (`TensorSpec`: name, dtype, shape,
   byte offset per tensor) and an integer version: a `FlatWeights` (`gyre.engine.protocol`), the same object the
   engines' `update_weights` takes. `flatten_state_dict` builds one; `unflatten` views the tensors back out.

@@ -3,7 +3,7 @@
 Contract
 - Every process makes one `MooncakeWeightTransport(store=..., host=...)`: it starts a Transfer Engine with the
   P2P handshake (no metadata server) on `host`, the address peers reach it at (127.0.0.1 in tests). Its session
-  id is `host:<rpc port>`. Mooncake's data listeners bind all interfaces (DESIGN.md); what gyre opens itself
+  id is `host:<rpc port>`. Mooncake's data listeners bind all interfaces (docs/distributed.md); what gyre opens itself
   (the store) binds the configured host.
 - `publish(weights, version)` on the core registers `weights.buffer` (CPU memory) with the engine and posts a
   descriptor (session id, buffer address, byte length, manifest, version) under `<prefix>/current` and

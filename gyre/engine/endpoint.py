@@ -1,6 +1,6 @@
 """The engine endpoint: a cell leader serves its engine over HTTP to the proxy (and separate-pool engines alike).
 
-aiohttp, the same stack as the proxy (DESIGN.md: ~0.5 ms CPU per request, tens of microseconds per relayed
+aiohttp, the same stack as the proxy (docs/proxy.md: ~0.5 ms CPU per request, tens of microseconds per relayed
 chunk). Every route maps to one `Engine` method; the wire format is `gyre.engine.wire`; the client is
 `gyre.engine.remote.RemoteEngine`.
 

@@ -1,6 +1,6 @@
 """One execution end to end (workspace from the task, harness, evaluation, outcome), and a rollout group of them.
 
-This is the harness manager's core on the controller (DESIGN.md: rank 0 runs the harness manager and evaluators):
+This is the harness manager's core on the controller (docs/architecture.md, process model):
 
 - `run_episode`: a fresh workspace from the task's template, the harness in its sandbox with the execution's key,
   then the evaluator on the preserved workspace, all recorded in the execution's `ExecutionOutcomes`

@@ -1,6 +1,6 @@
 """What runs one execution: a harness runner (which command, which environment) and a sandbox (where, isolated how).
 
-An execution is an unmodified harness process plus its workspace (DESIGN.md, "Three lifecycles"). gyre never
+An execution is an unmodified harness process plus its workspace (docs/architecture.md, three lifecycles). gyre never
 changes the harness: it only chooses the command line, the environment (the proxy's base URLs and the execution's
 own key, offline switches) and the files the harness reads at start (e.g. Codex's `config.toml`), then starts it
 inside a sandbox and waits. These types are the contract between the runners (`gyre.harness.runners`), the

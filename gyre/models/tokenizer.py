@@ -37,7 +37,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     PAD,
 )
 # The byte-level pre-tokenizer cuts JSON at quotes and spaces, so merges can never join these; as added
-# (non-special) tokens each is one id, which shortens every tool call by ~10 tokens (DESIGN.md: "the
+# (non-special) tokens each is one id, which shortens every tool call by ~10 tokens (docs/warm-start.md: "the
 # tool-call JSON preamble one token" is what let a tiny model learn tool use).
 TOOL_CALL_TOKENS: tuple[str, ...] = ('{"name": "', '", "arguments": ')
 

@@ -2,7 +2,7 @@
 
 RL from a random-init tiny model never finds the calculator: the policy needs a starting point that already
 speaks the chat format and calls the tool sometimes, but not so often that RL has nothing left to learn
-(DESIGN.md, "A tiny model can show learning on 2 cores"). `warm_start(out_dir, config, seed)` trains the tiny
+(docs/warm-start.md, "The prototype"). `warm_start(out_dir, config, seed)` trains the tiny
 model on a mix of demonstrations: those of problems using a `tool_operators` operator (default: products), and a
 fraction `tool_fraction` (default 10%) of the others, show the rewarded behavior (call the calculator, then answer
 with its value); the rest answer directly with the exact value, which a 1.7M-parameter model cannot learn in

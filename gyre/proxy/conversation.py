@@ -5,7 +5,7 @@ into a `ChatRequest` and turn an `AssistantOutput` (or a stream of `OutputEvent`
 Templating (`gyre.proxy.render`) sees only `ChatRequest`; output parsing (`gyre.proxy.output`) produces only
 `AssistantOutput` / `OutputEvent`. Pure: stdlib only, no IO.
 
-Canonical content (HARNESS-NOTES.md: match histories on content, not on ids or cache markers):
+Canonical content (docs/harness.md: match histories on content, not on ids or cache markers):
 - text blocks of one message are joined with "\\n\\n"; `cache_control`, signatures, citations and ids of messages
   are dropped here (dialects keep what they must echo elsewhere);
 - tool-call arguments are kept as the JSON text the model produced when they come from us (so an echo compares

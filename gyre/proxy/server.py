@@ -1,6 +1,6 @@
 """The proxy's HTTP server: the three API dialects in, routed engine calls, TITO records out.
 
-aiohttp (server), the same library as the engine endpoint and its client: DESIGN.md's probes found an aiohttp
+aiohttp (server), the same library as the engine endpoint and its client: docs/proxy.md's probes found an aiohttp
 server with one shared aiohttp client cheapest on these machines (~0.5 ms CPU per request, 20-30 us per relayed
 chunk), where FastAPI cost 1.5-2x and httpx as the upstream client collapsed at 64+ concurrent streams.
 

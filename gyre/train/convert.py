@@ -1,6 +1,6 @@
 """HF-named state dicts (as `gyre.engine.weights.read_state_dict` reads them) <-> Megatron `GPTModel` state dicts.
 
-A hand-written dense mapping (DESIGN.md, "HF <-> Megatron weights"); per layer `i` (HF) of PP stage `s`, local
+A hand-written dense mapping (docs/training.md, "Weight mapping"); per layer `i` (HF) of PP stage `s`, local
 index `i - s * L / pp` (Megatron numbers layers per stage):
 
 | HF | Megatron | TP split |

@@ -1,7 +1,7 @@
 """Make megatron-core 0.16.1 run on a CPU-only torch (gloo): four patches, applied by `apply_cpu_patches()`.
 
 megatron-core assumes a CUDA device in a few places the forward, backward, optimizer and schedules go through
-(DESIGN.md, "Measured facts": megatron-core). On a CPU-only torch `apply_cpu_patches()` installs, once
+(docs/training.md, "CPU patches"). On a CPU-only torch `apply_cpu_patches()` installs, once
 (idempotent; a no-op when CUDA is available, so the same program runs unchanged on GPUs):
 
 1. `torch.cuda.current_device()` returns `torch.device("cpu")`. Megatron passes it as `device=` when it

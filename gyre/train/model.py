@@ -115,7 +115,7 @@ def transformer_config(
         "bf16": dtype == torch.bfloat16,
         "fp16": dtype == torch.float16,
         "use_cpu_initialization": on_cpu,
-        # Fusions need CUDA kernels or torch.compile (DESIGN.md): off.
+        # Fusions need CUDA kernels or torch.compile (docs/training.md): off.
         "bias_activation_fusion": False,
         "bias_dropout_fusion": False,
         "masked_softmax_fusion": False,

@@ -6,7 +6,7 @@ mid-step computes against the same snapshot; when the stream is closed and drain
 prefix group of the cells that trained this step; the core alone normalizes, clips and updates; after a non-final
 update of a burst the core broadcasts the new parameters to the current satellites.
 
-Contract (DESIGN.md contract 7): the parameters after a step equal those of one process running the same
+Contract (docs/architecture.md, contract 7): the parameters after a step equal those of one process running the same
 micro-steps, whatever cells claimed which micro-steps and whenever satellites joined (fp32, up to summation order).
 That holds because the loss of a micro-step is its share of the batch loss (`gyre.rl.policy_loss` with the batch's
 `num_executions` and each execution's whole L_i), so per-cell gradient sums add up to the batch gradient; a split

@@ -3,7 +3,7 @@
 Role: the vocabulary shared by the proxy (which builds records as model calls complete), the
 trajectory tree (`gyre.traj.tree`, which stores them) and the on-disk format (`gyre.traj.store`).
 
-Contract (DESIGN.md contract 3): a record carries the exact token ids the engine saw and produced
+Contract (docs/architecture.md, contract 3): a record carries the exact token ids the engine saw and produced
 and the behavior log-probs of the produced tokens. A request's context is a sequence of
 **segments** - one per chat message/turn or injected block - each a run of token ids with ONE
 `Provenance`. A response is one SAMPLED run with per-token log-probs and a finish reason.

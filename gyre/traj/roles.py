@@ -47,7 +47,7 @@ from gyre.traj.tree import ROOT, TrajectoryTree
 logger = logging.getLogger(__name__)
 
 # Claude Code's compaction request appends a text block to the last user message that asks for a
-# detailed summary in `<analysis>...</analysis><summary>...</summary>` (HARNESS-NOTES.md).
+# detailed summary in `<analysis>...</analysis><summary>...</summary>` (docs/harness.md).
 CLAUDE_CODE_SUMMARY_PHRASE = "detailed summary"
 CLAUDE_CODE_SUMMARY_TAGS = ("<analysis>", "<summary>")
 CODEX_COMPACTION_KIND = "compaction"

@@ -12,7 +12,7 @@ Contract:
 - `load_tree` replays the lines through `TrajectoryTree.insert` and yields a tree identical to the
   one that wrote them (same node ids, same calls). A bad line raises ValueError naming file:line.
 - Call indices must run 0, 1, 2, ... : a gap or a repeat means a lost or duplicated record
-  (DESIGN.md contract 3) and is an error.
+  (docs/architecture.md, contract 3) and is an error.
 - A torn final line (no newline: the writer died mid-line) is skipped with a warning, so a crash
   loses at most the call being written, never the execution. `RecordWriter` reopening such a file
   truncates it back to the last newline first (with a warning naming the file and the bytes

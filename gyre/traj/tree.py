@@ -13,18 +13,18 @@ Contract:
   nodes, creates the rest as a branch and hangs the response, a SAMPLED node, from the deepest
   context node. A request that matches nothing attaches to the root; a retry with a different
   output is a sibling; an identical output reuses its node but is still its own call record.
-- Cost (DESIGN.md contract 4): O(#segments passed) dict lookups plus hashing of segments built
+- Cost (docs/architecture.md, contract 4): O(#segments passed) dict lookups plus hashing of segments built
   without a key and of the response. With `parent` the caller passes only the new segments, so a
   700K-token history is neither walked nor rehashed.
 - Keys are checked, not trusted: a passed segment whose key matches a stored child must equal that
   node (provenance, length, ids: one memcmp of the passed segment's tokens), otherwise ValueError
   "segment key collides with a stored node of different content" (a stale or forged cached key
-  would otherwise silently record a context the engine never saw, DESIGN.md contract 3). Only
+  would otherwise silently record a context the engine never saw, docs/architecture.md contract 3). Only
   segments actually passed are compared, so the `parent` path stays flat in history length.
 - `close()` freezes the tree when its execution closes: later inserts raise ValueError. A tree
   rebuilt by `gyre.traj.store.load_tree` is open (resume appends to it); close it if it is final.
 - Everything is validated before any mutation: on ValueError the tree is unchanged. A request id
-  already recorded is rejected: a call is recorded exactly once (DESIGN.md contract 3), so a proxy
+  already recorded is rejected: a call is recorded exactly once (docs/architecture.md, contract 3), so a proxy
   that retries a request transparently records only the attempt that answered the harness.
 - Not thread-safe: the caller serializes inserts of one execution (and appends the record line
   in the same critical section, so the file order is the insertion order).

@@ -1,7 +1,7 @@
 """gyre's builtin harness as a process against a real `python -m gyre.serve`: roles on the wire, compaction,
 delegation, tools, and a run with the real tiny model.
 
-The served engine in the scripted tests is `ScriptedEngine` (tests/integration/scripted_engine.py, shared with
+The served engine in the scripted tests is `gyre.engine.scripted.ScriptedEngine` (with `chat_reply`, as in
 test_proxy_tool_round_trips.py) — a stand-in named as such, served by the real engine endpoint in this process and
 given to `gyre.serve engine.enabled=false engine_urls=[...]` — that reads the prompt and answers as a tool-using
 model would, in the tiny model's Hermes format:
@@ -23,10 +23,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from scripted_engine import ScriptedEngine
 from serve_process import start_serve
 
 from gyre.engine.endpoint import ServerThread
+from gyre.engine.scripted import ScriptedEngine, chat_reply
 from gyre.harness.builtin.agent import SUB_AGENT_SYSTEM, SUMMARY_INSTRUCTION
 from gyre.harness.builtin.runner import BuiltinRunner
 from gyre.harness.protocol import ExecutionContext
@@ -71,7 +71,7 @@ def scripted_answer(prompt: str) -> str:
 @pytest.fixture(scope="module")
 def scripted_url():
     template = ChatTemplate.from_pretrained(tiny_model_dir())
-    thread = ServerThread(lambda: ScriptedEngine(template, lambda request, prompt: scripted_answer(prompt)))
+    thread = ServerThread(lambda: ScriptedEngine(chat_reply(template, lambda request, prompt: scripted_answer(prompt))))
     yield thread.start()
     thread.stop()
 

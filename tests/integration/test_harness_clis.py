@@ -2,7 +2,7 @@
 the proxy records its main-agent requests.
 
 Setup (session-scoped, each step bounded by a timeout):
-- The CLIs are installed with npm, at pinned versions (those observed in HARNESS-NOTES), into
+- The CLIs are installed with npm, at pinned versions (those of docs/harness.md), into
   `$GYRE_TEST_CLI_CACHE` (default `~/.cache/gyre-test-clis`)/`<package>@<version>`, once per machine. No npm
   or node, or a failed install: the tests skip with npm's error in the reason.
 - The served model is the tiny model with two changes, built into a temp dir:

@@ -16,12 +16,12 @@ import json
 import anthropic
 import openai
 import pytest
-from scripted_engine import ScriptedEngine
 
 from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.protocol import GenerateRequest
+from gyre.engine.scripted import ScriptedEngine, chat_reply
 from gyre.models.tiny import tiny_model_dir
 from gyre.proxy.render import ChatTemplate
 from gyre.serve.stack import build_stack
@@ -47,7 +47,7 @@ def tool_call_then_answer():
 @pytest.fixture(scope="module")
 def scripted_url():
     template = ChatTemplate.from_pretrained(tiny_model_dir())
-    thread = ServerThread(lambda: ScriptedEngine(template, tool_call_then_answer()))
+    thread = ServerThread(lambda: ScriptedEngine(chat_reply(template, tool_call_then_answer())))
     yield thread.start()
     thread.stop()
 

@@ -1,4 +1,4 @@
-"""Exact elastic membership (DESIGN.md contract 7) on real gloo processes.
+"""Exact elastic membership (docs/architecture.md, contract 7) on real gloo processes.
 
 Cells of one rank each: rank 0 is the controller and the core; the controller feeds each step's micro-steps to a
 TCPStore slowly while the core trains, and admits satellites at random micro-steps; a satellite pulls the core's

@@ -4,8 +4,11 @@ Kinds:
 - `native`: `NativeEngine` in the test's event loop;
 - `remote`: a `NativeEngine` served by `gyre.engine.endpoint` on 127.0.0.1 from its own thread and event loop,
   reached through `RemoteEngine` over real HTTP (what the proxy holds);
-- `sglang`: `SGLangEngine` over a real `sglang.Engine`, skipped where sglang does not import (it needs CUDA torch
-  and a GPU; see docs/sglang.md).
+- `sglang`: `SGLangEngine` over a real `sglang.Engine`, marked `gpu` and skipped where sglang does not import (it
+  needs CUDA torch and a GPU; see docs/sglang.md);
+- `scripted`: `gyre.engine.scripted.ScriptedEngine`, the stand-in that tests above the engine serve, with a
+  counting script; the request lifecycle holds for it, while the cases that need a model's numerics or a KV cache
+  skip it with that reason.
 
 Timing-exact checks that read engine internals (bytes held, which decode step an update lands on) stay in
 test_engine_native.py; here every assertion holds whatever the network delays.
@@ -17,6 +20,7 @@ import asyncio
 import contextlib
 import copy
 import importlib.util
+import itertools
 import random
 
 import pytest
@@ -28,6 +32,7 @@ from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import Engine, EngineBusyError, EngineUnavailableError, GenerateRequest, SamplingParams
 from gyre.engine.remote import RemoteEngine
 from gyre.engine.sampling import sequence_logprobs
+from gyre.engine.scripted import ScriptedEngine
 from gyre.engine.wire import flatten_weights
 
 TIMEOUT_S = 60.0
@@ -48,6 +53,9 @@ def _sglang_skip_reason() -> str | None:
 SGLANG_SKIP = _sglang_skip_reason()
 KV_MIGRATION = {"native", "remote"}  # SGLang has no per-request KV export (docs/sglang.md)
 FILTERED_LOGPROBS = {"native", "remote"}  # SGLang reports log-probs before top-k/top-p: the adapter refuses those
+MODEL_NUMERICS = {"native", "remote", "sglang"}  # the scripted engine's tokens come from a script, not from weights
+PREFIX_CACHE = {"native", "remote", "sglang"}  # the scripted engine has no KV cache: cached_tokens is always 0
+SCRIPTED_CONTEXT = 128  # sharp_tiny_model's max_position_embeddings: the same context limit to check
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +63,7 @@ def model():
     return sharp_tiny_model()
 
 
-@pytest.fixture(params=["native", "remote", "sglang"])
+@pytest.fixture(params=["native", "remote", pytest.param("sglang", marks=pytest.mark.gpu), "scripted"])
 def engines(request, model, tmp_path):
     if request.param == "sglang" and SGLANG_SKIP:
         pytest.skip(SGLANG_SKIP)
@@ -71,6 +79,14 @@ class Engines:
     def needs_kv_migration(self) -> None:
         if self.kind not in KV_MIGRATION:
             pytest.skip(f"{self.kind} has no per-request KV export (the proxy re-prefills instead)")
+
+    def needs_model_numerics(self) -> None:
+        if self.kind not in MODEL_NUMERICS:
+            pytest.skip(f"{self.kind} has no model: its tokens and log-probs come from a script, not from weights")
+
+    def needs_prefix_cache(self) -> None:
+        if self.kind not in PREFIX_CACHE:
+            pytest.skip(f"{self.kind} has no KV cache to reuse (cached_tokens is always 0)")
 
     @contextlib.asynccontextmanager
     async def open(self, model=None, **options):
@@ -90,6 +106,10 @@ class Engines:
             finally:
                 await engine.close()
                 await asyncio.to_thread(thread.stop)
+        elif self.kind == "scripted":
+            # 1 ms a token, so requests stay in flight long enough to abort, queue and drain them.
+            options = {"token_delay_s": 0.001, "vocab_size": VOCAB, "context_length": SCRIPTED_CONTEXT} | options
+            yield ScriptedEngine(counting_reply, **options)
         else:  # pragma: no cover - needs a GPU with sglang
             engine = self._sglang(model, **options)
             try:
@@ -108,6 +128,13 @@ class Engines:
             adapter_options={"policy_version": policy_version, "max_running": max_running},
             max_running_requests=max_running,
         )
+
+
+def counting_reply(request: GenerateRequest):
+    """The scripted engine's script: a step-7 walk through the vocabulary from the prompt's sum (distinct ids for
+    VOCAB steps), so outputs depend on the prompt only, as greedy outputs do."""
+    start = sum(request.input_ids)
+    return ((start + 7 * (i + 1)) % VOCAB for i in itertools.count())
 
 
 def run(coro):
@@ -182,6 +209,7 @@ def test_64_concurrent_greedy_requests_equal_each_run_alone(engines):
 
 
 def test_behavior_logprobs_equal_teacher_forced_and_seeded_tokens_do_not_depend_on_the_batch(engines, model):
+    engines.needs_model_numerics()
     cases = [
         SamplingParams(temperature=1.0, max_new_tokens=16, seed=1),
         SamplingParams(temperature=0.7, max_new_tokens=16, seed=2),
@@ -320,6 +348,7 @@ def _scaled(model, suffix: str, factor: float):
 
 @pytest.mark.parametrize("form", ["named", "flat"])
 def test_update_weights_makes_outputs_those_of_the_new_weights_and_records_the_version(engines, model, form):
+    engines.needs_model_numerics()
     new_model, new_weights = _scaled(model, "mlp.up_proj.weight", 3.0)
     update = new_weights if form == "named" else flatten_weights(new_weights)
     batch = prompts(6, seed=4)
@@ -441,6 +470,7 @@ def test_import_rejects_another_policy_version(engines):
 
 
 def test_prefix_reuse_for_a_request_extending_an_earlier_one_of_the_same_execution(engines):
+    engines.needs_prefix_cache()
     prompt = [4, 8, 15, 16, 23, 42]
 
     async def main():

@@ -1,13 +1,12 @@
 """The SGLang adapter: its pure translation, and its async plumbing over a fake of `sglang.Engine`.
 
-Nothing here runs SGLang, which does not install on these machines (CUDA torch, a GPU). The last test would build
-a real engine on a tiny local model and is skipped where `import sglang` fails.
+Nothing here runs SGLang, which does not install on these machines (CUDA torch, a GPU). The test over a real engine
+on a tiny local model is tests/gpu/test_sglang_engine_real.py (it reuses `request` and `run` from here).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from types import SimpleNamespace
 
@@ -467,30 +466,3 @@ def test_from_pretrained_without_sglang(monkeypatch):
     with pytest.raises(SGLangUnavailableError, match="needs the `sglang` package"):
         SGLangEngine.from_pretrained("/nonexistent")
     assert issubclass(SGLangUnavailableError, ImportError)  # callers may catch ImportError
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    importlib.util.find_spec("sglang") is None, reason="sglang does not import here (needs CUDA torch and a GPU)"
-)
-def test_real_sglang_engine_matches_native_logprobs(tmp_path):
-    """On a GPU machine with sglang: the adapter over a real engine on a tiny saved model, log-probs vs gyre's."""
-    from engine_fixtures import sharp_tiny_model
-
-    from gyre.engine.sampling import sequence_logprobs
-    from gyre.engine.weights import save_pretrained
-
-    model = sharp_tiny_model()
-    save_pretrained(model, tmp_path)
-    params = SamplingParams(temperature=0.8, max_new_tokens=16)
-
-    async def go():
-        engine = SGLangEngine.from_pretrained(str(tmp_path), mem_fraction_static=0.2, dtype="float32")
-        try:
-            return await engine.generate(request("real", (1, 2, 3), params))
-        finally:
-            await engine.close()
-
-    result = run(go())
-    expected = sequence_logprobs(model, [1, 2, 3], list(result.output_ids), params)
-    assert torch.allclose(torch.tensor(result.output_logprobs), expected, atol=1e-3)

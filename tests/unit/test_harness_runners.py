@@ -1,7 +1,7 @@
 """Runners, the registry, configs and the container argv: what each builds, without starting a process.
 
 Checked: every runner satisfies `HarnessRunner`; the environment is exactly the documented keys (nothing of the
-controller's environment, e.g. a secret, leaks in); Claude Code and Codex get the HARNESS-NOTES switches and files;
+controller's environment, e.g. a secret, leaks in); Claude Code and Codex get the docs/harness.md switches and files;
 `runner_for` names the known runners; a missing binary raises `HarnessNotFoundError` saying what to install;
 `ExecutionLimits` and `ResourceLimits`; the docker and apptainer argv.
 """

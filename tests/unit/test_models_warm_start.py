@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gyre.engine.scripted import ScriptedEngine
 from gyre.engine.weights import load_pretrained
 from gyre.models.__main__ import main
 from gyre.models.tiny import tiny_model_dir
@@ -153,29 +154,23 @@ def test_shared_prefix_loss_equals_full_rows(demos):
     assert abs(fast.item() - full.item()) < 1e-5
 
 
-class _ScriptedEngine:
-    """Answers each call with the demonstration's next sampled turn, checking the prompt is the demonstration's."""
+def demonstrated_turns(demo: Demonstration):
+    """A script for `ScriptedEngine`: each call gets the demonstration's next sampled turn, after checking the prompt
+    is the demonstration's."""
 
-    def __init__(self, demo: Demonstration):
-        self.demo, self.calls = demo, 0
-
-    async def generate(self, request):
-        ids, mask = self.demo.input_ids, self.demo.loss_mask
+    def reply(request):
+        ids, mask = demo.input_ids, demo.loss_mask
         start = len(request.input_ids)
         assert list(request.input_ids) == ids[:start]  # the evaluator renders exactly the trained sequence
         end = start + (mask[start:].index(0) if 0 in mask[start:] else len(mask) - start)
-        self.calls += 1
+        return ids[start:end]
 
-        class Result:
-            output_ids = tuple(ids[start:end])
-            finish_reason = "stop"
-
-        return Result()
+    return reply
 
 
 def test_greedy_player_scores_demonstrated_outputs(template, demos):
     for demo in (next(d for d in demos if d.calls_tool), next(d for d in demos if not d.calls_tool)):
-        engine = _ScriptedEngine(demo)
+        engine = ScriptedEngine(demonstrated_turns(demo))
         result = asyncio.run(_play(engine, template, demo.problem, max_new_tokens=64, max_calls=3))
         assert result.success and result.called_tool == demo.calls_tool
         assert engine.calls == result.model_calls == (2 if demo.calls_tool else 1)

@@ -46,7 +46,7 @@ HEADERS = {
 
 
 def claude_code_body() -> dict:
-    """A second-turn request shaped like Claude Code's (HARNESS-NOTES.md), trimmed to three tools. A fresh copy."""
+    """A second-turn request shaped like Claude Code's (docs/harness.md), trimmed to three tools. A fresh copy."""
     body = {
         "model": "gyre-tiny",
         "max_tokens": 32000,

@@ -33,12 +33,12 @@ HEAVY = (
 # Allowed heavy top-level packages per pure package; everything else in HEAVY is forbidden.
 ALLOWED = {
     "gyre.sched": (),  # stdlib only
-    "gyre.config": ("omegaconf",),  # stdlib, and omegaconf in hydra_errors (DESIGN.md: stdlib, omegaconf)
+    "gyre.config": ("omegaconf",),  # stdlib, and omegaconf in hydra_errors (docs/architecture.md, import rules)
     "gyre.traj": ("numpy",),
     "gyre.rl": ("numpy", "torch"),  # no torch.distributed, checked below
     "gyre.data": ("numpy", "torch"),
 }
-# gyre packages each pure package may load (dependencies point one way: DESIGN.md).
+# gyre packages each pure package may load (dependencies point one way: docs/architecture.md).
 ALLOWED_GYRE = {
     "gyre.sched": {"sched"},
     "gyre.config": {"config"},

@@ -21,7 +21,7 @@ from gyre.train.model import build_gpt_model, validate_layout
 
 pytestmark = pytest.mark.slow  # megatron import and model builds: several seconds
 
-PARITY_TOL = 1e-4  # DESIGN.md contract 5 (fp32)
+PARITY_TOL = 1e-4  # docs/architecture.md, contract 5 (fp32)
 SMALL = DecoderConfig(
     model_type="qwen3",
     vocab_size=64,
@@ -155,7 +155,7 @@ def test_bad_packing_is_refused(model_parallel):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches are a no-op where CUDA is available")
 def test_cpu_patches_allow_a_training_step(model_parallel):
-    """Patches 3 and 4 (DESIGN.md): megatron's DDP, DistributedOptimizer (type() checks, device="cuda" scalars),
+    """Patches 3 and 4 (docs/training.md): megatron's DDP, DistributedOptimizer (type() checks, device="cuda" scalars),
     gradient clipping and schedule run on CPU, and log-probs from `packed_logprobs` carry gradients."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

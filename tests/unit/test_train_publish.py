@@ -72,7 +72,7 @@ def test_trained_weights_reach_the_engine(model_parallel):
 
 
 def test_engine_behavior_logprobs_equal_the_trainers_after_a_round_trip(model_parallel):
-    """DESIGN.md contract 5, end to end: HF weights -> Megatron -> HF -> engine; the engine samples (temperature 1)
+    """docs/architecture.md contract 5 end to end: HF -> Megatron -> HF -> engine; the engine samples (temperature 1)
     and reports behavior log-probs; the trainer's log-probs of the same tokens agree within 1e-4 (fp32)."""
     from gyre.train.convert import load_hf_state_dict
     from gyre.train.logprobs import packed_logprobs

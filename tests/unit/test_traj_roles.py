@@ -1,4 +1,4 @@
-"""Role classes (Eq. 4) and the per-harness role classifiers, from the signals in HARNESS-NOTES.md.
+"""Role classes (Eq. 4) and the per-harness role classifiers, from the signals in docs/harness.md.
 
 Convention as in test_traj_tree: system prompts 1..9, user text 10..19, outputs 20..29 and 40..49,
 tool results 30..39. Each test tree's leaves are read off the insert sequence.

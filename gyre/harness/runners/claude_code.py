@@ -1,6 +1,6 @@
 """The `claude_code` runner: Claude Code's CLI in print mode against the proxy's Anthropic Messages API, offline.
 
-As HARNESS-NOTES.md observed (Claude Code 2.1.197): `claude -p "<task>" --dangerously-skip-permissions` with
+As docs/harness.md records (Claude Code 2.1.197): `claude -p "<task>" --dangerously-skip-permissions` with
 ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY, IS_SANDBOX=1 (as root it refuses the flag without it) and
 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 (no telemetry, update checks or title request: the proxy is the
 only peer). Every model the CLI may ask for (main, small/fast, sub-agent) is set to the served model.
@@ -22,7 +22,7 @@ from gyre.harness.runners.command import DEFAULT_PATH, harness_environment, reso
 __all__ = ["CLAUDE_CODE_PACKAGE", "CLAUDE_CODE_VERSION", "ClaudeCodeRunner", "npm_cache_executable"]
 
 CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
-CLAUDE_CODE_VERSION = "2.1.197"  # the version HARNESS-NOTES.md observed
+CLAUDE_CODE_VERSION = "2.1.197"  # the version observed (docs/harness.md, "What the harnesses send")
 
 
 def npm_cache_executable(package: str, version: str, bin_name: str) -> Path:

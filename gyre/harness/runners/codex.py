@@ -1,6 +1,6 @@
 """The `codex` runner: Codex CLI's `exec` mode against the proxy's OpenAI Responses API, offline.
 
-As HARNESS-NOTES.md observed (Codex 0.171.0, Responses API only): a provider in `$CODEX_HOME/config.toml`
+As docs/harness.md records (Codex 0.171.0, Responses API only): a provider in `$CODEX_HOME/config.toml`
 (`wire_api = "responses"`, the key read from the env var `env_key` names), then
 `codex exec --skip-git-repo-check -c analytics.enabled=false -c check_for_update_on_startup=false
 --disable plugins "<task>" < /dev/null`; those switches remove all other outbound traffic.
@@ -22,7 +22,7 @@ from gyre.harness.runners.command import DEFAULT_PATH, harness_environment
 __all__ = ["CODEX_PACKAGE", "CODEX_VERSION", "CodexRunner", "codex_config_toml"]
 
 CODEX_PACKAGE = "@openai/codex"
-CODEX_VERSION = "0.171.0"  # the version HARNESS-NOTES.md observed
+CODEX_VERSION = "0.171.0"  # the version observed (docs/harness.md, "What the harnesses send")
 PROVIDER = "gyre"
 KEY_ENV = "GYRE_API_KEY"  # the provider's env_key: Codex reads the execution's key from here
 

@@ -6,7 +6,7 @@ Contract (pure: no IO; the HTTP server decodes bodies and writes what these func
   whose message starts with the offending field's dotted path ("messages.3.content.0.type: ...").
   Nothing else escapes, whatever the body holds (a hypothesis test feeds arbitrary JSON).
 - Unknown fields, `cache_control`, `metadata`, `context_management`, `output_config`, beta headers and `?beta=true`
-  are accepted and ignored (HARNESS-NOTES.md: Claude Code sends all of them on every call).
+  are accepted and ignored (docs/harness.md: Claude Code sends all of them on every call).
 - `response_body` builds the non-streaming Messages response; `StreamWriter` produces the SSE events of the
   streaming one (message_start, content_block_start/delta/stop, message_delta, message_stop), in the order the
   real API sends them, so the SDK's own accumulator rebuilds the same message `response_body` returns.

@@ -1,6 +1,6 @@
 """Parse only the new messages of a conversation: the previous request's raw messages and their parses, per thread.
 
-Harnesses resend the whole history on every call, each request the previous one plus a few items (HARNESS-NOTES:
+Harnesses resend the whole history on every call, each request the previous one plus a few items (docs/harness.md:
 the prefix property). Comparing the raw messages with the previous request's (`==` on the decoded JSON, a C-level
 walk: ~0.15 ms for 1,200 messages) finds the unchanged prefix; its parses are reused and only the rest is parsed.
 A message that changed (Claude Code moves `cache_control` to the last block each turn) is parsed again, as is

@@ -6,7 +6,7 @@ Contract (the HTTP server calls these; no IO here):
 - `response_body(...)`, `StreamWriter` (SSE with `event: <type>` lines and increasing `sequence_number`) and
   `error_body` produce the API's own shapes, as the `openai` SDK's types parse them.
 
-Canonical mapping (see `gyre.proxy.conversation` and HARNESS-NOTES.md):
+Canonical mapping (see `gyre.proxy.conversation` and docs/harness.md):
 - `instructions`, then the first system/developer message when no turn precedes it, joined with "\\n\\n", are
   `ChatRequest.system`; later system/developer messages stay `Turn(role="system")` at their position.
 - Consecutive assistant-side items (reasoning, assistant messages, function/custom tool calls) merge into one

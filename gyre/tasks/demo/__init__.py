@@ -1,6 +1,6 @@
 """The bundled demo task family: integer arithmetic a tiny model solves by calling a calculator tool.
 
-DESIGN.md ("A tiny model can show learning on 2 cores"): a ~2M-parameter model guesses products of
+docs/warm-start.md ("The prototype"): a ~2M-parameter model guesses products of
 4-digit numbers badly and learns, under RL, to hand them to a tool. Each task asks "What is 4275 * 3662?";
 the builtin harness offers the `calculator` tool (`metadata.tools` is its `--tools` file, `metadata.tools_impl`
 its `--tools-impl`) and the final assistant message must end up in `answer.txt` in the workspace

@@ -1,6 +1,6 @@
 """The demo family's `calculator` tool: a small, bounded arithmetic parser (no Python `eval`).
 
-A policy calls this tool with text it generated, so the tool must be safe and fast on any input: DESIGN.md
+A policy calls this tool with text it generated, so the tool must be safe and fast on any input: docs/warm-start.md
 records that an evaluated `9**9**9` hung a prototype. Grammar (usual precedence, `**` right-associative and
 binding tighter than unary minus, as in Python):
 
