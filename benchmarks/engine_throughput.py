@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from report import emit
 
+from gyre.config import TinyModelSpec
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
-from gyre.models import TinyModelSpec, build_tiny_model, tiny_model_dir
+from gyre.models import build_tiny_model, tiny_model_dir
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.hf_weights import load_pretrained, read_config
 

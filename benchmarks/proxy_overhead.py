@@ -118,8 +118,8 @@ async def _engine_main(args) -> None:
 
 
 async def _proxy_main(args) -> None:
+    from gyre.config import EngineConfig, ServeConfig
     from gyre.config.proxy import ProxyConfig
-    from gyre.config.serve import EngineConfig, ServeConfig
     from gyre.serve.stack import build_stack
 
     cfg = ServeConfig(

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from report import emit
 
+from gyre.config import WarmStartConfig
 from gyre.models.tiny import tiny_model_dir
 from gyre.tasks.demo import make_demo_problems
-from gyre.tasks.demo.warm_start import WarmStartConfig, evaluate_greedy, uses_tool_operator, warm_start
+from gyre.tasks.demo.warm_start import evaluate_greedy, uses_tool_operator, warm_start
 
 TARGET_LOW, TARGET_HIGH, TARGET_CPU_S = 0.20, 0.60, 300.0
 HELD_OUT_SEED_OFFSET = 1_000_003  # held-out problems never share a seed with the demonstrations

@@ -6,10 +6,9 @@ Paper notation in brackets. Staleness under boundary dispatch is E[d] = phi + (m
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from gyre.config.checks import require
+from gyre.config.checks import require, require_bool, require_choice, require_duration, require_int, require_number
 
 MODES = ("elastic", "colocate", "async")
 DISPATCH = ("boundary", "continuous")
@@ -48,17 +47,18 @@ class AlgoConfig:
     """Async only: cells in the training role (0: half of the cells, at least one)."""
 
     def __post_init__(self) -> None:
-        require(self.mode in MODES, "algo.mode", self.mode, f"one of {', '.join(MODES)}")
-        require(self.dispatch in DISPATCH, "algo.dispatch", self.dispatch, f"one of {', '.join(DISPATCH)}")
-        require(math.isfinite(self.phi) and self.phi >= 0, "algo.phi", self.phi, "a number >= 0")
-        require(self.mu >= 1, "algo.mu", self.mu, "an integer >= 1")
-        require(self.group_size >= 1, "algo.group_size", self.group_size, "an integer >= 1 (N)")
-        require(self.batch_groups >= 1, "algo.batch_groups", self.batch_groups, "an integer >= 1 (B)")
-        require(self.oversample >= 0, "algo.oversample", self.oversample, "an integer >= 0")
-        require(0 < self.rho_min <= 1, "algo.rho_min", self.rho_min, "a number in (0, 1]")
-        require(self.tau_s >= 0, "algo.tau_s", self.tau_s, "a duration >= 0 seconds")
-        require(self.j_max >= 1, "algo.j_max", self.j_max, "an integer >= 1")
-        require(self.train_cells >= 0, "algo.train_cells", self.train_cells, "an integer >= 0")
+        require_choice("algo.mode", self.mode, MODES)
+        require_choice("algo.dispatch", self.dispatch, DISPATCH)
+        require_number("algo.phi", self.phi, ge=0)
+        require_int("algo.mu", self.mu, ge=1)
+        require_int("algo.group_size", self.group_size, ge=1, note="N")
+        require_int("algo.batch_groups", self.batch_groups, ge=1, note="B")
+        require_int("algo.oversample", self.oversample, ge=0)
+        require_number("algo.rho_min", self.rho_min, gt=0, le=1)
+        require_duration("algo.tau_s", self.tau_s, allow_zero=True)
+        require_int("algo.j_max", self.j_max, ge=1)
+        require_bool("algo.streaming", self.streaming)
+        require_int("algo.train_cells", self.train_cells, ge=0)
         extra = self.phi * self.batch_groups
         require(
             abs(extra - round(extra)) < 1e-9,

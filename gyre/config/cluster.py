@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gyre.config.checks import require
+from gyre.config.checks import require, require_duration, require_int
 
 
 @dataclass(kw_only=True)
@@ -45,11 +45,11 @@ class ClusterConfig:
     """Publication of new weights to every rollout engine at the end of a burst."""
 
     def __post_init__(self) -> None:
-        require(self.num_cells >= 1, "cluster.num_cells", self.num_cells, "an integer >= 1")
-        require(self.cell_size >= 1, "cluster.cell_size", self.cell_size, "an integer >= 1")
-        require(self.cell_capacity > 0, "cluster.cell_capacity", self.cell_capacity, "an integer > 0")
-        require(self.separate_capacity >= 0, "cluster.separate_capacity", self.separate_capacity, "an integer >= 0")
-        require(self.separate_size >= 0, "cluster.separate_size", self.separate_size, "an integer >= 0")
+        require_int("cluster.num_cells", self.num_cells, ge=1)
+        require_int("cluster.cell_size", self.cell_size, ge=1)
+        require_int("cluster.cell_capacity", self.cell_capacity, gt=0)
+        require_int("cluster.separate_capacity", self.separate_capacity, ge=0)
+        require_int("cluster.separate_size", self.separate_size, ge=0)
         if self.separate_capacity > 0:
             require(
                 self.separate_size >= 1,
@@ -58,14 +58,9 @@ class ClusterConfig:
                 ">= 1 when cluster.separate_capacity > 0",
             )
         for name in ("to_training_s", "to_rollout_s", "join_s", "update_s", "publish_s"):
-            value = getattr(self, name)
-            require(value >= 0, f"cluster.{name}", value, "a duration >= 0 seconds")
-        require(
-            self.group_train_node_s > 0, "cluster.group_train_node_s", self.group_train_node_s, "a duration > 0 seconds"
-        )
-        require(
-            self.microsteps_per_group >= 1, "cluster.microsteps_per_group", self.microsteps_per_group, "an integer >= 1"
-        )
+            require_duration(f"cluster.{name}", getattr(self, name), allow_zero=True)
+        require_duration("cluster.group_train_node_s", self.group_train_node_s)
+        require_int("cluster.microsteps_per_group", self.microsteps_per_group, ge=1)
 
     @property
     def total_rollout_capacity(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gyre.config.checks import require
+from gyre.config.checks import require_number
 
 
 @dataclass(kw_only=True)
@@ -23,7 +23,7 @@ class LossConfig:
     """Cap on the token loss: l_u = min(cap, raw_u); where it binds the token's gradient is 0 (> 0; paper: 100)."""
 
     def __post_init__(self) -> None:
-        require(self.token_ratio_cap > 0, "loss.token_ratio_cap", self.token_ratio_cap, "a number > 0")
-        require(0 <= self.seq_clip_low < 1, "loss.seq_clip_low", self.seq_clip_low, "a number in [0, 1)")
-        require(self.seq_clip_high > 1, "loss.seq_clip_high", self.seq_clip_high, "a number > 1")
-        require(self.token_loss_cap > 0, "loss.token_loss_cap", self.token_loss_cap, "a number > 0")
+        require_number("loss.token_ratio_cap", self.token_ratio_cap, gt=0)
+        require_number("loss.seq_clip_low", self.seq_clip_low, ge=0, lt=1)
+        require_number("loss.seq_clip_high", self.seq_clip_high, gt=1)
+        require_number("loss.token_loss_cap", self.token_loss_cap, gt=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config.checks import require
+from gyre.config.checks import require, require_bool, require_duration, require_int, require_number
 
 
 @dataclass(kw_only=True)
@@ -24,10 +24,11 @@ class SamplingConfig:
     training run must not depend on what a harness happens to request."""
 
     def __post_init__(self) -> None:
-        require(self.temperature >= 0, "sampling.temperature", self.temperature, "a number >= 0")
-        require(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "a number in (0, 1]")
-        require(self.top_k >= 0, "sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
-        require(self.max_new_tokens >= 1, "sampling.max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        require_number("sampling.temperature", self.temperature, ge=0)
+        require_number("sampling.top_p", self.top_p, gt=0, le=1)
+        require_int("sampling.top_k", self.top_k, ge=0, note="0 = off")
+        require_int("sampling.max_new_tokens", self.max_new_tokens, ge=1)
+        require_bool("sampling.honor_client", self.honor_client)
 
 
 @dataclass(kw_only=True)
@@ -57,16 +58,16 @@ class ProxyConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
-        require(0 <= self.port <= 65535, "proxy.port", self.port, "an integer in [0, 65535] (0 = any free port)")
+        require_int("proxy.port", self.port, ge=0, le=65535, note="0 = any free port")
         require(
             len(self.model_names) >= 1 and all(isinstance(n, str) and n for n in self.model_names),
             "proxy.model_names",
             self.model_names,
             "a non-empty list of non-empty names",
         )
-        require(self.context_limit >= 0, "proxy.context_limit", self.context_limit, "an integer >= 0 (0 = model's)")
-        require(self.min_output_tokens >= 1, "proxy.min_output_tokens", self.min_output_tokens, "an integer >= 1")
-        require(self.max_body_bytes >= 1024, "proxy.max_body_bytes", self.max_body_bytes, "an integer >= 1024")
-        require(self.engine_wait_s >= 0, "proxy.engine_wait_s", self.engine_wait_s, "a number >= 0")
-        require(self.gc_freeze_every >= 0, "proxy.gc_freeze_every", self.gc_freeze_every, "an integer >= 0 (0 = off)")
-        require(self.gc_full_every_s >= 0, "proxy.gc_full_every_s", self.gc_full_every_s, "a number >= 0 (0 = off)")
+        require_int("proxy.context_limit", self.context_limit, ge=0, note="0 = model's")
+        require_int("proxy.min_output_tokens", self.min_output_tokens, ge=1)
+        require_int("proxy.max_body_bytes", self.max_body_bytes, ge=1024)
+        require_duration("proxy.engine_wait_s", self.engine_wait_s, allow_zero=True)
+        require_int("proxy.gc_freeze_every", self.gc_freeze_every, ge=0, note="0 = off")
+        require_duration("proxy.gc_full_every_s", self.gc_full_every_s, allow_zero=True, note="0 = off")

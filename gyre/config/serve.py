@@ -4,32 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config.checks import require
+from gyre.config.checks import require, require_duration, require_int
+from gyre.config.engine import EngineConfig
 from gyre.config.proxy import ProxyConfig
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass(kw_only=True)
-class EngineConfig:
-    """The embedded native engine (runs on its own thread, served on 127.0.0.1 like a cell leader's)."""
-
-    enabled: bool = True
-    """Serve from an embedded native engine; false with `engine_urls` to serve only from external engines."""
-    max_running: int = 16
-    """Requests decoded concurrently."""
-    device: str = "cpu"
-    """torch device, e.g. cpu or cuda:0."""
-    dtype: str = "float32"
-    """Weights and KV dtype: float32, bfloat16 or float16."""
-
-    def __post_init__(self) -> None:
-        require(self.max_running >= 1, "engine.max_running", self.max_running, "an integer >= 1")
-        require(self.dtype in DTYPES, "engine.dtype", self.dtype, f"one of {', '.join(DTYPES)}")
 
 
 @dataclass(kw_only=True)
 class ServeConfig:
+    """Root config of `python -m gyre.serve` (conf/serve.yaml)."""
+
     model_dir: str = ""
     """HF-layout model directory (config.json, safetensors, tokenizer.json, tokenizer_config.json with a chat
     template). Empty: the tiny default model, built locally on first use."""
@@ -43,8 +26,8 @@ class ServeConfig:
     """Stop after this many seconds; 0 = serve until SIGINT/SIGTERM."""
 
     def __post_init__(self) -> None:
-        require(self.executions >= 0, "executions", self.executions, "an integer >= 0")
-        require(self.duration_s >= 0, "duration_s", self.duration_s, "a number >= 0 (0 = until a signal)")
+        require_int("executions", self.executions, ge=0)
+        require_duration("duration_s", self.duration_s, allow_zero=True, note="0 = until a signal")
         require(
             self.engine.enabled or len(self.engine_urls) > 0,
             "engine.enabled",

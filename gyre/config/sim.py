@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gyre.config.algo import AlgoConfig
-from gyre.config.checks import require
+from gyre.config.checks import require, require_bool, require_int, require_number
 from gyre.config.cluster import ClusterConfig
 from gyre.config.workload import WorkloadConfig
 
@@ -27,9 +27,10 @@ class SimConfig:
     """Stop with an error if simulated time passes this (a config that can never finish)."""
 
     def __post_init__(self) -> None:
-        require(self.steps >= 1, "steps", self.steps, "an integer >= 1")
-        require(self.max_sim_hours > 0, "max_sim_hours", self.max_sim_hours, "a number > 0")
-        require(self.seed >= 0, "seed", self.seed, "an integer >= 0")
+        require_int("steps", self.steps, ge=1)
+        require_number("max_sim_hours", self.max_sim_hours, gt=0)
+        require_int("seed", self.seed, ge=0)
+        require_bool("timeline", self.timeline)
         check_capacity(self.cluster, self.algo)
 
 

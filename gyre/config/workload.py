@@ -12,10 +12,9 @@ placeholder. `replay` draws durations from a CSV instead.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from gyre.config.checks import require
+from gyre.config.checks import require, require_choice, require_duration, require_number
 
 DISTRIBUTIONS = ("lognormal", "mixture", "replay")
 
@@ -55,22 +54,17 @@ class WorkloadConfig:
     overall_timeout|failed, optional `query` to keep a group's executions together)."""
 
     def __post_init__(self) -> None:
-        require(
-            self.distribution in DISTRIBUTIONS,
-            "workload.distribution",
-            self.distribution,
-            f"one of {', '.join(DISTRIBUTIONS)}",
-        )
-        require(self.median_s > 0, "workload.median_s", self.median_s, "a duration > 0 seconds")
-        require(self.sigma >= 0, "workload.sigma", self.sigma, "a number >= 0")
-        require(self.query_sigma >= 0, "workload.query_sigma", self.query_sigma, "a number >= 0")
-        require(0 <= self.tail_fraction < 1, "workload.tail_fraction", self.tail_fraction, "a fraction in [0, 1)")
-        require(self.tail_factor >= 1, "workload.tail_factor", self.tail_factor, "a number >= 1")
+        require_choice("workload.distribution", self.distribution, DISTRIBUTIONS)
+        require_duration("workload.median_s", self.median_s)
+        require_number("workload.sigma", self.sigma, ge=0)
+        require_number("workload.query_sigma", self.query_sigma, ge=0)
+        require_number("workload.tail_fraction", self.tail_fraction, ge=0, lt=1)
+        require_number("workload.tail_factor", self.tail_factor, ge=1)
         if self.distribution == "mixture":
             require(self.tail_fraction > 0, "workload.tail_fraction", self.tail_fraction, "> 0 for a mixture")
-        require(self.harness_timeout_s >= 0, "workload.harness_timeout_s", self.harness_timeout_s, ">= 0 (0: none)")
-        require(self.eval_s >= 0, "workload.eval_s", self.eval_s, "a duration >= 0 seconds")
-        require(self.overall_timeout_s >= 0, "workload.overall_timeout_s", self.overall_timeout_s, ">= 0 (0: none)")
+        require_duration("workload.harness_timeout_s", self.harness_timeout_s, allow_zero=True, note="0: none")
+        require_duration("workload.eval_s", self.eval_s, allow_zero=True)
+        require_duration("workload.overall_timeout_s", self.overall_timeout_s, allow_zero=True, note="0: none")
         if self.overall_timeout_s and self.harness_timeout_s:
             require(
                 self.overall_timeout_s > self.harness_timeout_s,
@@ -78,13 +72,8 @@ class WorkloadConfig:
                 self.overall_timeout_s,
                 f"more than workload.harness_timeout_s ({self.harness_timeout_s:g})",
             )
-        require(
-            0 <= self.overall_timeout_share <= 1,
-            "workload.overall_timeout_share",
-            self.overall_timeout_share,
-            "a fraction in [0, 1]",
-        )
-        require(0 <= self.failure_rate < 1, "workload.failure_rate", self.failure_rate, "a fraction in [0, 1)")
+        require_number("workload.overall_timeout_share", self.overall_timeout_share, ge=0, le=1)
+        require_number("workload.failure_rate", self.failure_rate, ge=0, lt=1)
         if self.overall_timeout_share > 0:
             require(
                 self.overall_timeout_s > 0 and self.harness_timeout_s > 0,
@@ -92,11 +81,6 @@ class WorkloadConfig:
                 self.overall_timeout_share,
                 "0 unless both workload.harness_timeout_s and workload.overall_timeout_s are set",
             )
-        require(
-            math.isfinite(self.tokens_per_s) and self.tokens_per_s > 0,
-            "workload.tokens_per_s",
-            self.tokens_per_s,
-            "a number > 0",
-        )
+        require_number("workload.tokens_per_s", self.tokens_per_s, gt=0)
         if self.distribution == "replay":
             require(bool(self.replay_csv), "workload.replay_csv", self.replay_csv, "a CSV path for replay")

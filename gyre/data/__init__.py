@@ -17,7 +17,7 @@ Pure: imports gyre.traj, gyre.rl (torch) and numpy; no IO, no torch.distributed,
 
 from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import MicroStep, TokenRow, build_microstep
-from gyre.data.packing import PackingConfig, StreamPackingBuffer, first_fit_decreasing, materialize_group
+from gyre.data.packing import StreamPackingBuffer, first_fit_decreasing, materialize_group
 from gyre.data.queue import MicroStepQueue
 from gyre.data.trajectory_buffer import RolloutGroup, TrajectoryBuffer
 
@@ -25,7 +25,6 @@ __all__ = [
     "ClaimUnitAssembler",
     "MicroStep",
     "MicroStepQueue",
-    "PackingConfig",
     "RolloutGroup",
     "StreamPackingBuffer",
     "TokenRow",

@@ -37,72 +37,19 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from gyre.config.checks import require
+from gyre.config.packing import PackingConfig
 from gyre.data.microstep import MicroStep, TokenRow, build_microstep
 from gyre.data.queue import MicroStepQueue
 from gyre.data.trajectory_buffer import RolloutGroup, TrajectoryBuffer
 from gyre.rl.advantages import group_advantages
 
-__all__ = ["PackingConfig", "StreamPackingBuffer", "first_fit_decreasing", "materialize_group"]
+__all__ = ["StreamPackingBuffer", "first_fit_decreasing", "materialize_group"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class PackingConfig:
-    batch_groups: int
-    """[B] groups per training step (>= 1)."""
-    group_size: int
-    """[N] executions per group (>= 1); every group taken must have this N. num_executions = B * N."""
-    max_tokens_per_microstep: int
-    """Token budget of one micro-step, rows included whole (>= 1); the longest admitted row must fit."""
-    keep_executions_together: bool = True
-    """True: all rows of an execution go into one micro-step when they fit the budget (s_i and the mask m_i
-    then need no pre-pass); a larger execution is split over consecutive micro-steps, flagged in `split_E`.
-    False: rows pack freely (fuller micro-steps; every execution over several is flagged in `split_E`)."""
-    min_fill: float = 0.75
-    """After a pull, emit only micro-steps holding >= min_fill * budget tokens; in [0, 1] (0: emit all)."""
-    normalize_std: bool = False
-    """Divide advantages by the group's reward std (+ std_eps); default mean-centred only."""
-    std_eps: float = 1e-6
-    """eps of the std normalization (> 0)."""
-
-    def __post_init__(self) -> None:
-        for name, value, what in (
-            ("batch_groups", self.batch_groups, "an integer >= 1 (B)"),
-            ("group_size", self.group_size, "an integer >= 1 (N)"),
-            ("max_tokens_per_microstep", self.max_tokens_per_microstep, "an integer >= 1"),
-        ):
-            require(_is_int(value) and value >= 1, f"packing.{name}", value, what)
-        require(
-            isinstance(self.keep_executions_together, bool),
-            "packing.keep_executions_together",
-            self.keep_executions_together,
-            "a bool",
-        )
-        for name, value, ok, what in (
-            ("min_fill", self.min_fill, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-            ("std_eps", self.std_eps, lambda v: v > 0, "a number > 0"),
-        ):
-            require(_is_number(value) and ok(value), f"packing.{name}", value, what)
-
-    @property
-    def num_executions(self) -> int:
-        """B * N: the batch-mean denominator."""
-        return self.batch_groups * self.group_size
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def materialize_group(

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Container, Iterable, Mappin
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
-from gyre.config.checks import ConfigError, require
+from gyre.config.checks import ConfigError, is_int, require, require_int, require_number
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ def _int_tuple(values, field_name: str) -> tuple[int, ...]:
     out = tuple(values)
     for value in out:
         require(
-            isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+            is_int(value) and value >= 0,
             field_name,
             value,
             "non-negative integer token ids",
@@ -118,12 +118,8 @@ def check_request(
 
 def check_version(version, current: int) -> None:
     """`update_weights`' version: an integer, not below the engine's current one."""
-    if not _is_int(version) or version < current:
+    if not is_int(version) or version < current:
         raise ValueError(f"version={version!r} is not allowed: expected an integer >= {current}")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,34 +134,18 @@ class SamplingParams:
     seed: int | None = None  # per-request generator seed: same seed, weights and prompt -> same tokens
 
     def __post_init__(self) -> None:
-        require(
-            isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool),
-            "temperature",
-            self.temperature,
-            "a number >= 0 (0 = greedy)",
-        )
+        require_number("temperature", self.temperature, ge=0, note="0 = greedy")
         require(
             self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
             "temperature",
             self.temperature,
             f"0 (greedy) or a number >= {MIN_TEMPERATURE}",
         )
+        require_number("top_p", self.top_p, gt=0, le=1, note="1 = off")
+        require_int("top_k", self.top_k, ge=0, note="0 = off")
+        require_int("max_new_tokens", self.max_new_tokens, ge=1)
         require(
-            isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool),
-            "top_p",
-            self.top_p,
-            "a number in (0, 1] (1 = off)",
-        )
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1] (1 = off)")
-        require(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 = off)")
-        require(
-            _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-            "max_new_tokens",
-            self.max_new_tokens,
-            "an integer >= 1",
-        )
-        require(
-            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+            self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
             "seed",
             self.seed,
             "None or an integer in [0, 2**63)",

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from gyre.config.checks import require
+from gyre.config.checks import require, require_duration, require_int, require_number
 from gyre.engine.protocol import (
     EngineBusyError,
     EngineLoad,
@@ -66,14 +66,6 @@ def chat_reply(template: Any, respond: Callable[[GenerateRequest, str], str]) ->
     return reply
 
 
-def _is_number(value: object, low: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
-
-
-def _is_int(value: object, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 class _Flight:
     """One request from submission to its end: queued until `admitted` is set, then running."""
 
@@ -103,19 +95,16 @@ class ScriptedEngine:
         record_requests: bool = False,
     ):
         require(callable(reply), "reply", reply, "a callable: request -> iterable of token ids")
-        require(_is_number(logprob, float("-inf")) and logprob <= 0, "logprob", logprob, "a number <= 0")
-        require(_is_number(token_delay_s, 0), "token_delay_s", token_delay_s, "a number of seconds >= 0")
-        require(_is_number(first_token_delay_s, 0), "first_token_delay_s", first_token_delay_s, "seconds >= 0")
-        require(_is_int(max_running, 1), "max_running", max_running, "an integer >= 1")
-        require(_is_int(kv_tokens, 0), "kv_tokens", kv_tokens, "an integer >= 0")
-        require(vocab_size is None or _is_int(vocab_size, 1), "vocab_size", vocab_size, "None or an integer >= 1")
-        require(
-            context_length is None or _is_int(context_length, 2),
-            "context_length",
-            context_length,
-            "None or an integer >= 2",
-        )
-        require(_is_int(policy_version, 0), "policy_version", policy_version, "an integer >= 0")
+        require_number("logprob", logprob, le=0)
+        require_duration("token_delay_s", token_delay_s, allow_zero=True)
+        require_duration("first_token_delay_s", first_token_delay_s, allow_zero=True)
+        require_int("max_running", max_running, ge=1)
+        require_int("kv_tokens", kv_tokens, ge=0)
+        if vocab_size is not None:
+            require_int("vocab_size", vocab_size, ge=1)
+        if context_length is not None:
+            require_int("context_length", context_length, ge=2)
+        require_int("policy_version", policy_version, ge=0)
         self.reply = reply
         self.logprob = float(logprob)
         self.token_delay_s = token_delay_s  # before every token (a decode step)

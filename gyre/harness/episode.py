@@ -32,8 +32,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gyre.config.harness import ExecutionLimits
 from gyre.harness.evaluation import sandboxed_evaluation
-from gyre.harness.execution import ExecutionLimits, HarnessRun, run_harness
+from gyre.harness.execution import HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, HarnessRunner
 from gyre.harness.sandbox import Sandbox
 from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, to_evaluation

@@ -22,43 +22,20 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from gyre.config.harness import DEFAULT_GRACE_PERIOD_S, DEFAULT_KILL_WAIT_S
 from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, HarnessRunner
-from gyre.harness.sandbox import ResourceLimits, Sandbox, SandboxError
+from gyre.harness.sandbox import Sandbox, SandboxError
 from gyre.traj.outcomes import CloseKind
 
-__all__ = ["ExecutionLimits", "HarnessRun", "run_harness"]
+__all__ = ["HarnessRun", "run_harness"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GRACE_PERIOD_S = 10.0
-DEFAULT_KILL_WAIT_S = 10.0
 STDIN_WRITE_TIMEOUT_S = 30.0
 GROUP_POLL_S = 0.05  # how often a stopping process group is checked for members
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExecutionLimits:
-    """Time and resource budgets of one execution (docs/harness.md, "Configuration")."""
-
-    harness_timeout_s: float = 4 * 3600.0  # the harness's own budget; past it: HARNESS_TIMEOUT, work still scored
-    overall_timeout_s: float = 6 * 3600.0  # harness + evaluation; past it: OVERALL_TIMEOUT, excluded from training
-    grace_period_s: float = DEFAULT_GRACE_PERIOD_S  # between SIGTERM and SIGKILL of the process group
-    kill_wait_s: float = DEFAULT_KILL_WAIT_S  # bound on waiting for the group to die after SIGKILL
-    resources: ResourceLimits = field(default_factory=ResourceLimits)  # per-process rlimits in the sandbox
-
-    def __post_init__(self) -> None:
-        for name in ("harness_timeout_s", "overall_timeout_s", "grace_period_s", "kill_wait_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"ExecutionLimits.{name} must be a positive number of seconds, got {value!r}")
-        if self.overall_timeout_s < self.harness_timeout_s:
-            raise ValueError(
-                f"ExecutionLimits.overall_timeout_s ({self.overall_timeout_s}) must be >= harness_timeout_s "
-                f"({self.harness_timeout_s}): the overall budget covers the harness and its evaluation"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)

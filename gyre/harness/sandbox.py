@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from gyre.config.harness import ResourceLimits
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
 
 __all__ = [
@@ -44,14 +45,12 @@ __all__ = [
     "ContainerSandbox",
     "ExecutionDirs",
     "LocalSandbox",
-    "ResourceLimits",
     "Sandbox",
     "SandboxError",
 ]
 
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 REAP_TIMEOUT_S = 10.0  # bound on the helper that kills an execution uid's leftover processes
 PRIVATE_DIR_MODE = 0o700
 TRAVERSE_ONLY_MODE = 0o711  # others may pass through to their own subdirectory, not list it
@@ -61,38 +60,17 @@ class SandboxError(RuntimeError):
     """The sandbox cannot host this execution (misconfiguration, missing tool, permission); the message says why."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class ResourceLimits:
-    """Per-process rlimits set in the harness's child process before exec (None: inherit the controller's).
-
-    Each limit applies to every process of the harness separately (rlimits are per process), except
-    `max_processes`, which the kernel counts per real uid: it is applied only when the harness has its own uid
-    (LocalSandbox as root), since otherwise it would count the controller's own processes and threads.
-    """
-
-    address_space_bytes: int | None = 64 * GiB  # RLIMIT_AS: virtual memory; node/V8 reserve several GiB up front
-    cpu_seconds: int | None = 24 * 3600  # RLIMIT_CPU: CPU time per process (SIGXCPU, then SIGKILL)
-    file_size_bytes: int | None = 16 * GiB  # RLIMIT_FSIZE: largest file a process may write (SIGXFSZ)
-    max_processes: int | None = 1024  # RLIMIT_NPROC: processes + threads of the harness's uid
-    open_files: int | None = 65536  # RLIMIT_NOFILE
-
-    def __post_init__(self) -> None:
-        for name in ("address_space_bytes", "cpu_seconds", "file_size_bytes", "max_processes", "open_files"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"ResourceLimits.{name} must be a positive int or None, got {value!r}")
-
-    def rlimits(self, *, own_uid: bool) -> list[tuple[int, int]]:
-        """(resource, value) pairs to set, soft = hard = value."""
-        pairs = [
-            (resource.RLIMIT_AS, self.address_space_bytes),
-            (resource.RLIMIT_CPU, self.cpu_seconds),
-            (resource.RLIMIT_FSIZE, self.file_size_bytes),
-            (resource.RLIMIT_NOFILE, self.open_files),
-        ]
-        if own_uid:
-            pairs.append((resource.RLIMIT_NPROC, self.max_processes))
-        return [(res, value) for res, value in pairs if value is not None]
+def rlimit_pairs(limits: ResourceLimits, *, own_uid: bool) -> list[tuple[int, int]]:
+    """(resource, value) pairs to set, soft = hard = value; RLIMIT_NPROC only for a harness with its own uid."""
+    pairs = [
+        (resource.RLIMIT_AS, limits.address_space_bytes),
+        (resource.RLIMIT_CPU, limits.cpu_seconds),
+        (resource.RLIMIT_FSIZE, limits.file_size_bytes),
+        (resource.RLIMIT_NOFILE, limits.open_files),
+    ]
+    if own_uid:
+        pairs.append((resource.RLIMIT_NPROC, limits.max_processes))
+    return [(res, value) for res, value in pairs if value is not None]
 
 
 def _child_setup(limits: list[tuple[int, int]], uid: int | None) -> Callable[[], None]:
@@ -341,7 +319,7 @@ class LocalSandbox:
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,
-            preexec_fn=_child_setup(self.limits.rlimits(own_uid=uid is not None), uid),
+            preexec_fn=_child_setup(rlimit_pairs(self.limits, own_uid=uid is not None), uid),
         )
 
     # -- release ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@
 - `render_chat(messages, tools=None, add_generation_prompt=True)`: the Qwen/Hermes chat template in plain
   Python, equal to the Jinja `CHAT_TEMPLATE` stored in `tokenizer_config.json`.
 - `build_tiny_model(out_dir, spec=None, seed=0)`: tokenizer plus a seeded random-init Qwen3-style decoder
-  (`TinyModelSpec`) in one HF-layout directory; `tiny_model_dir()` builds it once under `~/.cache/gyre`
+  (`gyre.config.TinyModelSpec`) in one HF-layout directory; `tiny_model_dir()` builds it once under `~/.cache/gyre`
   (`$GYRE_CACHE`). CLI: `python -m gyre.models build-tiny OUT_DIR [--seed N]`.
 
 Importing this package imports neither `torch`, `tokenizers` nor `jinja2`; building, Jinja rendering or the
@@ -26,7 +26,7 @@ import importlib
 
 from gyre.models.chat_template import CHAT_TEMPLATE, render_chat, render_chat_jinja
 from gyre.models.decoder_config import DecoderConfig, RopeScaling
-from gyre.models.tiny import TinyModelSpec, build_tiny_model, count_parameters, tiny_model_dir
+from gyre.models.tiny import build_tiny_model, count_parameters, tiny_model_dir
 from gyre.models.tokenizer import (
     BOS_TOKEN,
     DEFAULT_VOCAB_SIZE,
@@ -80,7 +80,6 @@ __all__ = [
     "DecoderLM",
     "KVCache",
     "RopeScaling",
-    "TinyModelSpec",
     "block_causal_mask",
     "build_model",
     "build_tiny_model",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gyre.config.checks import require
+from gyre.config.checks import is_int, require
 
 ALIGN = 16  # byte alignment of every tensor in a flat buffer (a view needs offset % element size == 0)
 
@@ -39,8 +39,7 @@ class TensorSpec:
     offset: int  # byte offset of the first element in the buffer
 
     def __post_init__(self) -> None:
-        offset_ok = isinstance(self.offset, int) and not isinstance(self.offset, bool) and self.offset >= 0
-        require(offset_ok, "offset", self.offset, "a byte offset >= 0")
+        require(is_int(self.offset) and self.offset >= 0, "offset", self.offset, "a byte offset >= 0")
         object.__setattr__(self, "shape", tuple(self.shape))
 
 

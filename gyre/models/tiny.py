@@ -22,16 +22,16 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from gyre.config.model import TinyModelSpec
 from gyre.models.chat_template import TEMPLATE_PATH
 from gyre.models.tokenizer import (
     BOS_TOKEN,
     CORPUS_DIR,
-    DEFAULT_VOCAB_SIZE,
     EOS_TOKEN,
     PAD_TOKEN,
     build_tokenizer,
@@ -46,91 +46,30 @@ CACHE_PREFIX = "tiny-"
 BUILD_FORMAT = 1
 
 
-@dataclass(frozen=True, kw_only=True)
-class TinyModelSpec:
-    """Shape of the tiny decoder. Defaults follow the prototype (docs/warm-start.md) that learned tool use on 2 cores.
+def decoder_config(spec: TinyModelSpec, *, vocab_size: int, bos_token_id: int, eos_token_id: int):
+    """The `DecoderConfig` for a tokenizer of `vocab_size` entries."""
+    from gyre.models.decoder_config import DecoderConfig
 
-    `model_type` is `qwen3` (no attention biases, per-head RMSNorm on q and k before RoPE): QK-norm bounds the
-    attention logits, which keeps a tiny model stable under the high warm-start learning rate (1e-3) and under
-    RL updates, and Qwen3 is the architecture of the real checkpoints gyre serves, so the tiny model exercises
-    the same code path (`qwen2` would add q/k/v biases and no QK-norm; `llama` is also accepted).
-    """
-
-    model_type: str = "qwen3"  # qwen3 | qwen2 | llama (gyre.models.decoder_config.SUPPORTED_MODEL_TYPES)
-    vocab_size: int = DEFAULT_VOCAB_SIZE  # tokenizer vocabulary asked for; config.json gets the one trained
-    hidden_size: int = 192  # residual width (prototype: d 192)
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4  # query heads, head_dim 48
-    num_key_value_heads: int = 2  # GQA: 2 query heads per KV head, as real Qwen models (halves KV bytes)
-    intermediate_size: int = 512  # SwiGLU inner width (prototype: SwiGLU 512)
-    tie_word_embeddings: bool = True  # the embedding is the output layer: at d 192 it is a large share
-    rope_theta: float = 10000.0  # RoPE base; contexts are short (episodes ~41-70 tokens)
-    max_position_embeddings: int = 4096  # context limit recorded in config.json for the engine
-    rms_norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "an int > 0")
-        _require(
-            self.hidden_size % self.num_attention_heads == 0,
-            "hidden_size",
-            self.hidden_size,
-            f"a multiple of num_attention_heads={self.num_attention_heads}",
-        )
-        _require(
-            (self.hidden_size // self.num_attention_heads) % 2 == 0,
-            "hidden_size",
-            self.hidden_size,
-            f"hidden_size / num_attention_heads even (RoPE rotates pairs); got head_dim "
-            f"{self.hidden_size // self.num_attention_heads}",
-        )
-        _require(
-            self.num_attention_heads % self.num_key_value_heads == 0,
-            "num_key_value_heads",
-            self.num_key_value_heads,
-            f"a divisor of num_attention_heads={self.num_attention_heads}",
-        )
-        _require(self.model_type in ("qwen3", "qwen2", "llama"), "model_type", self.model_type, "qwen3|qwen2|llama")
-        _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "> 0")
-        _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "> 0")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def decoder_config(self, *, vocab_size: int, bos_token_id: int, eos_token_id: int):
-        """The `DecoderConfig` for a tokenizer of `vocab_size` entries."""
-        from gyre.models.decoder_config import DecoderConfig
-
-        return DecoderConfig(
-            model_type=self.model_type,
-            vocab_size=vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings,
-            attention_qkv_bias=self.model_type == "qwen2",
-            attention_out_bias=False,
-            qk_norm=self.model_type == "qwen3",
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            torch_dtype="float32",
-        )
+    return DecoderConfig(
+        model_type=spec.model_type,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        attention_qkv_bias=spec.model_type == "qwen2",
+        attention_out_bias=False,
+        qk_norm=spec.model_type == "qwen3",
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        torch_dtype="float32",
+    )
 
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, seed: int = 0) -> Path:
@@ -153,7 +92,8 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, see
     tokenizer = load_tokenizer(out)
     ids = {token: tokenizer.token_to_id(token) for token in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)}
     assert all(i is not None for i in ids.values()), ids  # build_tokenizer always adds the special tokens
-    config = spec.decoder_config(
+    config = decoder_config(
+        spec,
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         bos_token_id=ids[BOS_TOKEN],
         eos_token_id=ids[EOS_TOKEN],
@@ -263,8 +203,3 @@ def _version(package: str) -> str:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "absent"
-
-
-def _require(ok: bool, name: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"TinyModelSpec.{name}={value!r}: expected {expected}")

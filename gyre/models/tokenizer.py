@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from gyre.config.model import DEFAULT_VOCAB_SIZE
 from gyre.models.chat_template import CHAT_TEMPLATE
 
 CORPUS_DIR = Path(__file__).with_name("corpus")
@@ -40,7 +41,6 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 # tool-call JSON preamble one token" is what let a tiny model learn tool use).
 TOOL_CALL_TOKENS: tuple[str, ...] = ('{"name": "', '", "arguments": ')
 
-DEFAULT_VOCAB_SIZE = 512
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = ENDOFTEXT, IM_END, PAD
 
 

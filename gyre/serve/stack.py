@@ -63,7 +63,9 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
     if cfg.engine.enabled:
         dtype = getattr(torch, cfg.engine.dtype)
         model = await asyncio.to_thread(load_pretrained, model_dir, dtype, cfg.engine.device)
-        thread = ServerThread(lambda: NativeEngine(model, max_running=cfg.engine.max_running))
+        thread = ServerThread(
+            lambda: NativeEngine(model, max_running=cfg.engine.max_running, policy_version=cfg.engine.policy_version)
+        )
         url = await asyncio.to_thread(thread.start)
         remotes.append(await RemoteEngine.connect(url))
         table.add_engine("embedded", remotes[-1])

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from serve_process import start_serve
 
+from gyre.config import DemoConfig, ExecutionLimits
 from gyre.harness.builtin.runner import BuiltinRunner
 from gyre.harness.episode import ProxyAccess, run_episode
-from gyre.harness.execution import ExecutionLimits
 from gyre.harness.sandbox import LocalSandbox
-from gyre.tasks.demo import DemoConfig, generate_demo_tasks
+from gyre.tasks.demo import generate_demo_tasks
 from gyre.traj.outcomes import GroupOutcomes, Status
 from gyre.traj.roles import Role, classifier_for
 from gyre.traj.store import load_tree
@@ -30,7 +30,8 @@ NUM_TASKS = 4
 
 @pytest.fixture(scope="module")
 def warm_model() -> Path:
-    from gyre.tasks.demo.warm_start import WarmStartConfig, read_meta, warm_start_dir
+    from gyre.config import WarmStartConfig
+    from gyre.tasks.demo.warm_start import read_meta, warm_start_dir
 
     # The default settings, trained to the end however loaded the machine is (the budget is wall-clock time;
     # it is not part of the cache key, so this is the checkpoint `warm_start_dir()` gives everyone else too).

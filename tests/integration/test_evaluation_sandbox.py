@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config import ExecutionLimits
 from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.harness.evaluation import SandboxHost, sandboxed_evaluation
-from gyre.harness.execution import ExecutionLimits
 from gyre.harness.runners import CommandRunner
 from gyre.harness.sandbox import BubblewrapSandbox, LocalSandbox
 from gyre.tasks.evaluate import evaluate, workspace_digest

@@ -137,7 +137,8 @@ def _make_turns_end_early(model_dir: Path, end_of_turn_id: int) -> None:
 
 @pytest.fixture(scope="session")
 def long_context_model(tmp_path_factory) -> Path:
-    from gyre.models.tiny import TinyModelSpec, build_tiny_model
+    from gyre.config import TinyModelSpec
+    from gyre.models.tiny import build_tiny_model
     from gyre.proxy.render import ChatTemplate
 
     model_dir = build_tiny_model(

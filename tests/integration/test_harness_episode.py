@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config import ExecutionLimits
 from gyre.harness.episode import ProxyAccess, run_episode, run_group
-from gyre.harness.execution import ExecutionLimits
 from gyre.harness.runners import CommandRunner
 from gyre.harness.sandbox import LocalSandbox
 from gyre.tasks.spec import load_task

@@ -30,10 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config import ResourceLimits
 from gyre.harness.execution import run_harness
 from gyre.harness.protocol import ExecutionContext
 from gyre.harness.runners import CodexRunner, CommandRunner
-from gyre.harness.sandbox import BubblewrapSandbox, LocalSandbox, ResourceLimits
+from gyre.harness.sandbox import BubblewrapSandbox, LocalSandbox
 from gyre.traj.outcomes import CloseKind
 
 MiB = 1 << 20

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
-from gyre.config.serve import EngineConfig, ServeConfig
 from gyre.serve.stack import build_stack
 from gyre.traj.store import load_tree
 

@@ -15,8 +15,8 @@ import copy
 import anthropic
 import pytest
 
+from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
-from gyre.config.serve import EngineConfig, ServeConfig
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams

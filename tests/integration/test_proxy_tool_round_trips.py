@@ -17,8 +17,8 @@ import anthropic
 import openai
 import pytest
 
+from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig
-from gyre.config.serve import EngineConfig, ServeConfig
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.protocol import GenerateRequest
 from gyre.engine.scripted import ScriptedEngine, chat_reply

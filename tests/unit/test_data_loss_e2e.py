@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.data import MicroStep, PackingConfig, StreamPackingBuffer, TrajectoryBuffer, materialize_group
+from gyre.config import PackingConfig
+from gyre.data import MicroStep, StreamPackingBuffer, TrajectoryBuffer, materialize_group
 from gyre.rl import LossConfig, finalize_sequence_ratio, policy_loss, sequence_log_ratio_sums
 from gyre.traj import CallMeta, Provenance, Response, Segment, TrajectoryTree
 from gyre.traj.admission import AdmittedTrajectory

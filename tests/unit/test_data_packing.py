@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre.config import PackingConfig
 from gyre.data import (
     MicroStep,
-    PackingConfig,
     StreamPackingBuffer,
     TrajectoryBuffer,
     first_fit_decreasing,

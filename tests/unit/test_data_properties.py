@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.data import PackingConfig, StreamPackingBuffer, TrajectoryBuffer
+from gyre.config import PackingConfig
+from gyre.data import StreamPackingBuffer, TrajectoryBuffer
 from gyre.traj import CallMeta, Provenance, Response, Segment, TrajectoryTree
 from gyre.traj.admission import AdmittedTrajectory
 

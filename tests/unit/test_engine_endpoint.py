@@ -186,7 +186,7 @@ def test_an_unreachable_endpoint_is_unavailable(model):
 
 def test_serve_command_serves_a_model_directory_and_stops_on_sigterm(model, tmp_path):
     save_pretrained(model, tmp_path / "model")
-    command = [sys.executable, "-m", "gyre.engine", "serve", "--model-dir", str(tmp_path / "model"), "--port", "0"]
+    command = [sys.executable, "-m", "gyre.engine", "serve", f"model_dir={tmp_path / 'model'}", "port=0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = ""
@@ -216,10 +216,27 @@ def test_serve_command_serves_a_model_directory_and_stops_on_sigterm(model, tmp_
 
 
 def test_serve_command_refuses_an_unusable_model_directory(tmp_path):
-    command = [sys.executable, "-m", "gyre.engine", "serve", "--model-dir", str(tmp_path / "missing")]
+    command = [sys.executable, "-m", "gyre.engine", "serve", f"model_dir={tmp_path / 'missing'}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "config.json not found" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["port=70000"], "port=70000 is not allowed: expected an integer in [0, 65535]"),
+        (["engine.dtype=int8"], "engine.dtype='int8' is not allowed: expected one of float32, bfloat16, float16"),
+        (["engine.enabled=false"], "engine.enabled=False is not allowed"),
+        (["+max_running=2"], "max_running=2 is not allowed: expected one of the EngineServeConfig fields"),
+    ],
+)
+def test_serve_command_refuses_a_bad_config_with_one_line(overrides, message):
+    command = [sys.executable, "-m", "gyre.engine", "serve", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gyre.engine serve: config error: ") and message in lines[0]
 
 
 def test_a_call_extending_the_executions_last_prompt_sends_only_what_it_adds(server, model, monkeypatch):

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness.execution import ExecutionLimits
+from gyre.config import ExecutionLimits, ResourceLimits
 from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, HarnessRunner
 from gyre.harness.runners import ClaudeCodeRunner, CodexRunner, CommandRunner, runner_for
-from gyre.harness.sandbox import ContainerSandbox, ResourceLimits
+from gyre.harness.sandbox import ContainerSandbox
 from gyre.traj.roles import classifier_for
 
 BASE_KEYS = {

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from gyre.config import TinyModelSpec
 from gyre.models import (
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
-    TinyModelSpec,
     build_tiny_model,
     count_parameters,
     load_tokenizer,

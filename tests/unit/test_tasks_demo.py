@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config import DemoConfig
 from gyre.tasks import evaluate, load_tasks, prepare_workspace
 from gyre.tasks.demo import (
     CALCULATOR_TOOL,
     CALCULATOR_TOOL_SPEC,
-    DemoConfig,
     calculator,
     demo_episode,
     generate_demo_tasks,

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre.config.demo import DemoConfig
 from gyre.tasks.demo.calculator import CALCULATOR_TOOL, CALCULATOR_TOOL_SPEC, calculator, evaluate_expression
 from gyre.tasks.demo.check import EXPECTED_FILE
 from gyre.tasks.spec import TASK_FILE, Task, load_task, write_task_toml
@@ -31,7 +32,6 @@ from gyre.tasks.spec import TASK_FILE, Task, load_task, write_task_toml
 __all__ = [
     "CALCULATOR_TOOL",
     "CALCULATOR_TOOL_SPEC",
-    "DemoConfig",
     "DemoProblem",
     "calculator",
     "demo_episode",
@@ -40,46 +40,6 @@ __all__ = [
 ]
 
 SYSTEM_PROMPT = "You are a careful assistant. Use the calculator for arithmetic."  # as in the tiny model's corpus
-_OPERATORS = "+-*"
-
-
-@dataclass(frozen=True, kw_only=True)
-class DemoConfig:
-    """Difficulty knobs and episode shape of the demo family."""
-
-    num_operands: int = 2  # numbers per expression (2: "a * b"; 3+: "a + b * c", precedence matters)
-    min_digits: int = 1  # each operand has between min_digits and max_digits digits (uniform in the count)
-    max_digits: int = 4  # 4 digits: products a tiny model cannot guess, trivial for the tool
-    operators: str = "+-*"  # drawn uniformly per position; '*' is where the tool pays
-    parentheses: bool = False  # with 3+ operands, half the expressions group their first two operands
-    prompt_template: str = "What is {expression}?"  # a few dozen tokens at most; {expression} is required
-    answer_file: str = "answer.txt"  # where the answer must end up in the workspace
-    harness_timeout_s: float = 60.0  # a demo episode is seconds; past this the answer file is scored as is
-    overall_timeout_s: float = 120.0
-    id_prefix: str = "demo"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.num_operands, int) or self.num_operands < 2:
-            raise ValueError(f"DemoConfig.num_operands: expected an int >= 2, got {self.num_operands!r}")
-        if not (isinstance(self.min_digits, int) and isinstance(self.max_digits, int)):
-            raise TypeError("DemoConfig.min_digits and max_digits must be ints")
-        if not 1 <= self.min_digits <= self.max_digits <= 12:
-            raise ValueError(
-                f"DemoConfig: expected 1 <= min_digits <= max_digits <= 12, got {self.min_digits}, {self.max_digits}"
-            )
-        if not self.operators or any(op not in _OPERATORS for op in self.operators):
-            raise ValueError(
-                f"DemoConfig.operators: expected a non-empty subset of {_OPERATORS!r}, got {self.operators!r}"
-            )
-        if "{expression}" not in self.prompt_template:
-            raise ValueError(f"DemoConfig.prompt_template must contain {{expression}}, got {self.prompt_template!r}")
-        if not self.answer_file or "/" in self.answer_file or self.answer_file.startswith("."):
-            raise ValueError(f"DemoConfig.answer_file: expected a plain file name, got {self.answer_file!r}")
-        if not 0 < self.harness_timeout_s <= self.overall_timeout_s:
-            raise ValueError(
-                "DemoConfig: expected 0 < harness_timeout_s <= overall_timeout_s, got "
-                f"{self.harness_timeout_s}, {self.overall_timeout_s}"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,17 +40,18 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gyre
+from gyre.config.warm_start import WarmStartConfig
 from gyre.models.tiny import CONFIG_FILE, TOKENIZER_FILES, default_cache_root, spec_hash, tiny_model_dir
 from gyre.proxy.conversation import ChatRequest, ToolSpec, Turn
 from gyre.proxy.output import OutputDecoder
 from gyre.proxy.payload import PayloadCache
 from gyre.proxy.render import ChatTemplate, PromptBuilder
-from gyre.tasks.demo import SYSTEM_PROMPT, DemoConfig, DemoProblem, make_demo_problems
+from gyre.tasks.demo import SYSTEM_PROMPT, DemoProblem, make_demo_problems
 from gyre.tasks.demo.calculator import CALCULATOR_TOOL_SPEC
 from gyre.tasks.demo.calculator import call as calculator_call
 from gyre.tasks.demo.check import read_answer
@@ -66,56 +67,6 @@ CALCULATOR = ToolSpec(
     description=CALCULATOR_TOOL_SPEC["description"],
     parameters=CALCULATOR_TOOL_SPEC["input_schema"],
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class WarmStartConfig:
-    """Demonstration mix and optimizer of the warm start (defaults: the prototype, tuned in
-    docs/warm-start.md)."""
-
-    # Which demonstrations show the rewarded behavior (call the calculator, answer with its value); the others answer
-    # directly with the exact value, which the tiny model cannot learn beyond the easiest problems (its guesses).
-    tool_operators: str = "*"  # problems using any of these operators are always demonstrated with the tool
-    tool_fraction: float = 0.10  # of the other problems, the fraction demonstrated with the tool: what RL can find
-    num_demos: int = 4096  # pool of rendered demonstrations; batches are drawn from it with replacement
-    steps: int = 400  # optimizer steps
-    batch_size: int = 64  # episodes per step
-    lr: float = 1e-3  # peak AdamW learning rate (prototype: 1e-3; >= 2e-4 is too high for RL, fine here)
-    warmup_steps: int = 20  # linear warm-up, then cosine decay to lr * min_lr_ratio
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # global grad-norm clip
-    demo: DemoConfig = field(default_factory=DemoConfig)  # the problems demonstrated
-    max_minutes: float = 5.0  # wall-clock budget of the training loop (not part of the cache key)
-
-    def __post_init__(self) -> None:
-        if any(op not in "+-*" for op in self.tool_operators):
-            raise ValueError(f"WarmStartConfig.tool_operators: expected a subset of '+-*', got {self.tool_operators!r}")
-        if not 0.0 <= self.tool_fraction <= 1.0:
-            raise ValueError(f"WarmStartConfig.tool_fraction: expected a number in [0, 1], got {self.tool_fraction!r}")
-        for name in ("num_demos", "steps", "batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"WarmStartConfig.{name}: expected an int >= 1, got {value!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"WarmStartConfig.warmup_steps: expected an int >= 0, got {self.warmup_steps!r}")
-        if not self.lr > 0:
-            raise ValueError(f"WarmStartConfig.lr: expected a number > 0, got {self.lr!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"WarmStartConfig.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio!r}")
-        if self.weight_decay < 0 or self.grad_clip <= 0:
-            raise ValueError(
-                f"WarmStartConfig: expected weight_decay >= 0 and grad_clip > 0, got {self.weight_decay}, "
-                f"{self.grad_clip}"
-            )
-        if not self.max_minutes > 0:
-            raise ValueError(f"WarmStartConfig.max_minutes: expected a number > 0, got {self.max_minutes!r}")
-
-    def key_fields(self) -> dict[str, Any]:
-        """What determines the trained weights (everything but the time budget)."""
-        fields = asdict(self)
-        fields.pop("max_minutes")
-        return fields
 
 
 # ----------------------------------------------------------------------------- demonstrations

@@ -1,0 +1,88 @@
+"""Config of the bundled demo task family (`gyre.tasks.demo`): expression difficulty and episode shape.
+
+Composed by `WarmStartConfig` (the problems its demonstrations show) and by whatever generates demo tasks.
+Pure: stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gyre.config.checks import require, require_bool, require_duration, require_int
+
+DEMO_OPERATORS = "+-*"
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    """Difficulty knobs and episode shape of the demo family."""
+
+    num_operands: int = 2
+    """Numbers per expression (2: "a * b"; 3+: "a + b * c", precedence matters)."""
+    min_digits: int = 1
+    """Each operand has between min_digits and max_digits digits (uniform in the count)."""
+    max_digits: int = 4
+    """4 digits: products a tiny model cannot guess, trivial for the tool (at most 12)."""
+    operators: str = "+-*"
+    """Drawn uniformly per position, a non-empty subset of '+-*'; '*' is where the tool pays."""
+    parentheses: bool = False
+    """With 3+ operands, half the expressions group their first two operands."""
+    prompt_template: str = "What is {expression}?"
+    """The user prompt; a few dozen tokens at most; must contain {expression}."""
+    answer_file: str = "answer.txt"
+    """Where the answer must end up in the workspace (a plain file name)."""
+    harness_timeout_s: float = 60.0
+    """A demo episode takes seconds; past this the answer file is scored as is."""
+    overall_timeout_s: float = 120.0
+    """Harness + evaluation budget of one demo task (>= harness_timeout_s)."""
+    id_prefix: str = "demo"
+    """Task ids are `<id_prefix>-<seed>-<index>`."""
+
+    def __post_init__(self) -> None:
+        require_int("DemoConfig.num_operands", self.num_operands, ge=2)
+        require_int("DemoConfig.min_digits", self.min_digits, ge=1, le=12)
+        require_int("DemoConfig.max_digits", self.max_digits, ge=1, le=12)
+        require(
+            self.min_digits <= self.max_digits,
+            "DemoConfig.min_digits",
+            self.min_digits,
+            f"an integer <= max_digits ({self.max_digits})",
+        )
+        require(
+            isinstance(self.operators, str)
+            and len(self.operators) > 0
+            and all(op in DEMO_OPERATORS for op in self.operators),
+            "DemoConfig.operators",
+            self.operators,
+            f"a non-empty subset of {DEMO_OPERATORS!r}",
+        )
+        require_bool("DemoConfig.parentheses", self.parentheses)
+        require(
+            isinstance(self.prompt_template, str) and "{expression}" in self.prompt_template,
+            "DemoConfig.prompt_template",
+            self.prompt_template,
+            "a template containing {expression}",
+        )
+        require(
+            isinstance(self.answer_file, str)
+            and bool(self.answer_file)
+            and "/" not in self.answer_file
+            and not self.answer_file.startswith("."),
+            "DemoConfig.answer_file",
+            self.answer_file,
+            "a plain file name (no '/', not starting with '.')",
+        )
+        require_duration("DemoConfig.harness_timeout_s", self.harness_timeout_s)
+        require_duration("DemoConfig.overall_timeout_s", self.overall_timeout_s)
+        require(
+            self.harness_timeout_s <= self.overall_timeout_s,
+            "DemoConfig.harness_timeout_s",
+            self.harness_timeout_s,
+            f"a number <= overall_timeout_s ({self.overall_timeout_s:g})",
+        )
+        require(
+            isinstance(self.id_prefix, str) and bool(self.id_prefix) and "/" not in self.id_prefix,
+            "DemoConfig.id_prefix",
+            self.id_prefix,
+            "a non-empty name without '/'",
+        )

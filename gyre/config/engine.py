@@ -1,0 +1,62 @@
+"""Config of the native rollout engine (`EngineConfig`) and root config of `python -m gyre.engine serve`.
+
+`EngineConfig` is what a run sets of a native engine, wherever it runs: embedded in `python -m gyre.serve`
+(`ServeConfig.engine`) or standalone behind its HTTP endpoint (`EngineServeConfig.engine`, docs/endpoint.md).
+Pure: stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gyre.config.checks import require, require_bool, require_choice, require_int
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The native engine: how many requests it decodes at once, where its weights live, in which dtype."""
+
+    enabled: bool = True
+    """`gyre.serve` only: serve from an embedded native engine; false with `engine_urls` to serve only from
+    external engines. `python -m gyre.engine serve` always runs one (false is refused there)."""
+    max_running: int = 16
+    """Requests decoded concurrently."""
+    device: str = "cpu"
+    """torch device, e.g. cpu or cuda:0."""
+    dtype: str = "float32"
+    """Weights and KV dtype: float32, bfloat16 or float16."""
+    policy_version: int = 0
+    """Version of the served weights at start (>= 0); results report it, staleness accounting reads it."""
+
+    def __post_init__(self) -> None:
+        require_bool("engine.enabled", self.enabled)
+        require_int("engine.max_running", self.max_running, ge=1)
+        require(isinstance(self.device, str) and bool(self.device), "engine.device", self.device, "a torch device")
+        require_choice("engine.dtype", self.dtype, DTYPES)
+        require_int("engine.policy_version", self.policy_version, ge=0)
+
+
+@dataclass(kw_only=True)
+class EngineServeConfig:
+    """Root config of `python -m gyre.engine serve`: one native engine on its HTTP endpoint (conf/engine.yaml)."""
+
+    model_dir: str = ""
+    """HF-layout model directory (config.json + safetensors). Empty: the tiny default model, built locally on
+    first use."""
+    host: str = "127.0.0.1"
+    """Address the endpoint binds. Keep 127.0.0.1 unless the proxy runs on another machine."""
+    port: int = 0
+    """Port the endpoint binds; 0 picks a free one (printed at start as `engine endpoint: <url>`)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.host, str) and bool(self.host), "host", self.host, "an address to bind")
+        require_int("port", self.port, ge=0, le=65535, note="0 = any free port")
+        require(
+            self.engine.enabled,
+            "engine.enabled",
+            self.engine.enabled,
+            "true (python -m gyre.engine serve always runs its engine)",
+        )
