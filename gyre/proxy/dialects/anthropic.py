@@ -38,7 +38,9 @@ from gyre.proxy.conversation import (
 )
 from gyre.proxy.dialects.fields import FieldChecks, Spelling, header_signals
 from gyre.proxy.dialects.incremental import MessageCache
+from gyre.proxy.dialects.protocol import stated_role_signals
 from gyre.proxy.dialects.sse import sse_event
+from gyre.traj.roles import is_claude_code_summary_request
 
 # Headers that tell requests of one harness session apart (main agent, sub-agents); keys are lower-cased.
 SIGNAL_HEADERS = ("x-claude-code-session-id", "x-claude-code-agent-id", "user-agent", *GYRE_SIGNAL_HEADERS)
@@ -270,6 +272,19 @@ def parse_count_tokens(body: Any, headers: Mapping[str, str], query: Mapping[str
     return _parse(body, headers, require_max_tokens=False)
 
 
+def role_signals(request: ChatRequest) -> dict[str, Any]:
+    """The recorded role signals: the stated role (`x-gyre-role`), `agent_id` from header `x-claude-code-agent-id`
+    (a Claude Code sub-agent) and `summary_request` when the last user turn is Claude Code's compaction instruction."""
+    signals = stated_role_signals(request)
+    agent_id = signals.get("x-claude-code-agent-id")
+    if agent_id:
+        signals["agent_id"] = agent_id
+    last_user = next((turn for turn in reversed(request.turns) if turn.role == "user"), None)
+    if last_user is not None and is_claude_code_summary_request(last_user.text):
+        signals["summary_request"] = True
+    return signals
+
+
 # ----------------------------------------------------------------------------- responses
 
 
@@ -463,3 +478,44 @@ class StreamWriter:
             return b""
         self.done = True
         return sse_event(error_body(error), "error")
+
+
+# ----------------------------------------------------------------------------- the dialect
+
+
+class AnthropicMessages:
+    """The Anthropic Messages API as the server holds it (`gyre.proxy.dialects.protocol.Dialect`)."""
+
+    name = "anthropic"
+    path = "/v1/messages"
+    count_tokens_path = "/v1/messages/count_tokens"
+    response_prefix = "msg_"
+    call_prefix = "toolu_"
+    incremental = True
+
+    parse_count_tokens = staticmethod(parse_count_tokens)
+    count_tokens_body = staticmethod(count_tokens_body)
+    error_body = staticmethod(error_body)
+    role_signals = staticmethod(role_signals)
+
+    def parse_request(
+        self, body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None
+    ) -> ChatRequest:
+        return parse_request(body, headers, query, cache=cache)
+
+    def response_body(
+        self, request: ChatRequest, output: AssistantOutput, usage: Usage, *, response_id: str, created: int
+    ) -> dict[str, Any]:
+        return response_body(request, output, usage, message_id=response_id)
+
+    def stream_writer(self, request: ChatRequest, *, response_id: str, created: int, input_tokens: int) -> StreamWriter:
+        return StreamWriter(request, message_id=response_id, input_tokens=input_tokens)
+
+    def lists_models_for(self, headers: Mapping[str, str]) -> bool:
+        return "anthropic-version" in headers  # every Anthropic SDK call sends it
+
+    def models_body(self, names: Sequence[str], created: int) -> dict[str, Any]:
+        return models_body(names)
+
+
+ANTHROPIC = AnthropicMessages()

@@ -32,6 +32,7 @@ from gyre.proxy.conversation import (
 )
 from gyre.proxy.dialects.fields import FieldChecks, Spelling, header_signals, json_type
 from gyre.proxy.dialects.incremental import MessageCache
+from gyre.proxy.dialects.protocol import stated_role_signals
 from gyre.proxy.dialects.sse import sse_event
 
 # ApiError.kind -> (OpenAI error type, code). OpenAI clients key off `code` (Codex: "context_length_exceeded").
@@ -366,3 +367,36 @@ class StreamWriter:
     def error(self, error: ApiError) -> bytes:
         """An error after the stream started: OpenAI sends the error object as a data record."""
         return sse_event(error_body(error)) + b"data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------------------- the dialect
+
+
+class OpenAIChat:
+    """The OpenAI Chat Completions API as the server holds it (`gyre.proxy.dialects.protocol.Dialect`)."""
+
+    name = "openai_chat"
+    path = "/v1/chat/completions"
+    count_tokens_path = None
+    response_prefix = "chatcmpl-"
+    call_prefix = "call_"
+    incremental = True
+
+    response_body = staticmethod(response_body)
+    error_body = staticmethod(error_body)
+    models_body = staticmethod(models_body)
+    role_signals = staticmethod(stated_role_signals)
+
+    def parse_request(
+        self, body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None
+    ) -> ChatRequest:
+        return parse_request(body, headers, query, cache=cache)
+
+    def stream_writer(self, request: ChatRequest, *, response_id: str, created: int, input_tokens: int) -> StreamWriter:
+        return StreamWriter(request, response_id=response_id, created=created, input_tokens=input_tokens)
+
+    def lists_models_for(self, headers: Mapping[str, str]) -> bool:
+        return True  # OpenAI SDKs send no marker: every listing the Anthropic dialect does not claim is OpenAI's
+
+
+OPENAI_CHAT = OpenAIChat()

@@ -42,17 +42,20 @@ from gyre.proxy.conversation import (
     compact_json,
 )
 from gyre.proxy.dialects.fields import lower_headers
+from gyre.proxy.dialects.incremental import MessageCache
 from gyre.proxy.dialects.openai_chat import (
     check,
     content_text,
     error_body,
+    models_body,
     request_body,
     tool_arguments,
     tool_parameters,
 )
+from gyre.proxy.dialects.protocol import stated_role_signals
 from gyre.proxy.dialects.sse import sse_event
 
-__all__ = ["StreamWriter", "error_body", "parse_request", "response_body"]
+__all__ = ["OPENAI_RESPONSES", "StreamWriter", "error_body", "parse_request", "response_body"]
 
 MEDIA_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}  # refused: text-only models
 CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
@@ -628,3 +631,37 @@ class StreamWriter:
         out = self._event("error", code=body["code"], message=error.message, param=error.param)
         failed = self._snapshot("failed", error={"code": code, "message": error.message})
         return out + self._event("response.failed", response=failed)
+
+
+# ----------------------------------------------------------------------------- the dialect
+
+
+class OpenAIResponses:
+    """The OpenAI Responses API as the server holds it (`gyre.proxy.dialects.protocol.Dialect`)."""
+
+    name = "openai_responses"
+    path = "/v1/responses"
+    count_tokens_path = None
+    response_prefix = "resp_"
+    call_prefix = "call_"
+    incremental = False  # input items merge across item boundaries: the whole input is parsed each call
+
+    response_body = staticmethod(response_body)
+    error_body = staticmethod(error_body)
+    models_body = staticmethod(models_body)
+    role_signals = staticmethod(stated_role_signals)
+
+    def parse_request(
+        self, body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None
+    ) -> ChatRequest:
+        assert cache is None, "the Responses dialect is not incremental"
+        return parse_request(body, headers, query)
+
+    def stream_writer(self, request: ChatRequest, *, response_id: str, created: int, input_tokens: int) -> StreamWriter:
+        return StreamWriter(request, response_id=response_id, created=created, input_tokens=input_tokens)
+
+    def lists_models_for(self, headers: Mapping[str, str]) -> bool:
+        return False  # the Chat dialect answers OpenAI's model listings, in the shape both OpenAI APIs share
+
+
+OPENAI_RESPONSES = OpenAIResponses()
