@@ -493,15 +493,11 @@ class AnthropicMessages:
     call_prefix = "toolu_"
     incremental = True
 
+    parse_request = staticmethod(parse_request)
     parse_count_tokens = staticmethod(parse_count_tokens)
     count_tokens_body = staticmethod(count_tokens_body)
     error_body = staticmethod(error_body)
     role_signals = staticmethod(role_signals)
-
-    def parse_request(
-        self, body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None
-    ) -> ChatRequest:
-        return parse_request(body, headers, query, cache=cache)
 
     def response_body(
         self, request: ChatRequest, output: AssistantOutput, usage: Usage, *, response_id: str, created: int

@@ -32,7 +32,7 @@ from gyre.proxy.conversation import (
 )
 from gyre.proxy.dialects.fields import FieldChecks, Spelling, header_signals, json_type
 from gyre.proxy.dialects.incremental import MessageCache
-from gyre.proxy.dialects.protocol import stated_role_signals
+from gyre.proxy.dialects.protocol import stated_role_signals, unsent_events
 from gyre.proxy.dialects.sse import sse_event
 
 # ApiError.kind -> (OpenAI error type, code). OpenAI clients key off `code` (Codex: "context_length_exceeded").
@@ -343,13 +343,8 @@ class StreamWriter:
         return self._chunk({"tool_calls": [{"index": index, **_tool_call_json(ev.call)}]})
 
     def finish(self, output: AssistantOutput, usage: Usage) -> bytes:
-        out = b""
-        if output.thinking.startswith(self._thinking):
-            out += self.event(ThinkingDelta(output.thinking[len(self._thinking) :]))
-        if output.text.startswith(self._text):
-            out += self.event(TextDelta(output.text[len(self._text) :]))
-        for call in output.tool_calls[self._num_tool_calls :]:
-            out += self.event(ToolCallDone(call))
+        unsent = unsent_events(output, thinking=self._thinking, text=self._text, num_tool_calls=self._num_tool_calls)
+        out = b"".join(self.event(event) for event in unsent)
         out += self._chunk({}, FINISH_REASONS[output.stop_reason])
         if self.request.include_usage:
             out += sse_event(
@@ -382,18 +377,13 @@ class OpenAIChat:
     call_prefix = "call_"
     incremental = True
 
+    parse_request = staticmethod(parse_request)
     response_body = staticmethod(response_body)
+    stream_writer = StreamWriter
+    # Shared with the Responses dialect (it derives from this class): OpenAI's error shape and model listing.
     error_body = staticmethod(error_body)
     models_body = staticmethod(models_body)
     role_signals = staticmethod(stated_role_signals)
-
-    def parse_request(
-        self, body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None
-    ) -> ChatRequest:
-        return parse_request(body, headers, query, cache=cache)
-
-    def stream_writer(self, request: ChatRequest, *, response_id: str, created: int, input_tokens: int) -> StreamWriter:
-        return StreamWriter(request, response_id=response_id, created=created, input_tokens=input_tokens)
 
     def lists_models_for(self, headers: Mapping[str, str]) -> bool:
         return True  # OpenAI SDKs send no marker: every listing the Anthropic dialect does not claim is OpenAI's

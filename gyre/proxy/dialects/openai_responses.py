@@ -32,7 +32,6 @@ from gyre.proxy.conversation import (
     AssistantOutput,
     ChatRequest,
     OutputEvent,
-    TextDelta,
     ThinkingDelta,
     ToolCall,
     ToolCallDone,
@@ -44,15 +43,15 @@ from gyre.proxy.conversation import (
 from gyre.proxy.dialects.fields import lower_headers
 from gyre.proxy.dialects.incremental import MessageCache
 from gyre.proxy.dialects.openai_chat import (
+    OpenAIChat,
     check,
     content_text,
     error_body,
-    models_body,
     request_body,
     tool_arguments,
     tool_parameters,
 )
-from gyre.proxy.dialects.protocol import stated_role_signals
+from gyre.proxy.dialects.protocol import unsent_events
 from gyre.proxy.dialects.sse import sse_event
 
 __all__ = ["OPENAI_RESPONSES", "StreamWriter", "error_body", "parse_request", "response_body"]
@@ -612,13 +611,8 @@ class StreamWriter:
         return out
 
     def finish(self, output: AssistantOutput, usage: Usage) -> bytes:
-        out = b""
-        if output.thinking.startswith(self._thinking):
-            out += self.event(ThinkingDelta(output.thinking[len(self._thinking) :]))
-        if output.text.startswith(self._text):
-            out += self.event(TextDelta(output.text[len(self._text) :]))
-        for call in output.tool_calls[self._num_tool_calls :]:
-            out += self.event(ToolCallDone(call))
+        unsent = unsent_events(output, thinking=self._thinking, text=self._text, num_tool_calls=self._num_tool_calls)
+        out = b"".join(self.event(event) for event in unsent)
         status = _status(output)
         out += self._close_item(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -636,20 +630,17 @@ class StreamWriter:
 # ----------------------------------------------------------------------------- the dialect
 
 
-class OpenAIResponses:
-    """The OpenAI Responses API as the server holds it (`gyre.proxy.dialects.protocol.Dialect`)."""
+class OpenAIResponses(OpenAIChat):
+    """The OpenAI Responses API as the server holds it (`gyre.proxy.dialects.protocol.Dialect`); its error shape,
+    model listing and role signals are the Chat Completions dialect's."""
 
     name = "openai_responses"
     path = "/v1/responses"
-    count_tokens_path = None
     response_prefix = "resp_"
-    call_prefix = "call_"
     incremental = False  # input items merge across item boundaries: the whole input is parsed each call
 
     response_body = staticmethod(response_body)
-    error_body = staticmethod(error_body)
-    models_body = staticmethod(models_body)
-    role_signals = staticmethod(stated_role_signals)
+    stream_writer = StreamWriter
 
     def parse_request(
         self, body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None
@@ -657,11 +648,8 @@ class OpenAIResponses:
         assert cache is None, "the Responses dialect is not incremental"
         return parse_request(body, headers, query)
 
-    def stream_writer(self, request: ChatRequest, *, response_id: str, created: int, input_tokens: int) -> StreamWriter:
-        return StreamWriter(request, response_id=response_id, created=created, input_tokens=input_tokens)
-
     def lists_models_for(self, headers: Mapping[str, str]) -> bool:
-        return False  # the Chat dialect answers OpenAI's model listings, in the shape both OpenAI APIs share
+        return False  # the Chat dialect answers OpenAI's listings, in the one shape both OpenAI APIs share
 
 
 OPENAI_RESPONSES = OpenAIResponses()

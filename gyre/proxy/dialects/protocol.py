@@ -16,7 +16,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, OutputEvent, Usage
+from gyre.proxy.conversation import (
+    ApiError,
+    AssistantOutput,
+    ChatRequest,
+    OutputEvent,
+    TextDelta,
+    ThinkingDelta,
+    ToolCallDone,
+    Usage,
+)
 from gyre.proxy.dialects.incremental import MessageCache
 
 
@@ -93,3 +102,15 @@ def stated_role_signals(request: ChatRequest) -> dict[str, Any]:
     if role:
         signals["gyre_role"] = role
     return signals
+
+
+def unsent_events(output: AssistantOutput, *, thinking: str, text: str, num_tool_calls: int) -> list[OutputEvent]:
+    """The events that carry what of `output` a stream has not sent, given the `thinking` and `text` it sent and
+    its first `num_tool_calls` tool calls: a writer's `finish` sends them, so the stream adds up to `output`."""
+    events: list[OutputEvent] = []
+    if output.thinking.startswith(thinking):
+        events.append(ThinkingDelta(output.thinking[len(thinking) :]))
+    if output.text.startswith(text):
+        events.append(TextDelta(output.text[len(text) :]))
+    events.extend(ToolCallDone(call) for call in output.tool_calls[num_tool_calls:])
+    return events
