@@ -12,6 +12,8 @@ Contract (pure: no IO; the HTTP server decodes bodies and writes what these func
   real API sends them, so the SDK's own accumulator rebuilds the same message `response_body` returns.
 - Usage follows the API's convention: `input_tokens` counts only the prompt tokens not read from cache, so
   `input_tokens + cache_read_input_tokens` is the whole prompt (Claude Code adds them up to track its context).
+- `ANTHROPIC` is this dialect as the server holds it (`gyre.proxy.dialects.protocol.Dialect`); fields are checked
+  with the kit of `gyre.proxy.dialects.fields` in Anthropic's spelling (`check`).
 """
 
 from __future__ import annotations

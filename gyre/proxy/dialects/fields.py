@@ -8,9 +8,10 @@ itself when its type is right but the value is not) and what is allowed:
     Anthropic   messages.3.content: expected an array, got integer       max_tokens: must be >= 1, got 0
     OpenAI      messages[3].content must be an array, got integer        max_tokens: must be at least 1, got 0
 
-A dialect holds one `FieldChecks` built with its `Spelling`: the few words its clients read in their own way (how a
-wrong type or choice is phrased, how a lower bound reads). Every other word is this module's, the same in all
-dialects. Paths are the dialect's own (`messages.3.content` in Anthropic's, `messages[3].content` in OpenAI's).
+A dialect holds one `FieldChecks` built with its `Spelling`: the few words in which its messages differ from the
+other dialects' (how a wrong type or choice is phrased, how a lower bound reads), kept as its clients and tests know
+them. Every other word is this module's, the same in all dialects. Paths are the dialect's own
+(`messages.3.content` in Anthropic's, `messages[3].content` in OpenAI's).
 
 Also here: the header readers the dialects take their role signals with (`header_signals`).
 """

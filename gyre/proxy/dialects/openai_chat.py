@@ -5,6 +5,9 @@ Contract (the HTTP server calls these; no IO here):
   offending field (`param="messages[2].content"`) for wrong types or missing fields; unknown fields are ignored.
 - `response_body(...)`, `StreamWriter` (SSE `data: <json>\\n\\n` chunks ending with `data: [DONE]`), `error_body(...)`
   and `models_body(...)` produce the API's own shapes, as the `openai` SDK's types parse them.
+- `OPENAI_CHAT` is this dialect as the server holds it (`gyre.proxy.dialects.protocol.Dialect`). `check` (the kit of
+  `gyre.proxy.dialects.fields` in OpenAI's spelling), the error shape and the readers of content and tool
+  arguments serve the Responses dialect too.
 
 Canonical mapping (see `gyre.proxy.conversation`): `messages[0]` with role system/developer is `ChatRequest.system`;
 later system/developer messages stay `Turn(role="system")` at their position; text parts of one message are joined

@@ -5,6 +5,8 @@ Contract (the HTTP server calls these; no IO here):
   offending field (`param="input[3].call_id"`); unknown fields are ignored, unknown *item* types are refused.
 - `response_body(...)`, `StreamWriter` (SSE with `event: <type>` lines and increasing `sequence_number`) and
   `error_body` produce the API's own shapes, as the `openai` SDK's types parse them.
+- `OPENAI_RESPONSES` is this dialect as the server holds it (`gyre.proxy.dialects.protocol.Dialect`); fields are
+  checked, and errors and model listings answered, as in `gyre.proxy.dialects.openai_chat`.
 
 Canonical mapping (see `gyre.proxy.conversation` and HARNESS-NOTES.md):
 - `instructions`, then the first system/developer message when no turn precedes it, joined with "\\n\\n", are
