@@ -681,11 +681,11 @@ def breakdown(setup: dict, reps: int, history_tokens: int) -> dict:
     """
     from gyre.config.proxy import ProxyConfig
     from gyre.engine import wire
-    from gyre.proxy.dialects import anthropic
+    from gyre.proxy.dialects import ANTHROPIC, anthropic
     from gyre.proxy.payload import PayloadCache
     from gyre.proxy.render import PromptBuilder
     from gyre.proxy.routing import RoutedFinish, RoutingTable
-    from gyre.proxy.server import ANTHROPIC, ProxyServer, _Call
+    from gyre.proxy.server import ProxyServer, _Call
     from gyre.proxy.sessions import SessionRegistry, thread_key
 
     template = setup["template"]

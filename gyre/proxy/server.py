@@ -22,8 +22,6 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import orjson
@@ -33,31 +31,18 @@ from gyre.config.proxy import ProxyConfig
 from gyre.engine.errors import RemoteEngineError
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
-from gyre.proxy.dialects import anthropic, openai_chat, openai_responses
+from gyre.proxy.dialects import DIALECTS, DIALECTS_BY_NAME, Dialect
+from gyre.proxy.dialects.protocol import StreamWriter
 from gyre.proxy.heap import HeapFreezer
 from gyre.proxy.output import OutputDecoder
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
 from gyre.proxy.sessions import ExecutionSession, SessionRegistry, key_from_headers, thread_key
 from gyre.traj.record import CallMeta
-from gyre.traj.roles import Role, is_claude_code_summary_request
+from gyre.traj.roles import Role
 
 ROLE_LABELS = tuple(role.value for role in Role)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Dialect:
-    name: str
-    module: ModuleType
-    response_prefix: str  # response / message id prefix
-    call_prefix: str  # tool-call id prefix
-    incremental: bool = True  # parse_request reuses the thread's unchanged messages (a MessageCache)
-
-
-ANTHROPIC = Dialect("anthropic", anthropic, "msg_", "toolu_")
-OPENAI_CHAT = Dialect("openai_chat", openai_chat, "chatcmpl-", "call_")
-OPENAI_RESPONSES = Dialect("openai_responses", openai_responses, "resp_", "call_", incremental=False)
 
 
 def _new_id(prefix: str) -> str:
@@ -65,7 +50,10 @@ def _new_id(prefix: str) -> str:
 
 
 class ProxyServer:
-    """Serves the dialects for the executions of `registry`, sending calls to the engines of `table`."""
+    """Serves `DIALECTS` for the executions of `registry`, sending calls to the engines of `table`.
+
+    The server holds each dialect by the `Dialect` protocol (`gyre.proxy.dialects.protocol`) and has no per-dialect
+    branch: a dialect's routes, shapes and signals are its own."""
 
     def __init__(
         self,
@@ -87,18 +75,19 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
         self.heap = HeapFreezer(config.gc_freeze_every, config.gc_full_every_s)
         self.app = web.Application(client_max_size=config.max_body_bytes)
-        self.app.add_routes(
-            [
-                web.get("/", self._root),  # aiohttp answers HEAD / with the same handler
-                web.get("/v1/models", self._models),
-                web.post("/v1/messages", self._dialect_handler(ANTHROPIC)),
-                web.post("/v1/messages/count_tokens", self._count_tokens),
-                web.post("/v1/chat/completions", self._dialect_handler(OPENAI_CHAT)),
-                web.post("/v1/responses", self._dialect_handler(OPENAI_RESPONSES)),
-                web.post("/gyre/executions", self._issue),
-                web.post("/gyre/executions/{execution}/close", self._close),
-            ]
-        )
+        routes = [
+            web.get("/", self._root),  # aiohttp answers HEAD / with the same handler
+            web.get("/v1/models", self._models),
+        ]
+        for dialect in DIALECTS:
+            routes.append(web.post(dialect.path, self._dialect_handler(dialect)))
+            if dialect.count_tokens_path is not None:
+                routes.append(web.post(dialect.count_tokens_path, self._count_tokens_handler(dialect)))
+        routes += [
+            web.post("/gyre/executions", self._issue),
+            web.post("/gyre/executions/{execution}/close", self._close),
+        ]
+        self.app.add_routes(routes)
 
     @property
     def url(self) -> str:
@@ -127,9 +116,9 @@ class ProxyServer:
         return web.Response(status=200) if http.method == "HEAD" else _json({"ok": True, "service": "gyre proxy"})
 
     async def _models(self, http: web.Request) -> web.Response:
-        if "anthropic-version" in http.headers:
-            return _json(anthropic.models_body(self.config.model_names))
-        return _json(openai_chat.models_body(self.config.model_names, int(time.time())))
+        headers = _headers(http)
+        dialect = next(dialect for dialect in DIALECTS if dialect.lists_models_for(headers))
+        return _json(dialect.models_body(self.config.model_names, int(time.time())))
 
     async def _issue(self, http: web.Request) -> web.Response:
         if not self._is_admin(http):
@@ -172,26 +161,27 @@ class ProxyServer:
 
         return handler
 
-    async def _count_tokens(self, http: web.Request) -> web.Response:
-        try:
-            session = self._authenticate(http)
-            body = await self._read_json(http)
-            request = anthropic.parse_count_tokens(body, _headers(http), dict(http.query))
-            self._check_model(request.model)
-            prompt = session.make_builder(session.payload).build(request)  # a throwaway builder: no cache churn
-        except ApiError as error:
-            return self.error_response(ANTHROPIC, error)
-        return _json(anthropic.count_tokens_body(prompt.num_tokens))
+    def _count_tokens_handler(self, dialect: Dialect):
+        async def handler(http: web.Request) -> web.Response:
+            try:
+                session = self._authenticate(http)
+                body = await self._read_json(http)
+                request = dialect.parse_count_tokens(body, _headers(http), dict(http.query))
+                self._check_model(request.model)
+                prompt = session.make_builder(session.payload).build(request)  # a throwaway builder: no cache churn
+            except ApiError as error:
+                return self.error_response(dialect, error)
+            return _json(dialect.count_tokens_body(prompt.num_tokens))
+
+        return handler
 
     async def _admit(self, http: web.Request, dialect: Dialect) -> tuple[ExecutionSession, ChatRequest]:
         session = self._authenticate(http)
         body = await self._read_json(http)
         headers = _headers(http)
-        if dialect.incremental:  # parse only the messages the thread's previous request did not have
-            cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}")
-            request = dialect.module.parse_request(body, headers, dict(http.query), cache=cache)
-        else:
-            request = dialect.module.parse_request(body, headers, dict(http.query))
+        # An incremental dialect parses only the messages the thread's previous request did not have.
+        cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}") if dialect.incremental else None
+        request = dialect.parse_request(body, headers, dict(http.query), cache=cache)
         self._check_model(request.model)
         role = request.signals.get("x-gyre-role")
         if role is not None and role not in ROLE_LABELS:
@@ -247,7 +237,7 @@ class ProxyServer:
             raise ApiError("invalid_request", str(error)) from None
 
     def error_response(self, dialect: Dialect, error: ApiError) -> web.Response:
-        return _json(dialect.module.error_body(error), error.status)
+        return _json(dialect.error_body(error), error.status)
 
 
 class _Call:
@@ -334,16 +324,11 @@ class _Call:
         self._record()
 
     def _body(self, output: AssistantOutput) -> dict:
-        module, usage = self.dialect.module, self._usage()
-        if self.dialect is ANTHROPIC:
-            return module.response_body(self.request, output, usage, message_id=self.response_id)
-        return module.response_body(self.request, output, usage, response_id=self.response_id, created=self.created)
+        usage, response_id = self._usage(), self.response_id
+        return self.dialect.response_body(self.request, output, usage, response_id=response_id, created=self.created)
 
-    def _writer(self):
-        module = self.dialect.module
-        if self.dialect is ANTHROPIC:
-            return module.StreamWriter(self.request, message_id=self.response_id, input_tokens=self.prompt.num_tokens)
-        return module.StreamWriter(
+    def _writer(self) -> StreamWriter:
+        return self.dialect.stream_writer(
             self.request, response_id=self.response_id, created=self.created, input_tokens=self.prompt.num_tokens
         )
 
@@ -396,19 +381,6 @@ def _json(payload: Any, status: int = 200) -> web.Response:
 
 
 def role_signals(request: ChatRequest) -> dict[str, Any]:
-    """The request's signals plus the keys the role classifiers read (`gyre.traj.roles`): for the Anthropic
-    dialect, `agent_id` from header `x-claude-code-agent-id` (a Claude Code sub-agent) and `summary_request`
-    when the last user turn is Claude Code's compaction instruction."""
-    signals = dict(request.signals)
-    role = signals.get("x-gyre-role")
-    if role:  # any harness may state its role (gyre's builtin harness always does): see GYRE_SIGNAL_HEADERS
-        signals["gyre_role"] = role
-    if request.dialect != "anthropic":
-        return signals
-    agent_id = signals.get("x-claude-code-agent-id")
-    if agent_id:
-        signals["agent_id"] = agent_id
-    last_user = next((turn for turn in reversed(request.turns) if turn.role == "user"), None)
-    if last_user is not None and is_claude_code_summary_request(last_user.text):
-        signals["summary_request"] = True
-    return signals
+    """The request's signals plus the keys the role classifiers read (`gyre.traj.roles`), as its dialect records
+    them (`Dialect.role_signals`)."""
+    return DIALECTS_BY_NAME[request.dialect].role_signals(request)

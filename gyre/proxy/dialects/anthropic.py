@@ -12,6 +12,8 @@ Contract (pure: no IO; the HTTP server decodes bodies and writes what these func
   real API sends them, so the SDK's own accumulator rebuilds the same message `response_body` returns.
 - Usage follows the API's convention: `input_tokens` counts only the prompt tokens not read from cache, so
   `input_tokens + cache_read_input_tokens` is the whole prompt (Claude Code adds them up to track its context).
+- `ANTHROPIC` is this dialect as the server holds it (`gyre.proxy.dialects.protocol.Dialect`); fields are checked
+  with the kit of `gyre.proxy.dialects.fields` in Anthropic's spelling (`check`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,10 +37,12 @@ from gyre.proxy.conversation import (
     ToolSpec,
     Turn,
     Usage,
-    compact_json,
 )
+from gyre.proxy.dialects.fields import FieldChecks, Spelling, header_signals
 from gyre.proxy.dialects.incremental import MessageCache
+from gyre.proxy.dialects.protocol import stated_role_signals
 from gyre.proxy.dialects.sse import sse_event
+from gyre.traj.roles import is_claude_code_summary_request
 
 # Headers that tell requests of one harness session apart (main agent, sub-agents); keys are lower-cased.
 SIGNAL_HEADERS = ("x-claude-code-session-id", "x-claude-code-agent-id", "user-agent", *GYRE_SIGNAL_HEADERS)
@@ -58,109 +61,18 @@ ERROR_TYPES = {
     "api_error": "api_error",
 }
 
-IMAGE_UNSUPPORTED = "image input is not supported by this model"
+MEDIA_BLOCKS = ("image", "document")  # refused: the supported models are text-only
+ASSISTANT_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use")
 # When a model's release date is unknown the API reports the epoch (anthropic.types.ModelInfo.created_at).
 EPOCH = "1970-01-01T00:00:00Z"
 # The text blocks of one message are joined like this (gyre.proxy.conversation, canonical content).
 BLOCK_SEPARATOR = "\n\n"
 
 
-# ----------------------------------------------------------------------------- field validation
+# ----------------------------------------------------------------------------- field checks
 
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def _invalid(path: str, message: str) -> ApiError:
-    return ApiError("invalid_request", f"{path}: {message}", param=path)
-
-
-def _expected(path: str, expected: str, value: Any) -> ApiError:
-    return _invalid(path, f"expected {expected}, got {_json_type(value)}")
-
-
-def _string(value: Any, path: str, *, non_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise _expected(path, "a string", value)
-    if non_empty and not value:
-        raise _invalid(path, "must be a non-empty string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        # json.loads lets lone surrogates ("\ud800") through; tokenizers and the recorder cannot encode them.
-        raise _invalid(path, "string is not valid Unicode (lone surrogate)") from None
-    return value
-
-
-def _object(value: Any, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _expected(path, "an object", value)
-    return value
-
-
-def _array(value: Any, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _expected(path, "an array", value)
-    return value
-
-
-def _optional_bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _expected(key, "a boolean", value)
-    return value
-
-
-def _optional_number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _expected(key, "a number", value)
-    if not (math.isfinite(value) and low <= value <= high):
-        raise _invalid(key, f"must be between {low} and {high}, got {value!r}")
-    return float(value)
-
-
-def _optional_int(body: dict[str, Any], key: str, low: int) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _expected(key, "an integer", value)
-    if value < low:
-        raise _invalid(key, f"must be >= {low}, got {value}")
-    return value
-
-
-def _checked_json(value: Any, path: str) -> str:
-    """`compact_json(value)`, refusing what is not strict JSON (NaN, infinities) or cannot be encoded."""
-    try:
-        json.dumps(value, allow_nan=False)
-        text = compact_json(value)
-        text.encode("utf-8")
-    except ValueError:  # NaN / Infinity (UnicodeEncodeError is a ValueError too)
-        raise _invalid(path, "must be strict JSON: no NaN, Infinity or lone surrogates") from None
-    except RecursionError:
-        raise _invalid(path, "is nested too deeply") from None
-    return text
+# Anthropic's field messages: "messages.3.content: expected an array, got integer" (gyre.proxy.dialects.fields).
+check = FieldChecks(Spelling(expected="{path}: expected {allowed}, got {got}", choices="{}", at_least=">= {low}"))
 
 
 # ----------------------------------------------------------------------------- request parsing
@@ -171,49 +83,49 @@ def _join(texts: list[str]) -> str:
 
 
 def _block_type(block: Any, path: str) -> tuple[dict[str, Any], str]:
-    block = _object(block, path)
-    return block, _string(block.get("type"), f"{path}.type")
+    block = check.object(block, path)
+    return block, check.string(block.get("type"), f"{path}.type")
 
 
 def _text_of(block: dict[str, Any], path: str) -> str:
-    return _string(block.get("text"), f"{path}.text")
+    return check.string(block.get("text"), f"{path}.text")
 
 
 def _plain_text(content: Any, path: str) -> str:
     """Text of a `system` field, a system message or a tool result: a string or a list of text blocks."""
     if isinstance(content, str):
-        return _string(content, path)
+        return check.text(content, path)
     texts = []
-    for i, block in enumerate(_array(content, path)):
+    for i, block in enumerate(check.array(content, path)):
         block, kind = _block_type(block, f"{path}.{i}")
         if kind == "text":
             texts.append(_text_of(block, f"{path}.{i}"))
-        elif kind in ("image", "document"):
-            raise _invalid(f"{path}.{i}.type", IMAGE_UNSUPPORTED)
+        elif kind in MEDIA_BLOCKS:
+            raise check.unsupported_input(f"{path}.{i}.type", "image")
         else:
-            raise _invalid(f"{path}.{i}.type", f"expected 'text', got {kind!r}")
+            check.choice(kind, f"{path}.{i}.type", ("text",))
     return _join(texts)
 
 
 def _tool_turn(block: dict[str, Any], path: str, known_call_ids: set[str]) -> Turn:
-    call_id = _string(block.get("tool_use_id"), f"{path}.tool_use_id", non_empty=True)
+    call_id = check.string(block.get("tool_use_id"), f"{path}.tool_use_id", non_empty=True)
     if call_id not in known_call_ids:
-        raise _invalid(f"{path}.tool_use_id", f"{call_id!r} matches no tool_use block of an earlier assistant message")
+        raise check.invalid(
+            f"{path}.tool_use_id", f"{call_id!r} matches no tool_use block of an earlier assistant message"
+        )
     content = block.get("content")
     text = "" if content is None else _plain_text(content, f"{path}.content")
-    is_error = block.get("is_error")
-    if is_error is not None and not isinstance(is_error, bool):
-        raise _expected(f"{path}.is_error", "a boolean", is_error)
+    is_error = check.optional_bool(block.get("is_error"), f"{path}.is_error")
     return Turn(role="tool", tool_call_id=call_id, text=text, is_error=bool(is_error))
 
 
 def _user_turns(content: Any, path: str, known_call_ids: set[str]) -> list[Turn]:
     """A user message split into consecutive runs: each tool_result a tool turn, each run of text one user turn."""
     if isinstance(content, str):
-        return [Turn(role="user", text=_string(content, path))]
+        return [Turn(role="user", text=check.text(content, path))]
     turns: list[Turn] = []
     texts: list[str] | None = None  # the text run being collected
-    for i, block in enumerate(_array(content, path)):
+    for i, block in enumerate(check.array(content, path)):
         block_path = f"{path}.{i}"
         block, kind = _block_type(block, block_path)
         if kind == "text":
@@ -224,10 +136,10 @@ def _user_turns(content: Any, path: str, known_call_ids: set[str]) -> list[Turn]
                 turns.append(Turn(role="user", text=_join(texts)))
                 texts = None
             turns.append(_tool_turn(block, block_path, known_call_ids))
-        elif kind in ("image", "document"):
-            raise _invalid(f"{block_path}.type", IMAGE_UNSUPPORTED)
+        elif kind in MEDIA_BLOCKS:
+            raise check.unsupported_input(f"{block_path}.type", "image")
         else:
-            raise _invalid(f"{block_path}.type", f"expected 'text' or 'tool_result' in a user message, got {kind!r}")
+            check.choice(kind, f"{block_path}.type", ("text", "tool_result"), where="in a user message")
     if texts is not None or not turns:
         turns.append(Turn(role="user", text=_join(texts or [])))
     return turns
@@ -235,38 +147,35 @@ def _user_turns(content: Any, path: str, known_call_ids: set[str]) -> list[Turn]
 
 def _assistant_turn(content: Any, path: str, known_call_ids: set[str]) -> Turn:
     if isinstance(content, str):
-        return Turn(role="assistant", text=_string(content, path))
+        return Turn(role="assistant", text=check.text(content, path))
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[ToolCall] = []
-    for i, block in enumerate(_array(content, path)):
+    for i, block in enumerate(check.array(content, path)):
         block_path = f"{path}.{i}"
         block, kind = _block_type(block, block_path)
         if kind == "text":
             texts.append(_text_of(block, block_path))
         elif kind == "thinking":
-            thoughts.append(_string(block.get("thinking"), f"{block_path}.thinking"))
+            thoughts.append(check.string(block.get("thinking"), f"{block_path}.thinking"))
         elif kind == "redacted_thinking":
             continue  # opaque; never produced by us, carries nothing the template could render
         elif kind == "tool_use":
-            call_id = _string(block.get("id"), f"{block_path}.id", non_empty=True)
-            name = _string(block.get("name"), f"{block_path}.name", non_empty=True)
-            arguments = _checked_json(_object(block.get("input"), f"{block_path}.input"), f"{block_path}.input")
+            call_id = check.string(block.get("id"), f"{block_path}.id", non_empty=True)
+            name = check.string(block.get("name"), f"{block_path}.name", non_empty=True)
+            arguments = check.json_text(check.object(block.get("input"), f"{block_path}.input"), f"{block_path}.input")
             calls.append(ToolCall(id=call_id, name=name, arguments=arguments))
             known_call_ids.add(call_id)
         else:
-            raise _invalid(
-                f"{block_path}.type",
-                f"expected 'text', 'thinking', 'redacted_thinking' or 'tool_use' in an assistant message, got {kind!r}",
-            )
+            check.choice(kind, f"{block_path}.type", ASSISTANT_BLOCKS, where="in an assistant message")
     return Turn(role="assistant", text=_join(texts), thinking=_join(thoughts), tool_calls=tuple(calls))
 
 
 def _turns(messages: Any, cache: MessageCache | None = None) -> list[Turn]:
     """The turns of `messages`; with a `cache`, the unchanged prefix of the thread's previous request is reused."""
-    messages = _array(messages, "messages")
+    messages = check.array(messages, "messages")
     if not messages:
-        raise _invalid("messages", "at least one message is required")
+        raise check.invalid("messages", "at least one message is required")
     reused = cache.reusable(messages) if cache is not None else 0
     parsed: list[tuple[tuple[Turn, ...], tuple[str, ...]]] = cache.parsed[:reused] if cache is not None else []
     known_call_ids: set[str] = {call_id for _, ids in parsed for call_id in ids}  # a tool_result must answer one
@@ -279,36 +188,34 @@ def _turns(messages: Any, cache: MessageCache | None = None) -> list[Turn]:
 
 def _message_turns(message: Any, path: str, known_call_ids: set[str]) -> tuple[tuple[Turn, ...], tuple[str, ...]]:
     """One message's turns and the tool_use ids it adds to `known_call_ids` (which it updates)."""
-    message = _object(message, path)
-    role = message.get("role")
+    message = check.object(message, path)
     content = message.get("content")
     if content is None:
-        raise _invalid(f"{path}.content", "field required")
+        raise check.invalid(f"{path}.content", "field required")
+    role = check.choice(message.get("role"), f"{path}.role", ("user", "assistant", "system"))
     if role == "user":
         return tuple(_user_turns(content, f"{path}.content", known_call_ids)), ()
     if role == "assistant":
         turn = _assistant_turn(content, f"{path}.content", known_call_ids)
         return (turn,), tuple(call.id for call in turn.tool_calls)
-    if role == "system":  # Claude Code sends reminders as system messages mid-conversation
-        return (Turn(role="system", text=_plain_text(content, f"{path}.content")),), ()
-    raise _invalid(f"{path}.role", f"expected 'user', 'assistant' or 'system', got {role!r}")
+    # a system message: Claude Code sends reminders as system messages mid-conversation
+    return (Turn(role="system", text=_plain_text(content, f"{path}.content")),), ()
 
 
 def _tools(tools: Any) -> list[ToolSpec]:
     if tools is None:
         return []
     specs = []
-    for i, tool in enumerate(_array(tools, "tools")):
+    for i, tool in enumerate(check.array(tools, "tools")):
         path = f"tools.{i}"
-        tool = _object(tool, path)
+        tool = check.object(tool, path)
         kind = tool.get("type")
-        if kind is not None and _string(kind, f"{path}.type") != "custom":
+        if kind is not None and check.string(kind, f"{path}.type") != "custom":
             continue  # a server tool (web_search_..., bash_..., text_editor_...): the API runs it, not the model
-        name = _string(tool.get("name"), f"{path}.name", non_empty=True)
-        description = tool.get("description")
-        description = "" if description is None else _string(description, f"{path}.description")
-        schema = _object(tool.get("input_schema"), f"{path}.input_schema")
-        _checked_json(schema, f"{path}.input_schema")
+        name = check.string(tool.get("name"), f"{path}.name", non_empty=True)
+        description = check.optional_string(tool.get("description"), f"{path}.description") or ""
+        schema = check.object(tool.get("input_schema"), f"{path}.input_schema")
+        check.json_text(schema, f"{path}.input_schema")
         specs.append(ToolSpec(name=name, description=description, parameters=schema))
     return specs
 
@@ -316,31 +223,22 @@ def _tools(tools: Any) -> list[ToolSpec]:
 def _thinking(value: Any) -> bool:
     if value is None:
         return False
-    kind = _string(_object(value, "thinking").get("type"), "thinking.type")
-    if kind in ("enabled", "adaptive"):
-        return True
-    if kind == "disabled":
-        return False
-    raise _invalid("thinking.type", f"expected 'enabled', 'adaptive' or 'disabled', got {kind!r}")
-
-
-def _signals(headers: Mapping[str, str]) -> dict[str, Any]:
-    lowered = {str(key).lower(): value for key, value in headers.items()}
-    return {key: lowered[key] for key in SIGNAL_HEADERS if key in lowered}
+    kind = check.string(check.object(value, "thinking").get("type"), "thinking.type")
+    return check.choice(kind, "thinking.type", ("enabled", "adaptive", "disabled")) != "disabled"
 
 
 def _parse(
     body: Any, headers: Mapping[str, str], *, require_max_tokens: bool, cache: MessageCache | None = None
 ) -> ChatRequest:
-    body = _object(body, "body")
-    model = _string(body.get("model"), "model", non_empty=True)
+    body = check.object(body, "body")
+    model = check.string(body.get("model"), "model", non_empty=True)
     if require_max_tokens and body.get("max_tokens") is None:
-        raise _invalid("max_tokens", "field required")
+        raise check.invalid("max_tokens", "field required")
     system = body.get("system")
     system_text = None if system is None else (_plain_text(system, "system") or None)
     stop = body.get("stop_sequences")
-    stop = [] if stop is None else _array(stop, "stop_sequences")
-    stop_sequences = [_string(text, f"stop_sequences.{i}") for i, text in enumerate(stop)]
+    stop = [] if stop is None else check.array(stop, "stop_sequences")
+    stop_sequences = [check.string(text, f"stop_sequences.{i}") for i, text in enumerate(stop)]
     metadata = body.get("metadata")
     return ChatRequest(
         dialect="anthropic",
@@ -348,14 +246,14 @@ def _parse(
         system=system_text,
         turns=_turns(body.get("messages"), cache),
         tools=_tools(body.get("tools")) if cache is None else cache.parse_tools(body.get("tools"), _tools),
-        stream=_optional_bool(body, "stream", False),
-        max_tokens=_optional_int(body, "max_tokens", 1),
-        temperature=_optional_number(body, "temperature", 0.0, 2.0),
-        top_p=_optional_number(body, "top_p", 0.0, 1.0),
-        top_k=_optional_int(body, "top_k", 0),
+        stream=check.optional_bool(body.get("stream"), "stream") or False,
+        max_tokens=check.optional_int(body.get("max_tokens"), "max_tokens", low=1),
+        temperature=check.optional_number(body.get("temperature"), "temperature", low=0.0, high=2.0),
+        top_p=check.optional_number(body.get("top_p"), "top_p", low=0.0, high=1.0),
+        top_k=check.optional_int(body.get("top_k"), "top_k", low=0),
         stop=stop_sequences,
         thinking=_thinking(body.get("thinking")),
-        signals=_signals(headers),
+        signals=header_signals(headers, SIGNAL_HEADERS),
         echo={"metadata": metadata} if isinstance(metadata, dict) else {},
     )
 
@@ -374,6 +272,19 @@ def parse_count_tokens(body: Any, headers: Mapping[str, str], query: Mapping[str
     """`POST /v1/messages/count_tokens`: like `parse_request`, but `max_tokens` is not required."""
     del query
     return _parse(body, headers, require_max_tokens=False)
+
+
+def role_signals(request: ChatRequest) -> dict[str, Any]:
+    """The recorded role signals: the stated role (`x-gyre-role`), `agent_id` from header `x-claude-code-agent-id`
+    (a Claude Code sub-agent) and `summary_request` when the last user turn is Claude Code's compaction instruction."""
+    signals = stated_role_signals(request)
+    agent_id = signals.get("x-claude-code-agent-id")
+    if agent_id:
+        signals["agent_id"] = agent_id
+    last_user = next((turn for turn in reversed(request.turns) if turn.role == "user"), None)
+    if last_user is not None and is_claude_code_summary_request(last_user.text):
+        signals["summary_request"] = True
+    return signals
 
 
 # ----------------------------------------------------------------------------- responses
@@ -569,3 +480,40 @@ class StreamWriter:
             return b""
         self.done = True
         return sse_event(error_body(error), "error")
+
+
+# ----------------------------------------------------------------------------- the dialect
+
+
+class AnthropicMessages:
+    """The Anthropic Messages API as the server holds it (`gyre.proxy.dialects.protocol.Dialect`)."""
+
+    name = "anthropic"
+    path = "/v1/messages"
+    count_tokens_path = "/v1/messages/count_tokens"
+    response_prefix = "msg_"
+    call_prefix = "toolu_"
+    incremental = True
+
+    parse_request = staticmethod(parse_request)
+    parse_count_tokens = staticmethod(parse_count_tokens)
+    count_tokens_body = staticmethod(count_tokens_body)
+    error_body = staticmethod(error_body)
+    role_signals = staticmethod(role_signals)
+
+    def response_body(
+        self, request: ChatRequest, output: AssistantOutput, usage: Usage, *, response_id: str, created: int
+    ) -> dict[str, Any]:
+        return response_body(request, output, usage, message_id=response_id)
+
+    def stream_writer(self, request: ChatRequest, *, response_id: str, created: int, input_tokens: int) -> StreamWriter:
+        return StreamWriter(request, message_id=response_id, input_tokens=input_tokens)
+
+    def lists_models_for(self, headers: Mapping[str, str]) -> bool:
+        return "anthropic-version" in headers  # every Anthropic SDK call sends it
+
+    def models_body(self, names: Sequence[str], created: int) -> dict[str, Any]:
+        return models_body(names)
+
+
+ANTHROPIC = AnthropicMessages()

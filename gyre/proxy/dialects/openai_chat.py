@@ -5,6 +5,9 @@ Contract (the HTTP server calls these; no IO here):
   offending field (`param="messages[2].content"`) for wrong types or missing fields; unknown fields are ignored.
 - `response_body(...)`, `StreamWriter` (SSE `data: <json>\\n\\n` chunks ending with `data: [DONE]`), `error_body(...)`
   and `models_body(...)` produce the API's own shapes, as the `openai` SDK's types parse them.
+- `OPENAI_CHAT` is this dialect as the server holds it (`gyre.proxy.dialects.protocol.Dialect`). `check` (the kit of
+  `gyre.proxy.dialects.fields` in OpenAI's spelling), the error shape and the readers of content and tool
+  arguments serve the Responses dialect too.
 
 Canonical mapping (see `gyre.proxy.conversation`): `messages[0]` with role system/developer is `ChatRequest.system`;
 later system/developer messages stay `Turn(role="system")` at their position; text parts of one message are joined
@@ -13,7 +16,6 @@ with "\\n\\n"; `reasoning_content` is the assistant turn's thinking; tool-call a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,9 +32,10 @@ from gyre.proxy.conversation import (
     ToolSpec,
     Turn,
     Usage,
-    compact_json,
 )
+from gyre.proxy.dialects.fields import FieldChecks, Spelling, header_signals, json_type
 from gyre.proxy.dialects.incremental import MessageCache
+from gyre.proxy.dialects.protocol import stated_role_signals, unsent_events
 from gyre.proxy.dialects.sse import sse_event
 
 # ApiError.kind -> (OpenAI error type, code). OpenAI clients key off `code` (Codex: "context_length_exceeded").
@@ -48,152 +51,86 @@ ERROR_TYPES: dict[str, tuple[str, str | None]] = {
     "api_error": ("server_error", "server_error"),
 }
 
+# Headers recorded as the call's signals; keys are lower-cased.
+SIGNAL_HEADERS = ("user-agent", *GYRE_SIGNAL_HEADERS)
+
 FINISH_REASONS = {"stop": "stop", "tool_calls": "tool_calls", "length": "length", "abort": "stop"}
 
 
-# ----------------------------------------------------------------------------- field readers
+# ----------------------------------------------------------------------------- field checks
+
+# OpenAI's field messages (both OpenAI dialects): "messages[3].content must be an array, got integer"
+# (gyre.proxy.dialects.fields).
+check = FieldChecks(
+    Spelling(expected="{path} must be {allowed}, got {got}", choices="one of {}", at_least="at least {low}")
+)
+
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file"}  # refused: text-only models
 
 
-def invalid(message: str, param: str | None) -> ApiError:
-    return ApiError("invalid_request", message, param=param)
-
-
-def json_type(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number" if isinstance(value, int | float) else type(value).__name__
-    )
-
-
-def checked_text(value: str, param: str) -> str:
-    """`value` if it can be encoded as UTF-8 (a JSON `\\ud800` escape decodes to a lone surrogate that cannot)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid(f"{param} contains invalid Unicode (a lone surrogate)", param) from None
-    return value
-
-
-def require_str(obj: Mapping[str, Any], key: str, param: str, *, allow_empty: bool = True) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str):
-        raise invalid(f"{param} must be a string, got {json_type(value)}", param)
-    if not allow_empty and not value:
-        raise invalid(f"{param} must be a non-empty string", param)
-    return checked_text(value, param)
-
-
-def optional_str(obj: Mapping[str, Any], key: str, param: str) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise invalid(f"{param} must be a string, got {json_type(value)}", param)
-    return checked_text(value, param)
-
-
-def optional_bool(obj: Mapping[str, Any], key: str, param: str) -> bool | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise invalid(f"{param} must be a boolean, got {json_type(value)}", param)
-    return value
-
-
-def optional_number(obj: Mapping[str, Any], key: str, param: str, *, low: float, high: float) -> float | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise invalid(f"{param} must be a number, got {json_type(value)}", param)
-    if not low <= value <= high:
-        raise invalid(f"{param} must be between {low} and {high}, got {value}", param)
-    return float(value)
-
-
-def optional_positive_int(obj: Mapping[str, Any], key: str, param: str) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{param} must be an integer, got {json_type(value)}", param)
-    if value < 1:
-        raise invalid(f"{param} must be at least 1, got {value}", param)
-    return value
-
-
-def checked_schema(value: Any, param: str) -> dict[str, Any]:
-    """A tool's JSON-schema parameters: an object (or absent), renderable as UTF-8 JSON."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise invalid(f"{param} must be an object, got {json_type(value)}", param)
-    try:
-        compact_json(value).encode("utf-8")
-    except (UnicodeEncodeError, RecursionError, ValueError):
-        raise invalid(f"{param} is not a valid JSON schema object", param) from None
-    return value
+def request_body(body: Any) -> dict[str, Any]:
+    """The decoded body as an object (an OpenAI error names no `param` for the body itself)."""
+    if not isinstance(body, dict):
+        raise ApiError("invalid_request", f"the request body must be a JSON object, got {json_type(body)}")
+    return body
 
 
 def tool_arguments(value: Any, param: str) -> str:
     """Tool-call arguments: the given JSON text as is, or an object as compact JSON."""
     if isinstance(value, str):
-        return checked_text(value, param)
+        return check.text(value, param)
     if isinstance(value, dict):
-        return checked_text(compact_json(value), param)
-    raise invalid(f"{param} must be a string of JSON, got {json_type(value)}", param)
+        return check.json_text(value, param)
+    raise check.wrong_type(param, "a string of JSON or an object", value)
 
 
-def lower_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {str(k).lower(): v for k, v in headers.items()}
+def tool_parameters(value: Any, param: str) -> dict[str, Any]:
+    """A tool's JSON-schema parameters: an object (or absent), renderable as UTF-8 JSON."""
+    if value is None:
+        return {}
+    check.json_text(check.object(value, param), param)
+    return value
 
 
 # ----------------------------------------------------------------------------- request
 
 
-def _content_text(content: Any, param: str, *, allow_null: bool) -> str:
-    """Text of a message `content`: a string, or a list of text parts joined with "\\n\\n"."""
-    if content is None and allow_null:
-        return ""
+def content_text(content: Any, param: str, text_types: tuple[str, ...], media: Mapping[str, str]) -> str:
+    """Text of a `content` (both OpenAI dialects): a string, or parts joined with "\\n\\n": the `text` of parts typed
+    one of `text_types`, the `refusal` of refusal parts; a part typed a key of `media` is refused as that input."""
     if isinstance(content, str):
-        return checked_text(content, param)
+        return check.text(content, param)
     if not isinstance(content, list):
-        raise invalid(f"{param} must be a string or an array of content parts, got {json_type(content)}", param)
+        raise check.wrong_type(param, "a string or an array of content parts", content)
     texts = []
     for j, part in enumerate(content):
         part_param = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise invalid(f"{part_param} must be an object, got {json_type(part)}", part_param)
-        kind = part.get("type")
-        if kind == "text":
-            texts.append(require_str(part, "text", f"{part_param}.text"))
-        elif kind == "refusal":
-            texts.append(require_str(part, "refusal", f"{part_param}.refusal"))
-        elif kind in ("image_url", "input_audio", "file"):
-            what = {"image_url": "image", "input_audio": "audio", "file": "file"}[kind]
-            raise invalid(f"{what} input is not supported", f"{part_param}.type")
-        else:
-            raise invalid(f"{part_param}.type must be 'text', got {kind!r}", f"{part_param}.type")
+        kind = check.object(part, part_param).get("type")
+        if isinstance(kind, str) and kind in media:
+            raise check.unsupported_input(f"{part_param}.type", media[kind])
+        key = "refusal" if check.choice(kind, f"{part_param}.type", (*text_types, "refusal")) == "refusal" else "text"
+        texts.append(check.string(part.get(key), f"{part_param}.{key}"))
     return "\n\n".join(texts)
+
+
+def _content_text(content: Any, param: str, *, allow_null: bool) -> str:
+    if content is None and allow_null:
+        return ""
+    return content_text(content, param, ("text",), MEDIA_PARTS)
 
 
 def _tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
     if value is None:
         return ()
-    if not isinstance(value, list):
-        raise invalid(f"{param} must be an array, got {json_type(value)}", param)
     calls = []
-    for j, call in enumerate(value):
+    for j, call in enumerate(check.array(value, param)):
         call_param = f"{param}[{j}]"
-        if not isinstance(call, dict):
-            raise invalid(f"{call_param} must be an object, got {json_type(call)}", call_param)
-        if call.get("type", "function") != "function":
-            raise invalid(f"{call_param}.type must be 'function', got {call.get('type')!r}", f"{call_param}.type")
-        function = call.get("function")
-        if not isinstance(function, dict):
-            raise invalid(f"{call_param}.function must be an object", f"{call_param}.function")
+        check.choice(check.object(call, call_param).get("type", "function"), f"{call_param}.type", ("function",))
+        function = check.object(call.get("function"), f"{call_param}.function")
         calls.append(
             ToolCall(
-                id=require_str(call, "id", f"{call_param}.id", allow_empty=False),
-                name=require_str(function, "name", f"{call_param}.function.name", allow_empty=False),
+                id=check.string(call.get("id"), f"{call_param}.id", non_empty=True),
+                name=check.string(function.get("name"), f"{call_param}.function.name", non_empty=True),
                 arguments=tool_arguments(function.get("arguments"), f"{call_param}.function.arguments"),
             )
         )
@@ -203,9 +140,8 @@ def _tool_calls(value: Any, param: str) -> tuple[ToolCall, ...]:
 def _message(message: Any, i: int) -> Turn | str:
     """One `messages[i]` as a Turn; a system/developer message is returned as its text (the caller places it)."""
     param = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise invalid(f"{param} must be an object, got {json_type(message)}", param)
-    role = message.get("role")
+    message = check.object(message, param)
+    role = check.choice(message.get("role"), f"{param}.role", ("system", "developer", "user", "assistant", "tool"))
     content = message.get("content")
     if role in ("system", "developer"):
         return _content_text(content, f"{param}.content", allow_null=False)
@@ -215,41 +151,30 @@ def _message(message: Any, i: int) -> Turn | str:
         return Turn(
             role="assistant",
             text=_content_text(content, f"{param}.content", allow_null=True),
-            thinking=optional_str(message, "reasoning_content", f"{param}.reasoning_content") or "",
+            thinking=check.optional_string(message.get("reasoning_content"), f"{param}.reasoning_content") or "",
             tool_calls=_tool_calls(message.get("tool_calls"), f"{param}.tool_calls"),
         )
-    if role == "tool":
-        return Turn(
-            role="tool",
-            text=_content_text(content, f"{param}.content", allow_null=False),
-            tool_call_id=require_str(message, "tool_call_id", f"{param}.tool_call_id", allow_empty=False),
-        )
-    raise invalid(
-        f"{param}.role must be one of 'system', 'developer', 'user', 'assistant', 'tool'; got {role!r}",
-        f"{param}.role",
+    return Turn(
+        role="tool",
+        text=_content_text(content, f"{param}.content", allow_null=False),
+        tool_call_id=check.string(message.get("tool_call_id"), f"{param}.tool_call_id", non_empty=True),
     )
 
 
 def _tools(value: Any) -> tuple[ToolSpec, ...]:
     if value is None:
         return ()
-    if not isinstance(value, list):
-        raise invalid(f"tools must be an array, got {json_type(value)}", "tools")
     specs = []
-    for i, tool in enumerate(value):
+    for i, tool in enumerate(check.array(value, "tools")):
         param = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise invalid(f"{param} must be an object, got {json_type(tool)}", param)
-        if tool.get("type") != "function":
+        if check.object(tool, param).get("type") != "function":
             continue  # custom / hosted tools have no function-call form here
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise invalid(f"{param}.function must be an object", f"{param}.function")
+        function = check.object(tool.get("function"), f"{param}.function")
         specs.append(
             ToolSpec(
-                name=require_str(function, "name", f"{param}.function.name", allow_empty=False),
-                description=optional_str(function, "description", f"{param}.function.description") or "",
-                parameters=checked_schema(function.get("parameters"), f"{param}.function.parameters"),
+                name=check.string(function.get("name"), f"{param}.function.name", non_empty=True),
+                description=check.optional_string(function.get("description"), f"{param}.function.description") or "",
+                parameters=tool_parameters(function.get("parameters"), f"{param}.function.parameters"),
             )
         )
     return tuple(specs)
@@ -259,10 +184,13 @@ def _stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return (checked_text(value, "stop"),)
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(checked_text(s, "stop") for s in value)
-    raise invalid("stop must be a string or an array of strings", "stop")
+        return (check.text(value, "stop"),)
+    if not isinstance(value, list):
+        raise check.wrong_type("stop", "a string or an array of strings", value)
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise check.expected("stop", "a string or an array of strings", f"{json_type(text)} at index {i}")
+    return tuple(check.text(text, "stop") for text in value)
 
 
 def parse_request(
@@ -272,12 +200,11 @@ def parse_request(
 
     `cache` (one per conversation thread) makes parsing incremental: see `gyre.proxy.dialects.incremental`."""
     del query  # no query parameters in this API
-    if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {json_type(body)}", None)
-    model = require_str(body, "model", "model", allow_empty=False)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty array", "messages")
+    body = request_body(body)
+    model = check.string(body.get("model"), "model", non_empty=True)
+    messages = check.array(body.get("messages"), "messages")
+    if not messages:
+        raise check.invalid("messages", "must be a non-empty array")
     reused = cache.reusable(messages) if cache is not None else 0
     items = cache.parsed[:reused] if cache is not None else []
     items += [_message(messages[i], i) for i in range(reused, len(messages))]
@@ -292,20 +219,15 @@ def parse_request(
             turns.append(Turn(role="system", text=parsed))
     n = body.get("n")
     if n is not None and n != 1:
-        raise invalid("only n=1 is supported", "n")
-    stream = optional_bool(body, "stream", "stream") or False
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise invalid(f"stream_options must be an object, got {json_type(stream_options)}", "stream_options")
-    include_usage = optional_bool(stream_options or {}, "include_usage", "stream_options.include_usage") or False
-    max_tokens = optional_positive_int(body, "max_completion_tokens", "max_completion_tokens")
+        raise check.invalid("n", f"only n=1 is supported, got {n!r}")
+    stream = check.optional_bool(body.get("stream"), "stream") or False
+    stream_options = check.optional_object(body.get("stream_options"), "stream_options") or {}
+    include_usage = check.optional_bool(stream_options.get("include_usage"), "stream_options.include_usage")
+    max_tokens = check.optional_int(body.get("max_completion_tokens"), "max_completion_tokens", low=1)
     if max_tokens is None:
-        max_tokens = optional_positive_int(body, "max_tokens", "max_tokens")
-    effort = optional_str(body, "reasoning_effort", "reasoning_effort")
-    top_k = body.get("top_k")  # not OpenAI's; vLLM/SGLang clients send it
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise invalid(f"top_k must be an integer, got {json_type(top_k)}", "top_k")
-    hdrs = lower_headers(headers)
+        max_tokens = check.optional_int(body.get("max_tokens"), "max_tokens", low=1)
+    effort = check.optional_string(body.get("reasoning_effort"), "reasoning_effort")
+    top_k = check.optional_int(body.get("top_k"), "top_k")  # not OpenAI's; vLLM/SGLang clients send it
     request = ChatRequest(
         dialect="openai_chat",
         model=model,
@@ -314,13 +236,13 @@ def parse_request(
         tools=_tools(body.get("tools")) if cache is None else cache.parse_tools(body.get("tools"), _tools),
         stream=stream,
         max_tokens=max_tokens,
-        temperature=optional_number(body, "temperature", "temperature", low=0.0, high=2.0),
-        top_p=optional_number(body, "top_p", "top_p", low=0.0, high=1.0),
+        temperature=check.optional_number(body.get("temperature"), "temperature", low=0.0, high=2.0),
+        top_p=check.optional_number(body.get("top_p"), "top_p", low=0.0, high=1.0),
         top_k=top_k,
         stop=_stop(body.get("stop")),
-        include_usage=include_usage,
+        include_usage=include_usage or False,
         thinking=effort is not None and effort != "none",
-        signals={k: hdrs[k] for k in ("user-agent", *GYRE_SIGNAL_HEADERS) if k in hdrs},
+        signals=header_signals(headers, SIGNAL_HEADERS),
     )
     if cache is not None:
         cache.store(messages, items)
@@ -424,13 +346,8 @@ class StreamWriter:
         return self._chunk({"tool_calls": [{"index": index, **_tool_call_json(ev.call)}]})
 
     def finish(self, output: AssistantOutput, usage: Usage) -> bytes:
-        out = b""
-        if output.thinking.startswith(self._thinking):
-            out += self.event(ThinkingDelta(output.thinking[len(self._thinking) :]))
-        if output.text.startswith(self._text):
-            out += self.event(TextDelta(output.text[len(self._text) :]))
-        for call in output.tool_calls[self._num_tool_calls :]:
-            out += self.event(ToolCallDone(call))
+        unsent = unsent_events(output, thinking=self._thinking, text=self._text, num_tool_calls=self._num_tool_calls)
+        out = b"".join(self.event(event) for event in unsent)
         out += self._chunk({}, FINISH_REASONS[output.stop_reason])
         if self.request.include_usage:
             out += sse_event(
@@ -448,3 +365,31 @@ class StreamWriter:
     def error(self, error: ApiError) -> bytes:
         """An error after the stream started: OpenAI sends the error object as a data record."""
         return sse_event(error_body(error)) + b"data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------------------- the dialect
+
+
+class OpenAIChat:
+    """The OpenAI Chat Completions API as the server holds it (`gyre.proxy.dialects.protocol.Dialect`)."""
+
+    name = "openai_chat"
+    path = "/v1/chat/completions"
+    count_tokens_path = None
+    response_prefix = "chatcmpl-"
+    call_prefix = "call_"
+    incremental = True
+
+    parse_request = staticmethod(parse_request)
+    response_body = staticmethod(response_body)
+    stream_writer = StreamWriter
+    # Shared with the Responses dialect (it derives from this class): OpenAI's error shape and model listing.
+    error_body = staticmethod(error_body)
+    models_body = staticmethod(models_body)
+    role_signals = staticmethod(stated_role_signals)
+
+    def lists_models_for(self, headers: Mapping[str, str]) -> bool:
+        return True  # OpenAI SDKs send no marker: every listing the Anthropic dialect does not claim is OpenAI's
+
+
+OPENAI_CHAT = OpenAIChat()

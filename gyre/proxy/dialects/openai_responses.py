@@ -5,6 +5,8 @@ Contract (the HTTP server calls these; no IO here):
   offending field (`param="input[3].call_id"`); unknown fields are ignored, unknown *item* types are refused.
 - `response_body(...)`, `StreamWriter` (SSE with `event: <type>` lines and increasing `sequence_number`) and
   `error_body` produce the API's own shapes, as the `openai` SDK's types parse them.
+- `OPENAI_RESPONSES` is this dialect as the server holds it (`gyre.proxy.dialects.protocol.Dialect`); fields are
+  checked, and errors and model listings answered, as in `gyre.proxy.dialects.openai_chat`.
 
 Canonical mapping (see `gyre.proxy.conversation` and docs/harness.md):
 - `instructions`, then the first system/developer message when no turn precedes it, joined with "\\n\\n", are
@@ -32,7 +34,6 @@ from gyre.proxy.conversation import (
     AssistantOutput,
     ChatRequest,
     OutputEvent,
-    TextDelta,
     ThinkingDelta,
     ToolCall,
     ToolCallDone,
@@ -41,24 +42,23 @@ from gyre.proxy.conversation import (
     Usage,
     compact_json,
 )
+from gyre.proxy.dialects.fields import lower_headers
+from gyre.proxy.dialects.incremental import MessageCache
 from gyre.proxy.dialects.openai_chat import (
-    checked_schema,
-    checked_text,
+    OpenAIChat,
+    check,
+    content_text,
     error_body,
-    invalid,
-    json_type,
-    lower_headers,
-    optional_bool,
-    optional_number,
-    optional_positive_int,
-    optional_str,
-    require_str,
+    request_body,
     tool_arguments,
+    tool_parameters,
 )
+from gyre.proxy.dialects.protocol import unsent_events
 from gyre.proxy.dialects.sse import sse_event
 
-__all__ = ["StreamWriter", "error_body", "parse_request", "response_body"]
+__all__ = ["OPENAI_RESPONSES", "StreamWriter", "error_body", "parse_request", "response_body"]
 
+MEDIA_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}  # refused: text-only models
 CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 TURN_METADATA_KEYS = ("request_kind", "thread_source", "parent_thread_id")
 SIGNAL_HEADERS = ("thread-id", "session_id", "user-agent", "x-openai-subagent", *GYRE_SIGNAL_HEADERS)
@@ -74,27 +74,8 @@ def flat_tool_name(namespace: str, name: str) -> str:
 # ----------------------------------------------------------------------------- request: input items
 
 
-def _parts_text(content: Any, param: str, allowed: tuple[str, ...]) -> str:
-    """Text of a `content` / `output`: a string, or text parts (types in `allowed`) joined with "\\n\\n"."""
-    if isinstance(content, str):
-        return checked_text(content, param)
-    if not isinstance(content, list):
-        raise invalid(f"{param} must be a string or an array of content parts, got {json_type(content)}", param)
-    texts = []
-    for j, part in enumerate(content):
-        part_param = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise invalid(f"{part_param} must be an object, got {json_type(part)}", part_param)
-        kind = part.get("type")
-        if kind in allowed:
-            texts.append(require_str(part, "text", f"{part_param}.text"))
-        elif kind == "refusal":
-            texts.append(require_str(part, "refusal", f"{part_param}.refusal"))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise invalid(f"{kind.removeprefix('input_')} input is not supported", f"{part_param}.type")
-        else:
-            raise invalid(f"{part_param}.type must be one of {list(allowed)}, got {kind!r}", f"{part_param}.type")
-    return "\n\n".join(texts)
+def _parts_text(content: Any, param: str, text_types: tuple[str, ...]) -> str:
+    return content_text(content, param, text_types, MEDIA_PARTS)
 
 
 def _reasoning_text(item: dict[str, Any], param: str) -> str:
@@ -104,15 +85,10 @@ def _reasoning_text(item: dict[str, Any], param: str) -> str:
         parts = item.get(key)
         if parts is None:
             continue
-        if not isinstance(parts, list):
-            raise invalid(f"{param}.{key} must be an array, got {json_type(parts)}", f"{param}.{key}")
-        for j, part in enumerate(parts):
+        for j, part in enumerate(check.array(parts, f"{param}.{key}")):
             part_param = f"{param}.{key}[{j}]"
-            if not isinstance(part, dict):
-                raise invalid(f"{part_param} must be an object, got {json_type(part)}", part_param)
-            if part.get("type") not in (part_type, "text"):
-                raise invalid(f"{part_param}.type must be {part_type!r}", f"{part_param}.type")
-            texts.append(require_str(part, "text", f"{part_param}.text"))
+            check.choice(check.object(part, part_param).get("type"), f"{part_param}.type", (part_type, "text"))
+            texts.append(check.string(part.get("text"), f"{part_param}.text"))
         if texts:
             break
     return "\n\n".join(texts)
@@ -164,43 +140,36 @@ class _HistoryBuilder:
 
 def _add_item(history: _HistoryBuilder, item: Any, i: int) -> None:
     param = f"input[{i}]"
-    if not isinstance(item, dict):
-        raise invalid(f"{param} must be an object, got {json_type(item)}", param)
-    kind = item.get("type")
+    kind = check.object(item, param).get("type")
     if kind is None and "role" in item:
         kind = "message"
     if kind == "message":
-        role = item.get("role")
+        role = check.choice(item.get("role"), f"{param}.role", ("user", "assistant", "system", "developer"))
         if role in ("user", "system", "developer"):
             text = _parts_text(item.get("content"), f"{param}.content", ("input_text",))
             if role == "user":
                 history.add(Turn(role="user", text=text))
             else:
                 history.add_system(text)
-        elif role == "assistant":
+        else:
             text = _parts_text(item.get("content"), f"{param}.content", ("output_text", "input_text"))
             history.add_assistant(text=text)
-        else:
-            raise invalid(
-                f"{param}.role must be one of 'user', 'assistant', 'system', 'developer'; got {role!r}",
-                f"{param}.role",
-            )
     elif kind == "reasoning":
         history.add_assistant(thinking=_reasoning_text(item, param))
     elif kind == "function_call":
-        name = require_str(item, "name", f"{param}.name", allow_empty=False)
-        namespace = optional_str(item, "namespace", f"{param}.namespace")
+        name = check.string(item.get("name"), f"{param}.name", non_empty=True)
+        namespace = check.optional_string(item.get("namespace"), f"{param}.namespace")
         call = ToolCall(
-            id=require_str(item, "call_id", f"{param}.call_id", allow_empty=False),
+            id=check.string(item.get("call_id"), f"{param}.call_id", non_empty=True),
             name=flat_tool_name(namespace, name) if namespace else name,
             arguments=tool_arguments(item.get("arguments"), f"{param}.arguments"),
         )
         history.add_assistant(call=call)
     elif kind == "custom_tool_call":
         call = ToolCall(
-            id=require_str(item, "call_id", f"{param}.call_id", allow_empty=False),
-            name=require_str(item, "name", f"{param}.name", allow_empty=False),
-            arguments=compact_json({"input": require_str(item, "input", f"{param}.input")}),
+            id=check.string(item.get("call_id"), f"{param}.call_id", non_empty=True),
+            name=check.string(item.get("name"), f"{param}.name", non_empty=True),
+            arguments=compact_json({"input": check.string(item.get("input"), f"{param}.input")}),
         )
         history.add_assistant(call=call)
     elif kind in ("function_call_output", "custom_tool_call_output"):
@@ -208,23 +177,23 @@ def _add_item(history: _HistoryBuilder, item: Any, i: int) -> None:
             Turn(
                 role="tool",
                 text=_parts_text(item.get("output"), f"{param}.output", ("input_text", "output_text")),
-                tool_call_id=require_str(item, "call_id", f"{param}.call_id", allow_empty=False),
+                tool_call_id=check.string(item.get("call_id"), f"{param}.call_id", non_empty=True),
             )
         )
     else:
-        raise invalid(f"input item type {kind!r} is not supported by this server", f"{param}.type")
+        raise check.invalid(f"{param}.type", f"input item type {kind!r} is not supported by this server")
 
 
 # ----------------------------------------------------------------------------- request: tools and signals
 
 
 def _function_spec(tool: dict[str, Any], param: str, name_prefix: str | None) -> ToolSpec:
-    name = require_str(tool, "name", f"{param}.name", allow_empty=False)
-    description = optional_str(tool, "description", f"{param}.description") or ""
+    name = check.string(tool.get("name"), f"{param}.name", non_empty=True)
+    description = check.optional_string(tool.get("description"), f"{param}.description") or ""
     if tool.get("type") == "custom":
         parameters = CUSTOM_TOOL_PARAMETERS
     else:
-        parameters = checked_schema(tool.get("parameters"), f"{param}.parameters")
+        parameters = tool_parameters(tool.get("parameters"), f"{param}.parameters")
     return ToolSpec(
         name=flat_tool_name(name_prefix, name) if name_prefix else name, description=description, parameters=parameters
     )
@@ -234,17 +203,13 @@ def _tools(value: Any) -> tuple[tuple[ToolSpec, ...], list[str], dict[str, list[
     """(specs, names of custom tools, flat name -> [namespace, name], the tools as echoed in the response)."""
     if value is None:
         return (), [], {}, []
-    if not isinstance(value, list):
-        raise invalid(f"tools must be an array, got {json_type(value)}", "tools")
     specs: list[ToolSpec] = []
     custom: list[str] = []
     namespaced: dict[str, list[str]] = {}
     echoed: list[dict[str, Any]] = []
-    for i, tool in enumerate(value):
+    for i, tool in enumerate(check.array(value, "tools")):
         param = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise invalid(f"{param} must be an object, got {json_type(tool)}", param)
-        kind = tool.get("type")
+        kind = check.object(tool, param).get("type")
         if kind in ("function", "custom"):
             spec = _function_spec(tool, param, None)
             specs.append(spec)
@@ -252,16 +217,11 @@ def _tools(value: Any) -> tuple[tuple[ToolSpec, ...], list[str], dict[str, list[
             if kind == "custom":
                 custom.append(spec.name)
         elif kind == "namespace":
-            namespace = require_str(tool, "name", f"{param}.name", allow_empty=False)
-            members = tool.get("tools")
-            if not isinstance(members, list):
-                raise invalid(f"{param}.tools must be an array, got {json_type(members)}", f"{param}.tools")
+            namespace = check.string(tool.get("name"), f"{param}.name", non_empty=True)
             echoed_members = []
-            for j, member in enumerate(members):
+            for j, member in enumerate(check.array(tool.get("tools"), f"{param}.tools")):
                 member_param = f"{param}.tools[{j}]"
-                if not isinstance(member, dict):
-                    raise invalid(f"{member_param} must be an object, got {json_type(member)}", member_param)
-                if member.get("type") not in ("function", "custom"):
+                if check.object(member, member_param).get("type") not in ("function", "custom"):
                     continue
                 spec = _function_spec(member, member_param, namespace)
                 specs.append(spec)
@@ -270,7 +230,7 @@ def _tools(value: Any) -> tuple[tuple[ToolSpec, ...], list[str], dict[str, list[
                 namespaced[spec.name] = [namespace, member["name"]]
                 if member["type"] == "custom":
                     custom.append(spec.name)
-            description = optional_str(tool, "description", f"{param}.description") or ""
+            description = check.optional_string(tool.get("description"), f"{param}.description") or ""
             echoed.append({"type": "namespace", "name": namespace, "description": description, "tools": echoed_members})
         # hosted tools (web_search, file_search, local_shell, ...) are not offered to the model
     return tuple(specs), custom, namespaced, echoed
@@ -317,46 +277,40 @@ def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str
     Not incremental (unlike the other dialects): input items merge across item boundaries (reasoning, message and
     function calls into one assistant turn), so the whole input is parsed each call."""
     del query  # no query parameters in this API
-    if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {json_type(body)}", None)
-    model = require_str(body, "model", "model", allow_empty=False)
+    body = request_body(body)
+    model = check.string(body.get("model"), "model", non_empty=True)
     if body.get("previous_response_id") is not None:
-        raise invalid(
-            "previous_response_id is not supported: this server stores no responses; send the whole conversation "
-            "in `input` (store: false)",
+        raise check.invalid(
             "previous_response_id",
+            "not supported (this server stores no responses); send the whole conversation in `input` (store: false)",
         )
-    instructions = optional_str(body, "instructions", "instructions")
+    instructions = check.optional_string(body.get("instructions"), "instructions")
     history = _HistoryBuilder(instructions or None)  # "" is no system prompt
     items = body.get("input")
     if isinstance(items, str):
-        history.add(Turn(role="user", text=checked_text(items, "input")))
+        history.add(Turn(role="user", text=check.text(items, "input")))
     elif isinstance(items, list):
         for i, item in enumerate(items):
             _add_item(history, item, i)
         history.flush()
     else:
-        raise invalid(f"input must be a string or an array of items, got {json_type(items)}", "input")
+        raise check.wrong_type("input", "a string or an array of items", items)
     if not history.turns:
-        raise invalid("input must contain at least one message or item besides the system prompt", "input")
+        raise check.invalid("input", "must contain at least one message or item besides the system prompt")
 
-    reasoning = body.get("reasoning")
-    if reasoning is not None and not isinstance(reasoning, dict):
-        raise invalid(f"reasoning must be an object, got {json_type(reasoning)}", "reasoning")
-    effort = optional_str(reasoning or {}, "effort", "reasoning.effort")
-    summary = optional_str(reasoning or {}, "summary", "reasoning.summary")
-    parallel_tool_calls = optional_bool(body, "parallel_tool_calls", "parallel_tool_calls")
-    store = optional_bool(body, "store", "store")
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise invalid(f"metadata must be an object, got {json_type(metadata)}", "metadata")
+    reasoning = check.optional_object(body.get("reasoning"), "reasoning")
+    effort = check.optional_string((reasoning or {}).get("effort"), "reasoning.effort")
+    summary = check.optional_string((reasoning or {}).get("summary"), "reasoning.summary")
+    parallel_tool_calls = check.optional_bool(body.get("parallel_tool_calls"), "parallel_tool_calls")
+    store = check.optional_bool(body.get("store"), "store")
+    metadata = check.optional_object(body.get("metadata"), "metadata")
     tool_choice = body.get("tool_choice", "auto")
     if not isinstance(tool_choice, str | dict):
-        raise invalid(f"tool_choice must be a string or an object, got {json_type(tool_choice)}", "tool_choice")
+        raise check.wrong_type("tool_choice", "a string or an object", tool_choice)
     specs, custom, namespaced, echoed_tools = _tools(body.get("tools"))
-    max_tokens = optional_positive_int(body, "max_output_tokens", "max_output_tokens")
-    temperature = optional_number(body, "temperature", "temperature", low=0.0, high=2.0)
-    top_p = optional_number(body, "top_p", "top_p", low=0.0, high=1.0)
+    max_tokens = check.optional_int(body.get("max_output_tokens"), "max_output_tokens", low=1)
+    temperature = check.optional_number(body.get("temperature"), "temperature", low=0.0, high=2.0)
+    top_p = check.optional_number(body.get("top_p"), "top_p", low=0.0, high=1.0)
     echo = {
         "instructions": instructions,
         "metadata": metadata,
@@ -376,7 +330,7 @@ def parse_request(body: Any, headers: Mapping[str, str], query: Mapping[str, str
         system=history.system,
         turns=tuple(history.turns),
         tools=specs,
-        stream=optional_bool(body, "stream", "stream") or False,
+        stream=check.optional_bool(body.get("stream"), "stream") or False,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -659,13 +613,8 @@ class StreamWriter:
         return out
 
     def finish(self, output: AssistantOutput, usage: Usage) -> bytes:
-        out = b""
-        if output.thinking.startswith(self._thinking):
-            out += self.event(ThinkingDelta(output.thinking[len(self._thinking) :]))
-        if output.text.startswith(self._text):
-            out += self.event(TextDelta(output.text[len(self._text) :]))
-        for call in output.tool_calls[self._num_tool_calls :]:
-            out += self.event(ToolCallDone(call))
+        unsent = unsent_events(output, thinking=self._thinking, text=self._text, num_tool_calls=self._num_tool_calls)
+        out = b"".join(self.event(event) for event in unsent)
         status = _status(output)
         out += self._close_item(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
@@ -678,3 +627,31 @@ class StreamWriter:
         out = self._event("error", code=body["code"], message=error.message, param=error.param)
         failed = self._snapshot("failed", error={"code": code, "message": error.message})
         return out + self._event("response.failed", response=failed)
+
+
+# ----------------------------------------------------------------------------- the dialect
+
+
+class OpenAIResponses(OpenAIChat):
+    """The OpenAI Responses API as the server holds it (`gyre.proxy.dialects.protocol.Dialect`); its error shape,
+    model listing and role signals are the Chat Completions dialect's."""
+
+    name = "openai_responses"
+    path = "/v1/responses"
+    response_prefix = "resp_"
+    incremental = False  # input items merge across item boundaries: the whole input is parsed each call
+
+    response_body = staticmethod(response_body)
+    stream_writer = StreamWriter
+
+    def parse_request(
+        self, body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None
+    ) -> ChatRequest:
+        assert cache is None, "the Responses dialect is not incremental"
+        return parse_request(body, headers, query)
+
+    def lists_models_for(self, headers: Mapping[str, str]) -> bool:
+        return False  # the Chat dialect answers OpenAI's listings, in the one shape both OpenAI APIs share
+
+
+OPENAI_RESPONSES = OpenAIResponses()
