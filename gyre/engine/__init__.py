@@ -12,8 +12,6 @@ Also here, imported from their modules: `gyre.engine.endpoint` (HTTP server of a
 `DecoderLM`, HF-layout weights IO) is `gyre.models`. See `docs/engine.md`, `docs/native-model.md`, `docs/sglang.md`.
 """
 
-import importlib
-
 from gyre.engine.protocol import (
     Engine,
     EngineBusyError,
@@ -27,6 +25,7 @@ from gyre.engine.protocol import (
     SamplingParams,
     TokenChunk,
 )
+from gyre.lazy_names import lazy_names
 
 # name -> module defining it, imported on first access (each imports torch)
 _LAZY = {
@@ -40,18 +39,7 @@ _LAZY = {
     "sequence_logprobs": "gyre.engine.sampling",
 }
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # resolved once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

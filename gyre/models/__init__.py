@@ -22,8 +22,7 @@ first access to a model name does. This package imports nothing of `gyre.engine`
 `gyre.tasks`: they import it. See docs/native-model.md and docs/tiny-model.md.
 """
 
-import importlib
-
+from gyre.lazy_names import lazy_names
 from gyre.models.chat_template import CHAT_TEMPLATE, render_chat, render_chat_jinja
 from gyre.models.decoder_config import DecoderConfig, RopeScaling
 from gyre.models.tiny import build_tiny_model, count_parameters, tiny_model_dir
@@ -54,18 +53,7 @@ _LAZY = {
     "save_pretrained": "gyre.models.hf_weights",
 }
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # resolved once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [
