@@ -24,6 +24,8 @@ import collections
 import threading
 from typing import Generic, TypeVar
 
+from gyre.config.checks import is_int
+
 __all__ = ["MicroStepQueue"]
 
 T = TypeVar("T")
@@ -58,7 +60,7 @@ class MicroStepQueue(Generic[T]):
         timeout: 0 (default) returns at once; a number of seconds > 0 waits at most that long while the
         queue is empty and open; None waits until a put or a close.
         """
-        if isinstance(cell, bool) or not isinstance(cell, int) or cell < 0:
+        if not is_int(cell) or cell < 0:
             raise ValueError(f"cell must be a cell index (an int >= 0), got {cell!r}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout must be None (wait for a put or close) or seconds >= 0, got {timeout!r}")

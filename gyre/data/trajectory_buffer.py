@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gyre.config.checks import is_int, is_number
 from gyre.traj.admission import AdmittedTrajectory
 from gyre.traj.outcomes import GroupOutcomes
 from gyre.traj.tree import TrajectoryTree
@@ -82,7 +83,7 @@ class TrajectoryBuffer:
     def limit_row_tokens(self, max_row_tokens: int) -> None:
         """Reject, from now on at `mark_ready`, trajectories whose row is longer than `max_row_tokens` (a
         stricter earlier limit stays). Groups already ready are not re-checked; the packer sets a bad one aside."""
-        if isinstance(max_row_tokens, bool) or not isinstance(max_row_tokens, int) or max_row_tokens < 1:
+        if not is_int(max_row_tokens) or max_row_tokens < 1:
             raise ValueError(f"max_row_tokens must be an int >= 1, got {max_row_tokens!r}")
         if self._max_row_tokens is None or max_row_tokens < self._max_row_tokens:
             self._max_row_tokens = max_row_tokens
@@ -92,7 +93,7 @@ class TrajectoryBuffer:
         """Register a group at dispatch: its id, v_d, its execution ids (with any oversampling surplus)
         and N (default: the number of executions)."""
         for name, value in (("group_id", group_id), ("version", version)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if group_id in self._groups or group_id in self._taken:
             raise ValueError(f"group {group_id} is already registered (group ids are never reused)")
@@ -105,7 +106,7 @@ class TrajectoryBuffer:
         if known:
             raise ValueError(f"executions {known!r} already belong to group {self._group_of[known[0]]}")
         size = len(ids) if group_size is None else group_size
-        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= len(ids):
+        if not is_int(size) or not 1 <= size <= len(ids):
             raise ValueError(f"group_size of group {group_id} must be an int in [1, {len(ids)}], got {group_size!r}")
         self._groups[group_id] = RolloutGroup(group_id, version, size, dict.fromkeys(ids))
         for e in ids:
@@ -141,7 +142,7 @@ class TrajectoryBuffer:
         for e, r in rewards.items():
             if e not in group.trees:
                 raise ValueError(f"reward for execution {e!r}, which is not in group {group_id}: {list(group.trees)!r}")
-            if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r)):
+            if r is not None and (not is_number(r) or not math.isfinite(r)):
                 raise ValueError(f"reward of execution {e!r} must be a finite number or None (excluded), got {r!r}")
         checked: dict[str, tuple[AdmittedTrajectory, ...]] = {}
         for e, trajectories in admitted.items():
@@ -170,7 +171,7 @@ class TrajectoryBuffer:
         if outcomes.group_size != group.group_size:
             raise ValueError(f"outcomes have N={outcomes.group_size}, group {group_id} has N={group.group_size}")
         raw = outcomes.rewards()
-        rewards = {(str(e) if isinstance(e, int) and not isinstance(e, bool) else e): r for e, r in raw.items()}
+        rewards = {(str(e) if is_int(e) else e): r for e, r in raw.items()}
         unknown = [e for e in rewards if e not in group.trees]
         if unknown or len(rewards) != len(raw):
             raise ValueError(
@@ -257,7 +258,7 @@ class TrajectoryBuffer:
             if t.execution != execution:
                 raise ValueError(f"{what} belongs to execution {t.execution!r}")
             assert tree is not None
-            if isinstance(t.leaf, bool) or not isinstance(t.leaf, int) or not 0 < t.leaf < len(tree.nodes):
+            if not is_int(t.leaf) or not 0 < t.leaf < len(tree.nodes):
                 raise ValueError(f"{what}: leaf {t.leaf!r} is not a node of its tree (1..{len(tree.nodes) - 1})")
             if t.leaf in leaves:
                 raise ValueError(f"{what}: leaf {t.leaf} is admitted twice")

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from gyre.config.checks import is_int
+
 GroupKind = Literal["control", "cell", "prefix"]
 
 
@@ -48,7 +50,7 @@ class Layout:
         for name in ("world_size", "num_cells", "cell_size", "num_rollout_ranks"):
             value = getattr(self, name)
             minimum = 0 if name == "num_rollout_ranks" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            if not is_int(value) or value < minimum:
                 raise ValueError(f"{name}: got {value!r}, expected an integer >= {minimum}")
         cells = self.num_cells * self.cell_size
         if cells + self.num_rollout_ranks != self.world_size:

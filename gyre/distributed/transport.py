@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from gyre.config.checks import is_int
 from gyre.models.flat_weights import FlatWeights, TensorSpec, flatten_weights, unflatten_weights
 
 
@@ -101,7 +102,7 @@ def check_manifest(manifest: Iterable[TensorSpec | Mapping[str, Any]], *, nbytes
         if spec.name in seen:
             raise ValueError(f"{what}: the name appears twice")
         seen.add(spec.name)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec.shape):
+        if not all(is_int(d) and d >= 0 for d in spec.shape):
             raise ValueError(f"{what}.shape: got {spec.shape!r}, expected non-negative integers")
         size = torch.empty(0, dtype=_dtype(spec.dtype, what=what)).element_size()
         if spec.offset % size:
@@ -137,7 +138,7 @@ class Publication:
     def from_wire(cls, message: Mapping[str, Any]) -> Publication:
         version, nbytes = message.get("version"), message.get("nbytes")
         for name, value in (("version", version), ("nbytes", nbytes)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"publication.{name}: got {value!r}, expected an integer >= 0")
         return cls(version=version, nbytes=nbytes, manifest=check_manifest(message.get("manifest", ()), nbytes=nbytes))
 
@@ -146,7 +147,7 @@ def publication_of(weights: FlatWeights, version: int) -> Publication:
     """The checked publication of `weights` under `version` (the core's side of every transport)."""
     if not isinstance(weights, FlatWeights):
         raise ValueError(f"weights: got {type(weights).__name__}, expected FlatWeights (see flatten_state_dict)")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+    if not is_int(version) or version < 0:
         raise ValueError(f"version: got {version!r}, expected an integer >= 0")
     nbytes = as_bytes(weights.buffer, what="weights.buffer").numel()
     return Publication(version=version, nbytes=nbytes, manifest=check_manifest(weights.manifest, nbytes=nbytes))

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gyre.config.checks import is_int
 from gyre.engine.protocol import (
     EngineBusyError,
     EngineLoad,
@@ -192,7 +193,7 @@ class SGLangLimits:
 
 
 def _positive_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return value if is_int(value) and value > 0 else None
 
 
 def read_limits(sgl_engine: Any) -> SGLangLimits:

@@ -27,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from gyre.config.checks import is_int
 from gyre.config.model import TinyModelSpec
 from gyre.models.chat_template import TEMPLATE_PATH
 from gyre.models.tokenizer import (
@@ -84,7 +85,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, see
     spec = TinyModelSpec() if spec is None else spec
     if not isinstance(spec, TinyModelSpec):
         raise TypeError(f"spec: expected a TinyModelSpec, got {type(spec).__name__}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise ValueError(f"seed={seed!r}: expected an int >= 0")
     out = _prepare_out_dir(Path(out_dir))
 

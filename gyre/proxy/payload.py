@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gyre.config.checks import is_int
 from gyre.proxy.conversation import AssistantOutput, Turn
 from gyre.traj.record import Provenance, Segment
 
@@ -38,7 +39,7 @@ class PayloadCache:
     """Output ids of the calls served in one execution, keyed by tool-call id or by canonical content."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
-        if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
+        if not is_int(max_entries) or max_entries < 1:
             raise ValueError(f"max_entries={max_entries!r}: expected an int >= 1")
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[str, ...], _Payload] = OrderedDict()

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from gyre.config.checks import is_number
 from gyre.tasks.spec import CommandEvaluatorSpec, PythonEvaluatorSpec, Task
 from gyre.traj.outcomes import EvaluatedState, Evaluation, ExecutionId, Validity
 
@@ -182,7 +183,7 @@ def parse_score(kind: str, stdout: str) -> tuple[float, str]:
 
 
 def _check_score(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise ValueError(f"the evaluator returned {type(value).__name__} {value!r}, expected a float in [0, 1]")
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"the evaluator returned {value!r}, expected a float in [0, 1]")

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gyre.config.checks import is_int, is_number
 from gyre.proxy.conversation import ApiError, compact_json
 
 _JSON_TYPES: dict[type, str] = {
@@ -122,7 +123,7 @@ class FieldChecks:
         """A finite number in [low, high] as a float, or None when absent."""
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if not is_number(value):
             raise self.wrong_type(path, "a number", value)
         if not (math.isfinite(value) and low <= value <= high):
             raise self.invalid(path, f"must be between {low} and {high}, got {value!r}")
@@ -132,7 +133,7 @@ class FieldChecks:
         """An integer (not a boolean), at least `low` when given, or None when absent."""
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise self.wrong_type(path, "an integer", value)
         if low is not None and value < low:
             raise self.invalid(path, f"must be {self.spelling.at_least.format(low=low)}, got {value}")

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import gyre
+from gyre.config.checks import is_int
 from gyre.config.warm_start import WarmStartConfig
 from gyre.models.tiny import CONFIG_FILE, TOKENIZER_FILES, default_cache_root, spec_hash, tiny_model_dir
 from gyre.proxy.conversation import ChatRequest, ToolSpec, Turn
@@ -356,7 +357,7 @@ def warm_start(
     """Train (or reuse) the warm start into `out_dir`; returns (out_dir, meta). `base_dir`: the model to start
     from (default: the cached tiny model). `out_dir` must be absent, empty, or an earlier warm start."""
     config = config or WarmStartConfig()
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise ValueError(f"seed={seed!r}: expected an int >= 0")
     out = Path(out_dir)
     key = warm_start_key(config, seed, base_dir)
