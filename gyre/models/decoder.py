@@ -261,7 +261,11 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Not initialized here: every builder sets all weights (`build_model`) or loads them onto the meta-device
+        # model (`load_pretrained`). nn.Embedding's own normal_ init on the meta device runs through torch's Python
+        # refs, which import torch._dynamo: ~1 s of every `gyre.serve` / engine start-up for numbers never read.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
