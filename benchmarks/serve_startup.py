@@ -116,7 +116,9 @@ def main() -> None:
 def _head() -> str:
     """This tree's commit, with `+changes` when the working tree differs from it."""
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True)
+    status = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
     return (head.stdout.strip() or "unknown") + ("+changes" if status.stdout.strip() else "")
 
 
