@@ -303,6 +303,22 @@ def test_importing_gyre_models_imports_no_torch():
     assert result.stdout.strip() == "[]"
 
 
+def test_load_pretrained_does_not_import_torch_dynamo(built):
+    """Loading a checkpoint builds the model on the meta device; an initializer that runs through torch's Python
+    refs there imports torch._dynamo (~1 s of every gyre.serve start-up; docs/dependencies.md)."""
+    out, _ = built
+    code = (
+        "import sys\n"
+        "from gyre.models.hf_weights import load_pretrained\n"
+        f"load_pretrained({str(out)!r})\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False"
+
+
 def test_transformers_loads_it_with_equal_logits(built):
     transformers = pytest.importorskip(
         "transformers", reason="transformers (the dev extra) is not installed; cross-check not run"
