@@ -32,11 +32,12 @@ from gyre.engine.errors import RemoteEngineError
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
 from gyre.proxy.dialects import DIALECTS, DIALECTS_BY_NAME, Dialect
+from gyre.proxy.dialects.fields import json_type
 from gyre.proxy.dialects.protocol import StreamWriter
 from gyre.proxy.heap import HeapFreezer
 from gyre.proxy.output import OutputDecoder
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
-from gyre.proxy.sessions import ExecutionSession, SessionRegistry, key_from_headers, thread_key
+from gyre.proxy.sessions import ExecutionIdConflict, ExecutionSession, SessionRegistry, key_from_headers, thread_key
 from gyre.traj.record import CallMeta
 from gyre.traj.roles import Role
 
@@ -126,7 +127,11 @@ class ProxyServer:
         try:
             raw = await http.read()
             body = orjson.loads(raw) if raw else {}
-            session = self.registry.issue(body.get("execution") if isinstance(body, dict) else None)
+            if not isinstance(body, dict):
+                raise ValueError(f'the body must be a JSON object ({{"execution"?: str}}), got {json_type(body)}')
+            session = self.registry.issue(body.get("execution"))
+        except ExecutionIdConflict as error:
+            return _json({"error": {"type": "conflict_error", "message": str(error)}}, 409)
         except (orjson.JSONDecodeError, ValueError) as error:
             return _json({"error": {"type": "invalid_request_error", "message": str(error)}}, 400)
         return _json({"execution": session.execution, "key": session.key})

@@ -31,7 +31,31 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "gyre-"
 MAX_THREADS = 64  # prompt builders and parse caches kept per execution (least recently used dropped)
-_EXECUTION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# An execution id names its record file: letters, digits, '.', '_', '-', starting with a letter or digit, matched
+# whole (`fullmatch`: `$` would accept a trailing newline), and no name a filesystem reserves for a device
+# (Windows' CON, PRN, AUX, NUL, COM1-9, LPT1-9, also with an extension: `con.jsonl` cannot be created there).
+_EXECUTION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_RESERVED_NAMES = frozenset({"con", "prn", "aux", "nul", *(f"{d}{i}" for d in ("com", "lpt") for i in range(1, 10))})
+
+
+class ExecutionIdConflict(ValueError):
+    """An execution id that is open (it has a key) or was closed: a closed execution's record file is final, so its
+    id is never issued again (the admin route answers 409)."""
+
+
+def check_execution_id(execution: Any) -> str:
+    """`execution` if it may name an execution (and its record file), else ValueError saying what is allowed."""
+    if (
+        not isinstance(execution, str)
+        or not _EXECUTION_ID.fullmatch(execution)
+        or execution.split(".")[0].lower() in _RESERVED_NAMES
+    ):
+        raise ValueError(
+            f"execution={execution!r} is not allowed: expected 1-128 characters of letters, digits, '.', '_', "
+            "'-', starting with a letter or digit, and not a reserved device name (con, prn, aux, nul, com1-9, "
+            "lpt1-9); it names the record file"
+        )
+    return execution
 
 
 def thread_key(signals: Mapping[str, Any]) -> str:
@@ -162,23 +186,28 @@ class SessionRegistry:
         self._make_payload = make_payload_cache
         self._by_key: dict[str, ExecutionSession] = {}
         self._by_execution: dict[str, ExecutionSession] = {}
+        self._closed: set[str] = set()  # ids of closed executions: never issued again
         self._counter = 0
         if self.records_dir is not None:
             self.records_dir.mkdir(parents=True, exist_ok=True)
 
     def issue(self, execution: str | None = None) -> ExecutionSession:
-        """A new execution (named `execution`, or `exec-<n>`) with a fresh key."""
+        """A new execution (named `execution`, or `exec-<n>`) with a fresh key.
+
+        ValueError for an id that may not name an execution; `ExecutionIdConflict` for one that is open or was
+        closed (a closed execution is never reopened: its record file is complete and final)."""
         if execution is None:
-            while execution is None or execution in self._by_execution:
+            while execution is None or execution in self._by_execution or execution in self._closed:
                 execution = f"exec-{self._counter:05d}"
                 self._counter += 1
-        if not isinstance(execution, str) or not _EXECUTION_ID.match(execution):
-            raise ValueError(
-                f"execution={execution!r} is not allowed: expected 1-128 characters of letters, digits, '.', '_', "
-                "'-', starting with a letter or digit (it names the record file)"
-            )
+        check_execution_id(execution)
         if execution in self._by_execution:
-            raise ValueError(f"execution={execution!r} already has a key")
+            raise ExecutionIdConflict(f"execution={execution!r} already has a key")
+        if execution in self._closed:
+            raise ExecutionIdConflict(
+                f"execution={execution!r} was closed: a closed execution is never reopened (its record file is "
+                "final); issue a new id"
+            )
         key = KEY_PREFIX + secrets.token_urlsafe(24)
         writer = None
         if self.records_dir is not None:
@@ -208,6 +237,7 @@ class SessionRegistry:
         """The execution ended: its key stops working and its tree and file are closed."""
         session = self._by_execution.pop(execution, None)
         if session is not None:
+            self._closed.add(execution)
             self._by_key.pop(session.key, None)
             session.close()
 

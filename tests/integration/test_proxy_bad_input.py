@@ -23,6 +23,7 @@ from gyre.serve.stack import build_stack
 from gyre.traj.store import load_tree
 
 BODY_CAP = 64 * 1024
+VALID_PATH = "/v1/messages"
 ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions", "/v1/responses")
 VALID = {
     "/v1/messages": {"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
@@ -171,6 +172,37 @@ def test_fuzzed_bodies_never_get_a_5xx(served, case):
     assert code < 500, (path, body, reply)
     if code >= 400:
         assert error_message(path, reply)
+
+
+def admin_post(served, path: str, body: bytes) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(served.host, served.port, timeout=60)
+    headers = {"content-type": "application/json", "authorization": f"Bearer {served.stack.proxy.admin_key}"}
+    connection.request("POST", path, body=body, headers=headers)
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    return response.status, json.loads(data)
+
+
+@pytest.mark.parametrize("body", [b"[1,2]", b"5", b"null", b'"x"', b'{"execution": "a\\n"}', b'{"execution": "con"}'])
+def test_an_admin_body_that_is_not_an_object_or_names_a_bad_id_issues_no_key(served, body):
+    open_before = set(served.stack.registry._by_execution)
+    status, answer = admin_post(served, "/gyre/executions", body)
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+    assert set(served.stack.registry._by_execution) == open_before
+
+
+def test_a_closed_execution_id_is_refused_with_409_and_its_file_is_untouched(served):
+    status, issued = admin_post(served, "/gyre/executions", b'{"execution": "reuse-1"}')
+    assert status == 200
+    assert served.post(VALID_PATH, json.dumps(VALID[VALID_PATH]).encode(), key=issued["key"])[0] == 200
+    assert admin_post(served, "/gyre/executions/reuse-1/close", b"")[0] == 200
+    record_file = served.stack.registry.records_dir / "reuse-1.jsonl"
+    closed_bytes = record_file.read_bytes()
+    status, answer = admin_post(served, "/gyre/executions", b'{"execution": "reuse-1"}')
+    assert status == 409 and answer["error"]["type"] == "conflict_error" and "closed" in answer["error"]["message"]
+    assert served.post(VALID_PATH, json.dumps(VALID[VALID_PATH]).encode(), key=issued["key"])[0] == 401
+    assert record_file.read_bytes() == closed_bytes
 
 
 def test_a_prompt_the_engine_refuses_is_a_400_before_any_stream_starts(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gyre.proxy.sessions import SessionRegistry, key_from_headers, thread_key
+from gyre.proxy.sessions import ExecutionIdConflict, SessionRegistry, key_from_headers, thread_key
 from gyre.traj.record import CallMeta, Provenance, Segment
 from gyre.traj.store import load_tree
 
@@ -32,6 +32,31 @@ def test_each_execution_gets_its_own_random_key_and_tree():
     for bad in ["", "../escape", "a/b", "x" * 200, ".hidden"]:
         with pytest.raises(ValueError, match="execution="):
             reg.issue(bad)
+
+
+def test_an_execution_id_is_matched_whole_and_never_a_reserved_device_name():
+    reg = registry()
+    for bad in ["a\n", "a\r", "a\x00", "a b", "con", "CON", "aux", "nul.jsonl", "Com1", "lpt9.x", 5]:
+        with pytest.raises(ValueError, match="execution="):
+            reg.issue(bad)
+    for fine in ["console", "com10", "lpt0", "aux-1", "a", "x" * 128]:
+        assert reg.issue(fine).execution == fine
+
+
+def test_a_closed_execution_id_is_never_issued_again(tmp_path):
+    reg = registry(tmp_path)
+    first = reg.issue("reuse-1")
+    reg.close("reuse-1")
+    with pytest.raises(ExecutionIdConflict, match=r"reuse-1.*closed"):
+        reg.issue("reuse-1")
+    assert reg.by_key(first.key) is None and reg.by_execution("reuse-1") is None
+    with pytest.raises(ExecutionIdConflict, match="already has a key"):
+        reg.issue(reg.issue("open-1").execution)
+    # automatic names skip closed ids as well as open ones
+    auto = reg.issue()
+    reg.close(auto.execution)
+    later = {reg.issue().execution for _ in range(3)}
+    assert auto.execution not in later
 
 
 def test_calls_are_recorded_to_the_execution_file_and_a_closed_key_stops_working(tmp_path):
