@@ -86,7 +86,7 @@ class Reply:
     text: str
     tool_calls: tuple[ToolCall, ...]
     raw: dict[str, Any]
-    input_tokens: int = 0
+    input_tokens: int = 0  # the whole prompt, cached parts included
     output_tokens: int = 0
     stop_reason: str = ""
 
@@ -137,6 +137,16 @@ def _map_error(sdk: Any, err: Exception) -> Exception:
     return err
 
 
+def prompt_tokens(usage: Any) -> int:
+    """The whole prompt of an Anthropic Messages call: `input_tokens` counts only what was not read from or
+    written to the prompt cache, so the cached parts are added back (gyre's proxy reports the reused prefix as
+    `cache_read_input_tokens`; docs/proxy.md). Compaction compares this with the context limit."""
+    cached = (getattr(usage, "cache_read_input_tokens", 0) or 0) + (
+        getattr(usage, "cache_creation_input_tokens", 0) or 0
+    )
+    return usage.input_tokens + cached
+
+
 class AnthropicBackend(Backend):
     def __init__(self, *, model: str, max_tokens: int, timeout_s: float, base_url: str | None, api_key: str | None):
         import anthropic
@@ -183,7 +193,7 @@ class AnthropicBackend(Backend):
             text="".join(b["text"] for b in blocks if b["type"] == "text"),
             tool_calls=tuple(ToolCall(b["id"], b["name"], b.get("input")) for b in blocks if b["type"] == "tool_use"),
             raw={"role": "assistant", "content": blocks or [{"type": "text", "text": "(empty)"}]},
-            input_tokens=message.usage.input_tokens,
+            input_tokens=prompt_tokens(message.usage),
             output_tokens=message.usage.output_tokens,
             stop_reason=str(message.stop_reason),
         )
