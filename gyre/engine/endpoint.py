@@ -201,6 +201,8 @@ class EngineServer:
             async for chunk in chunks:  # to exhaustion: a stream left open at its final chunk counts as closed early
                 await response.write(wire.dumps(wire.chunk_to_wire(chunk)) + b"\n")
             await response.write_eof()
+        except ConnectionResetError:  # the client hung up: not an endpoint error (aiohttp ends the connection)
+            log.info("engine endpoint: the client of request %s went away; it is aborted", request.request_id)
         finally:
             await chunks.aclose()  # closing early (client gone) aborts the request
         return response

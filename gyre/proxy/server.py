@@ -173,6 +173,7 @@ class ProxyServer:
                 body = await self._read_json(http)
                 request = dialect.parse_count_tokens(body, _headers(http), dict(http.query))
                 self._check_model(request.model)
+                _check_stated_role(request)
                 prompt = session.make_builder(session.payload).build(request)  # a throwaway builder: no cache churn
             except ApiError as error:
                 return self.error_response(dialect, error)
@@ -188,9 +189,7 @@ class ProxyServer:
         cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}") if dialect.incremental else None
         request = dialect.parse_request(body, headers, dict(http.query), cache=cache)
         self._check_model(request.model)
-        role = request.signals.get("x-gyre-role")
-        if role is not None and role not in ROLE_LABELS:
-            raise ApiError("invalid_request", f"header x-gyre-role: got {role!r}, expected one of {list(ROLE_LABELS)}")
+        _check_stated_role(request)
         return session, request
 
     def _authenticate(self, http: web.Request) -> ExecutionSession:
@@ -379,6 +378,13 @@ def _api_error(error: BaseException) -> ApiError:
 
 def _headers(http: web.Request) -> dict[str, str]:
     return {k.lower(): v for k, v in http.headers.items()}
+
+
+def _check_stated_role(request: ChatRequest) -> None:
+    """An `x-gyre-role` header must name a role label (`gyre.traj.roles`): the same 400 on every route."""
+    role = request.signals.get("x-gyre-role")
+    if role is not None and role not in ROLE_LABELS:
+        raise ApiError("invalid_request", f"header x-gyre-role: got {role!r}, expected one of {list(ROLE_LABELS)}")
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:

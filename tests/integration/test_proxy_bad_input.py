@@ -132,6 +132,13 @@ def test_an_unknown_gyre_role_is_a_400_and_a_known_one_is_recorded(served, path)
     assert last.meta.role_signals["gyre_role"] == "main-summary"
 
 
+def test_count_tokens_refuses_an_unknown_gyre_role_as_the_model_call_routes_do(served):
+    body = json.dumps(VALID["/v1/messages/count_tokens"]).encode()
+    code, reply = served.post("/v1/messages/count_tokens", body, headers={"x-gyre-role": "boss"})
+    assert code == 400 and "x-gyre-role" in error_message("/v1/messages/count_tokens", reply)
+    assert served.post("/v1/messages/count_tokens", body, headers={"x-gyre-role": "sub-agent"})[0] == 200
+
+
 def test_a_tool_result_that_answers_no_call_is_a_400(served):
     body = {
         "model": "gyre",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import os
 import signal
 import subprocess
@@ -133,8 +134,9 @@ def test_an_abort_that_overtakes_its_request_still_ends_it(server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_goes_away_aborts_its_request(server, stream):
+def test_a_client_that_goes_away_aborts_its_request(server, stream, caplog):
     url = server.server.url
+    caplog.set_level(logging.INFO, logger="gyre.engine.endpoint")
 
     async def main():
         async with aiohttp.ClientSession() as session:
@@ -163,6 +165,10 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream):
         await engine.close()
 
     run(main())
+    # a hang-up is the client's business, not an endpoint error: no ERROR record, no traceback
+    noisy = ("gyre.engine.endpoint", "aiohttp.server", "aiohttp.web")
+    errors = [r for r in caplog.records if r.name in noisy and r.levelno >= logging.WARNING]
+    assert errors == [], [r.getMessage() for r in errors]
 
 
 def test_an_unreachable_endpoint_is_unavailable(model):

@@ -149,6 +149,7 @@ def test_object_arguments_become_compact_json_and_stop_lists_are_kept():
         (["max_tokens"], True, "max_tokens", "integer"),
         (["temperature"], "hot", "temperature", "number"),
         (["temperature"], 7, "temperature", "between"),
+        (["top_k"], -5, "top_k", "at least 0"),  # as Anthropic's dialect: 0 = off, below it is nonsense
         (["stop"], [1], "stop", "strings"),
         (["stream"], "yes", "stream", "boolean"),
         (["stream_options"], [], "stream_options", "object"),

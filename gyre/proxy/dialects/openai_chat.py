@@ -227,7 +227,7 @@ def parse_request(
     if max_tokens is None:
         max_tokens = check.optional_int(body.get("max_tokens"), "max_tokens", low=1)
     effort = check.optional_string(body.get("reasoning_effort"), "reasoning_effort")
-    top_k = check.optional_int(body.get("top_k"), "top_k")  # not OpenAI's; vLLM/SGLang clients send it
+    top_k = check.optional_int(body.get("top_k"), "top_k", low=0)  # not OpenAI's; vLLM/SGLang clients send it
     request = ChatRequest(
         dialect="openai_chat",
         model=model,
