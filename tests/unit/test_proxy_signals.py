@@ -29,7 +29,18 @@ def test_claude_code_sub_agents_and_compaction_are_classified_from_the_recorded_
 
 def test_other_dialects_keep_their_signals_as_parsed():
     signals = {"request_kind": "compaction", "thread_source": "subagent"}
-    assert role_signals(request("openai_responses", SUMMARY_TEXT, signals)) == signals
+    assert role_signals(request("openai_responses", "go on", signals)) == signals
+
+
+def test_a_compaction_request_is_flagged_the_same_in_every_dialect():
+    """Issue 13 finding 11: only the Anthropic dialect flagged it, so an OpenAI client's compaction leaf was
+    classified main by the generic classifier (which reads `summary_request` as the claude_code one does)."""
+    classify = classifier_for("claude_code").call_role
+    for dialect in ("anthropic", "openai_chat", "openai_responses"):
+        summary = role_signals(request(dialect, SUMMARY_TEXT, {}))
+        plain = role_signals(request(dialect, "go on", {}))
+        assert summary.get("summary_request") is True and "summary_request" not in plain, dialect
+        assert classify(summary, "r") == Role.MAIN_SUMMARY and classify(plain, "r") == Role.MAIN, dialect
 
 
 def test_every_dialect_takes_the_gyre_role_headers():

@@ -42,7 +42,6 @@ from gyre.proxy.dialects.fields import FieldChecks, Spelling, header_signals
 from gyre.proxy.dialects.incremental import MessageCache
 from gyre.proxy.dialects.protocol import stated_role_signals
 from gyre.proxy.dialects.sse import sse_event
-from gyre.traj.roles import is_claude_code_summary_request
 
 # Headers that tell requests of one harness session apart (main agent, sub-agents); keys are lower-cased.
 SIGNAL_HEADERS = ("x-claude-code-session-id", "x-claude-code-agent-id", "user-agent", *GYRE_SIGNAL_HEADERS)
@@ -275,15 +274,12 @@ def parse_count_tokens(body: Any, headers: Mapping[str, str], query: Mapping[str
 
 
 def role_signals(request: ChatRequest) -> dict[str, Any]:
-    """The recorded role signals: the stated role (`x-gyre-role`), `agent_id` from header `x-claude-code-agent-id`
-    (a Claude Code sub-agent) and `summary_request` when the last user turn is Claude Code's compaction instruction."""
+    """The recorded role signals: those of every dialect (`stated_role_signals`: the stated role, `summary_request`)
+    and `agent_id` from header `x-claude-code-agent-id` (a Claude Code sub-agent)."""
     signals = stated_role_signals(request)
     agent_id = signals.get("x-claude-code-agent-id")
     if agent_id:
         signals["agent_id"] = agent_id
-    last_user = next((turn for turn in reversed(request.turns) if turn.role == "user"), None)
-    if last_user is not None and is_claude_code_summary_request(last_user.text):
-        signals["summary_request"] = True
     return signals
 
 

@@ -27,6 +27,7 @@ from gyre.proxy.conversation import (
     Usage,
 )
 from gyre.proxy.dialects.incremental import MessageCache
+from gyre.traj.roles import is_claude_code_summary_request
 
 
 class StreamWriter(Protocol):
@@ -95,12 +96,18 @@ class Dialect(Protocol):
 
 
 def stated_role_signals(request: ChatRequest) -> dict[str, Any]:
-    """The request's signals plus `gyre_role` when the harness stated its role (`x-gyre-role`, any dialect; gyre's
-    builtin harness always does: see `gyre.proxy.conversation.GYRE_SIGNAL_HEADERS`)."""
+    """The signals every dialect records alike, read from the content, not from the API it came in: the request's
+    signals, `gyre_role` when the harness stated its role (`x-gyre-role`; gyre's builtin harness always does: see
+    `gyre.proxy.conversation.GYRE_SIGNAL_HEADERS`), and `summary_request` when the last user turn is a compaction
+    instruction (`gyre.traj.roles.is_claude_code_summary_request`), so the same conversation is classified the
+    same whether it came over the Anthropic or an OpenAI API (docs/trajectories.md)."""
     signals = dict(request.signals)
     role = signals.get("x-gyre-role")
     if role:
         signals["gyre_role"] = role
+    last_user = next((turn for turn in reversed(request.turns) if turn.role == "user"), None)
+    if last_user is not None and is_claude_code_summary_request(last_user.text):
+        signals["summary_request"] = True
     return signals
 
 
