@@ -10,7 +10,11 @@ still yields our exact ids, and the tree walks through the recorded response ins
 Contract:
 - a turn with tool calls is restored only through its tool-call ids, and only if the echoed call ids are
   exactly the ids of one remembered output (in order); its text and arguments are not compared;
-- a turn without tool calls is restored only if an output without tool calls had the same text and thinking;
+- a turn without tool calls is restored only if an output without tool calls had the same text and thinking,
+  and no other output (other ids) had them too: the output parser strips whitespace around the text
+  (gyre.proxy.output), so two different outputs can read the same to the harness, and an echo of such text is
+  ambiguous. An ambiguous content key restores nothing (the turn is rendered by the template and the tree forks
+  there) rather than another output's ids: a restore is never wrong;
 - the stored value is a SAMPLED `Segment` whose key was computed once at `remember`; it equals the key the
   trajectory tree computes for the recorded response, so a restored segment never needs rehashing;
 - bounded: at most `max_entries` keys, least recently used evicted first. Pure, per execution, not thread-safe.
@@ -31,8 +35,11 @@ DEFAULT_MAX_ENTRIES = 100_000
 
 @dataclass(frozen=True, eq=False)
 class _Payload:
-    segment: Segment  # SAMPLED, our exact output ids
+    segment: Segment | None  # SAMPLED, our exact output ids; None: several outputs had this content (ambiguous)
     call_ids: tuple[str, ...]  # the output's tool-call ids in order ((): a plain answer)
+
+
+_AMBIGUOUS = _Payload(None, ())
 
 
 class PayloadCache:
@@ -53,7 +60,9 @@ class PayloadCache:
             raise ValueError("output_ids is empty: a served call produced at least one token")
         payload = _Payload(Segment(Provenance.SAMPLED, output_ids), tuple(call.id for call in output.tool_calls))
         for key in self._keys_of_output(output):
-            self._entries[key] = payload
+            known = self._entries.get(key)
+            same = known is not None and known.segment is not None and tuple(known.segment.ids) == tuple(output_ids)
+            self._entries[key] = payload if known is None or same else _AMBIGUOUS
             self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -71,7 +80,7 @@ class PayloadCache:
         else:
             key = ("content", turn.text, turn.thinking)
             payload = self._entries.get(key)
-            if payload is None:
+            if payload is None or payload.segment is None:
                 return None
         self._entries.move_to_end(key)
         return payload.segment

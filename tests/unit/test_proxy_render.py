@@ -244,6 +244,20 @@ def test_identical_retry_and_divergent_history():
     assert list(prompt.input_ids) == tpl.encode(tpl.render_request(request(edited)))
 
 
+def test_two_outputs_that_read_the_same_restore_neither():
+    """Issue 13 finding 13: outputs whose text is the same after the parser's strip ("hi" and "hi\\n" sampled as
+    different ids) made an echo of the first restore the second's ids. Such content is ambiguous: nothing is restored
+    (the template renders the turn), while an output remembered twice with the same ids still restores."""
+    cache_ = PayloadCache()
+    cache_.remember(AssistantOutput(text="hi"), [5, 6])
+    cache_.remember(AssistantOutput(text="hi"), [5, 6])
+    assert cache_.restore(Turn(role="assistant", text="hi")) == (5, 6)
+    cache_.remember(AssistantOutput(text="hi"), [5, 6, 7])
+    assert cache_.restore(Turn(role="assistant", text="hi")) is None
+    cache_.remember(AssistantOutput(text="hi"), [5, 6])  # stays ambiguous: which of the two did the harness echo?
+    assert cache_.restore(Turn(role="assistant", text="hi")) is None
+
+
 def test_payload_cache_keys_and_bounds():
     cache_ = PayloadCache(max_entries=2)
     out = model_output(1)
