@@ -10,7 +10,7 @@ from gyre.config.checks import ConfigError
 from gyre.config.cluster import ClusterConfig
 from gyre.config.demo import DemoConfig
 from gyre.config.engine import EngineConfig, EngineServeConfig
-from gyre.config.harness import ExecutionLimits, ResourceLimits
+from gyre.config.harness import AgentConfig, ExecutionLimits, ResourceLimits
 from gyre.config.loss import LossConfig
 from gyre.config.model import TinyModelSpec
 from gyre.config.packing import PackingConfig
@@ -21,6 +21,7 @@ from gyre.config.warm_start import WarmStartConfig
 from gyre.config.workload import WorkloadConfig
 
 __all__ = [
+    "AgentConfig",
     "AlgoConfig",
     "ClusterConfig",
     "ConfigError",
@@ -64,6 +65,7 @@ def register_configs() -> None:
     cs.store(group="packing", name="base_packing", node=PackingConfig)
     cs.store(group="limits", name="base_limits", node=ExecutionLimits)
     cs.store(group="resources", name="base_resources", node=ResourceLimits)
+    cs.store(group="builtin_agent", name="base_builtin_agent", node=AgentConfig)
     cs.store(group="warm_start", name="base_warm_start", node=WarmStartConfig)
     cs.store(group="demo", name="base_demo", node=DemoConfig)
     cs.store(group="tiny_model", name="base_tiny_model", node=TinyModelSpec)

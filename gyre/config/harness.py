@@ -1,15 +1,16 @@
-"""Budgets of one harness execution (`gyre.harness`): time limits of its lifecycle and per-process rlimits.
+"""Budgets of one harness execution (`gyre.harness`) and the settings of gyre's builtin harness.
 
 `ExecutionLimits` bounds the lifecycle (`gyre.harness.execution.run_harness`, `gyre.harness.episode`);
 `ResourceLimits` are the rlimits a sandbox sets in the harness's child process (`gyre.harness.sandbox`).
-docs/harness.md ("Configuration") says what each budget does. Pure: stdlib only.
+docs/harness.md ("Configuration") says what each budget does. `AgentConfig` is the builtin harness's agent loop
+(`gyre.harness.builtin.agent`; its command line sets it, docs/builtin-harness.md). Pure: stdlib only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config.checks import require, require_duration, require_int
+from gyre.config.checks import require, require_bool, require_duration, require_int, require_number
 
 GiB = 1 << 30
 DEFAULT_GRACE_PERIOD_S = 10.0
@@ -67,4 +68,38 @@ class ExecutionLimits:
             self.overall_timeout_s,
             f"a number >= harness_timeout_s ({self.harness_timeout_s:g}): the overall budget covers the harness "
             "and its evaluation",
+        )
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    """The builtin harness's agent loop: turn budgets, compaction, delegation and retries of its model calls."""
+
+    max_turns: int = 30  # model turns of the main agent (summary requests not counted)
+    sub_agent_max_turns: int = 10  # model turns of each sub-agent
+    context_limit: int = 0  # tokens the API allows per call; 0 = unknown (only reactive compaction)
+    compact_fraction: float = 0.8  # compact before a call once the last call's tokens reach this fraction
+    keep_tail: int = 1  # (assistant, tool results) exchanges kept verbatim after a compaction
+    force_compaction_after: int = 0  # main agent: compact every N turns (tests); 0 = off
+    force_delegation: bool = False  # main agent's first turn delegates the task (tests)
+    delegation: bool = True  # offer the `delegate` tool to the main agent
+    max_retries: int = 4  # per call, for transient failures
+    retry_base_s: float = 0.5  # first backoff; doubles per retry
+    retry_max_s: float = 8.0  # cap on one backoff
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "sub_agent_max_turns"):
+            require_int(f"AgentConfig.{name}", getattr(self, name), ge=1)
+        for name in ("context_limit", "keep_tail", "force_compaction_after", "max_retries"):
+            require_int(f"AgentConfig.{name}", getattr(self, name), ge=0)
+        require_number("AgentConfig.compact_fraction", self.compact_fraction, gt=0, le=1)
+        require_bool("AgentConfig.force_delegation", self.force_delegation)
+        require_bool("AgentConfig.delegation", self.delegation)
+        require_duration("AgentConfig.retry_base_s", self.retry_base_s, allow_zero=True)
+        require_duration("AgentConfig.retry_max_s", self.retry_max_s, allow_zero=True)
+        require(
+            self.delegation or not self.force_delegation,
+            "AgentConfig.force_delegation",
+            self.force_delegation,
+            "false unless delegation (the delegate tool) is on",
         )

@@ -271,7 +271,10 @@ class DecoderStack(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """Causal LM over `DecoderStack`; see the module docstring for the forward contract."""
+    """Causal LM over `DecoderStack`; see the module docstring for the forward contract.
+
+    `DecoderLM(config)` leaves the embedding uninitialized (see `DecoderStack`): build a model with `build_model`
+    (random init) or `gyre.models.hf_weights.load_pretrained` (a checkpoint), which set every weight."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config import AgentConfig
 from gyre.harness.builtin.agent import (
     SUMMARY_INSTRUCTION,
     Agent,
-    AgentConfig,
     Backend,
     ModelCallError,
     PromptTooLongError,

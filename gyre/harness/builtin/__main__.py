@@ -101,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gyre.config import AgentConfig
     from gyre.harness.builtin.agent import (
         DELEGATE,
         MAIN_SYSTEM,
         Agent,
-        AgentConfig,
         AnthropicBackend,
         ModelCallError,
         OpenAIChatBackend,

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
+from gyre.config.harness import AgentConfig
 from gyre.harness.builtin.tools import ToolBox, ToolError, ToolResult, parse_arguments
 
 log = logging.getLogger(__name__)
@@ -263,33 +264,6 @@ class OpenAIChatBackend(Backend):
             "tool_calls": [{"id": call.id, "type": "function", "function": function}],
         }
         return Reply(text="", tool_calls=(call,), raw=raw)
-
-
-@dataclass(kw_only=True)
-class AgentConfig:
-    max_turns: int = 30  # model turns of the main agent (summary requests not counted)
-    sub_agent_max_turns: int = 10  # model turns of each sub-agent
-    context_limit: int = 0  # tokens the API allows per call; 0 = unknown (only reactive compaction)
-    compact_fraction: float = 0.8  # compact before a call once the last call's tokens reach this fraction
-    keep_tail: int = 1  # (assistant, tool results) exchanges kept verbatim after a compaction
-    force_compaction_after: int = 0  # main agent: compact every N turns (tests); 0 = off
-    force_delegation: bool = False  # main agent's first turn delegates the task (tests)
-    delegation: bool = True  # offer the `delegate` tool to the main agent
-    max_retries: int = 4  # per call, for transient failures
-    retry_base_s: float = 0.5  # first backoff; doubles per retry
-    retry_max_s: float = 8.0  # cap on one backoff
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "sub_agent_max_turns"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: got {getattr(self, name)}, expected an integer >= 1")
-        for name in ("context_limit", "keep_tail", "force_compaction_after", "max_retries"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: got {getattr(self, name)}, expected an integer >= 0")
-        if self.force_delegation and not self.delegation:
-            raise ValueError("force_delegation needs delegation (the delegate tool) to be on")
-        if not 0 < self.compact_fraction <= 1:
-            raise ValueError(f"compact_fraction: got {self.compact_fraction}, expected a number in (0, 1]")
 
 
 @dataclass
