@@ -32,18 +32,30 @@ from gyre.engine.errors import RemoteEngineError
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
 from gyre.proxy.dialects import DIALECTS, DIALECTS_BY_NAME, Dialect
-from gyre.proxy.dialects.fields import json_type
+from gyre.proxy.dialects.fields import json_type, nesting_depth_exceeds
 from gyre.proxy.dialects.protocol import StreamWriter
 from gyre.proxy.heap import HeapFreezer
 from gyre.proxy.output import OutputDecoder
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
-from gyre.proxy.sessions import ExecutionIdConflict, ExecutionSession, SessionRegistry, key_from_headers, thread_key
+from gyre.proxy.sessions import (
+    ExecutionIdConflict,
+    ExecutionSession,
+    RecordError,
+    SessionRegistry,
+    key_from_headers,
+    thread_key,
+)
 from gyre.traj.record import CallMeta
 from gyre.traj.roles import Role
 
 ROLE_LABELS = tuple(role.value for role in Role)
 
 log = logging.getLogger(__name__)
+
+# Deepest nesting of objects and arrays a request body may have. Everything a call carries is echoed or stored one or
+# two levels deeper (a response's metadata, a record line's role signals) and orjson serializes at most 255 levels;
+# real harness bodies nest about a dozen (tool schemas included). Checked before anything is parsed or recorded.
+MAX_BODY_DEPTH = 128
 
 
 def _new_id(prefix: str) -> str:
@@ -206,9 +218,16 @@ class ProxyServer:
                 "request_too_large", f"request body exceeds the limit of {self.config.max_body_bytes} bytes"
             ) from None
         try:
-            return orjson.loads(raw)
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as error:
             raise ApiError("invalid_request", f"the request body is not valid JSON (UTF-8): {error}") from None
+        if nesting_depth_exceeds(body, MAX_BODY_DEPTH):
+            raise ApiError(
+                "invalid_request",
+                f"the request body nests objects and arrays more than {MAX_BODY_DEPTH} levels deep "
+                f"(at most {MAX_BODY_DEPTH} are accepted)",
+            )
+        return body
 
     def _check_model(self, model: str) -> None:
         if model not in self.config.model_names:
@@ -311,21 +330,30 @@ class _Call:
             self.session.payload.remember(self.output, self.output_ids)
 
     async def complete(self) -> web.Response:
+        failed = None
         try:
             async for _ in self._run():
                 pass
         except _CALL_ERRORS as error:
-            return self.server.error_response(self.dialect, _api_error(error))
+            failed = _api_error(error)
         finally:
-            self._record_once()
+            unrecorded = self._record_once()
+        failed = unrecorded or failed  # a call that could not be recorded is never answered as a success
+        if failed is not None:
+            return self.server.error_response(self.dialect, failed)
         return _json(self._body(self.output))
 
-    def _record_once(self) -> None:
-        """Record the call if it produced tokens and is not recorded yet (also when the harness went away)."""
+    def _record_once(self) -> ApiError | None:
+        """Record the call if it produced tokens and is not recorded yet (also when the harness went away); the
+        500 to answer with when its record could not be written (nothing of it was kept: `RecordError`)."""
         if self.recorded or not self.output_ids:
-            return
+            return None
         self.recorded = True
-        self._record()
+        try:
+            self._record()
+        except RecordError as error:
+            return ApiError("api_error", str(error))
+        return None
 
     def _body(self, output: AssistantOutput) -> dict:
         usage, response_id = self._usage(), self.response_id
@@ -353,8 +381,11 @@ class _Call:
                 data = b"".join(writer.event(event) for event in batch)
                 if data:
                     await response.write(data)
-            self._record_once()
-            await response.write(writer.finish(self.output, self._usage()))
+            unrecorded = self._record_once()
+            if unrecorded is not None:
+                await response.write(writer.error(unrecorded))
+            else:
+                await response.write(writer.finish(self.output, self._usage()))
         except _CALL_ERRORS as error:  # after the stream started: the dialect's in-stream error event
             await response.write(writer.error(_api_error(error)))
         finally:

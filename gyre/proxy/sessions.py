@@ -38,6 +38,11 @@ _EXECUTION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _RESERVED_NAMES = frozenset({"con", "prn", "aux", "nul", *(f"{d}{i}" for d in ("com", "lpt") for i in range(1, 10))})
 
 
+class RecordError(RuntimeError):
+    """A served call could not be written to its record file (its line does not serialize, the disk is full): the call
+    is in neither the tree nor the file, and the execution goes on. The proxy answers that call with a 500 saying so."""
+
+
 class ExecutionIdConflict(ValueError):
     """An execution id that is open (it has a key) or was closed: a closed execution's record file is final, so its
     id is never issued again (the admin route answers 409)."""
@@ -134,7 +139,8 @@ class ExecutionSession:
         *,
         thread: str = "main",
     ) -> CallRecord:
-        """Insert one call into the tree and append it to the record file (both or, on bad input, neither).
+        """Insert one call into the tree and append it to the record file: both, or neither. Bad input is a
+        ValueError; a line that cannot be written is a `RecordError` (the tree and the file stay as they were).
 
         When the call extends the thread's previous call (its segments start with the very same objects and then
         our previous output), the tree is entered at that call's response node: only the new segments are walked,
@@ -145,11 +151,21 @@ class ExecutionSession:
         if last is not None and _extends(segments, last):
             parent, start = last.response_node, len(last.segments) + 1
         response = Response.build(output_ids, logprobs, finish_reason)
-        record = self.tree.insert(segments[start:], response, meta, parent=parent)
-        if self.writer is not None:
-            self.writer.append(record)
+        write = None if self.writer is None else self._write
+        record = self.tree.insert(segments[start:], response, meta, parent=parent, before_commit=write)
         self._last_calls[thread] = _LastCall(tuple(segments), record.response_node, record.response.ids)
         return record
+
+    def _write(self, record: CallRecord) -> None:
+        """The call's line, written before the tree takes the call (`TrajectoryTree.insert(before_commit=)`)."""
+        try:
+            self.writer.append(record)
+        except (OSError, RecursionError, TypeError, ValueError) as error:
+            log.error("execution %s: call %s not recorded", self.execution, record.meta.request_id, exc_info=True)
+            raise RecordError(
+                f"the call could not be recorded ({type(error).__name__}); nothing of it was kept and the execution "
+                "goes on"
+            ) from error
 
     def close(self) -> None:
         if not self.tree.closed:

@@ -177,12 +177,26 @@ class RecordWriter:
                 f"{self.path}: call index {record.index} appended, expected {self._next_call} "
                 "(records must be appended once each, in insertion order)"
             )
-        self._write(call_line(record))
+        self._write(call_line(record))  # a record that cannot be serialized raises here: nothing written
         self._next_call += 1
 
     def _write(self, line: str) -> None:
-        self._file.write(line + "\n")
-        self._file.flush()
+        """Append one line whole or not at all: a failed write (a full disk) is cut back to where the file ended, so
+        the next line does not follow a torn one."""
+        end = self._file.tell()
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+        except BaseException:
+            self._cut_back(end)
+            raise
+
+    def _cut_back(self, end: int) -> None:
+        try:
+            self._file.seek(end)
+            self._file.truncate(end)
+        except (OSError, ValueError):  # the file may be unusable now; the next write will say so
+            log.warning("%s: could not cut a failed write back to byte %d", self.path, end)
 
     def close(self) -> None:
         self._file.close()

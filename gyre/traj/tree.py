@@ -36,7 +36,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,12 +173,22 @@ class TrajectoryTree:
         return node, matched
 
     def insert(
-        self, segments: Sequence[Segment], response: Response, meta: CallMeta, parent: int | None = None
+        self,
+        segments: Sequence[Segment],
+        response: Response,
+        meta: CallMeta,
+        parent: int | None = None,
+        *,
+        before_commit: Callable[[CallRecord], None] | None = None,
     ) -> CallRecord:
         """Record one model call whose context is `path(parent)` (the root if None) + `segments`.
 
         Returns the call record; only the segments not already stored are kept in it. Raises
         ValueError (tree unchanged) on bad input or if the tree is closed.
+
+        `before_commit(record)` runs with the record the call will get, after every check and before the tree
+        changes (e.g. writing its line to the record file): whatever it raises propagates and the tree is unchanged,
+        so a call is in the tree if and only if `before_commit` returned.
         """
         if self._closed:
             raise ValueError(f"execution {self.execution!r} is closed: its trajectory tree accepts no more calls")
@@ -205,15 +215,22 @@ class TrajectoryTree:
             if len(segment) == 0:
                 raise ValueError(f"{what} is empty: every segment needs at least one token")
             validate_ids(segment.ids, self.vocab_size, what)
-        # Validated: mutate from here on.
-        context_node = fork
-        for segment in new_segments:
-            context_node = self._add_child(context_node, segment)
+        # Validated. The record's node ids are known before anything changes: new nodes are numbered in order.
         output = Segment(Provenance.SAMPLED, response.ids)  # hashes the new output once
-        response_node = self.nodes[context_node].children.get(output.key)
+        context_node = fork if not new_segments else len(self.nodes) + len(new_segments) - 1
+        response_node = self.nodes[fork].children.get(output.key) if not new_segments else None
         if response_node is None:
-            response_node = self._add_child(context_node, output)
+            response_node = len(self.nodes) + len(new_segments)
         record = CallRecord(len(self.calls), fork, new_segments, response, meta, context_node, response_node)
+        if before_commit is not None:
+            before_commit(record)
+        # Mutate from here on.
+        node = fork
+        for segment in new_segments:
+            node = self._add_child(node, segment)
+        if response_node == len(self.nodes):  # the output is new at this context
+            self._add_child(node, output)
+        assert node == context_node and self.nodes[response_node].parent == context_node, "node ids moved"
         self.calls.append(record)
         self.call_of_request[meta.request_id] = record.index
         self.nodes[response_node].calls.append(record.index)

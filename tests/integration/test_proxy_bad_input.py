@@ -181,6 +181,38 @@ def test_fuzzed_bodies_never_get_a_5xx(served, case):
         assert error_message(path, reply)
 
 
+def with_nested(body: dict, field: str, depth: int) -> bytes:
+    """`body` with `field` set to {"request_kind": [[...[1]...]]} `depth` arrays deep (written as text: the stdlib
+    encoder recurses)."""
+    text = json.dumps({**body, field: {"request_kind": "NESTED"}})
+    return text.replace('"NESTED"', "[" * depth + "1" + "]" * depth).encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "depth"),
+    [
+        ("/v1/responses", "client_metadata", 985),  # finding 1: broke the execution for good
+        ("/v1/responses", "metadata", 260),  # finding 3: a 500 after recording
+        ("/v1/messages", "metadata", 1000),  # finding 4: 200, then a 500 (the message cache's comparison)
+        ("/v1/chat/completions", "metadata", 1000),
+        ("/v1/messages/count_tokens", "metadata", 200),
+    ],
+)
+def test_a_body_nested_too_deep_is_a_400_before_anything_and_the_execution_goes_on(served, path, field, depth):
+    before = calls_recorded(served)
+    body = with_nested(VALID[path], field, depth)
+    for _ in range(2):  # the same body twice: the same answer
+        code, reply = served.post(path, body)
+        assert code == 400 and "levels deep" in error_message(path, reply), reply
+    assert calls_recorded(served) == before
+    code, reply = served.post(path, json.dumps(VALID[path]).encode())
+    assert code == 200, reply
+    recorded = 0 if path.endswith("count_tokens") else 1
+    assert calls_recorded(served) == before + recorded
+    fine = with_nested(VALID[path], field, 100)  # deep but allowed: served
+    assert served.post(path, fine)[0] == 200
+
+
 def admin_post(served, path: str, body: bytes) -> tuple[int, dict]:
     connection = http.client.HTTPConnection(served.host, served.port, timeout=60)
     headers = {"content-type": "application/json", "authorization": f"Bearer {served.stack.proxy.admin_key}"}

@@ -6,7 +6,7 @@ import pytest
 
 from gyre.proxy.conversation import ApiError
 from gyre.proxy.dialects import anthropic, openai_chat
-from gyre.proxy.dialects.fields import header_signals, json_type
+from gyre.proxy.dialects.fields import header_signals, json_type, nesting_depth_exceeds
 
 ANTHROPIC, OPENAI = anthropic.check, openai_chat.check
 
@@ -96,3 +96,15 @@ def test_json_types_and_header_signals():
     ]
     headers = {"User-Agent": "codex", "X-Other": "1"}
     assert header_signals(headers, ("user-agent", "x-gyre-role")) == {"user-agent": "codex"}
+
+
+def test_nesting_depth_counts_containers_level_by_level_without_recursion():
+    deep: list = []
+    node = deep
+    for _ in range(100_000):  # far deeper than any recursive walk could go
+        node.append([])
+        node = node[0]
+    assert nesting_depth_exceeds(deep, 128)
+    assert not nesting_depth_exceeds({"a": [1, {"b": "x" * 1000}]}, 3)
+    assert nesting_depth_exceeds({"a": [1, {"b": []}]}, 3)
+    assert not nesting_depth_exceeds("text", 0) and not nesting_depth_exceeds([], 1) and nesting_depth_exceeds([[]], 1)

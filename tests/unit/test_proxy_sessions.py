@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gyre.proxy.sessions import ExecutionIdConflict, SessionRegistry, key_from_headers, thread_key
+from gyre.proxy.sessions import ExecutionIdConflict, RecordError, SessionRegistry, key_from_headers, thread_key
 from gyre.traj.record import CallMeta, Provenance, Segment
 from gyre.traj.store import load_tree
 
@@ -73,6 +73,40 @@ def test_calls_are_recorded_to_the_execution_file_and_a_closed_key_stops_working
     assert reg.by_key(session.key) is None and session.tree.closed
     tree = load_tree(tmp_path / "e1.jsonl")
     assert len(tree.calls) == 1 and list(tree.calls[0].response.ids) == [7, 8]
+
+
+def test_a_call_whose_line_cannot_be_written_is_in_neither_the_tree_nor_the_file(tmp_path, monkeypatch):
+    """Issue 13 finding 1: the call entered the tree, its line failed to serialize, and every later call of the
+    execution failed. Now the line is written first; a failure is a RecordError and the execution goes on."""
+    reg = registry(tmp_path)
+    session = reg.issue("e1")
+    segments = [Segment(Provenance.SYSTEM, [1, 2, 3]), Segment(Provenance.USER, [4, 5])]
+    deep: dict = {}
+    node = deep
+    for _ in range(5000):  # deeper than json.dumps can go
+        node["a"] = {}
+        node = node["a"]
+    for signals in ({"request_kind": deep}, {"not json": {1, 2}}):
+        with pytest.raises(RecordError, match=r"could not be recorded \(\w+\)") as info:
+            session.record(
+                segments, [7], [-0.5], "stop", CallMeta(execution="e1", request_id="bad", role_signals=signals)
+            )
+        assert str(tmp_path) not in str(info.value)  # the client is not told where records live
+        assert len(session.tree.calls) == 0
+    real_write = session.writer._file.write
+    monkeypatch.setattr(session.writer._file, "write", lambda text: real_write(text[:10]) and _raise_full_disk())
+    with pytest.raises(RecordError, match="OSError"):
+        session.record(segments, [7], [-0.5], "stop", CallMeta(execution="e1", request_id="full"))
+    monkeypatch.undo()
+    ok = session.record(segments, [8], [-0.25], "stop", CallMeta(execution="e1", request_id="ok"))
+    assert ok.index == 0 and len(session.tree.calls) == 1
+    reg.close("e1")
+    tree = load_tree(tmp_path / "e1.jsonl")  # the torn write was cut back: the file reads whole
+    assert [list(call.response.ids) for call in tree.calls] == [[8]]
+
+
+def _raise_full_disk():
+    raise OSError(28, "No space left on device")
 
 
 def test_keys_come_from_x_api_key_or_a_bearer_token():

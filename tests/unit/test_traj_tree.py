@@ -234,3 +234,33 @@ def test_close_freezes_the_tree():
         tree.insert([seg(TOOL, 30)], out(40), meta("r1"), parent=3)
     assert len(tree.calls) == 1
     assert tree.call_tokens(0) == ([1, 2, 3, 10, 11], [20, 21])  # reading still works
+
+
+@pytest.mark.parametrize("shape", ["new context", "retry at a stored context", "same output again"])
+def test_a_failing_before_commit_leaves_the_tree_as_it_was_and_gets_the_record_it_would_have(shape):
+    tree = tree_with_first_call()
+    segments = {
+        "new context": [seg(SYS, 1, 2, 3), seg(USR, 10, 11), seg(OUT, 20, 21), seg(TOOL, 30)],
+        "retry at a stored context": [seg(SYS, 1, 2, 3), seg(USR, 10, 11)],
+        "same output again": [seg(SYS, 1, 2, 3), seg(USR, 10, 11)],
+    }[shape]
+    response = out(20, 21) if shape == "same output again" else out(40, 41)
+    before = (len(tree.nodes), len(tree.calls), tree.tokens_stored, dict(tree.call_of_request))
+    offered = []
+
+    def refuse(record):
+        offered.append(record)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        tree.insert(segments, response, meta("r1"), before_commit=refuse)
+    assert (len(tree.nodes), len(tree.calls), tree.tokens_stored, dict(tree.call_of_request)) == before
+    record = tree.insert(segments, response, meta("r1"), before_commit=offered.append)
+    first, second = offered
+    assert (first.index, first.parent, first.context_node, first.response_node) == (
+        record.index,
+        record.parent,
+        record.context_node,
+        record.response_node,
+    )
+    assert second is record and tree.calls[-1] is record

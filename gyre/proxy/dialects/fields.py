@@ -43,6 +43,27 @@ def json_type(value: Any) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
+def nesting_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether decoded JSON `value` nests containers (objects, arrays) more than `limit` levels deep (a top-level
+    container is level 1). Level by level, without recursion: a hostile body cannot exhaust the interpreter's stack
+    here; each container is visited once and strings and numbers, the bulk of a long history, cost a type check.
+    Decoded JSON holds plain dicts and lists only (`type(x) is dict` is the fast test)."""
+    level = [value] if type(value) is dict or type(value) is list else []
+    depth = 1
+    while level:
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        push = below.append
+        for item in level:
+            for child in item.values() if type(item) is dict else item:
+                if type(child) is dict or type(child) is list:
+                    push(child)
+        level = below
+        depth += 1
+    return False
+
+
 @dataclass(frozen=True)
 class Spelling:
     """The words of one dialect's field messages that differ from the other dialects'.
