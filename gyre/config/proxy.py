@@ -55,10 +55,14 @@ class ProxyConfig:
     Freezing is O(1); frozen objects are still freed by reference counting."""
     gc_full_every_s: float = 600.0
     """Unfreeze and run one full collection this often, so cyclic garbage frozen earlier is reclaimed (0 = never)."""
+    shutdown_grace_s: float = 1.0
+    """At shutdown (SIGTERM), how long calls in flight may still finish before they are aborted (and recorded with
+    what they sampled) and the remaining connections, slow ones included, are closed."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
         require_int("proxy.port", self.port, ge=0, le=65535, note="0 = any free port")
+        require_duration("proxy.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
         require(
             len(self.model_names) >= 1 and all(isinstance(n, str) and n for n in self.model_names),
             "proxy.model_names",

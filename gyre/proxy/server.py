@@ -108,7 +108,12 @@ class ProxyServer:
 
     async def start(self) -> str:
         # handler_cancellation: a harness that hangs up cancels its call, which aborts it on the engine.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # shutdown_timeout: at stop, calls still running after the grace are cancelled (their handlers abort the
+        # engine call and record what was sampled) and idle or slow connections are closed; aiohttp's default
+        # waited 60 s for one slow client.
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=self.config.shutdown_grace_s
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
