@@ -159,8 +159,8 @@ class ProxyServer:
         execution = http.match_info["execution"]
         if self.registry.by_execution(execution) is None:
             return _json({"error": {"type": "not_found_error", "message": f"no open execution {execution!r}"}}, 404)
-        self.registry.close(execution)
-        return _json({"closed": execution})
+        in_flight = self.registry.close(execution)
+        return _json({"closed": execution, "calls_in_flight": in_flight})
 
     def _is_admin(self, http: web.Request) -> bool:
         key = key_from_headers({k.lower(): v for k, v in http.headers.items()})
@@ -177,9 +177,13 @@ class ProxyServer:
             except ApiError as error:
                 return self.error_response(dialect, error)
             call = _Call(self, dialect, session, request, prompt, params)
-            if request.stream:
-                return await call.stream(http)
-            return await call.complete()
+            session.begin_call()  # an admin close waits for this call to end (docs/proxy.md, routes)
+            try:
+                if request.stream:
+                    return await call.stream(http)
+                return await call.complete()
+            finally:
+                session.end_call()
 
         return handler
 

@@ -115,6 +115,8 @@ class ExecutionSession:
     builders: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     parse_caches: OrderedDict[str, MessageCache] = field(default_factory=OrderedDict)
     _last_calls: dict[str, _LastCall] = field(default_factory=dict)  # thread -> its last recorded call
+    calls_in_flight: int = 0  # calls admitted and not yet ended (their records not yet written)
+    closing: bool = False  # closed by the admin while calls were in flight: closes when the last one ends
 
     @property
     def last_node(self) -> dict[str, int]:
@@ -166,6 +168,21 @@ class ExecutionSession:
                 f"the call could not be recorded ({type(error).__name__}); nothing of it was kept and the execution "
                 "goes on"
             ) from error
+
+    def begin_call(self) -> None:
+        """A call of this execution was admitted (the proxy calls `end_call` when it has ended and is recorded)."""
+        self.calls_in_flight += 1
+
+    def end_call(self) -> None:
+        self.calls_in_flight -= 1
+        if self.closing and self.calls_in_flight == 0:
+            self.close()
+
+    def close_when_idle(self) -> None:
+        """Close now, or, with calls in flight, once the last of them has ended and been recorded."""
+        self.closing = True
+        if self.calls_in_flight == 0:
+            self.close()
 
     def close(self) -> None:
         if not self.tree.closed:
@@ -249,14 +266,20 @@ class SessionRegistry:
     def by_execution(self, execution: str) -> ExecutionSession | None:
         return self._by_execution.get(execution)
 
-    def close(self, execution: str) -> None:
-        """The execution ended: its key stops working and its tree and file are closed."""
+    def close(self, execution: str) -> int:
+        """The execution ended: its key stops working at once, and its tree and file are closed as soon as its calls
+        in flight have ended (each finishes as usual and is recorded once). Returns how many were in flight."""
         session = self._by_execution.pop(execution, None)
-        if session is not None:
-            self._closed.add(execution)
-            self._by_key.pop(session.key, None)
-            session.close()
+        if session is None:
+            return 0
+        self._closed.add(execution)
+        self._by_key.pop(session.key, None)
+        in_flight = session.calls_in_flight
+        session.close_when_idle()
+        return in_flight
 
     def close_all(self) -> None:
-        for execution in list(self._by_execution):
+        """Close every execution now (at shutdown, once the proxy has stopped and its calls have ended)."""
+        for execution, session in list(self._by_execution.items()):
             self.close(execution)
+            session.close()
