@@ -181,6 +181,76 @@ def test_fuzzed_bodies_never_get_a_5xx(served, case):
         assert error_message(path, reply)
 
 
+FUZZ_BODIES = 1000
+HUGE = [2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**63), 10**30, -1, 0, -0.0, 1e308, -1e308, 1.5]
+HOSTILE_TEXT = ["", "a\n", "\x00", "\x1c\x1f", "con", "../../etc/passwd", "\u2028", "x" * 5000, "%s%n", "\ufeff"]
+
+
+def fuzz_value(rng, depth: int = 0):
+    """A random JSON value: huge and odd numbers, hostile strings, nested containers."""
+    kind = rng.randrange(7 if depth < 6 else 4)
+    if kind == 0:
+        return rng.choice(HUGE)
+    if kind == 1:
+        return rng.choice(HOSTILE_TEXT)
+    if kind == 2:
+        return rng.choice([None, True, False])
+    if kind == 3:
+        return rng.randint(-(2**70), 2**70)
+    if kind == 4:
+        return [fuzz_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(["role", "content", "type", "text", "x", ""]): fuzz_value(rng, depth + 1) for _ in range(3)}
+
+
+def fuzz_case(rng) -> tuple[str, bytes, dict]:
+    """One hostile request: a route, its raw body and extra headers."""
+    path = rng.choice(ROUTES)
+    headers: dict = {}
+    kind = rng.randrange(6)
+    if kind == 0:  # any JSON at all
+        return path, json.dumps(fuzz_value(rng)).encode(), headers
+    body = json.loads(json.dumps(VALID[path]))
+    if kind == 1:  # one field of a valid body replaced or added
+        field = rng.choice([*body, "messages", "tools", "system", "input", "stream", "temperature", "top_k", "top_p"])
+        body[field] = fuzz_value(rng)
+    elif kind == 2:  # huge or odd integers where counts go
+        body[rng.choice(["max_tokens", "max_output_tokens", "max_completion_tokens", "top_k", "n"])] = rng.choice(HUGE)
+    elif kind == 3:  # nested deep, around the limit
+        return path, with_nested(body, rng.choice(["metadata", "tools", "messages"]), rng.randrange(90, 300)), headers
+    elif kind == 4:  # broken bytes: truncated JSON, invalid UTF-8, lone surrogates, NaN
+        raw = json.dumps(body).encode()
+        broken = [raw[: rng.randrange(len(raw))], raw.replace(b"hi", b"\xff\xfe"), raw.replace(b"hi", b"\\ud800")]
+        return path, rng.choice([*broken, raw.replace(b"4", b"NaN")]), headers
+    else:  # hostile role headers on a valid body
+        # (a NUL or newline in a header is refused by aiohttp's HTTP parser in plain text, before gyre sees it)
+        role = rng.choice(["boss", "", "main x", "MAIN", "sub-agent", "main-summary"])
+        headers = {"x-gyre-role": role, "x-gyre-agent-id": rng.choice(["a/../b", "", "x" * 300])}
+    return path, json.dumps(body).encode(), headers
+
+
+def test_fuzzed_requests_never_get_a_5xx_never_record_a_refused_call_and_leave_the_key_working(served):
+    """Issue 13's fuzz acceptance: >= 1,000 generated bodies over the four routes; 0 answers >= 500, nothing recorded
+    for an answer that is not 2xx, and the same key answers a valid call after each. At the end the record file holds
+    exactly the calls of the tree."""
+    import random
+
+    rng = random.Random(1213)
+    tree = served.session.tree
+    for _ in range(FUZZ_BODIES):
+        path, raw, headers = fuzz_case(rng)
+        before = len(tree.calls)
+        code, reply = served.post(path, raw, headers=headers)
+        assert code < 500, (path, raw[:300], headers, reply)
+        if not 200 <= code < 300:
+            assert len(tree.calls) == before, (path, raw[:300], reply)
+            assert error_message(path, reply)
+        before = len(tree.calls)
+        valid = "/v1/messages" if path.endswith("count_tokens") else path
+        code, reply = served.post(valid, json.dumps(VALID[valid]).encode())
+        assert code == 200 and len(tree.calls) == before + 1, (path, raw[:300], reply)
+    assert len(load_tree(served.stack.registry.records_dir / "fuzz.jsonl").calls) == len(tree.calls)
+
+
 def with_nested(body: dict, field: str, depth: int) -> bytes:
     """`body` with `field` set to {"request_kind": [[...[1]...]]} `depth` arrays deep (written as text: the stdlib
     encoder recurses)."""
