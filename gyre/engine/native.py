@@ -45,6 +45,7 @@ import torch
 
 from gyre.engine.decode import DecodeWeights, decode_forward, decode_weights, stack_projections
 from gyre.engine.protocol import (
+    AcceptingLifecycle,
     EngineBusyError,
     EngineLoad,
     EngineUnavailableError,
@@ -56,7 +57,6 @@ from gyre.engine.protocol import (
     TokenChunk,
     check_request,
     check_version,
-    drain_in_flight,
 )
 from gyre.engine.sampling import request_generator, sample_next
 from gyre.models.decoder import DecoderLM, KVCache
@@ -197,7 +197,7 @@ class _Request:
         return self.request.reserved_tokens
 
 
-class NativeEngine:
+class NativeEngine(AcceptingLifecycle):
     """Continuous-batching engine over a `DecoderLM`; implements `gyre.engine.protocol.Engine`."""
 
     COMPILED_COLUMN_MULTIPLE = 64  # compiled decode: batch KV columns rounded up to this (repeating shapes)
@@ -325,15 +325,8 @@ class NativeEngine:
 
     # ----------------------------------------------------------------- accepting / drain
 
-    def stop_accepting(self) -> None:
-        self._accepting = False
-
-    def resume_accepting(self) -> None:
-        self._accepting = True
-
-    async def drain(self, *, abort_after_s: float | None = None) -> None:
-        self.stop_accepting()
-        await drain_in_flight(self._idle, lambda: self._by_id, self.abort, abort_after_s)
+    def _in_flight_ids(self) -> list[str]:
+        return list(self._by_id)
 
     async def close(self) -> None:
         """Abort everything in flight and stop the scheduler task (not part of the protocol)."""

@@ -326,6 +326,30 @@ async def drain_in_flight(
         await idle.wait()
 
 
+class AcceptingLifecycle:
+    """`stop_accepting`, `resume_accepting` and `drain` as every engine here implements them (mixin).
+
+    The engine keeps `_accepting` (checked when a request arrives), `_idle` (an `asyncio.Event` set whenever
+    nothing is in flight) and `_in_flight_ids()`; `drain` stops accepting and waits for idle, aborting what is
+    still in flight after `abort_after_s` (`drain_in_flight`)."""
+
+    _accepting: bool
+    _idle: asyncio.Event
+
+    def _in_flight_ids(self) -> Iterable[str]:
+        raise NotImplementedError  # each engine says which request ids are in flight
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def resume_accepting(self) -> None:
+        self._accepting = True
+
+    async def drain(self, *, abort_after_s: float | None = None) -> None:
+        self.stop_accepting()
+        await drain_in_flight(self._idle, self._in_flight_ids, self.abort, abort_after_s)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A rollout engine. Implementations: the native torch engine; the SGLang adapter (GPU clusters)."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre.config.checks import require, require_duration, require_int, require_number
 from gyre.engine.protocol import (
+    AcceptingLifecycle,
     EngineBusyError,
     EngineLoad,
     EngineUnavailableError,
@@ -43,7 +44,6 @@ from gyre.engine.protocol import (
     TokenChunk,
     check_request,
     check_version,
-    drain_in_flight,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class _Flight:
         self.aborted = False
 
 
-class ScriptedEngine:
+class ScriptedEngine(AcceptingLifecycle):
     """A scripted stand-in engine (see the module docstring): answers each request with `reply(request)`."""
 
     def __init__(
@@ -122,7 +122,8 @@ class ScriptedEngine:
         self._accepting = True
         self._weights_released = False
         self._kv_released = False
-        self._idle: asyncio.Event | None = None  # made by drain, set when nothing is in flight
+        self._idle = asyncio.Event()  # set whenever nothing is in flight (drain waits for it)
+        self._idle.set()
 
     # ----------------------------------------------------------------- requests
 
@@ -151,6 +152,7 @@ class ScriptedEngine:
         )
         flight = _Flight(request)
         self._in_flight[request.request_id] = flight
+        self._idle.clear()
         try:
             if self._running < self.max_running and not self._waiting:
                 self._start(flight)
@@ -235,7 +237,7 @@ class ScriptedEngine:
             self._waiting.remove(flight)
         while self._waiting and self._running < self.max_running:
             self._start(self._waiting.popleft())
-        if not self._in_flight and self._idle is not None:
+        if not self._in_flight:
             self._idle.set()
 
     def abort(self, request_id: str) -> bool:
@@ -250,18 +252,8 @@ class ScriptedEngine:
 
     # ----------------------------------------------------------------- lifecycle
 
-    def stop_accepting(self) -> None:
-        self._accepting = False
-
-    def resume_accepting(self) -> None:
-        self._accepting = True
-
-    async def drain(self, *, abort_after_s: float | None = None) -> None:
-        self.stop_accepting()
-        self._idle = asyncio.Event()
-        if not self._in_flight:
-            self._idle.set()
-        await drain_in_flight(self._idle, lambda: list(self._in_flight), self.abort, abort_after_s)
+    def _in_flight_ids(self) -> list[str]:
+        return list(self._in_flight)
 
     async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
         if self._in_flight:

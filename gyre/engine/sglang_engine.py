@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre.config.checks import is_int
 from gyre.engine.protocol import (
+    AcceptingLifecycle,
     EngineBusyError,
     EngineLoad,
     EngineUnavailableError,
@@ -49,7 +50,6 @@ from gyre.engine.protocol import (
     TokenChunk,
     check_request,
     check_version,
-    drain_in_flight,
 )
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
 
@@ -274,7 +274,7 @@ class _InFlight:
         return self.request.reserved_tokens
 
 
-class SGLangEngine:
+class SGLangEngine(AcceptingLifecycle):
     """`gyre.engine.protocol.Engine` over an `sglang.Engine` (or anything with its `async_generate` and
     `tokenizer_manager`). Options:
 
@@ -533,15 +533,8 @@ class SGLangEngine:
 
     # ----------------------------------------------------------------- accepting / drain
 
-    def stop_accepting(self) -> None:
-        self._accepting = False
-
-    def resume_accepting(self) -> None:
-        self._accepting = True
-
-    async def drain(self, *, abort_after_s: float | None = None) -> None:
-        self.stop_accepting()
-        await drain_in_flight(self._idle, lambda: self._in_flight, self.abort, abort_after_s)
+    def _in_flight_ids(self) -> list[str]:
+        return list(self._in_flight)
 
     async def close(self) -> None:
         """Abort what is in flight, wait for it, and shut SGLang down if `from_pretrained` built it."""

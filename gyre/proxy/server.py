@@ -31,7 +31,7 @@ from gyre.config.proxy import ProxyConfig
 from gyre.engine.errors import RemoteEngineError
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
-from gyre.proxy.dialects import DIALECTS, DIALECTS_BY_NAME, Dialect
+from gyre.proxy.dialects import DIALECTS, Dialect
 from gyre.proxy.dialects.fields import json_type, nesting_depth_exceeds
 from gyre.proxy.dialects.protocol import StreamWriter
 from gyre.proxy.heap import HeapFreezer
@@ -329,7 +329,7 @@ class _Call:
             policy_version=self.versions[0] if self.versions else 0,
             engine=",".join(finish.engines) if finish is not None else self.engine,
             timings={"first_token_s": finish.first_token_s or 0.0, "total_s": finish.total_s} if finish else {},
-            role_signals=role_signals(self.request),
+            role_signals=self.dialect.role_signals(self.request),
         )
         reason = finish.finish_reason if finish is not None else "abort"
         thread = thread_key(self.request.signals)
@@ -429,9 +429,3 @@ def _check_stated_role(request: ChatRequest) -> None:
 
 def _json(payload: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
-
-
-def role_signals(request: ChatRequest) -> dict[str, Any]:
-    """The request's signals plus the keys the role classifiers read (`gyre.traj.roles`), as its dialect records
-    them (`Dialect.role_signals`)."""
-    return DIALECTS_BY_NAME[request.dialect].role_signals(request)

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from gyre.proxy.conversation import ChatRequest, Turn
-from gyre.proxy.server import role_signals
+from gyre.proxy.dialects import DIALECTS_BY_NAME
 from gyre.traj.roles import CLAUDE_CODE_SUMMARY_PHRASE, CLAUDE_CODE_SUMMARY_TAGS, Role, classifier_for
+
+
+def role_signals(request: ChatRequest) -> dict:
+    """What the proxy records for `request`: its dialect's role signals (as `gyre.proxy.server` calls them)."""
+    return DIALECTS_BY_NAME[request.dialect].role_signals(request)
+
 
 SUMMARY_TEXT = f"Please write {CLAUDE_CODE_SUMMARY_PHRASE}: " + " ".join(CLAUDE_CODE_SUMMARY_TAGS)
 
