@@ -58,11 +58,20 @@ class ProxyConfig:
     shutdown_grace_s: float = 1.0
     """At shutdown (SIGTERM), how long calls in flight may still finish before they are aborted (and recorded with
     what they sampled) and the remaining connections, slow ones included, are closed."""
+    request_head_timeout_s: float = 75.0
+    """A connection must deliver a complete request head (request line and headers) within this long of opening or
+    of its last answer, else it is closed; this also closes idle keep-alive connections (aiohttp's
+    `keepalive_timeout`, nginx's default). A client trickling its headers cannot hold a connection longer."""
+    body_timeout_s: float = 120.0
+    """A request's whole body must arrive within this long of its head, else 408 in the dialect's shape and nothing
+    is recorded (64 MiB at 10 MB/s takes 7 s)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
         require_int("proxy.port", self.port, ge=0, le=65535, note="0 = any free port")
         require_duration("proxy.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
+        require_duration("proxy.request_head_timeout_s", self.request_head_timeout_s)
+        require_duration("proxy.body_timeout_s", self.body_timeout_s)
         require(
             len(self.model_names) >= 1 and all(isinstance(n, str) and n for n in self.model_names),
             "proxy.model_names",

@@ -35,7 +35,8 @@ class ApiError(Exception):
     """A client error answered in the dialect's own error shape (never a traceback, never recorded).
 
     `kind` is dialect-free; each dialect maps it to its type names: invalid_request (400), authentication (401),
-    permission (403), not_found (404), request_too_large (413), rate_limit (429), overloaded (503/529),
+    permission (403), not_found (404), request_timeout (408: the body did not arrive in time),
+    request_too_large (413), rate_limit (429), overloaded (503/529),
     api_error (500). `prompt_too_long` is an invalid_request whose message starts with "prompt is too long"
     (what makes Claude Code compact).
     """
@@ -46,6 +47,7 @@ class ApiError(Exception):
         "authentication": 401,
         "permission": 403,
         "not_found": 404,
+        "request_timeout": 408,
         "request_too_large": 413,
         "rate_limit": 429,
         "overloaded": 503,

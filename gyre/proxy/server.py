@@ -4,8 +4,9 @@ aiohttp (server), the same library as the engine endpoint and its client: docs/p
 server with one shared aiohttp client cheapest on these machines (~0.5 ms CPU per request, 20-30 us per relayed
 chunk), where FastAPI cost 1.5-2x and httpx as the upstream client collapsed at 64+ concurrent streams.
 
-One call, in order: read the body (size cap -> 413), authenticate the execution key (401), parse the dialect
-(4xx in its own shape), check the model name (404), build the prompt with TITO reuse (`gyre.proxy.render`),
+One call, in order: read the body (size cap -> 413, time limit -> 408), authenticate the execution key (401),
+parse the dialect (4xx in its own shape), check the model name (404), build the prompt with TITO reuse
+(`gyre.proxy.render`),
 check the context limit (400 "prompt is too long"), run the call through the routing table with transparent
 retry (`gyre.proxy.routing`), turn output ids into the dialect's structures as they come
 (`gyre.proxy.output`), record the call once into the execution's tree and file (`gyre.proxy.sessions`), and
@@ -18,6 +19,7 @@ Admin routes (for `gyre.serve` and the runtime; they need the admin key as a Bea
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -111,8 +113,17 @@ class ProxyServer:
         # shutdown_timeout: at stop, calls still running after the grace are cancelled (their handlers abort the
         # engine call and record what was sampled) and idle or slow connections are closed; aiohttp's default
         # waited 60 s for one slow client.
+        # keepalive_timeout: aiohttp closes a connection whose next request head is not complete this long after
+        # it opened or answered, so it bounds both idle keep-alive connections and a client trickling headers.
+        # lingering_time: after an answer that left the body unread (413, 408), the rest is read and dropped this
+        # long so the client sees the answer rather than a reset (aiohttp's default is 10 s).
         self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=self.config.shutdown_grace_s
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.config.shutdown_grace_s,
+            keepalive_timeout=self.config.request_head_timeout_s,
+            lingering_time=2.0,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -142,11 +153,13 @@ class ProxyServer:
         if not self._is_admin(http):
             return _json({"error": {"type": "authentication_error", "message": "admin key required"}}, 401)
         try:
-            raw = await http.read()
+            raw = await self._read_body(http)
             body = orjson.loads(raw) if raw else {}
             if not isinstance(body, dict):
                 raise ValueError(f'the body must be a JSON object ({{"execution"?: str}}), got {json_type(body)}')
             session = self.registry.issue(body.get("execution"))
+        except ApiError as error:  # the body is too large or too slow
+            return _json({"error": {"type": f"{error.kind}_error", "message": error.message}}, error.status)
         except ExecutionIdConflict as error:
             return _json({"error": {"type": "conflict_error", "message": str(error)}}, 409)
         except (orjson.JSONDecodeError, ValueError) as error:
@@ -219,13 +232,23 @@ class ProxyServer:
             raise ApiError("authentication", "invalid x-api-key: no execution has this key")
         return session
 
-    async def _read_json(self, http: web.Request) -> Any:
+    async def _read_body(self, http: web.Request) -> bytes:
+        """The whole body, within `proxy.max_body_bytes` (else 413) and `proxy.body_timeout_s` (else 408)."""
+        timeout_s = self.config.body_timeout_s
         try:
-            raw = await http.read()
+            async with asyncio.timeout(timeout_s):
+                return await http.read()
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(
                 "request_too_large", f"request body exceeds the limit of {self.config.max_body_bytes} bytes"
             ) from None
+        except TimeoutError:
+            raise ApiError(
+                "request_timeout", f"the request body did not arrive within {timeout_s:g} s (proxy.body_timeout_s)"
+            ) from None
+
+    async def _read_json(self, http: web.Request) -> Any:
+        raw = await self._read_body(http)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as error:

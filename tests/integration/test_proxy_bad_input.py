@@ -7,19 +7,17 @@ mutated valid bodies to every route: never a 5xx, never a dead server.
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import threading
-from urllib.parse import urlparse
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from proxy_stack import StackThread
 
 from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
-from gyre.serve.stack import build_stack
 from gyre.traj.store import load_tree
 
 BODY_CAP = 64 * 1024
@@ -31,41 +29,6 @@ VALID = {
     "/v1/chat/completions": {"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
     "/v1/responses": {"model": "gyre", "max_output_tokens": 4, "input": "hi"},
 }
-
-
-class StackThread:
-    """The serving stack on a background event loop (what `python -m gyre.serve` runs, in process)."""
-
-    def __init__(self, cfg: ServeConfig, records_dir):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.stack = self.call(build_stack(cfg, records_dir=records_dir))
-        self.session = self.stack.registry.issue("fuzz")
-        address = urlparse(self.stack.proxy.url)
-        self.host, self.port = address.hostname, address.port
-
-    def call(self, coro, timeout_s: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def post(self, path: str, body: bytes, *, key: str | None = None, headers: dict | None = None) -> tuple[int, dict]:
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        headers = {"content-type": "application/json", "x-api-key": key or self.session.key, **(headers or {})}
-        if path.startswith("/v1/chat") or path.startswith("/v1/responses"):
-            headers["authorization"] = f"Bearer {key or self.session.key}"
-        connection.request("POST", path, body=body, headers=headers)
-        response = connection.getresponse()
-        data = response.read()
-        connection.close()
-        if response.getheader("content-type", "").startswith("text/event-stream"):
-            assert data.endswith(b"\n\n")  # a (fuzzed) streaming request that was valid: a complete SSE stream
-            return response.status, {}
-        return response.status, json.loads(data) if data else {}
-
-    def stop(self) -> None:
-        self.call(self.stack.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")

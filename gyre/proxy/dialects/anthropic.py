@@ -54,6 +54,7 @@ ERROR_TYPES = {
     "authentication": "authentication_error",
     "permission": "permission_error",
     "not_found": "not_found_error",
+    "request_timeout": "timeout_error",
     "request_too_large": "request_too_large",
     "rate_limit": "rate_limit_error",
     "overloaded": "overloaded_error",

@@ -45,6 +45,7 @@ ERROR_TYPES: dict[str, tuple[str, str | None]] = {
     "authentication": ("authentication_error", "invalid_api_key"),
     "permission": ("permission_error", None),
     "not_found": ("not_found_error", None),
+    "request_timeout": ("invalid_request_error", "request_timeout"),
     "request_too_large": ("invalid_request_error", "request_too_large"),
     "rate_limit": ("rate_limit_error", "rate_limit_exceeded"),
     "overloaded": ("server_error", "server_is_overloaded"),

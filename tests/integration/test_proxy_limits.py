@@ -1,0 +1,164 @@
+"""The proxy's limits over real HTTP: output budget, slow clients (issue 13, findings 7 and 10).
+
+- A client's `max_tokens` far beyond anything (2^63, u64 max) is clamped to the output cap and the context room,
+  never refused and never generated past: Claude Code asks for 32,000 whatever the model (docs/proxy.md, "One call").
+- A connection that trickles its request head is closed after `proxy.request_head_timeout_s`; a body that trickles
+  gets a 408 in the dialect's shape after `proxy.body_timeout_s`, nothing is recorded and the key goes on working.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+from proxy_stack import StackThread
+
+from gyre.config import ServeConfig
+from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.traj.store import load_tree
+
+CAP = 6  # sampling.max_new_tokens
+HEAD_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
+HUGE = (2**63, 2**64 - 1)
+BUDGET_FIELD = {
+    "/v1/messages": "max_tokens",
+    "/v1/chat/completions": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    cfg = ServeConfig(
+        proxy=ProxyConfig(
+            sampling=SamplingConfig(max_new_tokens=CAP, temperature=0.0),
+            request_head_timeout_s=HEAD_TIMEOUT_S,
+            body_timeout_s=BODY_TIMEOUT_S,
+        ),
+        executions=0,
+    )
+    stack = StackThread(cfg, tmp_path_factory.mktemp("records"))
+    yield stack
+    stack.stop()
+
+
+def calls(served) -> list:
+    return load_tree(served.stack.registry.records_dir / "fuzz.jsonl").calls
+
+
+def body_for(path: str, max_tokens: int, stream: bool, text: str) -> bytes:
+    body = {"model": "gyre", BUDGET_FIELD[path]: max_tokens, "stream": stream}
+    body |= {"input": text} if path == "/v1/responses" else {"messages": [{"role": "user", "content": text}]}
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", sorted(BUDGET_FIELD))
+def test_a_huge_max_tokens_is_clamped_to_the_output_cap(served, path, stream):
+    """Each call ends at the cap (finish "length") or before it, on its own end of turn: never past it."""
+    for max_tokens in HUGE:
+        before = len(calls(served))
+        started = time.monotonic()
+        status, _ = served.post(path, body_for(path, max_tokens, stream, f"count {max_tokens} {path} {stream}"))
+        elapsed = time.monotonic() - started
+        assert status == 200, (path, max_tokens)
+        recorded = calls(served)
+        assert len(recorded) == before + 1
+        output = recorded[-1].response
+        assert len(output.ids) <= CAP and (len(output.ids) == CAP) == (output.finish_reason == "length"), output
+        assert elapsed < 30, f"{elapsed:.1f} s for at most {CAP} tokens"
+
+
+def test_beyond_u64_max_tokens_is_a_400_naming_the_field(served):
+    raw = b'{"model":"gyre","max_tokens":18446744073709551616,"messages":[{"role":"user","content":"hi"}]}'
+    status, reply = served.post("/v1/messages", raw)
+    assert status == 400 and reply["error"]["message"].startswith("max_tokens:"), reply
+
+
+def raw_connection(served) -> socket.socket:
+    connection = socket.create_connection((served.host, served.port), timeout=10)
+    connection.settimeout(10)
+    return connection
+
+
+def closed_within(connection: socket.socket, deadline_s: float, trickle: bytes = b"") -> float | None:
+    """Send `trickle` a byte every 0.1 s until the server closes; the seconds that took, None if it never did."""
+    started = time.monotonic()
+    connection.settimeout(0.1)
+    sent = 0
+    while time.monotonic() - started < deadline_s:
+        try:
+            if connection.recv(65536) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - started
+        try:
+            connection.sendall(trickle[sent % len(trickle) : sent % len(trickle) + 1] if trickle else b"")
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - started
+        sent += 1
+    return None
+
+
+def test_a_client_trickling_its_request_head_is_disconnected(served):
+    connection = raw_connection(served)
+    try:
+        connection.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n")
+        took = closed_within(connection, 10 * HEAD_TIMEOUT_S, trickle=b"X-Slow: aaaaaaaaaaaaaaaa")
+    finally:
+        connection.close()
+    assert took is not None and took < 3 * HEAD_TIMEOUT_S + 1, took
+
+
+def test_an_idle_connection_is_closed_and_a_fresh_one_is_served(served):
+    connection = raw_connection(served)
+    try:
+        took = closed_within(connection, 10 * HEAD_TIMEOUT_S)
+    finally:
+        connection.close()
+    assert took is not None and took < 3 * HEAD_TIMEOUT_S + 1, took
+    assert served.post("/v1/messages", body_for("/v1/messages", 2, False, "after idle"))[0] == 200
+
+
+def test_a_trickling_body_gets_a_408_records_nothing_and_the_key_goes_on(served):
+    before = len(calls(served))
+    body = body_for("/v1/messages", 2, False, "slow body")
+    head = (
+        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"x-api-key: {served.session.key}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    connection = raw_connection(served)
+    try:
+        connection.sendall(head + body[:5])
+        started = time.monotonic()
+        answer = b""
+        connection.settimeout(0.1)
+        for byte in body[5:-1]:  # never the last byte: the body stays incomplete
+            try:
+                chunk = connection.recv(65536)
+            except TimeoutError:
+                chunk = None
+            if chunk == b"":
+                break
+            answer += chunk or b""
+            if time.monotonic() - started > 10 * BODY_TIMEOUT_S:
+                break
+            try:
+                connection.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        elapsed = time.monotonic() - started
+    finally:
+        connection.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408"), answer[:200]
+    reply = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert reply["error"]["type"] == "timeout_error" and "body_timeout_s" in reply["error"]["message"], reply
+    assert elapsed < 3 * BODY_TIMEOUT_S + 1, elapsed
+    assert len(calls(served)) == before
+    assert served.post("/v1/messages", body_for("/v1/messages", 2, False, "after the slow body"))[0] == 200
