@@ -17,11 +17,13 @@ Contract:
   there) rather than another output's ids: a restore is never wrong;
 - the stored value is a SAMPLED `Segment` whose key was computed once at `remember`; it equals the key the
   trajectory tree computes for the recorded response, so a restored segment never needs rehashing;
-- bounded: at most `max_entries` keys, least recently used evicted first. Pure, per execution, not thread-safe.
+- bounded: at most `max_entries` keys, least recently used evicted first. Pure, per execution; thread-safe, as a
+  big prompt is built on a worker thread while the event loop remembers other calls' outputs (gyre.proxy.server).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ class PayloadCache:
             raise ValueError(f"max_entries={max_entries!r}: expected an int >= 1")
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[str, ...], _Payload] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -59,19 +62,27 @@ class PayloadCache:
         if len(output_ids) == 0:
             raise ValueError("output_ids is empty: a served call produced at least one token")
         payload = _Payload(Segment(Provenance.SAMPLED, output_ids), tuple(call.id for call in output.tool_calls))
-        for key in self._keys_of_output(output):
+        with self._lock:
+            self._remember(payload, self._keys_of_output(output), output_ids)
+        return payload.segment
+
+    def _remember(self, payload: _Payload, keys: list[tuple[str, ...]], output_ids: Sequence[int]) -> None:
+        for key in keys:
             known = self._entries.get(key)
             same = known is not None and known.segment is not None and tuple(known.segment.ids) == tuple(output_ids)
             self._entries[key] = payload if known is None or same else _AMBIGUOUS
             self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
-        return payload.segment
 
     def restore_segment(self, turn: Turn) -> Segment | None:
         """Our SAMPLED segment for an echoed assistant turn, or None if it is not one of our outputs."""
         if turn.role != "assistant":
             return None
+        with self._lock:
+            return self._restore_segment(turn)
+
+    def _restore_segment(self, turn: Turn) -> Segment | None:
         if turn.tool_calls:
             key: tuple[str, ...] = ("call", turn.tool_calls[0].id)
             payload = self._entries.get(key)

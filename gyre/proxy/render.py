@@ -44,7 +44,7 @@ from gyre.proxy.template import (  # ChatTemplate is re-exported: callers build 
 )
 from gyre.traj.record import Provenance, Segment
 
-__all__ = ["ChatTemplate", "PayloadCache", "Prompt", "PromptBuilder", "windowed_rendering"]
+__all__ = ["ChatTemplate", "PayloadCache", "Prompt", "PromptBuilder", "PromptTooLong", "windowed_rendering"]
 
 DEFAULT_CHUNK_TURNS = 8  # new turns rendered per window: renders per window grow with its square
 _ROLE_PROVENANCE = {"system": Provenance.SYSTEM, "user": Provenance.USER, "tool": Provenance.TOOL}
@@ -52,6 +52,14 @@ _ROLE_PROVENANCE = {"system": Provenance.SYSTEM, "user": Provenance.USER, "tool"
 
 class _NeedsFullRender(Exception):
     """The window cannot render these turns faithfully; render the whole conversation instead."""
+
+
+class PromptTooLong(Exception):
+    """The prompt has more tokens than `build`'s `max_tokens`: at least `at_least` (the builder stopped counting)."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the prompt has at least {at_least} tokens > {limit}")
+        self.at_least, self.limit = at_least, limit
 
 
 @dataclass(eq=False)
@@ -123,13 +131,50 @@ class PromptBuilder:
         self._segments: list[Segment] = []
         self._texts: list[str | None] = []
         self._prompt: Prompt | None = None  # the last prompt built (its ids seed the next one's)
+        self._max_tokens: int | None = None  # the limit of the build under way (builds of one builder never overlap)
 
     @property
     def windowed(self) -> bool:
         return windowed_rendering(self.template) if self._windowed is None else self._windowed
 
-    def build(self, request: ChatRequest) -> Prompt:
-        """The prompt of `request`. Raises ApiError(invalid_request) if the chat template refuses it."""
+    def build(self, request: ChatRequest, *, max_tokens: int | None = None) -> Prompt:
+        """The prompt of `request`. Raises ApiError(invalid_request) if the chat template refuses it.
+
+        `max_tokens`: raise PromptTooLong (and keep the previous request's state) as soon as the prompt must pass
+        it: before encoding a text whose token floor alone passes it (`ChatTemplate.min_tokens`), or once the
+        ids encoded so far do. A huge prompt is then refused without tokenizing it. None: no limit."""
+        self._max_tokens = max_tokens
+        try:
+            return self._build(request)
+        finally:
+            self._max_tokens = None
+
+    def pending_turns(self, request: ChatRequest) -> Sequence[Turn]:
+        """The turns `build(request)` will likely render and encode: those past the previous request's (all of
+        them when the system prompt or tools changed). Cheap: no comparison of turns."""
+        same_head = self._tools is not None and request.system == self._system and request.tools == self._tools
+        return request.turns[len(self._turns) :] if same_head else request.turns
+
+    def pending_chars(self, request: ChatRequest) -> int:
+        """About how many characters `build(request)` renders and encodes (`pending_turns`, plus the system prompt
+        when it is rendered anew)."""
+        turns = self.pending_turns(request)
+        head = len(request.system or "") if len(turns) == len(request.turns) else 0
+        return head + sum(len(turn.text) for turn in turns)
+
+    def _encode(self, text: str, before: int) -> list[int]:
+        """The ids of `text`, which starts `before` tokens into the prompt, within the build's `max_tokens`."""
+        limit = self._max_tokens
+        if limit is not None:
+            floor = before + self.template.min_tokens(text)
+            if floor > limit:
+                raise PromptTooLong(floor, limit)
+        ids = self.template.encode(text)
+        if limit is not None and before + len(ids) > limit:
+            raise PromptTooLong(before + len(ids), limit)
+        return ids
+
+    def _build(self, request: ChatRequest) -> Prompt:
         turns = request.turns
         same_head = self._tools is not None and request.system == self._system and request.tools == self._tools
         if not self.windowed:
@@ -216,7 +261,7 @@ class PromptBuilder:
             except _NeedsFullRender:
                 pass
         # Last resort: correct ids, no sharing, no restore; the next request starts afresh.
-        segment = Segment(Provenance.USER, template.encode(full))
+        segment = Segment(Provenance.USER, self._encode(full, 0))
         self._reset()
         return Prompt([segment], len(segment), 0, len(turns), 0, 0, 0, fallbacks=2, texts=[full])
 
@@ -229,7 +274,7 @@ class PromptBuilder:
         segment = (
             old.segments[0]
             if old is not None and old.texts and old.texts[0] == text
-            else Segment(Provenance.SYSTEM, self.template.encode(text))
+            else Segment(Provenance.SYSTEM, self._encode(text, 0))
         )
         return _Entry((segment,), (text,), "", "", False, 1, len(segment), False, False)
 
@@ -306,7 +351,7 @@ class PromptBuilder:
                     ):
                         segment = old.segments[index]  # same text as last time: same object, no rehash
                     else:
-                        segment = Segment(provenance, template.encode(piece_text))
+                        segment = Segment(provenance, self._encode(piece_text, tokens_end))
                 segments.append(segment)
                 seg_texts.append(piece_text)
                 tokens_end += len(segment)

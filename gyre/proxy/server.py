@@ -6,8 +6,8 @@ chunk), where FastAPI cost 1.5-2x and httpx as the upstream client collapsed at 
 
 One call, in order: read the body (size cap -> 413, time limit -> 408), authenticate the execution key (401),
 parse the dialect (4xx in its own shape), check the model name (404), build the prompt with TITO reuse
-(`gyre.proxy.render`),
-check the context limit (400 "prompt is too long"), run the call through the routing table with transparent
+(`gyre.proxy.render`; a big build on a worker thread, a prompt past the context limit refused as soon as its token
+floor or count shows it: 400 "prompt is too long"), run the call through the routing table with transparent
 retry (`gyre.proxy.routing`), turn output ids into the dialect's structures as they come
 (`gyre.proxy.output`), record the call once into the execution's tree and file (`gyre.proxy.sessions`), and
 remember our exact output for the payload cache. A client error is answered and nothing is recorded; an engine
@@ -38,6 +38,7 @@ from gyre.proxy.dialects.fields import json_type, nesting_depth_exceeds
 from gyre.proxy.dialects.protocol import StreamWriter
 from gyre.proxy.heap import HeapFreezer
 from gyre.proxy.output import OutputDecoder
+from gyre.proxy.render import PromptTooLong
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
 from gyre.proxy.sessions import (
     ExecutionIdConflict,
@@ -58,6 +59,27 @@ log = logging.getLogger(__name__)
 # two levels deeper (a response's metadata, a record line's role signals) and orjson serializes at most 255 levels;
 # real harness bodies nest about a dozen (tool schemas included). Checked before anything is parsed or recorded.
 MAX_BODY_DEPTH = 128
+
+
+# A build that renders and encodes more new characters than this runs on a worker thread, so the event loop goes on
+# serving every other execution meanwhile (the tiny tokenizer encodes ~1 MB/s; 32 K characters are ~30 ms).
+OFF_THE_LOOP_CHARS = 32 * 1024
+
+
+async def _off_the_loop_if_big(builder, request: ChatRequest, *, max_tokens: int | None = None):
+    """`builder.build(request)`, on a worker thread when it has much new text to encode (which releases the GIL)."""
+    if builder.pending_chars(request) < OFF_THE_LOOP_CHARS:
+        return builder.build(request, max_tokens=max_tokens)
+    return await asyncio.to_thread(builder.build, request, max_tokens=max_tokens)
+
+
+def _too_long(at_least: int, max_tokens: int) -> ApiError:
+    """The 400 of a prompt known to pass the limit before it was wholly counted (docs/proxy.md, "One call")."""
+    return ApiError(
+        "prompt_too_long",
+        f"prompt is too long: {at_least} tokens > {max_tokens} maximum (at least {at_least}: counting stopped once "
+        "the prompt passed the limit)",
+    )
 
 
 def _new_id(prefix: str) -> str:
@@ -185,7 +207,7 @@ class ProxyServer:
         async def handler(http: web.Request) -> web.StreamResponse:
             try:
                 session, request = await self._admit(http, dialect)
-                prompt = session.builder(thread_key(request.signals)).build(request)
+                prompt = await self._build_prompt(session, request)
                 params = self._sampling(request, prompt.num_tokens)
             except ApiError as error:
                 return self.error_response(dialect, error)
@@ -208,7 +230,8 @@ class ProxyServer:
                 request = dialect.parse_count_tokens(body, _headers(http), dict(http.query))
                 self._check_model(request.model)
                 _check_stated_role(request)
-                prompt = session.make_builder(session.payload).build(request)  # a throwaway builder: no cache churn
+                builder = session.make_builder(session.payload)  # a throwaway builder: no cache churn, no lock
+                prompt = await _off_the_loop_if_big(builder, request)
             except ApiError as error:
                 return self.error_response(dialect, error)
             return _json(dialect.count_tokens_body(prompt.num_tokens))
@@ -225,6 +248,23 @@ class ProxyServer:
         self._check_model(request.model)
         _check_stated_role(request)
         return session, request
+
+    async def _build_prompt(self, session: ExecutionSession, request: ChatRequest):
+        """The call's prompt from its thread's builder, one build of a thread at a time; a prompt that must pass
+        the context limit is refused as soon as that is known (before tokenizing it, where its floor shows it)."""
+        thread = thread_key(request.signals)
+        max_tokens = self.context_limit - self.config.min_output_tokens
+        builder = session.builder(thread)
+        # The turns new to the builder are a subset of the prompt's: their floor is a floor of the prompt, whatever
+        # the builder's state when it builds. O(new turns), nothing rendered or encoded.
+        floor = self.template.prompt_floor(builder.pending_turns(request))
+        if floor > max_tokens:
+            raise _too_long(floor, max_tokens)
+        async with session.build_lock(thread):
+            try:
+                return await _off_the_loop_if_big(builder, request, max_tokens=max_tokens)
+            except PromptTooLong as error:
+                raise _too_long(error.at_least, max_tokens) from None
 
     def _authenticate(self, http: web.Request) -> ExecutionSession:
         session = self.registry.by_key(key_from_headers(_headers(http)))

@@ -13,6 +13,7 @@ one execution never interleave a record.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import secrets
@@ -113,6 +114,7 @@ class ExecutionSession:
     payload: Any  # gyre.proxy.render.PayloadCache
     make_builder: Callable[[Any], Any]  # payload cache -> PromptBuilder
     builders: OrderedDict[str, Any] = field(default_factory=OrderedDict)
+    build_locks: OrderedDict[str, asyncio.Lock] = field(default_factory=OrderedDict)
     parse_caches: OrderedDict[str, MessageCache] = field(default_factory=OrderedDict)
     _last_calls: dict[str, _LastCall] = field(default_factory=dict)  # thread -> its last recorded call
     calls_in_flight: int = 0  # calls admitted and not yet ended (their records not yet written)
@@ -126,6 +128,11 @@ class ExecutionSession:
     def builder(self, thread: str):
         """The thread's prompt builder (keeps its previous request's turns and segments)."""
         return _lru(self.builders, thread, lambda: self.make_builder(self.payload))
+
+    def build_lock(self, thread: str) -> asyncio.Lock:
+        """Held while the thread's builder builds: one build at a time, even when a big one runs on a worker
+        thread (`gyre.proxy.server`). Evicted with the builder: both tables see the same keys in the same order."""
+        return _lru(self.build_locks, thread, asyncio.Lock)
 
     def parse_cache(self, thread: str) -> MessageCache:
         """The thread's raw messages and their parses, for incremental dialect parsing."""

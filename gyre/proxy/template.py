@@ -18,8 +18,10 @@ from typing import Any
 from jinja2 import TemplateError
 
 from gyre.proxy.conversation import ChatRequest, ToolCall, Turn
+from gyre.proxy.token_floor import bytes_per_token_bound, token_floor, token_floor_of_chars
 
 SENTINEL = "GYRE_SENTINEL_5f0c9a"
+RELEASE_GIL_CHARS = 16 * 1024  # texts this long are encoded with the GIL released (~15 ms of the tiny tokenizer)
 
 # What rendering a chat template raises for a conversation it refuses: its own raise_exception (ValueError),
 # Jinja errors, and the errors of Python operations the template applies to message fields.
@@ -113,6 +115,7 @@ class ChatTemplate:
         self.end_of_turn_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))  # stop ids for the engine
         self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True), vocab_size or 0)
         self._stop_texts = {i: tokenizer.decode([i], skip_special_tokens=False) for i in self.end_of_turn_ids}
+        self.bytes_per_token = bytes_per_token_bound(tokenizer)  # None: no floor without encoding (token_floor.py)
         self._probe()
 
     @classmethod
@@ -168,8 +171,17 @@ class ChatTemplate:
             raise RenderError(f"the chat template refused the conversation: {err}") from err
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens it contains map to their single ids, nothing is added."""
+        """Token ids of `text`; special tokens it contains map to their single ids, nothing is added.
+
+        A long text goes through `encode_batch`, which releases the GIL while it tokenizes (`encode` holds it): on a
+        worker thread it then leaves the event loop free (`gyre.proxy.server`, big prompts)."""
+        if len(text) >= RELEASE_GIL_CHARS:
+            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def min_tokens(self, text: str) -> int:
+        """The fewest tokens `text` can encode to, without encoding it (0 if the tokenizer gives no floor)."""
+        return token_floor(text, self.bytes_per_token)
 
     def message(self, turn: Turn, *, first: bool = False) -> dict[str, Any]:
         """The HF message dict of a turn (`first`: a leading system turn keeps the system role)."""
@@ -218,6 +230,31 @@ class ChatTemplate:
         except RenderError:
             mid = ""
         self.mid_system_role = "system" if SENTINEL in mid else "user"
+        self.keeps_contents = self._keeps_contents()
+
+    def _keeps_contents(self) -> bool:
+        """Does the template render every user and tool message's content, at most trimmed? (`prompt_floor`)"""
+        call = ToolCall(id="c1", name="f", arguments="{}")
+        turns = [
+            Turn(role="user", text=" GYRE_PROBE_U1 "),
+            Turn(role="assistant", text="a", tool_calls=(call,)),
+            Turn(role="tool", text=" GYRE_PROBE_T1 ", tool_call_id="c1"),
+            Turn(role="user", text=" GYRE_PROBE_U2 "),
+        ]
+        try:
+            rendered = self.render([self.message(turn) for turn in turns], add_generation_prompt=True)
+        except RenderError:
+            return False
+        return all(rendered.count(marker) == 1 for marker in ("GYRE_PROBE_U1", "GYRE_PROBE_T1", "GYRE_PROBE_U2"))
+
+    def prompt_floor(self, turns: Sequence[Turn]) -> int:
+        """The fewest tokens a prompt holding `turns` (any of its turns) can have, from their user and tool texts
+        alone (which the template renders, at most trimmed: probed), without rendering or encoding anything. 0
+        when that is not known."""
+        if not self.bytes_per_token or not self.keeps_contents:
+            return 0
+        chars = sum(len(turn.text.strip()) for turn in turns if turn.role in ("user", "tool"))
+        return token_floor_of_chars(chars, self.bytes_per_token)
 
     def glue_after(self, output_ids: Sequence[int]) -> str:
         """Template text between our output ids and the next message: the footer minus the stop token we emitted."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -162,3 +163,77 @@ def test_a_trickling_body_gets_a_408_records_nothing_and_the_key_goes_on(served)
     assert elapsed < 3 * BODY_TIMEOUT_S + 1, elapsed
     assert len(calls(served)) == before
     assert served.post("/v1/messages", body_for("/v1/messages", 2, False, "after the slow body"))[0] == 200
+
+
+# ----------------------------------------------------------------------------- big prompts (finding 8)
+
+BIG_TEXT = "lorem ipsum dolor sit amet " * 400_000  # 10.8 MB, ~2 M tokens: far beyond the tiny model's 4,096
+
+
+def big_body(path: str, text: str, *, stream: bool = False) -> bytes:
+    return (
+        body_for(path, 4, stream, text)
+        if path != "/v1/messages/count_tokens"
+        else json.dumps({"model": "gyre", "messages": [{"role": "user", "content": text}]}).encode()
+    )
+
+
+@pytest.fixture
+def encoded_lengths(served, monkeypatch):
+    """The length of every text the proxy's template encodes during the test."""
+    template = served.stack.proxy.template
+    lengths: list[int] = []
+    encode = template.encode
+
+    def counting(text: str) -> list[int]:
+        lengths.append(len(text))
+        return encode(text)
+
+    monkeypatch.setattr(template, "encode", counting)
+    return lengths
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", sorted(BUDGET_FIELD))
+def test_a_10_mb_prompt_is_refused_before_it_is_tokenized(served, encoded_lengths, path, stream):
+    before = len(calls(served))
+    started = time.monotonic()
+    status, reply = served.post(path, big_body(path, BIG_TEXT, stream=stream))
+    elapsed = time.monotonic() - started
+    assert status == 400, reply
+    message = reply["error"]["message"]
+    assert message.startswith("prompt is too long: ") and "tokens > 4095 maximum" in message, message
+    assert max(encoded_lengths, default=0) < 100_000, "the big text was tokenized"
+    assert elapsed < 30
+    assert len(calls(served)) == before
+    assert served.post(path, body_for(path, 2, stream, "after the big one"))[0] == 200
+
+
+def test_a_prompt_whose_floor_fits_is_counted_exactly_and_refused_with_its_count(served):
+    digits = "7" * 40_000  # one token a digit: floor 2,500 (fits), count 40,000 (does not)
+    status, reply = served.post("/v1/messages", big_body("/v1/messages", digits))
+    assert status == 400 and reply["error"]["message"].startswith("prompt is too long: "), reply
+    at_least = int(reply["error"]["message"].split(": ", 1)[1].split()[0])
+    assert 4095 < at_least <= 40_100
+
+
+def test_a_big_count_is_tokenized_off_the_event_loop_while_other_keys_are_served(served):
+    """count_tokens of a 3 MB text takes seconds to tokenize; another key's call is answered meanwhile."""
+    other = served.stack.registry.issue("other-key")
+    text = "lorem ipsum dolor sit amet " * 110_000
+    counted: dict = {}
+
+    def count() -> None:
+        counted["answer"] = served.post("/v1/messages/count_tokens", big_body("/v1/messages/count_tokens", text))
+        counted["at"] = time.monotonic()
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    time.sleep(0.3)  # the count has been read and is tokenizing
+    status, _ = served.post("/v1/messages", body_for("/v1/messages", 1, False, "small"), key=other.key)
+    small_done = time.monotonic()
+    thread.join(120)
+    assert status == 200 and counted["answer"][0] == 200
+    text_tokens = len(served.stack.proxy.template.encode(text))
+    assert text_tokens <= counted["answer"][1]["input_tokens"] <= text_tokens + 20  # + the template's framing
+    assert small_done < counted["at"], "the small call waited for the big count"
