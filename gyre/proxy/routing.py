@@ -1,24 +1,39 @@
 """Routing and transparent retry: which engine serves an execution, and finishing a call the engine dropped.
 
 Role: the controller's scheduler decides where executions run (`RoutingTable.assign`, or `drop_engine` when a cell
-leaves rollout); the proxy asks `RoutingTable.engine_for` per call and runs each call through `generate_routed`,
-which hides every reroute from the harness:
+leaves rollout); the proxy runs each call through `generate_routed`, which asks the table for the execution's
+engine and hides every reroute from the harness. Two placement policies (`RoutingTable(placement=)`):
+
+- `"least_loaded"` (`gyre.serve`, no scheduler): an execution goes to its assigned engine while that one accepts,
+  else to the least-occupied accepting engine, which the table remembers;
+- `"scheduler"` (the training runtime): the table never picks. A call goes to the engine the controller assigned,
+  and while there is none or it does not accept (draining at a role transition), the call waits until the
+  controller assigns one that does. The routes are exactly the scheduler's capacity ledger.
+
+Under either policy:
 
 - an engine that refuses the call (`EngineUnavailableError`: draining, memory released, endpoint gone) is skipped
-  and the call goes to another accepting engine;
+  (least-loaded: another accepting engine; scheduler: the assigned one once it accepts, or the next assigned);
 - a call the engine ends with `finish_reason="abort"` that the proxy did not ask for (a drain with a deadline, a
-  KV export for migration) continues on another engine from where it stopped: the new request's context is the
-  prompt plus every token produced so far, its budget what is left, so the harness sees one uninterrupted stream
-  (no token twice, none missing) and the call is recorded once, with each token's own behavior log-prob;
-- when no engine accepts, the call waits (polling) up to `wait_s` before failing with `NoEngineError`.
+  KV export for migration) continues from where it stopped: the new request's context is the prompt plus every
+  token produced so far, its budget what is left, so the harness sees one uninterrupted stream (no token twice,
+  none missing) and the call is recorded once, with each token's own behavior log-prob. Least-loaded: on another
+  accepting engine at once. Scheduler: on the engine of an `assign` made after the call went to the engine that
+  dropped it, which is what orders a KV migration (`export_kv` on the source, `import_kv` on the destination,
+  then `assign`: the continuation reaches the destination only once the KV is there; docs/proxy.md "Routing");
+- when no engine accepts, the call waits (woken by `assign`, else polling) up to `wait_s`, then `NoEngineError`.
 
-The engines are anything implementing `gyre.engine.protocol.Engine` (in-process `NativeEngine`, `RemoteEngine`).
+`RoutingTable.calls_in_flight` lists the calls running through `generate_routed` with the engine each is on and
+its request id there (the handle for `export_kv` and `abort`). The engines are anything implementing
+`gyre.engine.protocol.Engine` (in-process `NativeEngine`, `RemoteEngine`). The table belongs to one event loop:
+call it from that loop's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from array import array
 from collections.abc import AsyncIterator, Mapping
@@ -26,11 +41,15 @@ from dataclasses import dataclass
 
 from gyre.engine.protocol import Engine, EngineUnavailableError, GenerateRequest
 
-POLL_S = 0.05  # how often a waiting call looks for an accepting engine
+PLACEMENTS = ("least_loaded", "scheduler")
+POLL_S = (
+    0.05  # how often a waiting call looks again for an accepting engine (its execution's `assign` wakes it at once)
+)
 
 
 class NoEngineError(RuntimeError):
-    """No engine accepted the call within the wait (every engine draining, released or gone)."""
+    """No engine accepted the call within the wait (every engine draining, released or gone; under the scheduler's
+    placement: none assigned that accepts)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,7 @@ class RoutedFinish:
     engines: tuple[str, ...]  # engines that produced part of it, in order
     first_token_s: float | None  # seconds from the call's start to its first token
     total_s: float
+    continuation_cached_tokens: int = 0  # context tokens the continuations did not prefill (imported KV, prefix reuse)
 
     @property
     def attempts(self) -> int:
@@ -59,12 +79,47 @@ class RoutedFinish:
         return len(self.engines)
 
 
-class RoutingTable:
-    """Execution -> engine name, plus the engines by name. Owned by the controller; not thread-safe (one loop)."""
+@dataclass(frozen=True)
+class CallInFlight:
+    """A call running through `generate_routed`, as the controller sees it (`RoutingTable.calls_in_flight`)."""
 
-    def __init__(self, engines: Mapping[str, Engine] | None = None):
+    call_id: str  # the call's own request id (the proxy's response id)
+    execution: str
+    engine: str | None  # the engine serving it now; None while it waits for one
+    engine_request_id: str | None  # its request id on that engine (the handle for export_kv and abort); None waiting
+    attempt: int  # 0 on its first engine, one more per continuation
+    produced: int  # output tokens it had when this attempt started
+
+
+@dataclass(eq=False)
+class _Waiters:
+    """Calls of one execution waiting for its next `assign`."""
+
+    assigned: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    count: int = 0
+
+
+class RoutingTable:
+    """Execution -> engine name, the engines by name, and the calls in flight. Owned by the controller; one loop.
+
+    `placement="least_loaded"` (the default, `gyre.serve`) places an execution nobody assigned, or whose engine does
+    not accept, on the least-occupied accepting engine; `placement="scheduler"` (the training runtime) only ever
+    routes to the engine `assign` named, and calls wait for it (module docstring, docs/proxy.md "Routing")."""
+
+    def __init__(self, engines: Mapping[str, Engine] | None = None, *, placement: str = "least_loaded"):
+        if placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement={placement!r} is not allowed: expected one of {list(PLACEMENTS)} (least_loaded: the table "
+                "places executions itself; scheduler: only where `assign` says)"
+            )
+        self.placement = placement
         self._engines: dict[str, Engine] = dict(engines or {})
         self._routes: dict[str, str] = {}
+        self._assignments: dict[str, int] = {}  # execution -> number of its latest assign (one counter per table)
+        self._assign_numbers = itertools.count(1)
+        self._waiters: dict[str, _Waiters] = {}
+        self._calls: dict[str, dict[int, CallInFlight]] = {}  # execution -> call serial -> the call, oldest first
+        self._call_serials = itertools.count()
 
     @property
     def engines(self) -> dict[str, Engine]:
@@ -74,25 +129,37 @@ class RoutingTable:
         self._engines[name] = engine
 
     def drop_engine(self, name: str) -> None:
-        """The engine leaves rollout: executions routed to it move on their next call."""
+        """The engine leaves rollout: executions routed to it move on their next call (least-loaded: to another
+        accepting engine; scheduler: to the engine their next `assign` names)."""
         self._engines.pop(name, None)
         for execution in [e for e, n in self._routes.items() if n == name]:
             del self._routes[execution]
 
     def assign(self, execution: str, name: str) -> None:
-        """The scheduler's placement (or reroute) of an execution."""
+        """The scheduler's placement (`Start`) or reroute (`Reroute`) of an execution; wakes its waiting calls."""
         if name not in self._engines:
             raise KeyError(f"assign({execution!r}): unknown engine {name!r}; known: {sorted(self._engines)}")
         self._routes[execution] = name
+        self._assignments[execution] = next(self._assign_numbers)
+        waiters = self._waiters.pop(execution, None)
+        if waiters is not None:
+            waiters.assigned.set()
 
     def route_of(self, execution: str) -> str | None:
         return self._routes.get(execution)
 
+    def assignment(self, execution: str) -> int:
+        """The number of the execution's latest `assign` (0: never assigned); a later `assign` has a larger one."""
+        return self._assignments.get(execution, 0)
+
     def engine_for(self, execution: str, *, avoid: frozenset[str] = frozenset()) -> tuple[str, Engine] | None:
-        """The execution's engine if it accepts, else the least-loaded accepting one (remembered); None if none."""
+        """The execution's engine if it accepts (and is not in `avoid`), else: least-loaded placement, the
+        least-loaded accepting one (remembered); scheduler placement, None (the table never picks). None if none."""
         name = self._routes.get(execution)
         if name is not None and name not in avoid and _accepting(self._engines.get(name)):
             return name, self._engines[name]
+        if self.placement == "scheduler":
+            return None
         candidates = [(n, e) for n, e in self._engines.items() if n not in avoid and _accepting(e)]
         if not candidates:
             return None
@@ -100,18 +167,94 @@ class RoutingTable:
         self._routes[execution] = name
         return name, engine
 
-    async def wait_for_engine(self, execution: str, *, wait_s: float, avoid: frozenset[str] = frozenset()):
-        """`engine_for`, polling until one accepts; after `wait_s` (and at least one look) `NoEngineError`."""
+    async def wait_for_engine(
+        self,
+        execution: str,
+        *,
+        wait_s: float,
+        avoid: frozenset[str] = frozenset(),
+        assigned_after: int = -1,
+    ) -> tuple[str, Engine]:
+        """`engine_for` until an engine accepts, looking again at the execution's next `assign` or every `POLL_S`;
+        after `wait_s` (and at least one look) `NoEngineError`.
+
+        Least-loaded placement: an engine in `avoid` (it just failed the call) is taken only if no other accepts.
+        Scheduler placement: only the engine of an `assign` numbered above `assigned_after` (a call its engine
+        dropped waits for the controller's reassignment), and an engine in `avoid` only after one wait."""
         deadline = time.monotonic() + wait_s
+        first = True
         while True:
-            found = self.engine_for(execution, avoid=avoid)
-            if found is None and avoid:
-                found = self.engine_for(execution)  # an engine that failed before may be back
+            found = self._look(
+                execution, avoid if first or self.placement != "scheduler" else frozenset(), assigned_after
+            )
             if found is not None:
                 return found
-            if time.monotonic() >= deadline:
-                raise NoEngineError(f"no engine accepted a call of execution {execution!r} within {wait_s} s")
-            await asyncio.sleep(POLL_S)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoEngineError(self._no_engine_message(execution, wait_s))
+            await self._until_assigned(execution, timeout_s=min(POLL_S, remaining))
+            first = False
+
+    def calls_in_flight(self, *, execution: str | None = None, engine: str | None = None) -> tuple[CallInFlight, ...]:
+        """The calls running through `generate_routed` now: of `execution`, on `engine`, or all (each execution's
+        oldest first). A snapshot: by the time it is used a call may have ended (`export_kv` raises `KeyError`)."""
+        if execution is not None:
+            calls = list(self._calls.get(execution, {}).values())
+        else:
+            calls = [call for by_serial in self._calls.values() for call in by_serial.values()]
+        if engine is not None:
+            calls = [call for call in calls if call.engine == engine]
+        return tuple(calls)
+
+    def _look(self, execution: str, avoid: frozenset[str], assigned_after: int) -> tuple[str, Engine] | None:
+        if self.placement == "scheduler":
+            if self.assignment(execution) <= assigned_after:
+                return None
+            return self.engine_for(execution, avoid=avoid)
+        found = self.engine_for(execution, avoid=avoid)
+        if found is None and avoid:
+            found = self.engine_for(execution)  # an engine that failed before may be back
+        return found
+
+    async def _until_assigned(self, execution: str, *, timeout_s: float) -> None:
+        """Return at the execution's next `assign`, or after `timeout_s`."""
+        waiters = self._waiters.get(execution)
+        if waiters is None:
+            waiters = self._waiters[execution] = _Waiters()
+        waiters.count += 1
+        try:
+            await asyncio.wait_for(waiters.assigned.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            waiters.count -= 1
+            if waiters.count == 0 and self._waiters.get(execution) is waiters:
+                del self._waiters[execution]
+
+    def _no_engine_message(self, execution: str, wait_s: float) -> str:
+        message = f"no engine accepted a call of execution {execution!r} within {wait_s} s"
+        if self.placement == "scheduler":
+            route = self._routes.get(execution)
+            message += (
+                f" (placement 'scheduler': the call waits for the controller to assign it an accepting engine; "
+                f"assigned: {route if route is not None else 'none'})"
+            )
+        return message
+
+    def _open_call(self, request: GenerateRequest) -> int:
+        serial = next(self._call_serials)
+        self._track(serial, CallInFlight(request.request_id, request.execution_id, None, None, 0, 0))
+        return serial
+
+    def _track(self, serial: int, call: CallInFlight) -> None:
+        self._calls.setdefault(call.execution, {})[serial] = call
+
+    def _close_call(self, execution: str, serial: int) -> None:
+        by_serial = self._calls.get(execution)
+        if by_serial is not None:
+            by_serial.pop(serial, None)
+            if not by_serial:
+                del self._calls[execution]
 
 
 def _continuation(request: GenerateRequest, produced: list[int], attempt: int) -> GenerateRequest:
@@ -145,48 +288,69 @@ async def generate_routed(
 ) -> AsyncIterator[RoutedTokens | RoutedFinish]:
     """Run `request` to its end across engines; yields `RoutedTokens` as they come, then one `RoutedFinish`.
 
-    Closing the iterator early aborts the call on its current engine (the harness went away). Errors in the
-    request itself (`ValueError`) propagate on the first attempt: they would fail on any engine.
+    The call is listed in `table.calls_in_flight` from its start to its end. Closing the iterator early aborts the
+    call on its current engine (the harness went away). Errors in the request itself (`ValueError`) propagate on
+    the first attempt: they would fail on any engine.
     """
     started = time.monotonic()
+    execution = request.execution_id
     produced: list[int] = []
     budget = request.params.max_new_tokens
     engines: list[str] = []
     avoid: set[str] = set()
+    dropped_at = -1  # scheduler placement: the assignment the call was on when its engine dropped it
     cached = 0  # prompt tokens whose KV the first engine reused (its final chunk says)
+    continuation_cached = 0
     first_token_s = None
-    for attempt in range(max_attempts):
-        name, engine = await table.wait_for_engine(request.execution_id, wait_s=wait_s, avoid=frozenset(avoid))
-        sub = request if not produced and attempt == 0 else _continuation(request, produced, attempt)
-        before, finish = len(produced), None
-        try:
-            async for chunk in engine.generate_stream(sub):
-                if chunk.token_ids:
-                    if first_token_s is None:
-                        first_token_s = time.monotonic() - started
-                    produced.extend(chunk.token_ids)
-                    yield RoutedTokens(chunk.token_ids, chunk.logprobs, chunk.policy_version, name)
-                finish = chunk.finish_reason
-                if finish is not None and attempt == 0:
-                    cached = chunk.cached_tokens or 0
-        except EngineUnavailableError:
-            finish = None  # refused the call, or its endpoint went away mid-stream
-        if len(produced) > before and name not in engines:
-            engines.append(name)
-        if finish is None or (finish == "abort" and len(produced) < budget):
-            # refused, or dropped (drain deadline, migration): continue elsewhere from the tokens so far
-            avoid = avoid | {name} if finish is None else {name}
-            continue
-        if finish == "abort":
-            finish = "length"  # dropped exactly at its budget: nothing was lost
-        if name not in engines:
-            engines.append(name)
-        yield RoutedFinish(
-            finish_reason=finish,
-            cached_tokens=cached,
-            engines=tuple(engines),
-            first_token_s=first_token_s,
-            total_s=time.monotonic() - started,
-        )
-        return
-    raise NoEngineError(f"call {request.request_id!r} was dropped by engines {max_attempts} times; giving up")
+    serial = table._open_call(request)
+    try:
+        for attempt in range(max_attempts):
+            name, engine = await table.wait_for_engine(
+                execution, wait_s=wait_s, avoid=frozenset(avoid), assigned_after=dropped_at
+            )
+            assignment = table.assignment(execution)
+            sub = request if not produced and attempt == 0 else _continuation(request, produced, attempt)
+            table._track(
+                serial, CallInFlight(request.request_id, execution, name, sub.request_id, attempt, len(produced))
+            )
+            before, finish = len(produced), None
+            try:
+                async for chunk in engine.generate_stream(sub):
+                    if chunk.token_ids:
+                        if first_token_s is None:
+                            first_token_s = time.monotonic() - started
+                        produced.extend(chunk.token_ids)
+                        yield RoutedTokens(chunk.token_ids, chunk.logprobs, chunk.policy_version, name)
+                    finish = chunk.finish_reason
+                    if finish is not None:
+                        if attempt == 0:
+                            cached = chunk.cached_tokens or 0
+                        else:
+                            continuation_cached += chunk.cached_tokens or 0
+            except EngineUnavailableError:
+                finish = None  # refused the call, or its endpoint went away mid-stream
+            table._track(serial, CallInFlight(request.request_id, execution, None, None, attempt, len(produced)))
+            if len(produced) > before and name not in engines:
+                engines.append(name)
+            if finish is None or (finish == "abort" and len(produced) < budget):
+                # refused, or dropped (drain deadline, migration): continue elsewhere from the tokens so far
+                avoid = avoid | {name} if finish is None else {name}
+                if finish == "abort" and table.placement == "scheduler":
+                    dropped_at = assignment  # continue where the controller reassigns it (after any KV import)
+                continue
+            if finish == "abort":
+                finish = "length"  # dropped exactly at its budget: nothing was lost
+            if name not in engines:
+                engines.append(name)
+            yield RoutedFinish(
+                finish_reason=finish,
+                cached_tokens=cached,
+                engines=tuple(engines),
+                first_token_s=first_token_s,
+                total_s=time.monotonic() - started,
+                continuation_cached_tokens=continuation_cached,
+            )
+            return
+        raise NoEngineError(f"call {request.request_id!r} was dropped by engines {max_attempts} times; giving up")
+    finally:
+        table._close_call(execution, serial)
