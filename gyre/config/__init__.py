@@ -10,13 +10,17 @@ from gyre.config.checks import ConfigError
 from gyre.config.cluster import ClusterConfig
 from gyre.config.demo import DemoConfig
 from gyre.config.engine import EngineConfig, EngineServeConfig
-from gyre.config.harness import AgentConfig, ExecutionLimits, ResourceLimits
+from gyre.config.harness import AgentConfig, ExecutionLimits, HarnessConfig, ResourceLimits
 from gyre.config.loss import LossConfig
-from gyre.config.model import TinyModelSpec
+from gyre.config.model import ModelConfig, TinyModelSpec
+from gyre.config.obs import LoggingConfig
 from gyre.config.packing import PackingConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
 from gyre.config.serve import ServeConfig
 from gyre.config.sim import SimConfig, async_train_cells
+from gyre.config.tasks import TasksConfig
+from gyre.config.train import TrainConfig, check_context_limit, layout_fields
+from gyre.config.trainer import TrainerConfig
 from gyre.config.warm_start import WarmStartConfig
 from gyre.config.workload import WorkloadConfig
 
@@ -29,17 +33,25 @@ __all__ = [
     "EngineConfig",
     "EngineServeConfig",
     "ExecutionLimits",
+    "HarnessConfig",
+    "LoggingConfig",
     "LossConfig",
+    "ModelConfig",
     "PackingConfig",
     "ProxyConfig",
     "ResourceLimits",
     "SamplingConfig",
     "ServeConfig",
     "SimConfig",
+    "TasksConfig",
     "TinyModelSpec",
+    "TrainConfig",
+    "TrainerConfig",
     "WarmStartConfig",
     "WorkloadConfig",
     "async_train_cells",
+    "check_context_limit",
+    "layout_fields",
     "register_configs",
 ]
 
@@ -47,14 +59,15 @@ __all__ = [
 def register_configs() -> None:
     """Register the schemas so conf/*.yaml files extend them (`defaults: [base_cluster]`, ...).
 
-    Root configs of the apps by name (`base_sim`, `base_serve`, `base_engine_serve`); component configs in the
-    group named like the field that holds them (`cluster/base_cluster`, `engine/base_engine`, ...)."""
+    Root configs of the apps by name (`base_sim`, `base_serve`, `base_engine_serve`, `base_train`); component
+    configs in the group named like the field that holds them (`cluster/base_cluster`, `engine/base_engine`, ...)."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="base_sim", node=SimConfig)
     cs.store(name="base_serve", node=ServeConfig)
     cs.store(name="base_engine_serve", node=EngineServeConfig)
+    cs.store(name="base_train", node=TrainConfig)
     cs.store(group="cluster", name="base_cluster", node=ClusterConfig)
     cs.store(group="workload", name="base_workload", node=WorkloadConfig)
     cs.store(group="algo", name="base_algo", node=AlgoConfig)
@@ -69,3 +82,8 @@ def register_configs() -> None:
     cs.store(group="warm_start", name="base_warm_start", node=WarmStartConfig)
     cs.store(group="demo", name="base_demo", node=DemoConfig)
     cs.store(group="tiny_model", name="base_tiny_model", node=TinyModelSpec)
+    cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
+    cs.store(group="harness", name="base_harness", node=HarnessConfig)
+    cs.store(group="tasks", name="base_tasks", node=TasksConfig)
+    cs.store(group="logging", name="base_logging", node=LoggingConfig)

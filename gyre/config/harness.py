@@ -3,18 +3,24 @@
 `ExecutionLimits` bounds the lifecycle (`gyre.harness.execution.run_harness`, `gyre.harness.episode`);
 `ResourceLimits` are the rlimits a sandbox sets in the harness's child process (`gyre.harness.sandbox`).
 docs/harness.md ("Configuration") says what each budget does. `AgentConfig` is the builtin harness's agent loop
-(`gyre.harness.builtin.agent`; its command line sets it, docs/builtin-harness.md). Pure: stdlib only.
+(`gyre.harness.builtin.agent`; its command line sets it, docs/builtin-harness.md). `HarnessConfig` is which
+harness a training run starts per execution (`gyre.harness.runners.runner_for`) and in which sandbox.
+Pure: stdlib only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config.checks import require, require_bool, require_duration, require_int, require_number
+from gyre.config.checks import require, require_bool, require_choice, require_duration, require_int, require_number
 
 GiB = 1 << 30
 DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_KILL_WAIT_S = 10.0
+HARNESS_NAMES = ("builtin", "claude_code", "codex", "command")  # the names of gyre.harness.runners.RUNNERS
+BUILTIN_BACKENDS = ("anthropic", "openai")
+SANDBOXES = ("local", "bubblewrap", "container")
+CONTAINER_ENGINES = ("docker", "podman", "apptainer")
 
 
 @dataclass(kw_only=True)
@@ -103,3 +109,96 @@ class AgentConfig:
             self.force_delegation,
             "false unless delegation (the delegate tool) is on",
         )
+
+
+@dataclass(kw_only=True)
+class HarnessConfig:
+    """Which harness runs each execution of a training run, with its options and its sandbox (docs/harness.md)."""
+
+    name: str = "builtin"
+    """builtin (gyre's reference harness on the Anthropic or OpenAI SDK), claude_code (the Claude Code CLI), codex
+    (the Codex CLI) or command (any agent on the SDKs, started from `argv`)."""
+    backend: str = "anthropic"
+    """builtin: which SDK its agent calls the proxy with, anthropic or openai."""
+    max_turns: int = 30
+    """builtin: model turns of the main agent."""
+    binary: str = ""
+    """claude_code, codex: path or name of the CLI; empty: PATH, then the npm test cache."""
+    argv: list[str] = field(default_factory=list)
+    """command: the argv template, e.g. [python, agent.py, "{prompt}"] (fields: docs/harness.md); required there."""
+    extra_args: list[str] = field(default_factory=list)
+    """builtin, claude_code, codex: flags added to the harness's command line."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Fixed additions to the harness's environment (it inherits nothing of the controller's)."""
+    sandbox: str = "local"
+    """local (plain processes, an own uid per execution as root), bubblewrap or container."""
+    container_engine: str = "docker"
+    """sandbox=container: docker, podman or apptainer."""
+    container_image: str = ""
+    """sandbox=container: the image (docker reference, or the path of an apptainer .sif); required there."""
+
+    def __post_init__(self) -> None:
+        require_choice("harness.name", self.name, HARNESS_NAMES)
+        require_choice("harness.backend", self.backend, BUILTIN_BACKENDS)
+        require_int("harness.max_turns", self.max_turns, ge=1)
+        require(isinstance(self.binary, str), "harness.binary", self.binary, "a path or a name on PATH")
+        for name in ("argv", "extra_args"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, list) and all(isinstance(a, str) for a in value),
+                f"harness.{name}",
+                value,
+                "a list of strings",
+            )
+        require(
+            isinstance(self.env, dict)
+            and all(isinstance(k, str) and k and isinstance(v, str) for k, v in self.env.items()),
+            "harness.env",
+            self.env,
+            "a mapping of variable names to strings",
+        )
+        require_choice("harness.sandbox", self.sandbox, SANDBOXES)
+        require_choice("harness.container_engine", self.container_engine, CONTAINER_ENGINES)
+        require(isinstance(self.container_image, str), "harness.container_image", self.container_image, "a string")
+        if self.name == "command":
+            require(
+                bool(self.argv) and bool(self.argv[0]),
+                "harness.argv",
+                self.argv,
+                "a non-empty argv template with harness.name=command",
+            )
+        else:
+            require(
+                not self.argv,
+                "harness.argv",
+                self.argv,
+                f"[] with harness.name={self.name} (argv is the command harness's)",
+            )
+        if self.name not in ("claude_code", "codex"):
+            require(
+                not self.binary,
+                "harness.binary",
+                self.binary,
+                f"'' with harness.name={self.name} (binary is the claude_code and codex CLIs' path)",
+            )
+        if self.name == "command":
+            require(
+                not self.extra_args,
+                "harness.extra_args",
+                self.extra_args,
+                "[] with harness.name=command (put every argument in harness.argv)",
+            )
+        if self.sandbox == "container":
+            require(
+                bool(self.container_image),
+                "harness.container_image",
+                self.container_image,
+                "an image with harness.sandbox=container",
+            )
+        else:
+            require(
+                not self.container_image,
+                "harness.container_image",
+                self.container_image,
+                f"'' with harness.sandbox={self.sandbox} (set harness.sandbox=container to use an image)",
+            )

@@ -1,18 +1,22 @@
-"""The model settings a user chooses: the shape of gyre's tiny default model (`TinyModelSpec`).
+"""The model settings a user chooses: the shape of gyre's tiny default model (`TinyModelSpec`), and a training run's
+starting policy (`ModelConfig`: a checkpoint directory, or the tiny model warm-started on the demo family).
 
-Which checkpoint a run serves is `model_dir` of the app's root config (`ServeConfig`, `EngineServeConfig`); its
-dtype and device are `EngineConfig` fields. A checkpoint's own architecture (`DecoderConfig`, read from its
-config.json) is not a user setting and lives with the model code. Pure: stdlib only. See docs/tiny-model.md.
+Which checkpoint a serving app serves is `model_dir` of its root config (`ServeConfig`, `EngineServeConfig`); a
+training run's is `TrainConfig.model.model_dir`; its dtype and device are `EngineConfig` fields. A checkpoint's
+own architecture (`DecoderConfig`, read from its config.json) is not a user setting and lives with the model code.
+Pure: stdlib only. See docs/tiny-model.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gyre.config.checks import require, require_bool, require_choice, require_int, require_number
+from gyre.config.warm_start import WarmStartConfig
 
 TINY_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 DEFAULT_VOCAB_SIZE = 512  # asked of the tokenizer trained for the tiny model (gyre.models.tokenizer)
+TINY_INITS = ("warm_start", "random")
 
 
 @dataclass(kw_only=True)
@@ -86,3 +90,33 @@ class TinyModelSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy a training run starts from (docs/tiny-model.md, docs/warm-start.md)."""
+
+    model_dir: str = ""
+    """HF-layout directory of the starting policy (config.json, safetensors, tokenizer.json, tokenizer_config.json
+    with a chat template). Empty: the tiny default model of shape `tiny`, built locally and cached."""
+    init: str = "warm_start"
+    """Empty model_dir only: how the tiny model starts. warm_start: the demo family's supervised warm start
+    (`warm_start`, cached under $GYRE_CACHE; minutes of CPU the first time); random: its random init (RL on the
+    demo family then never finds the tool, docs/warm-start.md)."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """The warm start's demonstrations and optimizer (init=warm_start)."""
+    warm_start_seed: int = 0
+    """Seed of the warm start (part of its cache key); apart from the run's seed, so seeds of RL share one warm
+    start."""
+    tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
+    """Shape of the tiny default model (empty model_dir)."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.model_dir, str), "model.model_dir", self.model_dir, "a directory path")
+        require_choice("model.init", self.init, TINY_INITS)
+        require_int("model.warm_start_seed", self.warm_start_seed, ge=0)
+
+    @property
+    def uses_tiny(self) -> bool:
+        """The run starts from the tiny default model (no model_dir)."""
+        return not self.model_dir

@@ -1,0 +1,75 @@
+"""Config of the trainer a cell runs in the training role: backend, parallel layout, optimizer.
+
+`backend` picks the `gyre.train.streaming.Trainable`: `native` (`gyre.train.native_trainable.NativeTrainable`, the
+shared decoder in plain torch, one rank per cell) or `megatron` (`gyre.train.megatron_trainable.MegatronTrainable`
+on a Megatron-core `GPTModel`, `gyre.train.model.build_gpt_model`, sharded TP x PP over the cell's ranks). Both
+take `lr`, `weight_decay` and `max_grad_norm` as given here; the log-prob temperature is the rollouts' own
+(`proxy.sampling.temperature`), so sampling and training score one distribution (docs/training.md).
+Pure: stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gyre.config.checks import require, require_choice, require_int, require_number
+
+TRAINER_BACKENDS = ("native", "megatron")
+TRAINER_DTYPES = ("float32", "bfloat16")
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """What a training cell builds: the trainable, its layout over the cell's ranks, AdamW and clipping."""
+
+    backend: str = "native"
+    """native: the shared decoder in plain torch (one rank per cell, CPU or one GPU); megatron: Megatron-core,
+    tensor- and pipeline-parallel over the cell's ranks."""
+    tensor_parallel_size: int = 1
+    """TP ranks per model replica (megatron only; native: 1)."""
+    pipeline_parallel_size: int = 1
+    """PP stages per model replica (megatron only; native: 1). cluster.cell_size must be TP x PP."""
+    lr: float = 1e-4
+    """AdamW learning rate (> 0). The demo's tiny model learns at 5e-5..1e-4 and collapses at >= 2e-4."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (>= 0)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm of each update to this (0: measure it, do not clip)."""
+    dtype: str = "float32"
+    """Training weights and optimizer dtype: float32 or bfloat16."""
+    device: str = "cpu"
+    """cpu or cuda (each rank then trains on its local GPU, LOCAL_RANK); the same kind as engine.device, since a
+    cell swaps between its engine and its trainer in one process."""
+
+    def __post_init__(self) -> None:
+        require_choice("trainer.backend", self.backend, TRAINER_BACKENDS)
+        require_int("trainer.tensor_parallel_size", self.tensor_parallel_size, ge=1)
+        require_int("trainer.pipeline_parallel_size", self.pipeline_parallel_size, ge=1)
+        require_number("trainer.lr", self.lr, gt=0)
+        require_number("trainer.weight_decay", self.weight_decay, ge=0)
+        require_number("trainer.max_grad_norm", self.max_grad_norm, ge=0, note="0 = no clipping")
+        require_choice("trainer.dtype", self.dtype, TRAINER_DTYPES)
+        require(
+            device_kind(self.device) in DEVICE_KINDS,
+            "trainer.device",
+            self.device,
+            "cpu or cuda (cuda:N names one GPU)",
+        )
+        if self.backend == "native":
+            for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+                value = getattr(self, name)
+                require(value == 1, f"trainer.{name}", value, "1 with trainer.backend=native (no model parallelism)")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP: the ranks one model replica spans, i.e. the ranks of one cell."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def device_kind(device: object) -> str:
+    """`cuda` of `cuda:1`, `cpu` of `cpu`; an empty string for anything that is not a device name."""
+    if not isinstance(device, str):
+        return ""
+    kind, _, index = device.partition(":")
+    return kind if index == "" or index.isdigit() else ""
