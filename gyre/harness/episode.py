@@ -16,7 +16,8 @@ This is the harness manager's core on the controller (docs/architecture.md, proc
   - the harness cannot start or its workspace cannot be made (total failure, no evaluable work): FAILED, the
     zero-reward placeholder that keeps the group complete;
   - cancelled (surplus under oversampling): CANCELLED, outside the group's N.
-  Two things a caller that schedules executions itself (the training runtime) needs:
+  Two things a caller that schedules executions itself (the training runtime) needs (docs/harness.md, "Harness
+  end and cancellation"):
   - `on_harness_end(run)`: called once per episode as soon as the harness has ended (its processes stopped, the
     sandbox released) and before the evaluation starts, with its `HarnessRun`, or None when there is none (the
     workspace could not be made; the episode raised or was cancelled as a task). The rollout capacity it held is

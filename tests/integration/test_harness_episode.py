@@ -197,7 +197,7 @@ def alive(pid: int) -> bool:
 
 def test_harness_end_is_reported_once_before_the_evaluation_for_every_way_a_harness_ends(tmp_path, setup):
     script, sandbox = setup
-    task = make_task(tmp_path, harness_s=1.0, overall_s=60.0)
+    task = make_task(tmp_path, harness_s=2.0, overall_s=60.0)
     limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=120, grace_period_s=1.0)
     modes = {"finish": "finish", "stall": "stall", "cancelled": "finish"}
     ids = [*modes, "missing", "no/workspace"]  # a "/" in the id: the sandbox cannot make its directories
@@ -243,7 +243,7 @@ def test_harness_end_is_reported_once_before_the_evaluation_for_every_way_a_harn
     # reported before anything of the evaluation: the close not yet recorded, no evaluation
     assert all(status is Status.OPEN and count == 0 for calls in reports.values() for _, status, count in calls)
     assert all(calls[0][0] is results[e].run for e, calls in reports.items())  # the run the result carries
-    assert results["finish"].reward == 1.0 and results["stall"].reward == 0.5  # evaluated after the report
+    assert results["finish"].reward == 1.0 and results["stall"].status is Status.VALID  # evaluated after the report
     assert results["cancelled"].status is Status.CANCELLED and results["no/workspace"].status is Status.PLACEHOLDER
 
 
