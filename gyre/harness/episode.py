@@ -16,9 +16,23 @@ This is the harness manager's core on the controller (docs/architecture.md, proc
   - the harness cannot start or its workspace cannot be made (total failure, no evaluable work): FAILED, the
     zero-reward placeholder that keeps the group complete;
   - cancelled (surplus under oversampling): CANCELLED, outside the group's N.
+  Two things a caller that schedules executions itself (the training runtime) needs (docs/harness.md, "Harness
+  end and cancellation"):
+  - `on_harness_end(run)`: called once per episode as soon as the harness has ended (its processes stopped, the
+    sandbox released) and before the evaluation starts, with its `HarnessRun`, or None when there is none (the
+    workspace could not be made; the episode raised or was cancelled as a task). The rollout capacity it held is
+    free from then on; the evaluation that follows holds none. It runs synchronously on the episode's loop. If it
+    raises, the episode still runs to its end (evaluated, recorded in `group`, nothing left running) and then
+    raises `HarnessEndError`, carrying the result; the error is also logged when it happens.
+  - `cancel_event`: set before or while the harness runs, the harness is stopped (CANCELLED, as above); set
+    between the harness's end and a valid evaluation (evaluating, waiting to retry, or pending until the budget
+    ends), the evaluator is stopped (its process group killed, `gyre.harness.evaluation`), the attempt discarded,
+    and the execution CANCELLED (`GroupOutcomes.cancel`: no reward, outside the group's N); set once the outcome
+    is VALID, or after the episode returned, it changes nothing.
 - `run_group`: the N + surplus executions of one group concurrently; once the group is ready (N valid outcomes or
-  placeholders, `GroupOutcomes.ready`) the executions still running are cancelled. One execution's failure never
-  stops the others.
+  placeholders, `GroupOutcomes.ready`) the executions still running (harness or evaluation) are cancelled. One
+  execution's failure never stops the others. For evaluation without a scheduler (`gyre.serve`-style); the
+  training runtime does not use it: it calls `run_episode` per `Start` and sets the cancel event on `Cancel`.
 
 Times are `time.monotonic()` seconds, the clock of the outcomes' deadlines.
 """
@@ -27,23 +41,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gyre.config.harness import ExecutionLimits
 from gyre.harness.evaluation import sandboxed_evaluation
 from gyre.harness.execution import HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, HarnessRunner
 from gyre.harness.sandbox import Sandbox
-from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, to_evaluation
+from gyre.tasks.evaluate import EvaluationResult, LocalHost, evaluate, evaluated_state, to_evaluation
 from gyre.tasks.spec import Task, prepare_workspace
 from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EpisodeResult", "ProxyAccess", "run_episode", "run_group"]
+__all__ = ["EpisodeResult", "HarnessEndCallback", "HarnessEndError", "ProxyAccess", "run_episode", "run_group"]
+
+HarnessEndCallback = Callable[[HarnessRun | None], None]
+"""`run_episode`'s `on_harness_end`: the harness's run (None: it never ran), called once, before the evaluation."""
+
+EVALUATION_STOP_WAIT_S = 30.0
+"""How long a cancelled episode waits for its stopped evaluation attempt to return. A process evaluator ends within
+its grace period and kill wait (about 11 s); an inline python checker cannot be stopped and is left to finish on its
+worker thread past this bound (its result discarded)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +90,43 @@ class EpisodeResult:
     evaluations: list[EvaluationResult] = field(default_factory=list)
     status: Status | None = None  # the outcome's status after the episode (VALID, EXCLUDED, PLACEHOLDER, ...)
     reward: float | None = None
-    reason: str | None = None  # why it failed or was excluded
+    reason: str | None = None  # why it failed, was excluded or cancelled
+
+
+class HarnessEndError(RuntimeError):
+    """`on_harness_end` raised. The episode ran to its end all the same: its result is `.result` (also recorded in
+    the group), the callback's exception is the `__cause__`."""
+
+    def __init__(self, result: EpisodeResult) -> None:
+        super().__init__(
+            f"on_harness_end of execution {result.execution_id!r} raised; the episode ran to its end "
+            f"(status {result.status.name if result.status else None}, in .result)"
+        )
+        self.result = result
+
+
+class _HarnessEndReport:
+    """Calls `on_harness_end` at most once and keeps what it raised, for the episode to raise at its end."""
+
+    def __init__(self, callback: HarnessEndCallback | None, execution_id: str) -> None:
+        self._callback = callback
+        self._execution_id = execution_id
+        self.reported = False
+        self.error: Exception | None = None
+
+    def __call__(self, run: HarnessRun | None) -> None:
+        if self.reported:
+            return
+        self.reported = True
+        if self._callback is None:
+            return
+        try:
+            self._callback(run)
+        except Exception as error:  # the caller's code: its error is raised once the episode's work is recorded
+            log.exception(
+                "execution %s: on_harness_end raised (raised again when the episode ends)", self._execution_id
+            )
+            self.error = error
 
 
 async def run_episode(
@@ -79,6 +140,7 @@ async def run_episode(
     limits: ExecutionLimits,
     group: GroupOutcomes,
     cancel_event: asyncio.Event | None = None,
+    on_harness_end: HarnessEndCallback | None = None,
     evaluation_attempts: int = 3,
     evaluation_retry_s: float = 5.0,
     evaluate_in_sandbox: bool = True,
@@ -87,9 +149,51 @@ async def run_episode(
 
     A failed or timed-out evaluation is retried on the same preserved state, `evaluation_retry_s` apart, at most
     `evaluation_attempts` times and never past the overall budget; without a valid score the execution stays
-    pending until its budget ends and is then EXCLUDED."""
+    pending until its budget ends and is then EXCLUDED. `cancel_event` stops the harness or the evaluation
+    (CANCELLED); `on_harness_end` is called once, when the harness has ended and before the evaluation starts
+    (`HarnessEndError` at the end if it raised)."""
     if evaluation_attempts < 1:
         raise ValueError(f"evaluation_attempts must be >= 1, got {evaluation_attempts!r}")
+    report = _HarnessEndReport(on_harness_end, execution_id)
+    try:
+        result = await _run_episode(
+            task,
+            execution_id=execution_id,
+            api_key=api_key,
+            runner=runner,
+            sandbox=sandbox,
+            proxy=proxy,
+            limits=limits,
+            group=group,
+            cancel_event=cancel_event,
+            report=report,
+            evaluation_attempts=evaluation_attempts,
+            evaluation_retry_s=evaluation_retry_s,
+            evaluate_in_sandbox=evaluate_in_sandbox,
+        )
+    finally:
+        report(None)  # a no-op once reported; else the episode raised or was cancelled before the harness ended
+    if report.error is not None:
+        raise HarnessEndError(result) from report.error
+    return result
+
+
+async def _run_episode(
+    task: Task,
+    *,
+    execution_id: str,
+    api_key: str,
+    runner: HarnessRunner,
+    sandbox: Sandbox,
+    proxy: ProxyAccess,
+    limits: ExecutionLimits,
+    group: GroupOutcomes,
+    cancel_event: asyncio.Event | None,
+    report: _HarnessEndReport,
+    evaluation_attempts: int,
+    evaluation_retry_s: float,
+    evaluate_in_sandbox: bool,
+) -> EpisodeResult:
     overall_timeout_s = min(task.overall_timeout_s or limits.overall_timeout_s, limits.overall_timeout_s)
     harness_timeout_s = min(task.harness_timeout_s or limits.harness_timeout_s, limits.harness_timeout_s)
     harness_timeout_s = min(harness_timeout_s, overall_timeout_s)  # the overall budget covers the harness too
@@ -100,6 +204,7 @@ async def run_episode(
         dirs = await asyncio.to_thread(sandbox.prepare, execution_id)
         await asyncio.to_thread(prepare_workspace, task, dirs.workspace)
     except (OSError, ValueError) as error:  # no workspace: a total failure (no evaluable work)
+        report(None)
         return _finish(result, group, CloseKind.FAILED, reason=f"workspace of task {task.id!r}: {error}")
     context = ExecutionContext(
         execution_id=execution_id,
@@ -121,6 +226,7 @@ async def run_episode(
         grace_period_s=limits.grace_period_s,
         kill_wait_s=limits.kill_wait_s,
     )
+    report(result.run)  # the harness has ended: before anything of the evaluation
     kind = result.run.close_kind
     if not kind.evaluable:  # FAILED (placeholder) or CANCELLED (surplus)
         return _finish(result, group, kind, reason=result.run.reason)
@@ -131,18 +237,22 @@ async def run_episode(
     group.close(execution_id, kind, now=time.monotonic(), final_state=state)
     outcome = group.execution(execution_id)
 
+    def cancelled() -> bool:
+        return cancel_event is not None and cancel_event.is_set()
+
     def worth_evaluating() -> bool:  # the group may have become ready meanwhile: surplus is not evaluated further
-        return outcome.retry_allowed(time.monotonic()) and execution_id not in group.surplus
+        return outcome.retry_allowed(time.monotonic()) and execution_id not in group.surplus and not cancelled()
 
     while worth_evaluating() and len(result.evaluations) < evaluation_attempts:
         if result.evaluations:  # an earlier attempt failed: wait a little, never past the budget
-            await asyncio.sleep(max(0.0, min(evaluation_retry_s, outcome.deadline - time.monotonic())))
+            await _wait_unless_cancelled(cancel_event, min(evaluation_retry_s, outcome.deadline - time.monotonic()))
             if not worth_evaluating():
                 break
-        if evaluate_in_sandbox:
-            evaluation = await asyncio.to_thread(sandboxed_evaluation, task, dirs.workspace, sandbox, execution_id)
-        else:
-            evaluation = await asyncio.to_thread(evaluate, task, dirs.workspace)
+        evaluation = await _evaluate_once(
+            task, dirs.workspace, sandbox, execution_id, evaluate_in_sandbox, cancel_event
+        )
+        if evaluation is None:  # cancelled while it ran: stopped and discarded
+            break
         result.evaluations.append(evaluation)
         now = time.monotonic()
         if now >= outcome.deadline:  # it came back after the overall budget: not recorded
@@ -153,17 +263,79 @@ async def run_episode(
         if evaluation.valid:
             break
         result.reason = f"evaluator ({evaluation.validity.name}): {evaluation.detail}"
-    if outcome.status is Status.AWAITING and execution_id not in group.surplus:
-        # no valid score: pending until the budget ends (or the group no longer needs it), then EXCLUDED
-        remaining = max(0.0, outcome.deadline - time.monotonic())
-        if cancel_event is None:
-            await asyncio.sleep(remaining)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(cancel_event.wait(), remaining)
-        group.expire(max(time.monotonic(), outcome.deadline))
+    if outcome.status is Status.AWAITING and execution_id not in group.surplus and not cancelled():
+        # no valid score: pending until the budget ends (or the group no longer needs it, or a cancel), then EXCLUDED
+        await _wait_unless_cancelled(cancel_event, outcome.deadline - time.monotonic())
+        if not cancelled():
+            group.expire(max(time.monotonic(), outcome.deadline))
+    if outcome.status is Status.AWAITING and cancelled():  # a VALID outcome stays VALID
+        group.cancel(execution_id, now=time.monotonic())
+        result.reason = "cancelled (surplus) before a valid evaluation"
     result.status, result.reward = outcome.status, outcome.reward
     return result
+
+
+async def _wait_unless_cancelled(cancel_event: asyncio.Event | None, seconds: float) -> None:
+    """Sleep `seconds` (at least 0), or less once `cancel_event` is set."""
+    seconds = max(0.0, seconds)
+    if cancel_event is None:
+        await asyncio.sleep(seconds)
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(cancel_event.wait(), seconds)
+
+
+def _evaluate_as_controller(task: Task, workspace: Path, stop: threading.Event) -> EvaluationResult:
+    host = LocalHost(task.id, stop=stop)
+    try:
+        return evaluate(task, workspace, host=host)
+    finally:
+        host.close()
+
+
+async def _evaluate_once(
+    task: Task,
+    workspace: Path,
+    sandbox: Sandbox,
+    execution_id: str,
+    in_sandbox: bool,
+    cancel_event: asyncio.Event | None,
+) -> EvaluationResult | None:
+    """One evaluation attempt on a worker thread; None when `cancel_event` was set before it returned (the
+    evaluator is then stopped and waited for, bounded by `EVALUATION_STOP_WAIT_S`). Should this coroutine itself
+    be cancelled, the evaluator is stopped too: it never outlives its episode."""
+    stop = threading.Event()  # the thread's side of the cancel (the evaluator's host polls it)
+    if in_sandbox:
+        call = functools.partial(sandboxed_evaluation, task, workspace, sandbox, execution_id, stop=stop)
+    else:
+        call = functools.partial(_evaluate_as_controller, task, workspace, stop)
+    attempt = asyncio.ensure_future(asyncio.to_thread(call))
+    try:
+        if cancel_event is None:
+            return await asyncio.shield(attempt)
+        waiter = asyncio.ensure_future(cancel_event.wait())
+        try:
+            await asyncio.wait({attempt, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not cancel_event.is_set():
+            return attempt.result()
+    except asyncio.CancelledError:
+        stop.set()
+        attempt.add_done_callback(_retrieve)
+        raise
+    stop.set()
+    done, _ = await asyncio.wait({attempt}, timeout=EVALUATION_STOP_WAIT_S)
+    if not done:
+        log.warning("execution %s: the evaluation did not stop within %.0f s", execution_id, EVALUATION_STOP_WAIT_S)
+    attempt.add_done_callback(_retrieve)
+    return None
+
+
+def _retrieve(attempt: asyncio.Future) -> None:
+    """Read a discarded attempt's error, so that it is logged here rather than as a never-retrieved exception."""
+    if not attempt.cancelled() and attempt.exception() is not None:
+        log.warning("a discarded evaluation attempt raised: %r", attempt.exception())
 
 
 def _finish(result: EpisodeResult, group: GroupOutcomes, kind: CloseKind, *, reason: str | None) -> EpisodeResult:
@@ -209,7 +381,12 @@ async def run_group(
     evaluate_in_sandbox: bool = True,
 ) -> tuple[GroupOutcomes, list[EpisodeResult]]:
     """Run `len(execution_ids)` executions of `task` (N = `group_size`, the rest oversampling surplus); once the group
-    is ready, cancel those still running. Returns the group's outcomes and each execution's result, in order."""
+    is ready, cancel those still running or evaluating. Returns the group's outcomes and each execution's result, in
+    order. `max_concurrent` caps the executions in flight, evaluation included.
+
+    For evaluating without a scheduler (`gyre.serve`-style). The training runtime does not use it: its scheduler
+    decides what runs (`Start`) and what is surplus (`Cancel`), so it calls `run_episode` per `Start`, moves its
+    counters on `on_harness_end` and sets the execution's `cancel_event` on `Cancel`."""
     if len(api_keys) != len(execution_ids):
         raise ValueError(f"{len(execution_ids)} execution ids but {len(api_keys)} keys: one key per execution")
     group = GroupOutcomes(group_size, list(execution_ids))

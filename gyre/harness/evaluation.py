@@ -20,8 +20,10 @@ The process goes through the harness lifecycle (`gyre.harness.execution.run_harn
 killed when it ends or at the time limit, the sandbox released). The environment stays the evaluator's own (PATH
 and locale, the task's `env`), plus HOME and TMPDIR below the evaluation's directory; output goes to the
 evaluation's private log directory. `run` is called once; `close` releases the evaluation (if `run` did not) and
-removes its directories. `sandboxed_evaluation` is one attempt end to end (what `run_episode` calls). All of them
-block: call them from a worker thread, never on a running event loop.
+removes its directories. `stop` (a `threading.Event`, set from any thread, e.g. the controller's loop on a cancel)
+stops a running evaluator through the same lifecycle (SIGTERM to its group, SIGKILL after `GRACE_PERIOD_S`) and
+`run` returns like a timeout; whoever set it discards the attempt. `sandboxed_evaluation` is one attempt end to
+end (what `run_episode` calls). All of them block: call them from a worker thread, never on a running event loop.
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ import asyncio
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import gyre
-from gyre.harness.execution import run_harness
+from gyre.harness.execution import HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
 from gyre.harness.sandbox import Sandbox, SandboxError, chown_tree
-from gyre.tasks.evaluate import EvaluationResult, EvaluatorStartError, evaluate, not_started
+from gyre.tasks.evaluate import STOP_POLL_S, EvaluationResult, EvaluatorStartError, evaluate, not_started
 from gyre.tasks.spec import PythonEvaluatorSpec, Task
 from gyre.traj.outcomes import CloseKind
 
@@ -65,8 +68,16 @@ class _Launch:
 class SandboxHost:
     """One evaluation of `execution_id`'s work inside `sandbox` (see the module docstring); close it after use."""
 
-    def __init__(self, sandbox: Sandbox, execution_id: str, *, ro_paths: Iterable[Path] = ()) -> None:
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        execution_id: str,
+        *,
+        ro_paths: Iterable[Path] = (),
+        stop: threading.Event | None = None,
+    ) -> None:
         self.sandbox = sandbox
+        self.stop = stop
         self.evaluation_id = execution_id + EVALUATION_SUFFIX
         self.ro_paths = _outside_private_paths(sandbox, ro_paths)
         self._dirs = sandbox.prepare(self.evaluation_id)
@@ -94,13 +105,40 @@ class SandboxHost:
         launch = _Launch(LaunchSpec(argv=tuple(argv), env=env, ro_paths=self.ro_paths))
         # The harness lifecycle: its own session, the group killed at the end, the sandbox released (every process
         # of the evaluation's uid killed, the copy ours again).
-        run = asyncio.run(
-            run_harness(launch, self.sandbox, context, harness_timeout_s=timeout_s, grace_period_s=GRACE_PERIOD_S)
-        )
+        run = asyncio.run(self._run_stoppable(launch, context, timeout_s))
         if run.close_kind is CloseKind.FAILED:
             raise EvaluatorStartError(run.reason or "the sandbox refused it")
-        code = None if run.close_kind is CloseKind.HARNESS_TIMEOUT else run.exit_code
+        stopped = run.close_kind in (CloseKind.HARNESS_TIMEOUT, CloseKind.CANCELLED)
+        code = None if stopped else run.exit_code
         return code, _read(run.stdout_path), _read(run.stderr_path)
+
+    async def _run_stoppable(self, launch: _Launch, context: ExecutionContext, timeout_s: float) -> HarnessRun:
+        """`run_harness` with `self.stop` (a thread's event) carried into this loop's cancel event."""
+        if self.stop is None:
+            return await run_harness(
+                launch, self.sandbox, context, harness_timeout_s=timeout_s, grace_period_s=GRACE_PERIOD_S
+            )
+        stop, cancel = self.stop, asyncio.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(STOP_POLL_S)
+            cancel.set()
+
+        if stop.is_set():
+            cancel.set()
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await run_harness(
+                launch,
+                self.sandbox,
+                context,
+                harness_timeout_s=timeout_s,
+                cancel_event=cancel,
+                grace_period_s=GRACE_PERIOD_S,
+            )
+        finally:
+            watcher.cancel()
 
     def close(self) -> None:
         try:
@@ -109,15 +147,17 @@ class SandboxHost:
             shutil.rmtree(self._dirs.root, ignore_errors=True)
 
 
-def sandboxed_evaluation(task: Task, workspace: Path, sandbox: Sandbox, execution_id: str) -> EvaluationResult:
+def sandboxed_evaluation(
+    task: Task, workspace: Path, sandbox: Sandbox, execution_id: str, *, stop: threading.Event | None = None
+) -> EvaluationResult:
     """One evaluation attempt of `execution_id`'s preserved `workspace` inside `sandbox` (blocking). An inline python
-    checker runs in the controller (trusted by declaration); a sandbox that refuses the evaluation is a FAILED
-    attempt, not an error."""
+    checker runs in the controller (trusted by declaration; `stop` cannot interrupt it); a sandbox that refuses the
+    evaluation is a FAILED attempt, not an error. `stop` set: the evaluator is stopped (`SandboxHost`)."""
     spec = task.evaluator
     if isinstance(spec, PythonEvaluatorSpec) and spec.isolation == "inline":
         return evaluate(task, workspace)
     try:
-        host = SandboxHost(sandbox, execution_id, ro_paths=evaluator_read_paths(task.task_dir))
+        host = SandboxHost(sandbox, execution_id, ro_paths=evaluator_read_paths(task.task_dir), stop=stop)
     except (SandboxError, OSError) as error:  # e.g. no uid left: retried like any other failed attempt
         return not_started(task, workspace, f"evaluation sandbox: {error}")
     try:

@@ -14,7 +14,10 @@ state and gets the same artifact reference.
 Where the evaluator's processes run (`EvaluatorHost`): by default plain processes of the controller's user in a
 scratch directory (`LocalHost`); `gyre.harness.evaluation.SandboxHost` runs them inside the execution's sandbox
 (its own uid, or bubblewrap), since a command evaluator such as pytest executes the agent's code. An inline python
-evaluator always runs in the controller (it is trusted by declaration).
+evaluator always runs in the controller (it is trusted by declaration). Both hosts take a `stop` event
+(`threading.Event`, set from any thread): the evaluator's process group is killed within `STOP_POLL_S` and the
+run returns like a timeout; whoever set it discards the attempt (`gyre.harness.episode`, a cancel during the
+evaluation). An inline evaluator cannot be stopped.
 
 A workspace left by a timed-out harness is scored exactly like any other. Evaluator failure is NOT a score:
 a timeout of the evaluator itself is PENDING, a crash or an unreadable output is FAILED; both may be retried
@@ -36,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -61,6 +65,7 @@ __all__ = [
 ]
 
 LOG_TAIL_CHARS = 4000  # how much of an evaluator's output a result keeps
+STOP_POLL_S = 0.1  # how often a running evaluator's host checks its `stop` event
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,13 +217,17 @@ class EvaluatorHost(Protocol):
 
 
 class LocalHost:
-    """Plain processes of the controller's user in a scratch directory (`mkdtemp` under `scratch_root`)."""
+    """Plain processes of the controller's user in a scratch directory (`mkdtemp` under `scratch_root`); `stop`
+    set: the running evaluator is killed and `run` returns like a timeout."""
 
-    def __init__(self, task_id: str, scratch_root: str | Path | None = None) -> None:
+    def __init__(
+        self, task_id: str, scratch_root: str | Path | None = None, *, stop: threading.Event | None = None
+    ) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix=f"gyre-eval-{task_id}-", dir=scratch_root))
+        self.stop = stop
 
     def run(self, argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
-        return _run(argv, cwd=cwd, env=env, timeout_s=timeout_s)
+        return _run(argv, cwd=cwd, env=env, timeout_s=timeout_s, stop=self.stop)
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -231,12 +240,29 @@ def _tail(text: str) -> str:
     return text if len(text) <= LOG_TAIL_CHARS else "...\n" + text[-LOG_TAIL_CHARS:]
 
 
-def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int | None, str, str]:
-    """Run argv in its own process group; returns (exit code or None on timeout, stdout, stderr).
+def _wait(proc: subprocess.Popen, timeout_s: float, stop: threading.Event | None) -> int | None:
+    """The exit code of `proc`, or None once `timeout_s` passed or `stop` was set (checked every `STOP_POLL_S`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        wait_s = remaining if stop is None else min(remaining, STOP_POLL_S)
+        try:
+            return proc.wait(timeout=max(0.0, wait_s))
+        except subprocess.TimeoutExpired:
+            if wait_s >= remaining or (stop is not None and stop.is_set()):
+                return None
+
+
+def _run(
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float, stop: threading.Event | None = None
+) -> tuple[int | None, str, str]:
+    """Run argv in its own process group; returns (exit code or None on timeout or stop, stdout, stderr).
 
     Output goes to files, not pipes, and only the process itself is waited for: a daemon the code under test
     leaves behind (even in a session of its own) can neither stretch the wait nor turn a finish into a timeout.
     What is left of the group is killed in every case."""
+    if stop is not None and stop.is_set():
+        return None, "", "stopped before it started"
     with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
         proc = subprocess.Popen(
             argv,
@@ -247,10 +273,7 @@ def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -
             stderr=err_file,
             start_new_session=True,  # the whole group is killed at the limit, children included
         )
-        try:
-            code: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
+        code = _wait(proc, timeout_s, stop)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         if code is None:

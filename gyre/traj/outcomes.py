@@ -15,7 +15,8 @@ in full):
   partial score, since the data plane derives no reward from elapsed time or termination status.
   OVERALL_TIMEOUT -> EXCLUDED. FAILED (total failure, no evaluable work) -> a zero-reward placeholder
   (valid, score 0.0, `placeholder=True`) so the group stays complete. CANCELLED -> surplus, outside
-  the group's N.
+  the group's N. `cancel(now)` also cancels an execution that closed with evaluable work and has no
+  valid outcome yet (its evaluation was stopped): CANCELLED, its log kept.
 - Pending (or failed) evaluations may be retried while `now < deadline`; once the budget has run out
   without a valid outcome, `expire(now)` EXCLUDES the execution: no reward, dropped from training.
   That is not a valid zero score, which is a reward and is trained on.
@@ -204,6 +205,7 @@ class ExecutionOutcomes:
         self._final_state: EvaluatedState | None = None
         self._placeholder: Evaluation | None = None
         self._expired = False
+        self._cancelled = False  # cancelled while AWAITING: the close kind stays, the status is CANCELLED
         if deadline is not None:
             self.start(deadline)
 
@@ -242,7 +244,7 @@ class ExecutionOutcomes:
         """The latest VALID evaluation of the final state (or the placeholder of a total failure)."""
         if self._placeholder is not None:
             return self._placeholder
-        if self._close_kind is None or not self._close_kind.evaluable:
+        if self._close_kind is None or not self._close_kind.evaluable or self._cancelled:
             return None
         for evaluation in reversed(self._log):
             if evaluation.valid and evaluation.state == self._final_state:
@@ -254,7 +256,7 @@ class ExecutionOutcomes:
         kind = self._close_kind
         if kind is None:
             return Status.OPEN
-        if kind is CloseKind.CANCELLED:
+        if kind is CloseKind.CANCELLED or self._cancelled:
             return Status.CANCELLED
         if kind is CloseKind.FAILED:
             return Status.PLACEHOLDER
@@ -365,6 +367,21 @@ class ExecutionOutcomes:
             return True
         return False
 
+    def cancel(self, now: float) -> bool:
+        """Cancel the execution (surplus under oversampling, or the scheduler's cancel): an OPEN one closes
+        CANCELLED; an AWAITING one (closed with evaluable work, evaluation stopped) becomes CANCELLED for good,
+        keeping its close kind and its log. Returns True when this call cancelled it; a settled execution
+        (VALID, PLACEHOLDER, EXCLUDED, CANCELLED) is left as it is."""
+        now = _check_time(now, "now")
+        status = self.status
+        if status is Status.OPEN:
+            self.close(CloseKind.CANCELLED, now=now)
+            return True
+        if status is Status.AWAITING:
+            self._cancelled = True
+            return True
+        return False
+
     def __repr__(self) -> str:
         return f"ExecutionOutcomes({self.execution!r}, status={self.status.name}, evaluations={len(self._log)})"
 
@@ -424,6 +441,12 @@ class GroupOutcomes:
     ) -> None:
         self.execution(execution).close(kind, now=now, final_state=final_state)
         self._refresh()
+
+    def cancel(self, execution: ExecutionId, *, now: float) -> bool:
+        """Cancel one execution (`ExecutionOutcomes.cancel`); True when this call cancelled it."""
+        cancelled = self.execution(execution).cancel(now)
+        self._refresh()
+        return cancelled
 
     def expire(self, now: float) -> tuple[ExecutionId, ...]:
         """Apply every execution's budget at `now`; returns the executions this call excluded."""

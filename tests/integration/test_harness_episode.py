@@ -9,11 +9,18 @@ Python script run by the `command` runner; what it does depends on its execution
 - cannot start (its binary is missing) -> FAILED: the zero-reward placeholder;
 and the group stays complete (N rewards or placeholders, the excluded one None). A second group oversamples:
 once N executions have valid outcomes the surplus one still running is cancelled.
+
+For a caller that schedules executions itself (the training runtime): `on_harness_end` is called exactly once per
+episode, before the evaluation, for every way a harness ends (and with None when it never ran); an error it raises
+comes back after the episode as `HarnessEndError` with the result. `cancel_event` stops the harness, stops a running
+evaluator (sandboxed or as the controller's user: its process is gone when the episode returns) or a wait to retry
+one, and the outcome is CANCELLED; set after the episode ended, it changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 from pathlib import Path
@@ -21,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from gyre.config import ExecutionLimits
-from gyre.harness.episode import ProxyAccess, run_episode, run_group
+from gyre.harness.episode import HarnessEndError, ProxyAccess, run_episode, run_group
 from gyre.harness.runners import CommandRunner
 from gyre.harness.sandbox import LocalSandbox
 from gyre.tasks.spec import load_task
@@ -40,6 +47,7 @@ elif mode == "crash-evaluator":
     progress.write_text("ok\\n")
     pathlib.Path("crash").write_text("x")
 elif mode == "slow":
+    pathlib.Path("started").write_text("")
     time.sleep(1000)
 """
 
@@ -55,11 +63,20 @@ print(f"{lines.count('ok')}/4")
 PROXY = ProxyAccess(anthropic_base_url="http://127.0.0.1:9", openai_base_url="http://127.0.0.1:9/v1", model="gyre")
 
 
-def make_task(root: Path, *, harness_s: float, overall_s: float):
+# An evaluator that says where it runs (its pid, in a file outside the sandbox) and then takes two minutes.
+SLOW_CHECK = """
+import os, pathlib, time
+pathlib.Path({marker!r}).write_text(str(os.getpid()))
+time.sleep(120)
+print("1/1")
+"""
+
+
+def make_task(root: Path, *, harness_s: float, overall_s: float, check: str = CHECK):
     task_dir = root / "task"
     (task_dir / "workspace").mkdir(parents=True)
     (task_dir / "hidden").mkdir()
-    (task_dir / "hidden" / "check.py").write_text(CHECK)
+    (task_dir / "hidden" / "check.py").write_text(check)
     (task_dir / "task.toml").write_text(
         'id = "progress"\nprompt = "finish"\n'
         f"[timeouts]\nharness_s = {harness_s}\noverall_s = {overall_s}\n"
@@ -154,3 +171,213 @@ def test_oversampling_cancels_the_surplus_once_the_group_is_ready(tmp_path, setu
     assert [r.status for r in results] == [Status.VALID, Status.VALID, Status.CANCELLED]
     assert results[2].run.close_kind is CloseKind.CANCELLED
     assert group.ready and group.members == ("g0", "g1") and group.surplus == ("g2",)
+
+
+def one_episode(task, script: Path, sandbox, limits, group, mode: str, **options):
+    """`run_episode` of execution "e" whose harness runs in `mode`."""
+    runner = ModeRunner(script, {"e": mode})
+    common = {"sandbox": sandbox, "proxy": PROXY, "limits": limits, "group": group}
+    return run_episode(task, execution_id="e", api_key="k", runner=runner, **common, **options)
+
+
+async def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s:g} s"
+        await asyncio.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_harness_end_is_reported_once_before_the_evaluation_for_every_way_a_harness_ends(tmp_path, setup):
+    script, sandbox = setup
+    task = make_task(tmp_path, harness_s=2.0, overall_s=60.0)
+    limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=120, grace_period_s=1.0)
+    modes = {"finish": "finish", "stall": "stall", "cancelled": "finish"}
+    ids = [*modes, "missing", "no/workspace"]  # a "/" in the id: the sandbox cannot make its directories
+    group = GroupOutcomes(4, ids)
+    reports: dict[str, list] = {e: [] for e in ids}
+
+    def on_harness_end(execution, run):
+        outcome = group.execution(execution)
+        reports[execution].append((run, outcome.status, len(outcome.evaluations)))
+
+    async def main():
+        runner = ModeRunner(script, modes)
+        missing = CommandRunner(argv=("/nonexistent/agent", "{prompt}"))
+        cancelled = asyncio.Event()
+        cancelled.set()  # before the start: the harness never runs
+        common = {"sandbox": sandbox, "proxy": PROXY, "limits": limits, "group": group}
+
+        def episode(execution, runner, **extra):
+            report = functools.partial(on_harness_end, execution)
+            return run_episode(task, execution_id=execution, api_key="k", runner=runner, on_harness_end=report, **extra)
+
+        return await asyncio.wait_for(
+            asyncio.gather(
+                episode("finish", runner, **common),
+                episode("stall", runner, **common),
+                episode("cancelled", runner, cancel_event=cancelled, **common),
+                episode("missing", missing, **common),
+                episode("no/workspace", runner, **common),
+            ),
+            timeout=60,
+        )
+
+    results = dict(zip(ids, asyncio.run(main()), strict=True))
+    kinds = {e: (calls[0][0].close_kind if calls[0][0] is not None else None) for e, calls in reports.items()}
+    assert {e: len(calls) for e, calls in reports.items()} == dict.fromkeys(ids, 1)  # exactly once each
+    assert kinds == {
+        "finish": CloseKind.COMPLETED,
+        "stall": CloseKind.HARNESS_TIMEOUT,
+        "cancelled": CloseKind.CANCELLED,
+        "missing": CloseKind.FAILED,
+        "no/workspace": None,  # no harness ran
+    }
+    # reported before anything of the evaluation: the close not yet recorded, no evaluation
+    assert all(status is Status.OPEN and count == 0 for calls in reports.values() for _, status, count in calls)
+    assert all(calls[0][0] is results[e].run for e, calls in reports.items())  # the run the result carries
+    assert results["finish"].reward == 1.0 and results["stall"].status is Status.VALID  # evaluated after the report
+    assert results["cancelled"].status is Status.CANCELLED and results["no/workspace"].status is Status.PLACEHOLDER
+
+
+def test_an_error_in_on_harness_end_comes_back_after_the_episode_with_its_result(tmp_path, setup):
+    script, sandbox = setup
+    task = make_task(tmp_path, harness_s=60.0, overall_s=120.0)
+    limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=120, grace_period_s=1.0)
+    group = GroupOutcomes(1, ["e"])
+    calls = []
+
+    def on_harness_end(run):
+        calls.append(run)
+        raise RuntimeError("the caller's bug")
+
+    async def main():
+        episode = one_episode(task, script, sandbox, limits, group, "finish", on_harness_end=on_harness_end)
+        return await asyncio.wait_for(episode, timeout=60)
+
+    with pytest.raises(HarnessEndError, match="'e' raised") as raised:
+        asyncio.run(main())
+    assert len(calls) == 1 and isinstance(raised.value.__cause__, RuntimeError)
+    result = raised.value.result  # the episode ran to its end: evaluated and recorded
+    assert result.status is Status.VALID and result.reward == 1.0 and len(result.evaluations) == 1
+    assert group.ready and group.rewards() == {"e": 1.0}
+
+
+def test_cancel_while_the_harness_runs_stops_it(tmp_path, setup):
+    script, sandbox = setup
+    task = make_task(tmp_path, harness_s=120.0, overall_s=180.0)
+    limits = ExecutionLimits(harness_timeout_s=300, overall_timeout_s=600, grace_period_s=1.0)
+    group = GroupOutcomes(1, ["e"])
+    runs = []
+
+    async def main():
+        cancel = asyncio.Event()
+        episode = asyncio.ensure_future(
+            one_episode(task, script, sandbox, limits, group, "slow", cancel_event=cancel, on_harness_end=runs.append)
+        )
+        await wait_for(lambda: (sandbox.root / "e" / "workspace" / "started").exists(), "the harness's start")
+        assert not runs  # still running
+        cancel.set()
+        cancelled_at = time.monotonic()
+        result = await asyncio.wait_for(episode, timeout=30)
+        return result, time.monotonic() - cancelled_at
+
+    result, stop_s = asyncio.run(main())
+    assert stop_s < 10.0  # SIGTERM, not its 120 s budget
+    assert result.run.close_kind is CloseKind.CANCELLED and result.status is Status.CANCELLED
+    assert runs == [result.run] and result.evaluations == [] and group.execution("e").status is Status.CANCELLED
+
+
+@pytest.mark.parametrize("in_sandbox", [True, False], ids=["sandboxed", "as-controller"])
+def test_cancel_while_the_evaluator_runs_stops_it_and_cancels_the_outcome(tmp_path, setup, in_sandbox):
+    script, sandbox = setup
+    marker = tmp_path / "evaluator.pid"
+    task = make_task(tmp_path, harness_s=60.0, overall_s=300.0, check=SLOW_CHECK.format(marker=str(marker)))
+    limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=300, grace_period_s=1.0)
+    group = GroupOutcomes(1, ["e"])
+    runs = []
+
+    async def main():
+        cancel = asyncio.Event()
+        episode = asyncio.ensure_future(
+            one_episode(
+                task,
+                script,
+                sandbox,
+                limits,
+                group,
+                "finish",
+                cancel_event=cancel,
+                on_harness_end=runs.append,
+                evaluate_in_sandbox=in_sandbox,
+            )
+        )
+        await wait_for(lambda: marker.exists() and marker.read_text(), "the evaluator's start")
+        pid = int(marker.read_text())
+        assert alive(pid) and len(runs) == 1 and group.execution("e").status is Status.AWAITING
+        cancel.set()
+        cancelled_at = time.monotonic()
+        result = await asyncio.wait_for(episode, timeout=60)
+        return result, pid, time.monotonic() - cancelled_at
+
+    result, pid, stop_s = asyncio.run(main())
+    assert stop_s < 10.0  # not the evaluator's 120 s
+    assert not alive(pid)  # stopped before the episode returned
+    assert runs == [result.run] and result.run.close_kind is CloseKind.COMPLETED
+    assert result.status is Status.CANCELLED and result.reward is None and result.evaluations == []  # discarded
+    outcome = group.execution("e")
+    assert outcome.status is Status.CANCELLED and outcome.close_kind is CloseKind.COMPLETED and not outcome.evaluations
+    assert group.ready and group.members == () and group.rewards() == {}  # cancelled: outside the group's N
+
+
+def test_cancel_while_waiting_to_retry_a_failed_evaluation_cancels_the_outcome(tmp_path, setup):
+    script, sandbox = setup
+    task = make_task(tmp_path, harness_s=60.0, overall_s=300.0)
+    limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=300, grace_period_s=1.0)
+    group = GroupOutcomes(1, ["e"])
+
+    async def main():
+        cancel = asyncio.Event()
+        episode = asyncio.ensure_future(
+            one_episode(
+                task, script, sandbox, limits, group, "crash-evaluator", cancel_event=cancel, evaluation_retry_s=120.0
+            )
+        )
+        await wait_for(lambda: len(group.execution("e").evaluations) == 1, "the first evaluation")
+        cancel.set()
+        cancelled_at = time.monotonic()
+        result = await asyncio.wait_for(episode, timeout=30)
+        return result, time.monotonic() - cancelled_at
+
+    result, stop_s = asyncio.run(main())
+    assert stop_s < 5.0  # not the 120 s retry wait, nor the budget
+    assert result.status is Status.CANCELLED and len(result.evaluations) == 1 and not result.evaluations[0].valid
+    outcome = group.execution("e")
+    assert outcome.status is Status.CANCELLED and len(outcome.evaluations) == 1  # its log kept
+
+
+def test_cancel_after_the_episode_ended_changes_nothing(tmp_path, setup):
+    script, sandbox = setup
+    task = make_task(tmp_path, harness_s=60.0, overall_s=120.0)
+    limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=120, grace_period_s=1.0)
+    group = GroupOutcomes(1, ["e"])
+
+    async def main():
+        cancel = asyncio.Event()
+        episode = one_episode(task, script, sandbox, limits, group, "finish", cancel_event=cancel)
+        result = await asyncio.wait_for(episode, timeout=60)
+        before = (group.execution("e").status, group.execution("e").evaluations)
+        cancel.set()
+        await asyncio.sleep(0.3)  # anything still listening would act now
+        return result, before
+
+    result, before = asyncio.run(main())
+    assert result.status is Status.VALID and result.reward == 1.0
+    assert (group.execution("e").status, group.execution("e").evaluations) == before and group.rewards() == {"e": 1.0}

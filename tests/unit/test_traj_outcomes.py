@@ -262,6 +262,44 @@ def test_group_of_all_excluded_is_ready_without_rewards():
     assert group.rewards() == {0: None, 1: None}
 
 
+def test_cancel_stops_an_open_or_awaiting_execution_and_leaves_a_settled_one():
+    group = GroupOutcomes(2, [0, 1, 2, 3])
+    group.start(0, 10.0)
+    group.start(1, 10.0)
+    group.start(2, 10.0)
+    assert group.cancel(3, now=1.0)  # open, never started: closes CANCELLED
+    assert group.execution(3).status is Status.CANCELLED and group.execution(3).close_kind is CANCELLED
+    group.close(0, COMPLETED, now=1.0, final_state=state(0))
+    record(group, state(0), 0.0, PENDING, at=2.0)
+    assert group.cancel(0, now=3.0)  # awaiting, its evaluation stopped: CANCELLED, close kind and log kept
+    zero = group.execution(0)
+    assert zero.status is Status.CANCELLED and zero.reward is None and zero.designated is None
+    assert zero.close_kind is COMPLETED and len(zero.evaluations) == 1
+    assert not zero.retry_allowed(4.0) and not zero.expire(20.0) and group.retryable(4.0) == ()
+    with pytest.raises(ValueError, match="CANCELLED"):
+        record(group, state(0), 1.0, at=4.0)  # no more evaluations, nothing recorded
+    assert len(zero.evaluations) == 1 and not group.cancel(0, now=5.0)  # cancelled once
+    group.close(1, COMPLETED, now=5.0, final_state=state(1))
+    record(group, state(1), 0.7, at=6.0)
+    assert not group.cancel(1, now=7.0)  # VALID stays VALID
+    assert group.execution(1).status is Status.VALID and not group.ready
+    group.close(2, TOTAL_FAILURE, now=8.0)
+    assert not group.cancel(2, now=9.0)  # a placeholder stays
+    assert group.ready and group.members == (1, 2) and group.rewards() == {1: 0.7, 2: 0.0}
+
+
+def test_cancelled_awaiting_executions_never_hold_a_slot():
+    group = started_group(2, 3)
+    group.close(0, COMPLETED, now=1.0, final_state=state(0))
+    group.close(1, COMPLETED, now=1.0, final_state=state(1))
+    group.cancel(1, now=2.0)
+    record(group, state(0), 0.5, at=3.0)
+    group.close(2, OVERALL_TIMEOUT, now=4.0)
+    assert group.ready and group.members == (0, 2) and group.rewards() == {0: 0.5, 2: None}
+    with pytest.raises(ValueError, match="unknown execution 9"):
+        group.cancel(9, now=5.0)
+
+
 # -- misuse ----------------------------------------------------------------------------------------
 
 
