@@ -4,6 +4,7 @@ d/p/f, boundary dispatch, waterlevel (Eq. 2), supply check, end of burst (Eq. 3)
 State and events in, actions out; no clock, no IO. Elastic, Colocate and Async share one interface.
 """
 
+from gyre.sched.groups import GroupState
 from gyre.sched.ledger import CapacityLedger
 from gyre.sched.scheduler import Scheduler
 from gyre.sched.spec import spec_from_config
@@ -32,6 +33,7 @@ __all__ = [
     "Cancel",
     "CapacityLedger",
     "Dispatch",
+    "GroupState",
     "Outcome",
     "Publish",
     "Reroute",
