@@ -381,6 +381,11 @@ class Scheduler:
         """w(t) <= C_R(t) - C_e (Eq. 2): the remaining rollout capacity covers outstanding work."""
         return self.waterlevel <= self.rollout_capacity() - self.spec.cell_capacity
 
+    def _leaves_no_room_for_a_replacement(self, capacity_after: int) -> bool:
+        """A transition that leaves no rollout capacity waits while a group may still be rejected: its
+        replacement must have somewhere to run, or the step waiting for it never ends (docs/scheduler.md)."""
+        return self.spec.buffer_verdicts and capacity_after == 0 and self.groups.unjudged > 0
+
     def _role_decisions(self, now: float) -> list[Action]:
         spec = self.spec
         if spec.mode == "async" or self.publishing:
@@ -392,16 +397,16 @@ class Scheduler:
                 return []
             if self.waterlevel > spec.separate_capacity:  # Eq. 2 for the whole pool
                 return []
-            if spec.separate_capacity == 0 and self.groups.unjudged and spec.buffer_verdicts:
-                return []  # no rollout side would be left to run a rejected group's replacement
+            if self._leaves_no_room_for_a_replacement(spec.separate_capacity):
+                return []
             return self._to_training(now, list(range(spec.num_cells))) if self.supply_held(now) else []
         cell = self.next_candidate()
         if cell is None or (cell >= 1 and not self.step_active):
             return []  # satellites join a batch in flight only
         if not self.eq2_holds() or not self.supply_held(now):
             return []
-        if self.rollout_capacity() == spec.cell_capacity and self.groups.unjudged and spec.buffer_verdicts:
-            return []  # the last rollout slots: a rejected group's replacement must still have somewhere to run
+        if self._leaves_no_room_for_a_replacement(self.rollout_capacity() - spec.cell_capacity):
+            return []
         return self._to_training(now, [cell])
 
     # -- internals: the supply timer and settling -------------------------------------------------
