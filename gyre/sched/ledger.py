@@ -38,6 +38,9 @@ class CapacityLedger:
     def load(self, engine: int) -> int:
         return len(self._on[engine])
 
+    def is_running(self, execution: int) -> bool:
+        return execution in self._where
+
     def engine_of(self, execution: int) -> int:
         return self._where[execution]
 

@@ -11,16 +11,19 @@ scheduler reads no clock and does no IO. One class serves the three modes (`Sche
   pool (Eq. 2 for all K cells at once; with no pool: every execution finished).
 - async: cells 0..train_cells-1 train for the whole run; the rest roll out.
 
-Counters (executions): d dispatched, p started, f finished (completion, failure, timeout or
-cancellation, surplus included). d - p are queued, p - f running, w = d - f the waterlevel.
+Counters (executions): d dispatched, p started, f finished: the harness ended (completion, failure,
+timeout) or the execution was cancelled (surplus). d - p are queued, p - f running, w = d - f the
+waterlevel: harnesses queued or running, not evaluations. An execution's life: queued -> running ->
+harness ended (f moves; its evaluation runs) -> closed (the outcome fills or not a slot of its group);
+a group's: open -> judged by the buffers -> ready -> claimed, or rejected and replaced
+(gyre/sched/groups.py; docs/scheduler.md, "Events the runtime reports").
 """
 
 from __future__ import annotations
 
 import collections
-import heapq
-from dataclasses import dataclass
 
+from gyre.sched.groups import GroupBook
 from gyre.sched.ledger import CapacityLedger
 from gyre.sched.staleness import StalenessLog
 from gyre.sched.types import (
@@ -40,15 +43,6 @@ from gyre.sched.types import (
 _EPS = 1e-9
 
 
-@dataclass
-class _Group:
-    version: int  # v_d
-    closed: int = 0  # executions closed (any outcome)
-    slots: int = 0  # executions closed with a valid outcome or a placeholder
-    tokens: float = 0.0  # tokens of valid executions (weights the token staleness)
-    ready: bool = False
-
-
 class Scheduler:
     def __init__(self, spec: SchedSpec) -> None:
         self.spec = spec
@@ -58,11 +52,10 @@ class Scheduler:
             roles[: spec.train_cells] = [Role.TRAINING] * spec.train_cells
         self.ledger = CapacityLedger(K, spec.cell_capacity, spec.separate_capacity, roles)
         self.d = self.p = self.f = 0
-        self.groups: list[_Group] = []
+        self.groups = GroupBook()
         self._queue: collections.deque[int] = collections.deque()  # queued executions, FIFO
-        self._ready: list[tuple[int, int, int]] = []  # heap of (version, ready order, group)
-        self._ready_order = 0
-        self._finished: set[int] = set()
+        self._evaluating: set[int] = set()  # harness ended, not yet closed (counted in f)
+        self._closed: set[int] = set()
         self.published_version = 0
         self.trainer_version = 0  # steps completed
         self.step_active = False
@@ -99,8 +92,13 @@ class Scheduler:
         return self.ledger.rollout_capacity()
 
     @property
+    def evaluating(self) -> int:
+        """Executions whose harness ended and whose evaluation has not closed them yet (in f, not in w)."""
+        return len(self._evaluating)
+
+    @property
     def ready_unclaimed(self) -> int:
-        return len(self._ready)
+        return self.groups.ready_unclaimed
 
     def training_cells(self) -> list[int]:
         """Cells in the training role that may claim micro-steps now."""
@@ -135,13 +133,54 @@ class Scheduler:
             actions += self._begin_step(now)
         return actions + self._settle(now)
 
-    def execution_finished(self, now: float, execution: int, outcome: Outcome, tokens: float = 0.0) -> list[Action]:
+    def harness_ended(self, now: float, execution: int) -> list[Action]:
+        """The execution's harness process ended: it leaves its engine and f moves; its evaluation follows.
+
+        A harness that ends after the scheduler cancelled it (surplus) is a no-op.
+        """
+        if execution in self._closed:
+            return []  # raced its own Cancel: already closed
+        self._end_harness(execution)
+        return self._settle(now)
+
+    def execution_closed(self, now: float, execution: int, outcome: Outcome, tokens: float = 0.0) -> list[Action]:
+        """The evaluation of an execution whose harness ended gave its outcome and token count.
+
+        Closes a slot of its group (valid outcome or placeholder), cancels the surplus once N slots
+        closed, and completes the group when all its executions closed. After a Cancel: a no-op.
+        """
         assert outcome is not Outcome.CANCELLED, "cancellations are the scheduler's own decision"
-        if execution in self._finished:
+        if execution in self._closed:
+            return []  # the evaluation ended after its Cancel (surplus): nothing to do
+        assert execution in self._evaluating, f"execution {execution} closed before harness_ended"
+        self._evaluating.remove(execution)
+        return self._close(execution, outcome, tokens) + self._settle(now)
+
+    def execution_finished(self, now: float, execution: int, outcome: Outcome, tokens: float = 0.0) -> list[Action]:
+        """`harness_ended` and `execution_closed` at one instant (the simulator: evaluation takes no time)."""
+        assert outcome is not Outcome.CANCELLED, "cancellations are the scheduler's own decision"
+        if execution in self._closed:
             return []  # a finish that raced its own cancellation (surplus): already closed, nothing to do
-        self.ledger.remove(execution)
-        actions = self._close(execution, outcome, tokens)
-        return actions + self._settle(now)
+        if execution not in self._evaluating:
+            self._end_harness(execution)
+        self._evaluating.remove(execution)
+        return self._close(execution, outcome, tokens) + self._settle(now)
+
+    def group_accepted(self, now: float, group: int) -> list[Action]:
+        """The trajectory buffer and admission took the closed group: it is ready for claims."""
+        assert self.spec.buffer_verdicts, "group verdicts are implied when SchedSpec.buffer_verdicts is False"
+        self.groups.accept(group)
+        return self._settle(now)
+
+    def group_rejected(self, now: float, group: int) -> list[Action]:
+        """The buffers refused the closed group: it is never claimed, and one group is dispatched in its place.
+
+        The replacement (`Dispatch(..., count=1, replaces=group)`) carries the version published now, so a
+        burst still gets its B groups per step; it is the one dispatch inside a burst under boundary dispatch.
+        """
+        assert self.spec.buffer_verdicts, "group verdicts are implied when SchedSpec.buffer_verdicts is False"
+        self.groups.reject(group)
+        return [self._dispatch(1, replaces=group), *self._settle(now)]
 
     def transition_finished(self, now: float, cell: int) -> list[Action]:
         role = self.roles[cell]
@@ -174,9 +213,9 @@ class Scheduler:
             if self.ready_unclaimed < self.spec.batch_groups * (self.spec.mu - self.step_in_burst):
                 return None, []
             self.batch_open = True
-        if not self._ready:
+        group = self.groups.claim_oldest()
+        if group is None:
             return None, []
-        _, _, group = heapq.heappop(self._ready)
         g = self.groups[group]
         self.claimed_in_batch += 1
         self.staleness.record(self.trainer_version, self.trainer_version - g.version, g.tokens)
@@ -212,50 +251,52 @@ class Scheduler:
         return self._settle(now)
 
     # -- internals: executions --------------------------------------------------------------------
-    def _dispatch(self, groups: int) -> Dispatch:
-        first = len(self.groups)
+    def _dispatch(self, groups: int, replaces: int | None = None) -> Dispatch:
+        first = self.groups.add(groups, self.published_version, replaces)
         per = self.spec.executions_per_group
-        for g in range(first, first + groups):
-            self.groups.append(_Group(version=self.published_version))
-            self._queue.extend(range(g * per, (g + 1) * per))
+        self._queue.extend(range(first * per, (first + groups) * per))
         self.d += groups * per
-        return Dispatch(first, groups, self.published_version)
+        return Dispatch(first, groups, self.published_version, replaces)
+
+    def _end_harness(self, execution: int) -> None:
+        assert execution not in self._evaluating, f"harness of execution {execution} ended twice"
+        assert self.ledger.is_running(execution), f"execution {execution} ended without running"
+        self.ledger.remove(execution)
+        self.f += 1
+        self._evaluating.add(execution)
 
     def _close(self, execution: int, outcome: Outcome, tokens: float) -> list[Action]:
-        assert execution not in self._finished, f"execution {execution} closed twice"
-        self._finished.add(execution)
-        self.f += 1
+        assert execution not in self._closed, f"execution {execution} closed twice"
+        self._closed.add(execution)
         self.outcomes[outcome.value] += 1
         group = self.group_of(execution)
-        g = self.groups[group]
-        g.closed += 1
+        g = self.groups.record_close(group, outcome, tokens)
         actions: list[Action] = []
-        if outcome.closes_group_slot:
-            g.slots += 1
-            if outcome is not Outcome.FAILED:
-                g.tokens += tokens
         per = self.spec.executions_per_group
         # Only a slot-closing outcome can complete the N; a cancellation never re-enters here, so every
         # Cancel of the surplus is returned by the one `_cancel_surplus` call that closes them all.
         if outcome.closes_group_slot and g.slots >= self.spec.group_size and g.closed < per:
             actions += self._cancel_surplus(group)
-        if g.closed == per and not g.ready:
-            g.ready = True
-            heapq.heappush(self._ready, (g.version, self._ready_order, group))
-            self._ready_order += 1
+        elif g.closed == per:  # the readiness rule: accepted at once unless the buffers judge it
+            self.groups.complete(group, accepted=not self.spec.buffer_verdicts)
         return actions
 
     def _cancel_surplus(self, group: int) -> list[Action]:
         per = self.spec.executions_per_group
         actions: list[Action] = []
         for execution in range(group * per, (group + 1) * per):
-            if execution in self._finished:
+            if execution in self._closed:
                 continue
             if execution in self._queue:  # never started: count it as started and ended at once
                 self._queue.remove(execution)
                 self.p += 1
+                self.f += 1
+            elif execution in self._evaluating:  # harness ended (in f): the runtime cancels its evaluation
+                self._evaluating.remove(execution)
+                actions.append(Cancel(execution))
             else:
                 self.ledger.remove(execution)
+                self.f += 1
                 actions.append(Cancel(execution))
             self._close(execution, Outcome.CANCELLED, 0.0)
         return actions
@@ -340,6 +381,11 @@ class Scheduler:
         """w(t) <= C_R(t) - C_e (Eq. 2): the remaining rollout capacity covers outstanding work."""
         return self.waterlevel <= self.rollout_capacity() - self.spec.cell_capacity
 
+    def _leaves_no_room_for_a_replacement(self, capacity_after: int) -> bool:
+        """A transition that leaves no rollout capacity waits while a group may still be rejected: its
+        replacement must have somewhere to run, or the step waiting for it never ends (docs/scheduler.md)."""
+        return self.spec.buffer_verdicts and capacity_after == 0 and self.groups.unjudged > 0
+
     def _role_decisions(self, now: float) -> list[Action]:
         spec = self.spec
         if spec.mode == "async" or self.publishing:
@@ -351,11 +397,15 @@ class Scheduler:
                 return []
             if self.waterlevel > spec.separate_capacity:  # Eq. 2 for the whole pool
                 return []
+            if self._leaves_no_room_for_a_replacement(spec.separate_capacity):
+                return []
             return self._to_training(now, list(range(spec.num_cells))) if self.supply_held(now) else []
         cell = self.next_candidate()
         if cell is None or (cell >= 1 and not self.step_active):
             return []  # satellites join a batch in flight only
         if not self.eq2_holds() or not self.supply_held(now):
+            return []
+        if self._leaves_no_room_for_a_replacement(self.rollout_capacity() - spec.cell_capacity):
             return []
         return self._to_training(now, [cell])
 

@@ -56,6 +56,9 @@ class SchedSpec:
     continuous_dispatch: bool = False
     streaming: bool = True
     train_cells: int = 0  # async: cells 0..train_cells-1 train for the whole run
+    # The driver reports the buffers' verdict on every closed group (group_accepted / group_rejected): the
+    # runtime. False: a group is accepted when its executions close (the simulator; docs/scheduler.md).
+    buffer_verdicts: bool = False
 
     def __post_init__(self) -> None:
         assert self.mode in MODES, self.mode
@@ -82,6 +85,7 @@ class Dispatch:
     first_group: int
     count: int
     version: int  # the policy version published when these groups were admitted (v_d)
+    replaces: int | None = None  # a replacement: the rejected group it stands in for (count is 1)
 
 
 @dataclass(frozen=True)

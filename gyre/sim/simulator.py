@@ -16,7 +16,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from gyre.config import SimConfig, async_train_cells
+from gyre.config import SimConfig
 from gyre.sched import (
     POOL,
     BeginStep,
@@ -26,10 +26,10 @@ from gyre.sched import (
     Publish,
     Reroute,
     Role,
-    SchedSpec,
     Scheduler,
     Start,
     WakeAt,
+    spec_from_config,
     warmup_steps,
 )
 from gyre.sim.workload import DurationModel, ExecutionPlan
@@ -37,26 +37,6 @@ from gyre.sim.workload import DurationModel, ExecutionPlan
 
 class SimulationError(RuntimeError):
     """The configured run cannot finish (stuck, or past max_sim_hours)."""
-
-
-def spec_from_config(cfg: SimConfig) -> SchedSpec:
-    cl, al = cfg.cluster, cfg.algo
-    return SchedSpec(
-        num_cells=cl.num_cells,
-        cell_capacity=cl.cell_capacity,
-        separate_capacity=cl.separate_capacity,
-        group_size=al.group_size,
-        oversample=al.oversample,
-        batch_groups=al.batch_groups,
-        extra_groups=al.extra_groups,
-        mu=al.mu,
-        rho_min=al.rho_min,
-        tau_s=al.tau_s,
-        mode=al.mode,
-        continuous_dispatch=al.dispatch == "continuous",
-        streaming=al.streaming,
-        train_cells=async_train_cells(cl, al) if al.mode == "async" else 0,
-    )
 
 
 @dataclass
@@ -85,7 +65,7 @@ class Trace:
 class Simulator:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.spec = spec_from_config(cfg)
+        self.spec = spec_from_config(cfg.cluster, cfg.algo)
         self.sched = Scheduler(self.spec)
         self.model = DurationModel(cfg.workload, cfg.seed)
         self.now = 0.0
