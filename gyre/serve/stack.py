@@ -2,6 +2,9 @@
 
 The embedded engine runs on its own thread and event loop behind the engine endpoint (the layout of a cell
 leader in the SPMD job); the proxy reaches it, and any `engine_urls`, through `RemoteEngine`.
+
+`start_proxy` is the proxy half alone (template, sessions, server over a routing table the caller owns): the
+training runtime runs it on its controller and adds and drops engines on the table as cells change roles.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre.config.proxy import ProxyConfig
 from gyre.config.serve import ServeConfig
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.remote import RemoteEngine
@@ -51,11 +55,10 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
     import torch
 
     from gyre.engine.native import NativeEngine
-    from gyre.models.hf_weights import load_pretrained, read_config
-    from gyre.proxy.render import ChatTemplate, PayloadCache, PromptBuilder
+    from gyre.models.hf_weights import load_pretrained
+    from gyre.proxy.render import ChatTemplate
 
     model_dir = resolve_model_dir(cfg.model_dir)
-    model_config = read_config(model_dir)
     template = ChatTemplate.from_pretrained(model_dir)
     remotes: list[RemoteEngine] = []
     table = RoutingTable()
@@ -73,20 +76,9 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
         for index, url in enumerate(cfg.engine_urls):
             remotes.append(await RemoteEngine.connect(url))
             table.add_engine(f"external-{index}", remotes[-1])
-        registry = SessionRegistry(
-            vocab_size=model_config.vocab_size,
-            make_builder=lambda payload: PromptBuilder(template, payload),
-            make_payload_cache=PayloadCache,
-            records_dir=records_dir,
+        proxy, registry = await start_proxy(
+            cfg.proxy, model_dir=model_dir, table=table, records_dir=records_dir, template=template
         )
-        proxy = ProxyServer(
-            cfg.proxy,
-            template=template,
-            registry=registry,
-            table=table,
-            context_limit=model_config.max_position_embeddings,
-        )
-        await proxy.start()
     except BaseException:
         for remote in remotes:
             await remote.close()
@@ -94,3 +86,32 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
             await asyncio.to_thread(thread.stop)
         raise
     return ServeStack(proxy=proxy, registry=registry, table=table, remotes=remotes, engine_thread=thread)
+
+
+async def start_proxy(
+    config: ProxyConfig,
+    *,
+    model_dir: str | Path,
+    table: RoutingTable,
+    records_dir: str | Path | None,
+    template=None,  # gyre.proxy.render.ChatTemplate; loaded from model_dir when None
+) -> tuple[ProxyServer, SessionRegistry]:
+    """The proxy over `table` (engines added and dropped by the caller), with its sessions writing `records_dir`.
+
+    Reads the model's config.json (vocabulary, context limit) and chat template; started and serving on return."""
+    from gyre.models.hf_weights import read_config
+    from gyre.proxy.render import ChatTemplate, PayloadCache, PromptBuilder
+
+    model_config = read_config(model_dir)
+    template = template if template is not None else ChatTemplate.from_pretrained(model_dir)
+    registry = SessionRegistry(
+        vocab_size=model_config.vocab_size,
+        make_builder=lambda payload: PromptBuilder(template, payload),
+        make_payload_cache=PayloadCache,
+        records_dir=records_dir,
+    )
+    proxy = ProxyServer(
+        config, template=template, registry=registry, table=table, context_limit=model_config.max_position_embeddings
+    )
+    await proxy.start()
+    return proxy, registry
