@@ -280,8 +280,10 @@ def check_elastic_run(results, elastic, reference, initial, seed, mu, joins) -> 
     for step in range(mu):
         done = [u for r in results for u in r["processed"].get(str(step), [])]
         assert sorted(done) == list(range(len(units_of(seed, step))))  # every unit exactly once
-    print(f"joins {joins}, weights pulled over {results[0]['transport']}")
     by_satellites = sum(len(units) for r in results if r["cell"] > 0 for units in r["processed"].values())
+    total = sum(len(units_of(seed, step)) for step in range(mu))
+    print(f"joins {joins}, weights pulled over {results[0]['transport']}, units by satellites {by_satellites} of "
+          f"{total}, relative difference {relative:.1e}")  # fmt: skip
     assert by_satellites > 0, f"no satellite processed a unit (joins {joins}, {results}): the test exercised nothing"
 
 
