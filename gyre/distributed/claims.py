@@ -12,6 +12,9 @@ Keys of optimizer step `s` (under `gyre/step/{s}/`):
   `CLOSED`).
 - `cells`: the number of training cells of the step (a prefix 0..k-1 of the cells, core first), written once by
   `close` before any `CLOSED`; a cell that reads `CLOSED` then reads it to pick the prefix group it reduces over.
+- `join/{c}`: whether cell c trains the step: `1` for the cells training when the board opens and for each cell
+  `admit` lets in, `0` for every other cell at `close`. A cell not yet training waits on it (`StepClaimer.admitted`)
+  before it pulls the core's weights; it is kept by `clear` (a cell told `0` may read it late).
 
 Claim units (`gyre.data.claim_units`). A split execution (rows in several micro-steps, `MicroStep.split_E`) needs
 s_i (Eq. 5) over all its micro-steps before any of them computes its loss. Its micro-steps are emitted
@@ -22,6 +25,13 @@ micro-step is a unit alone.
 Sentinels. Each cell leader holds at most one claimed index it has not yet received. So at close, with n units
 put, `CLOSED` is written at n .. n + max_cells - 1: every outstanding claim gets an answer, and a cell that joins
 after the close claims an index in that range and stops at once.
+
+Size. TCPStore's libuv backend (torch's default) drops the connection of a client that sets a value over 8 MiB
+(`STORE_VALUE_MAX_BYTES`), so `StepBoard` refuses a larger unit with a `ValueError` before it reaches the store.
+
+Cell side. `claim_in_cell` is a claim for every rank of a cell: the leader claims, the other ranks get the index over
+the cell group and read the same unit. `gyre.distributed.step_pump` is the controller's pump from the packing
+buffer's queue onto the board; docs/distributed.md has the whole protocol.
 """
 
 from __future__ import annotations
@@ -32,13 +42,16 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import MicroStep
 
-__all__ = ["CLOSED", "StepBoard", "StepClaimer", "decode_unit", "encode_unit"]
+__all__ = ["CLOSED", "STORE_VALUE_MAX_BYTES", "StepBoard", "StepClaimer", "claim_in_cell", "decode_unit", "encode_unit"]
 
 CLOSED = b"gyre:closed"
+STORE_VALUE_MAX_BYTES = 8 << 20  # TCPStore's libuv backend refuses a larger payload (torch 2.13, measured)
 _MAGIC = b"GYREUNIT1\n"
 _ARRAY_FIELDS = tuple(f.name for f in fields(MicroStep) if f.name.endswith(("_U", "_R", "_R1", "_E")))
 _PLAIN_FIELDS = ("batch", "index", "num_executions", "execution_ids", "group_ids")
@@ -110,6 +123,8 @@ class StepBoard:
         self.num_units = 0
         self.cells = cells
         self.closed = False
+        for cell in range(cells):
+            self.store.set(f"{self._prefix}join/{cell}", b"1")
 
     def put(self, step: MicroStep) -> None:
         """Enqueue one micro-step (in emission order); it becomes claimable when its unit is complete."""
@@ -118,6 +133,20 @@ class StepBoard:
         for unit in self._assembler.add(step):
             self._put_unit(unit)
 
+    def flush(self) -> int:
+        """Put the held-back run now: the caller knows no later micro-step continues it (the packer emits every
+        micro-step of an execution in one pull, docs/data.md, so a pull's end ends its runs). Returns units put."""
+        if self.closed:
+            return 0
+        before = self.num_units
+        for unit in self._assembler.flush():
+            self._put_unit(unit)
+        return self.num_units - before
+
+    def claims(self) -> int:
+        """How many unit indices cell leaders have claimed so far (the claim counter; indices 0 .. claims - 1)."""
+        return int(self.store.add(self._prefix + "next", 0))
+
     def admit(self) -> int:
         """Let the next cell (a satellite, in cell order) join the step; returns its cell index."""
         if self.closed:
@@ -125,6 +154,7 @@ class StepBoard:
         if self.cells >= self.max_cells:
             raise ValueError(f"step {self.step}: all {self.max_cells} cells already train")
         self.cells += 1
+        self.store.set(f"{self._prefix}join/{self.cells - 1}", b"1")
         return self.cells - 1
 
     def close(self) -> int:
@@ -135,20 +165,30 @@ class StepBoard:
         for unit in self._assembler.flush():
             self._put_unit(unit)
         self.store.set(self._prefix + "cells", str(self.cells))
+        for cell in range(self.cells, self.max_cells):
+            self.store.set(f"{self._prefix}join/{cell}", b"0")
         for i in range(self.num_units, self.num_units + self.max_cells):
             self.store.set(f"{self._prefix}unit/{i}", CLOSED)
         self.closed = True
         return self.num_units
 
     def clear(self) -> None:
-        """Delete the step's keys once every cell is past it (the core's reduction proves it): units can be MBs."""
+        """Delete the step's units and counters once every cell is past it (the core's reduction proves it): units
+        can be MBs. The join keys stay (a few bytes each)."""
         for i in range(self.num_units + self.max_cells):
             self.store.delete_key(f"{self._prefix}unit/{i}")
         for name in ("next", "cells"):
             self.store.delete_key(self._prefix + name)
 
     def _put_unit(self, unit: tuple[MicroStep, ...]) -> None:
-        self.store.set(f"{self._prefix}unit/{self.num_units}", encode_unit(unit))
+        data = encode_unit(unit)
+        if len(data) > STORE_VALUE_MAX_BYTES:
+            raise ValueError(
+                f"step {self.step}: claim unit {self.num_units} (micro-steps {[s.index for s in unit]}) encodes to "
+                f"{len(data)} bytes, over the store's {STORE_VALUE_MAX_BYTES} per value; lower "
+                "packing.max_tokens_per_microstep"
+            )
+        self.store.set(f"{self._prefix}unit/{self.num_units}", data)
         self.num_units += 1
 
 
@@ -185,6 +225,13 @@ class StepClaimer:
         unit = self.receive(index)
         return None if unit is None else (index, unit)
 
+    def admitted(self, cell: int) -> bool:
+        """Whether `cell` trains this step: waits until the controller decided (the board opened with it, admitted
+        it, or closed without it)."""
+        key = f"{self._prefix}join/{cell}"
+        self._wait(key, f"the admission of cell {cell}")
+        return self.store.get(key) == b"1"
+
     def cells(self) -> int:
         """The number of cells that train this step (valid once `claim` returned None)."""
         key = self._prefix + "cells"
@@ -199,3 +246,20 @@ class StepClaimer:
                 f"step {self.step}: {what} did not arrive within {self._timeout.total_seconds():g} s "
                 f"(is the controller alive?): {error}"
             ) from error
+
+
+def claim_in_cell(
+    claimer: StepClaimer, *, cell_group: dist.ProcessGroup | None, leader_rank: int
+) -> tuple[int, tuple[MicroStep, ...]] | None:
+    """One claim for every rank of a cell: the leader (global rank `leader_rank`) claims the next index, the cell's
+    other ranks get it by a broadcast over `cell_group` and every rank reads the same unit from the store. A cell of
+    one rank passes `cell_group=None` (no broadcast). Returns (index, unit), or None on every rank once the step's
+    stream is done; `train_step`'s `claim` (gyre.train.streaming)."""
+    if cell_group is None:
+        return claimer.claim()
+    is_leader = dist.get_rank() == leader_rank
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(cell_group) == "nccl" else None
+    index = torch.tensor([claimer.claim_index() if is_leader else -1], dtype=torch.int64, device=device)
+    dist.broadcast(index, src=leader_rank, group=cell_group)
+    unit = claimer.receive(int(index))
+    return None if unit is None else (int(index), unit)

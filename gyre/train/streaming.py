@@ -14,7 +14,9 @@ execution's micro-steps arrive as one claim unit (`gyre.distributed.claims`) so 
 them.
 
 The model side is a `Trainable` (a torch module here, Megatron in `gyre.train.megatron_trainable`); this module
-owns the order of operations, not the math of the model.
+owns the order of operations, not the math of the model. `train_step` takes its claims as callables;
+`train_claimed_step` is the same step wired to the job: claims from the step's `StepBoard` in the job's store
+(`gyre.distributed.claims`), a satellite's admission and its pull of the core's weights (docs/training.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from torch import Tensor
 
 from gyre.config.loss import LossConfig
 from gyre.data.microstep import MicroStep
+from gyre.distributed.claims import StepClaimer, claim_in_cell
+from gyre.distributed.groups import ProcessGroups
 from gyre.distributed.transport import WeightTransport, flatten_state_dict, unflatten
 from gyre.rl import finalize_sequence_ratio, policy_loss, sequence_log_ratio_sums
 
@@ -45,6 +49,7 @@ __all__ = [
     "publish_parameters",
     "pull_parameters",
     "reduce_gradients",
+    "train_claimed_step",
     "train_step",
 ]
 
@@ -227,3 +232,54 @@ def train_step(
         if not final:
             broadcast_parameters(params, core_rank, group)
     return result
+
+
+def train_claimed_step(
+    model: Trainable,
+    *,
+    store: dist.Store,
+    step: int,
+    groups: ProcessGroups,
+    transport: WeightTransport,
+    version: int,
+    training: bool,
+    final: bool,
+    config: LossConfig,
+    timeout_s: float = 24 * 3600.0,
+) -> StepResult | None:
+    """One optimizer step of this rank's cell, claimed from step `step`'s board in the job's `store` (PP = 1).
+
+    Every rank of every cell calls it for each step of a burst, in order, on its main thread, with its own store
+    client. The core (cell 0) first publishes its parameters as `version` on `transport` (a one-sided transport,
+    `one_sided_transport`), for satellites joining mid-step. A satellite not yet `training` waits for the
+    controller's decision on this step (`StepClaimer.admitted`): None when the step closed without it (it asks
+    again at the next step), else it pulls `version` into its parameters and trains from then on. Then
+    `train_step`: the cell leader claims and the cell's other ranks follow (`claim_in_cell`), the number of cells
+    comes from the board, gradients are summed over the prefix group onto the core's rank at this coordinate.
+
+    A wait on the store that runs past `timeout_s` raises TimeoutError naming the step. A cell with PP > 1 calls
+    `train_step` with its `StreamingPipeline` instead (only its first stage claims)."""
+    cell, coordinate = groups.cell, groups.coordinate
+    if cell is None or coordinate is None:
+        raise ValueError(f"train_claimed_step runs on cell ranks; {groups.layout.describe(groups.rank)} has no cell")
+    params = model.parameters()
+    claimer = StepClaimer(store, step, timeout_s=timeout_s)
+    if cell == 0:  # weights are frozen until the update: one snapshot for every joiner of the step
+        publish_parameters(transport, params, version=version)
+    elif not training:
+        if not claimer.admitted(cell):
+            return None
+        pull_parameters(transport, params, version=version)
+        log.info("step %d: cell %d joined with weights version %d", step, cell, version)
+    cell_size = groups.layout.cell_size
+    cell_group = groups.cell_group if cell_size > 1 else None
+    return train_step(
+        model,
+        claim=lambda: claim_in_cell(claimer, cell_group=cell_group, leader_rank=cell * cell_size),
+        cells=claimer.cells,
+        prefix_group=groups.prefix_group,
+        is_core=cell == 0,
+        core_rank=coordinate,
+        final=final,
+        config=config,
+    )

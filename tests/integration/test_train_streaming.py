@@ -1,8 +1,10 @@
 """Exact elastic membership (docs/architecture.md, contract 7) on real gloo processes.
 
-Cells of one rank each: rank 0 is the controller and the core; the controller feeds each step's micro-steps to a
-TCPStore slowly while the core trains, and admits satellites at random micro-steps; a satellite pulls the core's
-weights of that step and claims from the same queue. After a burst of mu steps, the core's parameters must equal one
+Cells of one rank each: rank 0 is the controller and the core; the controller's thread pumps each step's
+micro-steps onto the step's board in the TCPStore (`gyre.distributed.step_pump`) as they become ready, slowly,
+while the core trains, and admits satellites at random micro-steps; a satellite pulls the core's weights of that
+step over a one-sided transport (Mooncake, else the store snapshot) and claims from the same board
+(`gyre.train.streaming.train_claimed_step`). After a burst of mu steps, the core's parameters must equal one
 process running the same claim units in order (fp32: relative 1e-5), and every unit must have been processed
 exactly once, some of them by satellites.
 """
@@ -10,7 +12,6 @@ exactly once, some of them by satellites.
 from __future__ import annotations
 
 import datetime
-import json
 import random
 import threading
 import time
@@ -153,73 +154,54 @@ def hf_parameters(trainable) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in trainable.model.state_dict().items()}
 
 
+def pulls_of(seed: int, step: int) -> list[list]:
+    """The step's micro-steps as the packer's pulls would emit them: a split execution's micro-steps in one pull."""
+    pulls: list[list] = []
+    for micro_step in batch_microsteps(seed, step):
+        continues = pulls and micro_step.has_split and pulls[-1][-1].has_split
+        if continues:
+            pulls[-1].append(micro_step)
+        else:
+            pulls.append([micro_step])
+    return pulls
+
+
 def controller(store, *, seed: int, mu: int, num_cells: int, joins: list[list[int]]) -> None:
-    """Feed each step's micro-steps slowly and admit satellites before the micro-steps `joins[step]` names."""
+    """The controller thread: per step a `StepPump` from an in-process queue onto the board. Groups become ready
+    slowly (the stream is slower than a unit's compute: cells wait on it); satellites are admitted once the
+    micro-steps `joins[step]` names are reached."""
+    from gyre.data.queue import MicroStepQueue
     from gyre.distributed.claims import StepBoard
+    from gyre.distributed.step_pump import StepPump
 
     rng = random.Random(seed)
     cells = 1
     for step in range(mu):
-        board = StepBoard(store, step, max_cells=num_cells, cells=cells)
+        queue = MicroStepQueue()
+        pulls = pulls_of(seed, step)
+        ready_at = [time.monotonic()]
+        for _ in pulls:
+            ready_at.append(ready_at[-1] + rng.uniform(0.02, 0.08))
+
+        def refill(queue=queue, pulls=pulls, ready_at=ready_at) -> bool:
+            if not pulls or time.monotonic() < ready_at[len(ready_at) - len(pulls) - 1]:
+                return False  # no group ready yet
+            for micro_step in pulls.pop(0):
+                queue.put(micro_step)
+            if not pulls:
+                queue.close()
+            return True
+
         pending = sorted(joins[step])
-        for index, micro_step in enumerate(batch_microsteps(seed, step)):
-            while pending and pending[0] <= index and board.cells < num_cells:
+
+        def admit_joiners(pump, pending=pending) -> None:
+            while pending and pending[0] <= pump.num_put and pump.can_admit:
                 pending.pop(0)
-                store.set(f"test/join/{step}/{board.admit()}", "1")
-            board.put(micro_step)
-            time.sleep(rng.uniform(0.02, 0.08))  # slower than a unit's compute: cells wait on the stream
-        board.close()
-        cells = board.cells
-        for cell in range(cells, num_cells):
-            store.set(f"test/join/{step}/{cell}", "0")
+                pump.admit()
 
-
-class StoreSnapshotTransport:
-    """Only where Mooncake does not import: the core's flat buffer as one store value (one-sided like Mooncake,
-    fine for this test's 60 KB model). The test prints which transport ran."""
-
-    def __init__(self, store, prefix: str):
-        self.store, self.prefix = store, prefix
-
-    def publish(self, weights, version: int) -> None:
-        from gyre.distributed.transport import publication_of
-
-        wire = publication_of(weights, version).to_wire()
-        self.store.set(f"{self.prefix}/{version}", json.dumps(wire).encode() + b"\n" + weights.buffer.numpy().tobytes())
-
-    def pull(self, into, *, version: int):
-        from gyre.distributed.transport import Publication
-        from gyre.models.flat_weights import FlatWeights
-
-        key = f"{self.prefix}/{version}"
-        self.store.wait([key], datetime.timedelta(seconds=60))
-        header, _, data = self.store.get(key).partition(b"\n")
-        publication = Publication.from_wire(json.loads(header))
-        into[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        return FlatWeights(buffer=into[: len(data)], manifest=publication.manifest), version
-
-    def close(self) -> None:
-        pass
-
-
-def mooncake_imports() -> bool:
-    try:
-        from gyre.distributed.transport_mooncake import import_transfer_engine
-
-        import_transfer_engine()
-    except ImportError:
-        return False
-    return True
-
-
-def weight_transport(store, coordinate: int):
-    """Mooncake over TCP on loopback (the design's one-sided pull), else the store snapshot."""
-    prefix = f"test/weights/{coordinate}"
-    if mooncake_imports():
-        from gyre.distributed.transport_mooncake import MooncakeWeightTransport
-
-        return MooncakeWeightTransport(store=store, host="127.0.0.1", prefix=prefix, timeout_s=60)
-    return StoreSnapshotTransport(store, prefix)
+        pump = StepPump(StepBoard(store, step, max_cells=num_cells, cells=cells), queue, refill=refill)
+        pump.run(poll_s=0.002, between=admit_joiners)
+        cells = pump.board.cells
 
 
 def stream_worker(
@@ -233,21 +215,20 @@ def stream_worker(
     out: str,
     backend: str = "native",
     cell_size: int = 1,
+    transport_kind: str = "auto",
 ):
     import torch.distributed as dist
 
-    from gyre.distributed.claims import StepClaimer
     from gyre.distributed.groups import build_process_groups
     from gyre.distributed.layout import Layout
-    from gyre.train.streaming import publish_parameters, pull_parameters, train_step
+    from gyre.distributed.transport import one_sided_transport
+    from gyre.train.streaming import train_claimed_step
 
     num_cells = world_size // cell_size
-    cell, coordinate = divmod(rank, cell_size)
     groups = build_process_groups(Layout(world_size=world_size, num_cells=num_cells, cell_size=cell_size))
     timeout = datetime.timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
     trainable = make_trainable(backend, cell_size)
-    params = trainable.parameters()
     dist.barrier(group=groups.control_group)  # every rank is up before the stream starts
     feeder = None
     if rank == 0:
@@ -260,39 +241,27 @@ def stream_worker(
         )
         feeder.start()
 
-    def claim_in_cell(claimer):
-        """The leader claims; the cell's other ranks get the index over the cell group and read the same unit."""
-        index = torch.tensor([claimer.claim_index() if coordinate == 0 else -1])
-        if cell_size > 1:
-            dist.broadcast(index, src=cell * cell_size, group=groups.cell_group)
-        unit = claimer.receive(int(index))
-        return None if unit is None else (int(index), unit)
-
-    transport = weight_transport(store, coordinate)
-    joined = cell == 0
+    prefix = f"test/weights/{groups.coordinate}"
+    transport = one_sided_transport(store, kind=transport_kind, host="127.0.0.1", prefix=prefix, timeout_s=60)
+    training = groups.cell == 0
     processed: dict[str, list[int]] = {}
     for step in range(mu):
-        if cell == 0:  # the core exposes the step's weights (frozen during accumulation) for joiners
-            publish_parameters(transport, params, version=step + 1)
-        if not joined:
-            key = f"test/join/{step}/{cell}"
-            store.wait([key], timeout)
-            if store.get(key) != b"1":
-                continue
-            pull_parameters(transport, params, version=step + 1)
-            joined = True
-        claimer = StepClaimer(store, step, timeout_s=60)
-        result = train_step(
+        result = train_claimed_step(
             trainable,
-            claim=lambda claimer=claimer: claim_in_cell(claimer),
-            cells=claimer.cells,
-            prefix_group=groups.prefix_group,
-            is_core=cell == 0,
-            core_rank=coordinate,
+            store=store,
+            step=step,
+            groups=groups,
+            transport=transport,
+            version=step + 1,
+            training=training,
             final=step == mu - 1,
             config=loss_config(),
+            timeout_s=60,
         )
-        processed[str(step)] = result.units if coordinate == 0 else []
+        if result is None:
+            continue
+        training = True
+        processed[str(step)] = result.units if groups.coordinate == 0 else []
     state = hf_parameters(trainable) if backend == "megatron" or rank == 0 else None  # gather: every TP rank joins
     if feeder is not None:
         feeder.join(timeout=30)
@@ -311,8 +280,10 @@ def check_elastic_run(results, elastic, reference, initial, seed, mu, joins) -> 
     for step in range(mu):
         done = [u for r in results for u in r["processed"].get(str(step), [])]
         assert sorted(done) == list(range(len(units_of(seed, step))))  # every unit exactly once
-    print(f"joins {joins}, weights pulled over {results[0]['transport']}")
     by_satellites = sum(len(units) for r in results if r["cell"] > 0 for units in r["processed"].values())
+    total = sum(len(units_of(seed, step)) for step in range(mu))
+    print(f"joins {joins}, weights pulled over {results[0]['transport']}, units by satellites {by_satellites} of "
+          f"{total}, relative difference {relative:.1e}")  # fmt: skip
     assert by_satellites > 0, f"no satellite processed a unit (joins {joins}, {results}): the test exercised nothing"
 
 
@@ -322,14 +293,16 @@ def join_plan(seed: int, mu: int, num_cells: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world_size", "mu", "seed"), [(3, 1, 1), (4, 3, 2)])
-def test_satellites_joining_mid_batch_give_the_one_process_update(tmp_path, world_size, mu, seed):
+@pytest.mark.parametrize(("world_size", "mu", "seed", "transport_kind"), [(3, 1, 1, "store"), (4, 3, 2, "auto")])
+def test_satellites_joining_mid_batch_give_the_one_process_update(tmp_path, world_size, mu, seed, transport_kind):
+    """Joiners pull over the store snapshot in one case, over Mooncake where it imports (else the store) in one."""
     joins = join_plan(seed, mu, world_size)
     out = tmp_path / "core.pt"
+    kwargs = {"port": free_port(), "seed": seed, "mu": mu, "joins": joins, "out": str(out)}
     results = run_local(
         f"{__file__}:stream_worker",
         world_size,
-        kwargs={"port": free_port(), "seed": seed, "mu": mu, "joins": joins, "out": str(out)},
+        kwargs={**kwargs, "transport_kind": transport_kind},
         timeout_s=TIMEOUT_S,
     )
     for rank, r in enumerate(results):

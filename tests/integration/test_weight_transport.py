@@ -1,6 +1,7 @@
 """gyre.distributed transports: bit-exact weights from a core to two receivers, versions, and malformed manifests.
 
-One contract, parametrized over the implementations (torch.distributed broadcast, Mooncake over TCP on loopback):
+One contract, parametrized over the implementations (torch.distributed broadcast; the pull-based Mooncake over TCP
+on loopback and the store snapshot, one sequence):
 three real processes (rank 0 the core, ranks 1 and 2 receivers; receiver 1 pulls into a uint8 buffer, receiver
 2 into a bfloat16 one), tensors of seven dtypes incl. bfloat16 compared with `torch.equal` after a first and a
 second publication. Mooncake tests skip, with the import error as the reason, where `mooncake` does not import.
@@ -86,17 +87,22 @@ def torch_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-def mooncake_worker(rank: int, world_size: int, *, store_port: int) -> dict:
+def pull_worker(rank: int, world_size: int, *, store_port: int, kind: str) -> dict:
     """Pull-based sequence: v1, v2 (a stale ask for v1 fails), a malformed manifest (v2 stays), a pull that waits
     for v3 before it is published."""
     import time
 
     import torch.distributed as dist
 
-    from gyre.distributed.transport_mooncake import MooncakeWeightTransport
-
     store = dist.TCPStore("127.0.0.1", store_port, world_size, rank == 0, use_libuv=True)
-    transport = MooncakeWeightTransport(store=store, host="127.0.0.1", chunk_bytes=96, timeout_s=60)
+    if kind == "mooncake":
+        from gyre.distributed.transport_mooncake import MooncakeWeightTransport
+
+        transport = MooncakeWeightTransport(store=store, host="127.0.0.1", chunk_bytes=96, timeout_s=60)
+    else:
+        from gyre.distributed.transport_store import StoreWeightTransport
+
+        transport = StoreWeightTransport(store, chunk_bytes=96, timeout_s=60)
     out: dict = {"is_protocol": isinstance(transport, WeightTransport)}
     nbytes = flatten_state_dict(make_tensors(1)).buffer.numel()
     into = _receiving_buffer(rank, nbytes)
@@ -157,10 +163,18 @@ def _mooncake_missing() -> str | None:
 
 
 @pytest.mark.slow  # real processes: a few seconds each on 2 cores
-@pytest.mark.skipif(_mooncake_missing() is not None, reason=str(_mooncake_missing()))
-def test_mooncake_transport_three_processes():
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(
+            "mooncake", marks=pytest.mark.skipif(_mooncake_missing() is not None, reason=str(_mooncake_missing()))
+        ),
+        "store",
+    ],
+)
+def test_pull_transport_three_processes(kind):
     core, *receivers = run_local(
-        f"{__file__}:mooncake_worker", 3, kwargs={"store_port": free_port()}, timeout_s=TIMEOUT_S
+        f"{__file__}:pull_worker", 3, kwargs={"store_port": free_port(), "kind": kind}, timeout_s=TIMEOUT_S
     )
     assert [out["is_protocol"] for out in (core, *receivers)] == [True] * 3
     for out in receivers:

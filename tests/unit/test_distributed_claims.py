@@ -129,3 +129,41 @@ def test_board_checks_its_cells(store):
     board = StepBoard(store, 0, max_cells=2, cells=2)
     with pytest.raises(ValueError, match="already train"):
         board.admit()
+
+
+def test_join_keys_say_which_cells_train_the_step(store):
+    board = StepBoard(store, 4, max_cells=3, cells=1)
+    claimer = StepClaimer(store, 4, timeout_s=10)
+    assert claimer.admitted(0)
+    assert not store.check(["gyre/step/4/join/1"])  # undecided: a satellite waits
+    assert board.admit() == 1
+    assert claimer.admitted(1)
+    board.close()
+    assert [claimer.admitted(c) for c in range(3)] == [True, True, False]
+    board.clear()
+    assert not claimer.admitted(2)  # kept by clear: a refused cell may read it late
+
+
+def test_flush_ends_a_held_run_and_claims_counts_the_counter(store):
+    board = StepBoard(store, 5, max_cells=2)
+    board.put(step(0, ["e5"], split=("e5",)))
+    board.put(step(1, ["e5"], split=("e5",)))
+    assert board.num_units == 0 and board.claims() == 0
+    assert board.flush() == 1 and board.flush() == 0
+    board.put(step(2, ["e1"]))
+    claimer = StepClaimer(store, 5, timeout_s=10)
+    assert [s.index for s in claimer.claim()[1]] == [0, 1]
+    assert board.claims() == 1
+    assert board.close() == 2
+
+
+def test_a_unit_over_the_store_value_limit_is_refused_before_it_is_sent(store):
+    from gyre.distributed.claims import STORE_VALUE_MAX_BYTES
+
+    board = StepBoard(store, 6, max_cells=1)
+    huge = build_microstep(7, 0, [row("e1", 1, length=STORE_VALUE_MAX_BYTES // 8)], num_executions=10)
+    with pytest.raises(ValueError, match=r"step 6: claim unit 0 \(micro-steps \[0\]\) encodes to .* lower packing"):
+        board.put(huge)
+    assert board.num_units == 0 and not store.check(["gyre/step/6/unit/0"])
+    board.put(step(1, ["e2"]))  # the client is still connected
+    assert StepClaimer(store, 6, timeout_s=10).claim()[0] == 0
