@@ -55,10 +55,11 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
     import torch
 
     from gyre.engine.native import NativeEngine
-    from gyre.models.hf_weights import load_pretrained
+    from gyre.models.hf_weights import load_pretrained, read_config
     from gyre.proxy.render import ChatTemplate
 
     model_dir = resolve_model_dir(cfg.model_dir)
+    read_config(model_dir)  # a directory without config.json is named as such before anything else is read
     template = ChatTemplate.from_pretrained(model_dir)
     remotes: list[RemoteEngine] = []
     table = RoutingTable()
