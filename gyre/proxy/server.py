@@ -209,6 +209,8 @@ class ProxyServer:
                 session, request = await self._admit(http, dialect)
                 prompt = await self._build_prompt(session, request)
                 params = self._sampling(request, prompt.num_tokens)
+                if session.closing or session.tree.closed:  # closed while its body was read or its prompt built
+                    raise ApiError("authentication", "invalid x-api-key: its execution was closed")
             except ApiError as error:
                 return self.error_response(dialect, error)
             call = _Call(self, dialect, session, request, prompt, params)

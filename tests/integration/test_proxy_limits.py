@@ -237,3 +237,37 @@ def test_a_big_count_is_tokenized_off_the_event_loop_while_other_keys_are_served
     text_tokens = len(served.stack.proxy.template.encode(text))
     assert text_tokens <= counted["answer"][1]["input_tokens"] <= text_tokens + 20  # + the template's framing
     assert small_done < counted["at"], "the small call waited for the big count"
+
+
+def test_a_call_whose_execution_closes_while_its_body_is_read_is_refused_and_not_recorded(served):
+    """The key is checked when the head arrives; an admin close during the body read must still refuse the call
+    (401, nothing recorded, the closed file untouched), never record into a closed execution."""
+    session = served.stack.registry.issue("closes-mid-body")
+    body = body_for("/v1/messages", 2, False, "closed while you were typing")
+    head = (
+        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"x-api-key: {session.key}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    connection = raw_connection(served)
+    try:
+        connection.sendall(head + body[:10])
+        time.sleep(0.3)  # the handler has authenticated and is reading the body
+
+        async def close() -> int:  # on the stack's loop, which owns the registry
+            return served.stack.registry.close("closes-mid-body")
+
+        served.call(close())
+        records = served.stack.registry.records_dir / "closes-mid-body.jsonl"
+        closed_bytes = records.read_bytes()
+        connection.sendall(body[10:])
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < 20:
+            chunk = connection.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    finally:
+        connection.close()
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert records.read_bytes() == closed_bytes
+    assert load_tree(records).calls == []
