@@ -10,7 +10,7 @@
 - `microstep`: `TokenRow` and `MicroStep`, the packed training input (flat tokens, row offsets, targets,
   behavior log-probs, per-execution A_i, L_i, batch slot and split flag, B * N).
 - `queue`: `MicroStepQueue`, atomic disjoint claims by training cells.
-- `claim_units`: `ClaimUnitAssembler`, a run of micro-steps sharing a split execution as one claim unit.
+- `claim_units`: `ClaimUnitAssembler`, a pull's micro-steps linked by shared split executions as one claim unit.
 
 Pure: imports gyre.traj, gyre.rl (torch) and numpy; no IO, no torch.distributed, no HTTP. See docs/data.md.
 """

@@ -17,10 +17,10 @@ Keys of optimizer step `s` (under `gyre/step/{s}/`):
   before it pulls the core's weights; it is kept by `clear` (a cell told `0` may read it late).
 
 Claim units (`gyre.data.claim_units`). A split execution (rows in several micro-steps, `MicroStep.split_E`) needs
-s_i (Eq. 5) over all its micro-steps before any of them computes its loss. Its micro-steps are emitted
-consecutively, so the controller ships such a run as one unit: the claiming cell does a no-grad pass over the unit,
-then the forward-backward of each micro-step, and no cross-cell reduction of s_i is needed mid-stream. Every other
-micro-step is a unit alone.
+s_i (Eq. 5) over all its micro-steps before any of them computes its loss. Its micro-steps all come from one pull
+(not necessarily consecutive), so the controller ships the pull's micro-steps linked by shared split executions as
+one unit (docs/data.md, "Claim units"): the claiming cell does a no-grad pass over the unit, then the forward-backward
+of each micro-step, and no cross-cell reduction of s_i is needed mid-stream. Every other micro-step is a unit alone.
 
 Sentinels. Each cell leader holds at most one claimed index it has not yet received. So at close, with n units
 put, `CLOSED` is written at n .. n + max_cells - 1: every outstanding claim gets an answer, and a cell that joins
@@ -134,8 +134,8 @@ class StepBoard:
             self._put_unit(unit)
 
     def flush(self) -> int:
-        """Put the held-back run now: the caller knows no later micro-step continues it (the packer emits every
-        micro-step of an execution in one pull, docs/data.md, so a pull's end ends its runs). Returns units put."""
+        """Put the held-back units now: the caller knows a pull has ended (the packer emits every micro-step of an
+        execution in one pull, docs/data.md, so a pull's end completes its units). Returns units put."""
         if self.closed:
             return 0
         before = self.num_units

@@ -15,7 +15,7 @@ Contract
   `StreamPackingBuffer.pull(group)`), and when none is ready it may flush the packer's held-back rows; it returns
   whether anything changed. Returning True while nothing changes forever is a caller's bug (the pump would spin).
 - Order: every micro-step in the queue goes onto the board at the next `poll`, in emission order (unit indices
-  follow it). After the queue is drained the board flushes its held-back run: the packer emits every micro-step
+  follow it). After the queue is drained the board flushes its held-back units: the packer emits every micro-step
   of an execution in one pull (docs/data.md), so a split execution's unit is claimable when its pull ends.
 - `admit()` lets the next satellite join the step while the board is open (`StepBoard.admit`: in cell order; the
   satellite learns it from the board's join key, `StepClaimer.admitted`).
