@@ -1,0 +1,163 @@
+"""How one program becomes one process per slot: under torchrun or srun, or by launching its own workers.
+
+The SPMD job (docs/runtime.md, "Launching") runs the same entry point on every rank. Three ways to start it:
+
+- **torchrun** sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` and `TORCHELASTIC_RUN_ID` for
+  each worker; **srun** sets `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` and `SLURM_JOB_ID` (the batch script
+  must export `MASTER_ADDR`, the job's first host, and `MASTER_PORT`). `job_env(os.environ)` reads either into a
+  `JobEnv`; None when the program was run plainly.
+- **plainly** (`python -m ...` on a laptop, or a Hydra `-m` sweep): the one process launches `nprocs` workers itself
+  with torch's `elastic_launch` (`launch_workers`), rendezvous on 127.0.0.1, no restarts. A worker that fails ends
+  the job: the agent stops the others and `WorkerFailed` names the first failing rank and its error (the worker
+  function must be wrapped in torch's `@record`, which `launch_workers` does). Ctrl-C stops every worker.
+
+Under a launcher every rank resolves Hydra's run directory itself, and timestamped directories differ between ranks
+(docs/distributed.md): `fixed_run_dir_overrides` pins it to one directory named by the job's id, unless the user
+fixed it, and refuses a `-m` sweep, which under a launcher would rerun the sweep in every rank.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+HOST = "127.0.0.1"
+
+__all__ = ["JobEnv", "LaunchError", "WorkerFailed", "fixed_run_dir_overrides", "job_env", "launch_workers"]
+
+
+class LaunchError(ValueError):
+    """The job's environment or command line cannot start the job (one line, naming what to fix)."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker of a plainly launched job failed; the job was stopped. `rank` and `error` name the first failure."""
+
+    def __init__(self, rank: int, error: str):
+        super().__init__(f"rank {rank} failed: {error}")
+        self.rank, self.error = rank, error
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobEnv:
+    """This process's place in a job started by torchrun or srun."""
+
+    launcher: str  # "torchrun" | "srun"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    job_id: str  # the same on every rank: names the run directory
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"{name}={value!r} in the environment: expected an integer") from None
+
+
+def job_env(env: Mapping[str, str]) -> JobEnv | None:
+    """The job this process belongs to, from torchrun's or srun's variables; None when run plainly."""
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env):
+        launcher, rank, world, local = "torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK")
+        job_id = env.get("TORCHELASTIC_RUN_ID", "") or "torchrun"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launcher, rank, world = "srun", _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        step = f".{env['SLURM_STEP_ID']}" if "SLURM_STEP_ID" in env else ""
+        job_id = f"slurm-{env.get('SLURM_JOB_ID', 'job')}{step}"
+    else:
+        return None
+    if not 0 <= rank < world:
+        raise LaunchError(f"{launcher}: rank {rank} is outside world size {world}")
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise LaunchError(
+            f"{launcher}: MASTER_ADDR and MASTER_PORT must be set for every rank (the batch script exports them: "
+            "MASTER_ADDR is the first host of the job, MASTER_PORT a free port there)"
+        )
+    return JobEnv(
+        launcher=launcher,
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        master_addr=env["MASTER_ADDR"],
+        master_port=_int(env, "MASTER_PORT"),
+        job_id="".join(c if c.isalnum() or c in "-_." else "_" for c in job_id),
+    )
+
+
+def fixed_run_dir_overrides(argv: Sequence[str], job: JobEnv | None, *, root: str) -> list[str]:
+    """`argv` (Hydra's command line) with the run directory fixed for every rank of `job` (`root/<job id>`).
+
+    Unchanged when run plainly or when the user set `hydra.run.dir`. A `-m`/`--multirun` sweep under a launcher is
+    a `LaunchError`: run the sweep plainly and each of its runs launches its own workers."""
+    arguments = list(argv)
+    if job is None:
+        return arguments
+    if any(a in ("-m", "--multirun") or a.startswith("--multirun=") for a in arguments):
+        raise LaunchError(
+            f"a Hydra sweep (-m) cannot run under {job.launcher}: every rank would rerun the whole sweep; run the "
+            "sweep plainly (each run starts its own workers)"
+        )
+    if any(a.lstrip("+").startswith("hydra.run.dir=") for a in arguments):
+        return arguments
+    return [*arguments, f"hydra.run.dir={root}/{job.job_id}"]
+
+
+def launch_workers(
+    target: str,
+    args: Sequence[Any],
+    nprocs: int,
+    *,
+    run_id: str | None = None,
+    monitor_interval_s: float = 0.1,
+) -> dict[int, Any]:
+    """Run `target(*args)` on `nprocs` local worker processes (spawned, torch.distributed's environment set in
+    each), wait for all, and return their results by rank. `target` is `"package.module:function"` (spawned workers
+    import it; see `gyre.distributed.local.resolve`)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise LaunchError(f"nprocs={nprocs!r}: expected an integer >= 1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{HOST}:0",
+        run_id=run_id or uuid.uuid4().hex,
+        max_restarts=0,
+        monitor_interval=monitor_interval_s,
+        start_method="spawn",
+        local_addr=HOST,
+    )
+    try:
+        return elastic_launch(config, _recorded_worker)(target, list(args))
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):  # the worker's error file: {"message": "...", "extraInfo": {...}}
+            message = message.get("message", str(message))
+        raise WorkerFailed(rank, message or f"exit code {failure.exitcode}") from None
+
+
+def _recorded_worker(target: str, args: list[Any]) -> Any:
+    """What every spawned worker runs: `target(*args)`, its exception written to the agent's error file (what torch's
+    `@record` does) so that `WorkerFailed` can name it. Module-level, so the workers unpickle it by name."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    from gyre.distributed.local import resolve
+
+    handler = get_error_handler()
+    handler.initialize()
+    try:
+        return resolve(target)(*args)
+    except Exception as error:
+        handler.record_exception(error)
+        raise
