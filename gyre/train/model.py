@@ -249,7 +249,8 @@ def _megatron_world_of(num_ranks: int) -> Iterator[None]:
     """Megatron reads the world size once, from `torch.distributed.get_world_size()`, and lays its groups over
     ranks 0..world-1: within this block that call (without a group) answers `num_ranks`, so Megatron's groups
     cover the cells and leave the rollout pool after them out. torch's own `new_group` reads the default group's
-    size itself, so every group is still created over the real world."""
+    size itself, so every group is still created over the real world. Start-up only: the swap is process-wide
+    and no other thread may ask for the world size meanwhile."""
     real_get_world_size = dist.get_world_size
 
     def cell_ranks_world_size(group: dist.ProcessGroup | None = None) -> int:
