@@ -7,6 +7,11 @@ Contract
 - The control group spans all ranks and is always gloo (decisions and small objects travel over it even on GPU).
   Cell and prefix groups use `backend` (gloo on CPU, nccl on GPU) and `use_local_synchronization=True`: creating
   a group waits only for its members, which is why the plan is largest first (docs/distributed.md).
+- Such a group's name hashes its ranks with the number of groups the creating rank already holds, so its
+  members must hold equally many. Groups created before (Megatron's: a pipeline stage holds more than another)
+  would give members different names and a hang: `build_process_groups` refuses to run when any group but the
+  default one exists (RuntimeError). Megatron's groups come after it (`gyre.train.model`,
+  `build_process_groups_and_model_parallel`).
 - `ProcessGroups.prefix_group(k)` is the group over which the k cells training sum gradients, for this rank's
   in-cell coordinate: None when k == 1 (nothing to sum across cells); a `ValueError` when this rank is not in
   one of the first k cells.
@@ -69,6 +74,13 @@ def build_process_groups(layout: Layout, *, backend: str = "gloo") -> ProcessGro
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != layout.world_size:
         raise ValueError(f"world_size: the layout has {layout.world_size}, the process group has {world_size}")
+    existing = len(dist.distributed_c10d._world.pg_names) - 1  # torch's registry of this rank's groups, default incl.
+    if existing:
+        raise RuntimeError(
+            f"build_process_groups must create the job's first groups, but this rank already holds {existing} "
+            "besides the default group (e.g. megatron's parallel_state initialized first): call it right after "
+            "init_process_group and before init_model_parallel (docs/distributed.md, group creation order)"
+        )
     control = cell_group = None
     prefixes: dict[int, dist.ProcessGroup] = {}
     for spec in layout.creation_order():

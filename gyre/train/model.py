@@ -5,6 +5,13 @@ Contract
   Megatron's `parallel_state` must already be initialized by the caller (`init_model_parallel` does it on an
   existing torch.distributed group, e.g. a one-process gloo group in tests). Layer spec: megatron's local
   modules; TransformerEngine's when `transformer_engine` imports and CUDA is present (`layer_spec="auto"`).
+- Megatron's groups agree with gyre's (docs/distributed.md, Megatron's groups): every rank calls
+  `build_process_groups_and_model_parallel(layout, tensor_parallel_size=, pipeline_parallel_size=)` once, which
+  checks `cell_size == TP x PP` and the world (one ValueError on every rank, before any group exists), creates
+  gyre's groups, then Megatron's with the rank order TP, PP, DP: each cell is one TP x PP replica in the same
+  rank order (in-cell coordinate = pp_rank * TP + tp_rank), Megatron's DP group is the coordinate's K-cell
+  prefix group (unused: gradients are summed over gyre's prefix groups). Megatron's groups cover the cell ranks
+  only; a rollout-pool rank makes the same `new_group` calls but holds no Megatron group.
 - Mapping of `DecoderConfig` fields: RMSNorm (`rms_norm_eps`), SwiGLU (`gated_linear_unit`, SiLU), RoPE with
   `rope_theta`; `rope_scaling` linear -> `seq_len_interpolation_factor`, llama3 -> megatron's `rope_scaling`
   (only with megatron's fixed low/high frequency factors 1/4 and original length 8192), GQA
@@ -21,7 +28,9 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +41,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from gyre.config.checks import is_int
+from gyre.distributed.groups import ProcessGroups, build_process_groups
+from gyre.distributed.layout import Layout
 from gyre.models.decoder_config import DecoderConfig
 from gyre.train.cpu_patch import apply_cpu_patches
 
@@ -198,16 +210,106 @@ def build_gpt_model(
     return model.eval()
 
 
-def init_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, seed: int = 0) -> None:
-    """Initialize megatron's `parallel_state` (TP x PP; the rest of the world is data parallel) and its RNG
-    tracker on the already-initialized default torch.distributed group (gloo on CPU). Re-initializes if a
-    layout was set up before (tests run several layouts in one process)."""
+# Megatron's rank order, fastest-varying first: TP, then PP, then DP, so one model replica (TP x PP) is a block of
+# consecutive ranks, as gyre's cells are. Megatron's default "tp-cp-ep-dp-pp" puts DP inside PP, so at PP > 1 and
+# more than one cell its pipeline stages would span cells (docs/distributed.md, Megatron's groups).
+MEGATRON_RANK_ORDER = "tp-cp-ep-pp-dp"
+
+
+def check_cell_layout(layout: Layout, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Raise ValueError (field, got, expected) unless Megatron's TP x PP layout fills `layout`'s cells exactly and
+    `layout` fits the initialized world. Pure arithmetic on arguments every rank holds alike: every rank raises
+    the same error, before any group exists."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    _check_parallel_sizes(tp, pp)
+    if layout.cell_size != tp * pp:
+        raise ValueError(
+            f"cell_size: got {layout.cell_size}, expected tensor_parallel_size * pipeline_parallel_size = "
+            f"{tp} * {pp} = {tp * pp} (a cell is one Megatron model replica)"
+        )
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group('gloo', ...) first")
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel_size,
-        pipeline_model_parallel_size=pipeline_parallel_size,
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if layout.world_size != dist.get_world_size():
+        raise ValueError(
+            f"world_size: the layout has {layout.world_size}, the process group has {dist.get_world_size()}"
+        )
+
+
+def _check_parallel_sizes(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    for name, value in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+    ):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name}: got {value!r}, expected a positive integer")
+
+
+@contextlib.contextmanager
+def _megatron_world_of(num_ranks: int) -> Iterator[None]:
+    """Megatron reads the world size once, from `torch.distributed.get_world_size()`, and lays its groups over
+    ranks 0..world-1: within this block that call (without a group) answers `num_ranks`, so Megatron's groups
+    cover the cells and leave the rollout pool after them out. torch's own `new_group` reads the default group's
+    size itself, so every group is still created over the real world. Start-up only: the swap is process-wide
+    and no other thread may ask for the world size meanwhile."""
+    real_get_world_size = dist.get_world_size
+
+    def cell_ranks_world_size(group: dist.ProcessGroup | None = None) -> int:
+        return num_ranks if group is None else real_get_world_size(group)
+
+    dist.get_world_size = cell_ranks_world_size
+    try:
+        yield
+    finally:
+        dist.get_world_size = real_get_world_size
+
+
+def init_model_parallel(
+    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, seed: int = 0, *, layout: Layout | None = None
+) -> None:
+    """Initialize megatron's `parallel_state` (each cell of `layout` one TP x PP replica) and its RNG tracker on
+    the already-initialized default torch.distributed group (gloo on CPU). Re-initializes if a layout was set up
+    before (tests run several layouts in one process).
+
+    `layout` None: the whole world is cells of TP x PP. With a rollout pool, every rank (pool ranks too) makes
+    Megatron's `new_group` calls, in the same order, but the groups cover the cell ranks only: a pool rank holds
+    no Megatron group and gets no RNG seed (`build_gpt_model` there raises). In the SPMD runtime call
+    `build_process_groups_and_model_parallel`, which also builds gyre's groups first (docs/distributed.md)."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group('gloo', ...) first")
+    if layout is None:
+        _check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
+        world_size, cell_size = dist.get_world_size(), tensor_parallel_size * pipeline_parallel_size
+        if world_size % cell_size:
+            raise ValueError(
+                f"tensor_parallel_size * pipeline_parallel_size: got {tensor_parallel_size} * "
+                f"{pipeline_parallel_size} = {cell_size}, expected a divisor of world_size {world_size}"
+            )
+        layout = Layout(world_size=world_size, num_cells=world_size // cell_size, cell_size=cell_size)
+    check_cell_layout(layout, tensor_parallel_size, pipeline_parallel_size)
+    parallel_state.destroy_model_parallel()  # idempotent; a pool rank holds only megatron's memory buffer
+    with _megatron_world_of(layout.num_cell_ranks):
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel_size,
+            pipeline_model_parallel_size=pipeline_parallel_size,
+            order=MEGATRON_RANK_ORDER,
+        )
+    if layout.cell_of(dist.get_rank()) is not None:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_process_groups_and_model_parallel(
+    layout: Layout,
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    seed: int = 0,
+    backend: str = "gloo",
+) -> ProcessGroups:
+    """Every rank of the job calls this once, after `init_process_group`: it checks the layout (one ValueError on
+    every rank, before any group exists), creates gyre's groups (`build_process_groups`), then Megatron's
+    (`init_model_parallel`), in that order (docs/distributed.md, Megatron's groups). Megatron's TP x PP groups
+    are then exactly gyre's cells, in the same rank order."""
+    check_cell_layout(layout, tensor_parallel_size, pipeline_parallel_size)
+    groups = build_process_groups(layout, backend=backend)
+    init_model_parallel(tensor_parallel_size, pipeline_parallel_size, seed, layout=layout)
+    return groups
