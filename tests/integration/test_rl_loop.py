@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.config import ExecutionLimits, PackingConfig, TrainConfig
+from gyre.config import DemoConfig, ExecutionLimits, PackingConfig, TasksConfig, TrainConfig
 from gyre.config.algo import AlgoConfig
 from gyre.config.cluster import ClusterConfig
 from gyre.engine.endpoint import ServerThread
@@ -92,11 +92,16 @@ def warm_model() -> Path:
 
 
 def loop_config(seed: int = 0) -> TrainConfig:
-    """The CPU demo's TrainConfig at the test's shape: colocate, one cell of C_e = N B slots, no supply wait."""
+    """The CPU demo's TrainConfig at the test's shape: colocate, one cell of C_e = N B slots, no supply wait.
+
+    Demo tasks of single-digit operands: the warm start's sampled answers are right some of the time, so a group's
+    rewards usually differ and the step moves the weights (with equal rewards every advantage, hence the gradient,
+    is zero; the engine's sampling is not seeded, so this is likely, not certain)."""
     return TrainConfig(
         cluster=ClusterConfig(num_cells=1, cell_size=1, cell_capacity=N * B, separate_capacity=0),
         algo=AlgoConfig(mode="colocate", phi=0, mu=MU, group_size=N, batch_groups=B, tau_s=0.0),
         packing=PackingConfig(batch_groups=B, group_size=N, max_tokens_per_microstep=1024),
+        tasks=TasksConfig(demo=DemoConfig(max_digits=1)),
         steps=1,
         seed=seed,
     )
