@@ -287,8 +287,6 @@ class OneProcessLoop:
         await self.remote.drain(abort_after_s=30.0)
         await self.remote.release_memory()
         model = await asyncio.to_thread(load_pretrained, self.model_dir, torch.float32, "cpu")
-        for p in model.parameters():
-            p.requires_grad_(True)
         trainer_cfg = self.cfg.trainer
         self.trainer = RecordingTrainable(
             model, lr=trainer_cfg.lr, weight_decay=trainer_cfg.weight_decay, max_grad_norm=trainer_cfg.max_grad_norm
