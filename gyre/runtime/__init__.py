@@ -1,2 +1,15 @@
-"""The SPMD runtime (docs/runtime.md): how the job starts (`launch`), and, as issue 14 builds it, the controller and
-the cell workers — the only package where engines and trainers meet."""
+"""The training runtime's pieces (docs/runtime.md): what joins the scheduler, the proxy, the harnesses, the buffers,
+the trainer and the engines into one RL loop — the only package where engines and trainers meet.
+
+So far:
+
+- `launch`: how the SPMD job starts (torchrun, srun, or a plain run launching its own workers);
+- `ids`: the scheduler's integer execution and engine ids <-> the string ids of the proxy's sessions, the record
+  files, the outcomes and the trajectory buffer;
+- `verdicts`: an execution's evaluated outcome -> the scheduler's `Outcome`, and a closed group's admission into
+  the trajectory buffer -> the buffers' verdict the scheduler hears (`group_accepted` / `group_rejected`);
+- `local_claims`: lazy claims in one process (the scheduler's `claim_group`, the packer's pull, claim units),
+  composed with the rest by tests/integration/test_rl_loop.py.
+
+The multi-process controller, the cell workers and `python -m gyre.train` are still being built (issue 14).
+"""

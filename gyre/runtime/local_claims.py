@@ -1,0 +1,100 @@
+"""Lazy claims of one optimizer step in one process: the scheduler's `claim_group`, the packer's pull, claim units.
+
+The simulator's rule, which the supply check depends on (docs/scheduler.md): a training cell claims a group only
+when its local micro-steps run out, so groups stay in the scheduler's ready set until training needs them.
+`LocalClaims.next_unit()` is the claim of `gyre.train.streaming.train_step` for a trainer in the controller's own
+process (K = 1 colocate, the first stage of the runtime; the multi-process runtime moves the same units onto the
+step's board with `gyre.distributed.step_pump.StepPump`):
+
+1. a claim unit already assembled is handed out (a run of micro-steps sharing a split execution is one unit,
+   `gyre.data.claim_units`);
+2. else a micro-step waiting in the packer's queue is claimed and fed to the assembler;
+3. else, while the stream is open, one group is claimed from the scheduler (`claim_group(now)`: the actions it
+   returns go to `on_actions`) and pulled into the packer by id, so the packer packs exactly the group the
+   scheduler accounted for (its staleness, its batch count);
+4. once the packer's stream is closed and drained, the assembler's held-back run, then None: the step is done.
+
+`next_unit` returns `WAIT` when no group is ready yet (the caller retries after the next group verdict).
+A claimed group the packer sets aside raises `GroupSetAsideError`: the scheduler has no event yet to take a claim
+back, so the step could never get its B groups (docs/runtime.md, "Seams"). Not thread-safe: call it on the
+thread that owns the scheduler and the packer (the controller's event loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from gyre.data.claim_units import ClaimUnitAssembler
+from gyre.data.microstep import MicroStep
+from gyre.data.packing import StreamPackingBuffer
+from gyre.sched.scheduler import Scheduler
+from gyre.sched.types import Action
+
+__all__ = ["WAIT", "GroupSetAsideError", "LocalClaims"]
+
+CLAIM_CELL = 0  # the in-process queue's claim is taken under cell 0's index (the one trainer of this process)
+
+
+class _Wait:
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+WAIT: Final = _Wait()
+"""`next_unit`'s answer while the stream is open and no group is ready: ask again after the next verdict."""
+
+
+class GroupSetAsideError(RuntimeError):
+    """The packer refused a group the scheduler let the step claim: the step cannot get its B groups."""
+
+
+class LocalClaims:
+    """One step's claim units for the trainer of this process (see the module docstring)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        packer: StreamPackingBuffer,
+        *,
+        clock: Callable[[], float],
+        on_actions: Callable[[Sequence[Action]], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self.packer = packer
+        self._clock = clock
+        self._on_actions = on_actions
+        self._assembler = ClaimUnitAssembler()
+        self._units: list[tuple[MicroStep, ...]] = []
+        self._index = itertools.count()
+        self.groups: list[int] = []  # groups claimed into this step, in claim order
+        self.micro_steps: list[MicroStep] = []  # every micro-step handed out, in order
+
+    def next_unit(self) -> tuple[int, tuple[MicroStep, ...]] | _Wait | None:
+        """The next (unit index, claim unit), None once the step's stream is done, or WAIT."""
+        while not self._units:
+            step = self.packer.queue.claim(CLAIM_CELL)
+            if step is not None:
+                self._units += self._assembler.add(step)
+                continue
+            if self.packer.queue.closed_and_drained:
+                self._units += self._assembler.flush()
+                if not self._units:
+                    return None
+                break
+            group, actions = self.scheduler.claim_group(self._clock())
+            self._on_actions(actions)
+            if group is None:
+                return WAIT
+            self.groups.append(group)
+            try:
+                self.packer.pull(group)
+            except ValueError as error:
+                raise GroupSetAsideError(
+                    f"group {group}, claimed for step {self.scheduler.trainer_version}, was set aside by the packer "
+                    f"({error}); the scheduler has no event to take the claim back"
+                ) from error
+        unit = self._units.pop(0)
+        self.micro_steps += unit
+        return next(self._index), unit

@@ -1,0 +1,241 @@
+"""The runtime's pure glue (gyre/runtime): ids, outcomes and verdicts, lazy claims in one process (docs/runtime.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gyre.config import PackingConfig
+from gyre.data import StreamPackingBuffer, TrajectoryBuffer
+from gyre.proxy.sessions import check_execution_id
+from gyre.runtime.ids import POOL_NAME, ExecutionIds, engine_id, engine_name
+from gyre.runtime.local_claims import WAIT, GroupSetAsideError, LocalClaims
+from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
+from gyre.sched import POOL, BeginStep, Outcome, SchedSpec, Scheduler, Start
+from gyre.traj import CallMeta, Provenance, Response, Segment, TrajectoryTree
+from gyre.traj.outcomes import CloseKind, EvaluatedState, Evaluation, GroupOutcomes, Validity
+from gyre.traj.roles import classifier_for
+
+# -- ids ---------------------------------------------------------------------------------------------------------
+
+
+def test_execution_names_round_trip_name_their_group_and_are_valid_session_ids():
+    ids = ExecutionIds(5)
+    assert ids.name(0) == "g000000-e0000000"
+    assert ids.name(12) == "g000002-e0000012"
+    assert ids.names(1) == [f"g000001-e{e:07d}" for e in range(5, 10)]
+    for e in (0, 4, 5, 12, 10**7 + 3):
+        assert ids.execution(ids.name(e)) == e
+        assert check_execution_id(ids.name(e)) == ids.name(e)
+    names = [ids.name(e) for e in range(0, 300, 7)]
+    assert names == sorted(names)  # record files list in execution order
+
+
+@pytest.mark.parametrize("bad", ["g000001-e0000000", "g0-e0", "x", "", "g000000-e0000001.jsonl", 3])
+def test_a_name_the_run_never_gave_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="not one of this run's"):
+        ExecutionIds(5).execution(bad)
+
+
+def test_bad_execution_ids_and_group_sizes_are_refused():
+    with pytest.raises(ValueError, match="executions_per_group=0"):
+        ExecutionIds(0)
+    with pytest.raises(ValueError, match="execution=-1"):
+        ExecutionIds(2).name(-1)
+    with pytest.raises(ValueError, match="group=True"):
+        ExecutionIds(2).names(True)
+
+
+def test_engine_names_round_trip_cells_and_the_pool():
+    assert engine_name(POOL) == POOL_NAME and engine_id(POOL_NAME) == POOL
+    for cell in (0, 1, 17):
+        assert engine_id(engine_name(cell)) == cell
+    assert engine_name(3) == "cell-3"
+    for bad in ("cell-01", "cell-", "engine-0", "embedded"):
+        with pytest.raises(ValueError, match="is not allowed"):
+            engine_id(bad)
+    with pytest.raises(ValueError, match="engine=-2"):
+        engine_name(-2)
+
+
+# -- outcomes -> the scheduler ----------------------------------------------------------------------------------
+
+
+def tree_of(execution: str, output: list[int] = (20, 21)) -> TrajectoryTree:
+    """One call: path [1 2 | output], targets on the output."""
+    tree = TrajectoryTree(execution, 100)
+    logprobs = [-0.1 * (k + 1) for k in range(len(output))]
+    tree.insert(
+        [Segment(Provenance.SYSTEM, [1, 2])],
+        Response.build(list(output), logprobs, "stop"),
+        CallMeta(execution, "r0", role_signals={"gyre_role": "main"}),
+    )
+    tree.close()
+    return tree
+
+
+def evaluated(outcomes: GroupOutcomes, execution: str, score: float, kind: CloseKind = CloseKind.COMPLETED) -> None:
+    state = EvaluatedState(execution=execution, artifact_version="v1", branch="main")
+    outcomes.close(execution, kind, now=1.0, final_state=state)
+    outcomes.record(
+        Evaluation(
+            score=score,
+            validity=Validity.VALID,
+            state=state,
+            attempt=1,
+            evaluator="t",
+            evaluator_version="1",
+            created_at=2.0,
+        )
+    )
+
+
+def test_each_settled_status_maps_to_the_schedulers_outcome():
+    names = ["a", "b", "c", "d", "e", "f"]
+    outcomes = GroupOutcomes(5, names)
+    for e in names:
+        outcomes.start(e, 10.0)
+    evaluated(outcomes, "a", 1.0)
+    evaluated(outcomes, "b", 0.5, CloseKind.HARNESS_TIMEOUT)
+    outcomes.close("c", CloseKind.FAILED, now=1.0)
+    outcomes.close("d", CloseKind.OVERALL_TIMEOUT, now=1.0)
+    outcomes.close(
+        "e", CloseKind.COMPLETED, now=1.0, final_state=EvaluatedState(execution="e", artifact_version="v", branch="m")
+    )
+    outcomes.expire(10.0)  # e: no valid evaluation within its budget
+    outcomes.close("f", CloseKind.CANCELLED, now=1.0)
+    got = {e: sched_outcome(outcomes.execution(e)) for e in names}
+    assert got == {
+        "a": Outcome.COMPLETED,
+        "b": Outcome.HARNESS_TIMEOUT,
+        "c": Outcome.FAILED,
+        "d": Outcome.OVERALL_TIMEOUT,
+        "e": Outcome.OVERALL_TIMEOUT,
+        "f": None,
+    }
+    assert [o.closes_group_slot for o in (got["a"], got["b"], got["c"], got["d"])] == [True, True, True, False]
+
+
+def test_an_unsettled_execution_has_no_outcome_yet():
+    outcomes = GroupOutcomes(1, ["a"])
+    outcomes.start("a", 10.0)
+    with pytest.raises(ValueError, match="'a' is OPEN"):
+        sched_outcome(outcomes.execution("a"))
+    assert sampled_tokens(None) == 0 and sampled_tokens(tree_of("a", [5, 6, 7])) == 3
+
+
+# -- a closed group -> the buffers' verdict ---------------------------------------------------------------------
+
+
+def test_a_closed_group_is_admitted_and_accepted():
+    buffer = TrajectoryBuffer()
+    buffer.add_group(0, 0, ["a", "b"], 2)
+    outcomes = GroupOutcomes(2, ["a", "b"])
+    for e, score in (("a", 1.0), ("b", 0.0)):
+        outcomes.start(e, 10.0)
+        evaluated(outcomes, e, score)
+    verdict = judge_group(
+        buffer,
+        0,
+        outcomes,
+        {"a": tree_of("a"), "b": tree_of("b")},
+        classify=classifier_for("builtin"),
+        j_max=5,
+        run_seed=0,
+    )
+    assert verdict.accepted and verdict.reason == ""
+    assert {e: [t.num_targets for t in ts] for e, ts in verdict.admitted.items()} == {"a": [2], "b": [2]}
+    assert buffer.ready_groups() == [0] and buffer.group(0).rewards == {"a": 1.0, "b": 0.0}
+
+
+def test_a_group_with_a_row_over_the_budget_is_refused_and_the_buffer_keeps_it_unready():
+    buffer = TrajectoryBuffer(max_row_tokens=3)
+    buffer.add_group(4, 0, ["a"], 1)
+    outcomes = GroupOutcomes(1, ["a"])
+    outcomes.start("a", 10.0)
+    evaluated(outcomes, "a", 1.0)
+    verdict = judge_group(
+        buffer, 4, outcomes, {"a": tree_of("a")}, classify=classifier_for("builtin"), j_max=5, run_seed=0
+    )
+    assert not verdict.accepted and "max_row_tokens=3" in verdict.reason
+    assert buffer.ready_groups() == [] and not buffer.group(4).ready
+
+
+def test_judging_a_group_whose_outcomes_are_not_ready_is_a_callers_error():
+    buffer = TrajectoryBuffer()
+    buffer.add_group(0, 0, ["a"], 1)
+    with pytest.raises(ValueError, match="once its outcomes are ready"):
+        judge_group(buffer, 0, GroupOutcomes(1, ["a"]), {}, classify=classifier_for("builtin"), j_max=5, run_seed=0)
+
+
+# -- lazy claims in one process ---------------------------------------------------------------------------------
+
+N, B = 2, 2
+
+
+def async_scheduler() -> tuple[Scheduler, list]:
+    """Async, K = 2: cell 0 trains from the start (a step is open at once), cell 1 rolls out N B executions."""
+    spec = SchedSpec(
+        num_cells=2, cell_capacity=N * B, group_size=N, batch_groups=B, extra_groups=0, mu=1, rho_min=0.5, tau_s=0.0,
+        mode="async", train_cells=1, buffer_verdicts=True,
+    )  # fmt: skip
+    sched = Scheduler(spec)
+    return sched, sched.start(0.0)
+
+
+def close_group(sched: Scheduler, buffer: TrajectoryBuffer, group: int, ids: ExecutionIds, now: float) -> None:
+    """Every execution of `group` ends, is evaluated and closes; the buffers accept the group."""
+    names = ids.names(group)
+    outcomes = GroupOutcomes(N, names)
+    for e, name in zip(ids.executions(group), names, strict=True):
+        sched.harness_ended(now, e)
+        outcomes.start(name, 10.0)
+        evaluated(outcomes, name, float(e % 2))
+        sched.execution_closed(now, e, Outcome.COMPLETED, 2.0)
+    verdict = judge_group(
+        buffer, group, outcomes, {n: tree_of(n) for n in names}, classify=classifier_for("builtin"), j_max=5, run_seed=0
+    )
+    assert verdict.accepted
+    sched.group_accepted(now, group)
+
+
+def test_claims_take_one_group_at_a_time_when_the_queue_runs_dry_and_wait_for_verdicts():
+    sched, actions = async_scheduler()
+    assert BeginStep(0) in actions and next(a for a in actions if isinstance(a, Start)) == Start(0, 1)
+    ids = ExecutionIds(N)
+    buffer = TrajectoryBuffer()
+    for group in range(B):
+        buffer.add_group(group, 0, ids.names(group), N)
+    # min_fill 0: every pull emits its micro-step at once, so each group's data is claimable when it is pulled
+    packer = StreamPackingBuffer(
+        buffer, PackingConfig(batch_groups=B, group_size=N, max_tokens_per_microstep=8, min_fill=0.0)
+    )
+    reported: list = []
+    claims = LocalClaims(sched, packer, clock=lambda: 1.0, on_actions=reported.extend)
+    assert claims.next_unit() is WAIT  # the step is open, no group is ready yet
+    close_group(sched, buffer, 0, ids, 1.0)
+    close_group(sched, buffer, 1, ids, 1.0)
+    assert sched.ready_unclaimed == 2
+    index, unit = claims.next_unit()
+    assert index == 0 and claims.groups == [0] and sched.ready_unclaimed == 1  # lazy: only what training needs
+    assert [step.group_ids for step in unit] == [(0, 0)]
+    index, unit = claims.next_unit()
+    assert index == 1 and claims.groups == [0, 1] and sched.ready_unclaimed == 0 and packer.closed
+    assert claims.next_unit() is None  # the stream is closed and drained: the step is done
+    assert [len(step.execution_ids) for step in claims.micro_steps] == [2, 2]
+    assert np.all(np.concatenate([step.batch_execution_E for step in claims.micro_steps]) == [0, 1, 2, 3])
+    sched.step_finished(2.0)
+    assert sched.trainer_version == 1
+
+
+def test_a_claimed_group_the_packer_sets_aside_stops_the_step_with_its_reason():
+    sched, _ = async_scheduler()
+    ids = ExecutionIds(N)
+    buffer = TrajectoryBuffer()  # no row budget yet: the group is marked ready with rows of 4 tokens
+    buffer.add_group(0, 0, ids.names(0), N)
+    close_group(sched, buffer, 0, ids, 1.0)
+    packer = StreamPackingBuffer(buffer, PackingConfig(batch_groups=B, group_size=N, max_tokens_per_microstep=3))
+    claims = LocalClaims(sched, packer, clock=lambda: 1.0, on_actions=lambda actions: None)
+    with pytest.raises(GroupSetAsideError, match="group 0, claimed for step 0, was set aside"):
+        claims.next_unit()
+    assert [group for group, _ in packer.rejected_groups()] == [0]
