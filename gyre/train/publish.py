@@ -1,24 +1,35 @@
 """After the final update of a burst the core publishes its weights to the rollout engines (flat buffer + manifest +
 version), in the engines' own parameter names (HF layout).
 
-`engine_weights` is collective over the core cell (it gathers TP shards and PP stages, `gather_hf_state_dict`):
-every rank of the core calls it; all get the same `FlatWeights`. `publish_to_engines` then hands it to each engine
-(`Engine.update_weights`: in process, or over HTTP through `RemoteEngine`), concurrently; every engine checks
-names, shapes and the version before applying anything (gyre.engine.protocol). One rank of the core publishes.
+`engine_weights(trainable)` is the one call for both trainables (docs/training.md, "Publication"):
+- a native trainable (`gyre.train.native_trainable.NativeTrainable`, or its `DecoderLM`): the model's own
+  `state_dict`, whose names are the HF names the engines take (the shared decoder, `gyre.models.decoder`); local,
+  no collective, and Megatron is never imported;
+- a Megatron trainable (`gyre.train.megatron_trainable.MegatronTrainable`, or its `GPTModel`), with the model's
+  `DecoderConfig`: collective over the core cell (it gathers TP shards and PP stages, `gather_hf_state_dict`, imported
+  on this first call): every rank of the core calls it; all get the same `FlatWeights`.
+The result is a copy (one contiguous buffer): later updates of the trainer do not reach what was published.
+
+`publish_to_engines` then hands it to each engine (`Engine.update_weights`: in process, or over HTTP through
+`RemoteEngine`), concurrently; every engine checks names, shapes and the version before applying anything
+(gyre.engine.protocol). One rank of the core publishes. A cell that returns to rollout takes the publication through
+`gyre.runtime.transitions.return_to_rollout` instead (its memory is released while it trains).
+
+Importing this module loads neither Megatron nor any gyre.engine module (tests/unit/test_train_publish.py checks it
+in a fresh interpreter).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from gyre.distributed.transport import flatten_state_dict
+from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
-from gyre.models.flat_weights import FlatWeights
-from gyre.train.convert import gather_hf_state_dict
+from gyre.models.flat_weights import FlatWeights, flatten_weights
 
 if TYPE_CHECKING:  # the trainer meets engines only through this protocol's methods; it loads no gyre.engine module
     from gyre.engine.protocol import Engine
@@ -26,13 +37,40 @@ if TYPE_CHECKING:  # the trainer meets engines only through this protocol's meth
 __all__ = ["engine_weights", "publish_to_engines"]
 
 
-def engine_weights(model: torch.nn.Module, config: DecoderConfig, *, dtype: torch.dtype | None = None) -> FlatWeights:
-    """The whole model in HF names as one flat buffer (collective over the core's TP and PP groups).
+class HasModel(Protocol):
+    """A trainable (`NativeTrainable`, `MegatronTrainable`): its module is `model`."""
+
+    model: torch.nn.Module
+
+
+def engine_weights(
+    trainable: HasModel | torch.nn.Module, config: DecoderConfig | None = None, *, dtype: torch.dtype | None = None
+) -> FlatWeights:
+    """The whole model in HF names as one flat buffer: a native model's state dict as it is, a Megatron model's
+    gathered over the core's TP and PP groups (collective; needs `config`, the model's `DecoderConfig`).
     `dtype`: cast floating tensors (e.g. the engines serve bf16 while the trainer keeps fp32)."""
-    tensors = gather_hf_state_dict(model, config)
+    model = trainable if isinstance(trainable, torch.nn.Module) else getattr(trainable, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"engine_weights: got a {type(trainable).__name__}, expected a trainable with a `model` module "
+            "(NativeTrainable, MegatronTrainable) or the module itself"
+        )
+    if isinstance(model, DecoderLM):  # the shared decoder: its names are the engines' (HF) names
+        if config is not None and config != model.config:
+            raise ValueError(f"engine_weights: config={config!r} is not the native model's config {model.config!r}")
+        tensors = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    else:
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(
+                f"engine_weights: config={config!r} is not allowed for a {type(model).__name__}: a Megatron model "
+                "needs its DecoderConfig (the HF layout it is gathered into)"
+            )
+        from gyre.train.convert import gather_hf_state_dict  # Megatron, only on this path
+
+        tensors = gather_hf_state_dict(model, config)
     if dtype is not None:
         tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-    return flatten_state_dict(tensors)
+    return flatten_weights(tensors)
 
 
 async def publish_to_engines(engines: Sequence[Engine], weights: FlatWeights, *, version: int) -> None:

@@ -1,9 +1,13 @@
 """gyre.train.publish: weights trained by Megatron reach a native engine, which then generates exactly what an
-engine built from the same weights generates; a refused publication changes nothing."""
+engine built from the same weights generates; a refused publication changes nothing. The native trainable
+publishes through the same call, without loading Megatron (checked in a fresh interpreter)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,3 +110,76 @@ def test_engine_behavior_logprobs_equal_the_trainers_after_a_round_trip(model_pa
         worst = max(worst, float((trainer - engine).abs().max()))
     print(f"engine vs trainer log-probs: max |diff| {worst:.2e}")
     assert worst <= 1e-4, f"engine vs trainer log-probs: max |diff| {worst:.2e}"
+
+
+def test_native_trainable_publishes_a_copy_of_its_weights_in_the_engines_names():
+    from gyre.train.native_trainable import NativeTrainable
+    from gyre.train.publish import engine_weights, publish_to_engines
+
+    trainable = NativeTrainable(build_model(CONFIG, seed=3), lr=1e-3)
+    weights = engine_weights(trainable)
+    state = {n: t.clone() for n, t in trainable.model.state_dict().items()}
+    published = unflatten(weights.buffer, weights.manifest)
+    assert list(published) == list(state)
+    for name, tensor in state.items():
+        assert torch.equal(published[name], tensor), name
+    assert engine_weights(trainable.model).manifest == weights.manifest  # the module itself: the same call
+    with torch.no_grad():  # a later update of the trainer does not reach what was published
+        for p in trainable.parameters():
+            p.add_(1.0)
+    moved = trainable.model.state_dict()
+    assert all(torch.equal(published[n], state[n]) and not torch.equal(moved[n], state[n]) for n in state)
+    half = engine_weights(trainable, dtype=torch.bfloat16)
+    assert {spec.dtype for spec in half.manifest} == {"bfloat16"}
+
+    async def main():  # an engine built from other weights then holds exactly the published ones
+        engine = NativeEngine(build_model(CONFIG, seed=8))
+        await publish_to_engines([engine], weights, version=1)
+        served = engine.model.state_dict()
+        assert set(served) == set(published)
+        assert all(torch.equal(served[n], t) for n, t in published.items())
+        assert engine.load().policy_version == 1
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_engine_weights_names_what_it_takes():
+    from gyre.train.native_trainable import NativeTrainable
+    from gyre.train.publish import engine_weights
+
+    with pytest.raises(TypeError, match="needs its DecoderConfig"):  # not the native decoder: a Megatron model
+        engine_weights(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="expected a trainable with a `model` module"):
+        engine_weights(object())
+    other = DecoderConfig(**{**CONFIG.__dict__, "num_hidden_layers": 1})
+    with pytest.raises(ValueError, match="is not the native model's config"):
+        engine_weights(NativeTrainable(build_model(CONFIG, seed=3), lr=1e-3), other)
+
+
+NATIVE_PUBLICATION = """
+import json, sys
+from gyre.models.decoder import build_model
+from gyre.models.decoder_config import DecoderConfig
+from gyre.train.native_trainable import NativeTrainable
+from gyre.train.publish import engine_weights, publish_to_engines
+config = DecoderConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+weights = engine_weights(NativeTrainable(build_model(config, seed=0), lr=1e-3))
+print(json.dumps({"tensors": len(weights.manifest), "modules": sorted(sys.modules)}))
+"""
+
+
+def test_a_native_publication_loads_no_megatron():
+    """In a fresh interpreter, so another test's imports cannot hide it: a native run's publication path (the
+    trainable, `engine_weights`) loads neither megatron nor gyre.train.convert, nor any gyre.engine module."""
+    out = subprocess.run(
+        [sys.executable, "-c", NATIVE_PUBLICATION], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["tensors"] > 0
+    loaded = report["modules"]
+    for forbidden in ("megatron", "transformer_engine", "gyre.train.convert", "gyre.train.model", "gyre.engine"):
+        bad = [m for m in loaded if m == forbidden or m.startswith(forbidden + ".")]
+        assert bad == [], f"a native publication loads {forbidden}: {bad[:10]}"
