@@ -9,7 +9,9 @@ So far:
 - `verdicts`: an execution's evaluated outcome -> the scheduler's `Outcome`, and a closed group's admission into
   the trajectory buffer -> the buffers' verdict the scheduler hears (`group_accepted` / `group_rejected`);
 - `local_claims`: lazy claims in one process (the scheduler's `claim_group`, the packer's pull, claim units),
-  composed with the rest by tests/integration/test_rl_loop.py.
+  composed with the rest by tests/integration/test_rl_loop.py;
+- `transitions`: a cell's engine leaving rollout (`leave_rollout`: stop accepting, drain, release) and returning with
+  the core's publication (`return_to_rollout`: resume, load the published version, then accept).
 
 The multi-process controller, the cell workers and `python -m gyre.train` are still being built (issue 14).
 """

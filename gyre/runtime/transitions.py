@@ -1,0 +1,52 @@
+"""A cell's engine at the two ends of its training role: the one correct order of the engine calls
+(docs/runtime.md, "What happens at a transition"; the calls' contracts: `gyre.engine.protocol.Engine`).
+
+- `leave_rollout(engine, drain_s=)`: the cell goes from rollout to training. `stop_accepting` (at once: the proxy's
+  next call for this engine is refused and goes elsewhere), `drain(abort_after_s=drain_s)` (calls still in flight
+  after `drain_s` seconds end as aborts with their partial output, so the wait is bounded), then `release_memory`
+  (weights and KV; it needs the idle engine the drain left). The trainer's state is restored after it.
+- `return_to_rollout(engine, weights, version=)`: the cell comes back at burst end with the core's publication.
+  `resume_memory` (the engine's memory was released while the cell trained, and `update_weights` refuses released
+  weights), `update_weights(weights, version=)`, then `resume_accepting`: the engine takes no request before it
+  holds the published version. `Publish(version)` and the cell's `BeginTransition(ROLLOUT)` arrive in one action
+  list; the controller runs this for the returning cell and `gyre.train.publish.publish_to_engines` for the engines
+  that stayed in rollout.
+
+Failures leave the engine not accepting: if `update_weights` refuses (an unknown name, a wrong shape, an older
+version: `ValueError`, nothing applied), its error propagates with the memory resumed and the engine still not
+accepting, so no request is ever served under weights that were not published. Calling the engine's methods in
+another order raises as the protocol says (`EngineUnavailableError` from `update_weights` on released weights and
+from `generate` while not accepting; `EngineBusyError` from `release_memory` with requests in flight).
+
+The functions take any `Engine` (the native engine in process, a `RemoteEngine` behind the cell leader's endpoint);
+they import no engine module.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gyre.config.checks import require_duration
+
+if TYPE_CHECKING:
+    from gyre.engine.protocol import Engine
+    from gyre.models.flat_weights import FlatWeights
+
+__all__ = ["leave_rollout", "return_to_rollout"]
+
+
+async def leave_rollout(engine: Engine, *, drain_s: float) -> None:
+    """Stop accepting, drain (aborting what is still in flight after `drain_s` seconds), release the memory.
+    `drain_s`: a finite number of seconds >= 0 (0 aborts every call in flight at the next step boundary)."""
+    require_duration("drain_s", drain_s, allow_zero=True, note="a transition's wait is bounded")
+    engine.stop_accepting()
+    await engine.drain(abort_after_s=drain_s)
+    await engine.release_memory()
+
+
+async def return_to_rollout(engine: Engine, weights: FlatWeights, *, version: int) -> None:
+    """Resume the memory, load `weights` as `version`, then accept: the engine serves the published version from
+    its first request on. A refused update raises with the engine resumed but not accepting."""
+    await engine.resume_memory()
+    await engine.update_weights(weights, version=version)
+    engine.resume_accepting()
