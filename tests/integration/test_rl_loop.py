@@ -10,13 +10,13 @@ Warm-started tiny model -> `NativeEngine` behind its endpoint (`ServerThread`, r
   builtin harness; `on_harness_end` closes the session and reports `harness_ended`; the episode's outcome is
   `execution_closed`; a closed group is admitted (J_max) into the buffer, and the verdict is reported;
 - Cancel: the execution's cancel event (none happen without oversampling; handled all the same);
-- BeginTransition to training: the engine drains and releases its memory, the trainer is built (`NativeTrainable`),
-  then `transition_finished`;
+- BeginTransition to training: the engine leaves rollout (`gyre.runtime.transitions.leave_rollout`), the trainer
+  is built (`NativeTrainable`), then `transition_finished`;
 - BeginStep: `train_step` on a worker thread, its claims lazy on the loop (`gyre.runtime.local_claims`), then
   `step_finished`;
-- Publish: the engine resumes its memory and loads the trainer's weights as the new version, `publish_finished`;
-  the transition back to rollout waits for it, then the engine accepts again: back to rollout (the next burst's
-  Starts are recorded, not run).
+- Publish: the engine returns to rollout with the trainer's weights (`engine_weights(trainer)`) as the new version
+  (`return_to_rollout`: resume, update, then accept), `publish_finished`; the transition back to rollout waits for
+  it: back to rollout (the next burst's Starts are recorded, not run).
 
 What the contract says, asserted: every model call recorded exactly once (engine requests = the proxy's trees'
 calls = the record files' calls); the scheduler's counters close (d = p = f = the step's executions before the
@@ -47,11 +47,11 @@ from gyre.engine.remote import RemoteEngine
 from gyre.harness.builtin.runner import BuiltinRunner
 from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.harness.sandbox import LocalSandbox
-from gyre.models.flat_weights import flatten_weights
 from gyre.models.hf_weights import load_pretrained
 from gyre.proxy.routing import RoutingTable
 from gyre.runtime.ids import ExecutionIds, engine_name
 from gyre.runtime.local_claims import WAIT, LocalClaims
+from gyre.runtime.transitions import leave_rollout, return_to_rollout
 from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import (
     BeginStep,
@@ -70,7 +70,7 @@ from gyre.sched import (
 from gyre.serve.stack import start_proxy
 from gyre.tasks.demo import generate_demo_tasks
 from gyre.train.native_trainable import NativeTrainable
-from gyre.train.publish import publish_to_engines
+from gyre.train.publish import engine_weights
 from gyre.train.streaming import train_step
 from gyre.traj.outcomes import GroupOutcomes
 from gyre.traj.roles import classifier_for
@@ -284,8 +284,7 @@ class OneProcessLoop:
         self.mark("rollout_done")
         s = self.sched
         self.counters["to_training"] = (s.d, s.p, s.f)
-        await self.remote.drain(abort_after_s=30.0)
-        await self.remote.release_memory()
+        await leave_rollout(self.remote, drain_s=30.0)
         model = await asyncio.to_thread(load_pretrained, self.model_dir, torch.float32, "cpu")
         trainer_cfg = self.cfg.trainer
         self.trainer = RecordingTrainable(
@@ -325,17 +324,15 @@ class OneProcessLoop:
         self.apply(self.sched.step_finished(self.now()))
 
     async def publish(self, version: int) -> None:
-        await self.remote.resume_memory()  # update_weights needs the weights resident
-        state = {n: t.detach() for n, t in self.trainer.model.state_dict().items()}  # HF names (DecoderLM)
-        await publish_to_engines([self.remote], flatten_weights(state), version=version)
+        # The one engine is the cell coming back (its BeginTransition(ROLLOUT) is in the same action list); engines
+        # that stayed in rollout would take the same weights through publish_to_engines.
+        await return_to_rollout(self.remote, engine_weights(self.trainer), version=version)
         self.mark("publish_done")
         self.apply(self.sched.publish_finished(self.now()))
 
     async def to_rollout(self, cell: int) -> None:
-        await self.remote.resume_memory()
-        if self.publish_task is not None:
-            await self.publish_task  # the engine serves the published version before it accepts again
-        self.remote.resume_accepting()
+        assert self.publish_task is not None  # the Publish of the same action list brings the engine back
+        await self.publish_task
         self.iteration_done = True
         self.mark("to_rollout_done")
         self.apply(self.sched.transition_finished(self.now(), cell))
