@@ -247,7 +247,7 @@ class ProxyServer:
             counters.ended_with(error)
             return self.error_response(dialect, error)
         counters.admitted += 1
-        call = _Call(self, dialect, counters, session, request, prompt, params)
+        call = _Call(self, dialect, session, request, prompt, params)
         session.begin_call()  # an admin close waits for this call to end (docs/proxy.md, routes)
         try:
             if request.stream:
@@ -371,17 +371,9 @@ class ProxyServer:
 class _Call:
     """One admitted model call: run it across engines, translate its output, record it once."""
 
-    def __init__(
-        self,
-        server: ProxyServer,
-        dialect: Dialect,
-        counters: RouteCounters,
-        session: ExecutionSession,
-        request,
-        prompt,
-        params,
-    ):
-        self.server, self.dialect, self.counters, self.session = server, dialect, counters, session
+    def __init__(self, server: ProxyServer, dialect: Dialect, session: ExecutionSession, request, prompt, params):
+        self.server, self.dialect, self.session = server, dialect, session
+        self.counters = server.counters.routes[dialect.path]
         self.request, self.prompt, self.params = request, prompt, params
         self.response_id = _new_id(dialect.response_prefix)
         self.created = int(time.time())
