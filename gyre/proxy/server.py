@@ -143,7 +143,8 @@ class ProxyServer:
         return self.url + "/v1"
 
     def stats(self) -> dict[str, Any]:
-        """The counters of the calls served so far, JSON-able (`gyre.proxy.stats`, docs/proxy.md "Counters")."""
+        """The counters of the calls served so far, JSON-able (`gyre.proxy.stats`, docs/proxy.md "Counters").
+        Read on the proxy's event loop: the handlers update the counters there."""
         return self.counters.snapshot(self.registry.calls_recorded())
 
     async def start(self) -> str:
