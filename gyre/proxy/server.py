@@ -14,7 +14,8 @@ remember our exact output for the payload cache. A client error is answered and 
 failure after the stream started ends the stream with the dialect's error event.
 
 Admin routes (for `gyre.serve` and the runtime; they need the admin key as a Bearer token):
-`POST /gyre/executions` `{"execution"?}` -> `{"execution", "key"}`; `POST /gyre/executions/{execution}/close`.
+`POST /gyre/executions` `{"execution"?}` -> `{"execution", "key"}`; `POST /gyre/executions/{execution}/close`;
+`GET /gyre/stats` -> `ProxyServer.stats()`, the counters of the calls served (`gyre.proxy.stats`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from gyre.proxy.sessions import (
     key_from_headers,
     thread_key,
 )
+from gyre.proxy.stats import ProxyStats, RouteCounters
 from gyre.traj.record import CallMeta
 from gyre.traj.roles import Role
 
@@ -111,24 +113,39 @@ class ProxyServer:
         self.port = config.port
         self._runner: web.AppRunner | None = None
         self.heap = HeapFreezer(config.gc_freeze_every, config.gc_full_every_s)
+        self.counters = ProxyStats()
         self.app = web.Application(client_max_size=config.max_body_bytes)
         routes = [
             web.get("/", self._root),  # aiohttp answers HEAD / with the same handler
             web.get("/v1/models", self._models),
         ]
         for dialect in DIALECTS:
-            routes.append(web.post(dialect.path, self._dialect_handler(dialect)))
+            counters = self.counters.route(dialect.path, dialect.name)
+            routes.append(web.post(dialect.path, self._dialect_handler(dialect, counters)))
             if dialect.count_tokens_path is not None:
-                routes.append(web.post(dialect.count_tokens_path, self._count_tokens_handler(dialect)))
+                counters = self.counters.route(dialect.count_tokens_path, dialect.name)
+                routes.append(web.post(dialect.count_tokens_path, self._count_tokens_handler(dialect, counters)))
         routes += [
             web.post("/gyre/executions", self._issue),
             web.post("/gyre/executions/{execution}/close", self._close),
+            web.get("/gyre/stats", self._stats),
         ]
         self.app.add_routes(routes)
 
     @property
     def url(self) -> str:
+        """The root URL (Anthropic clients' base URL: their SDKs append `/v1/messages`)."""
         return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def openai_url(self) -> str:
+        """The base URL OpenAI clients use (`/v1`: their SDKs append `/chat/completions`, `/responses`)."""
+        return self.url + "/v1"
+
+    def stats(self) -> dict[str, Any]:
+        """The counters of the calls served so far, JSON-able (`gyre.proxy.stats`, docs/proxy.md "Counters").
+        Read on the proxy's event loop: the handlers update the counters there."""
+        return self.counters.snapshot(self.registry.calls_recorded())
 
     async def start(self) -> str:
         # handler_cancellation: a harness that hangs up cancels its call, which aborts it on the engine.
@@ -197,48 +214,63 @@ class ProxyServer:
         in_flight = self.registry.close(execution)
         return _json({"closed": execution, "calls_in_flight": in_flight})
 
+    async def _stats(self, http: web.Request) -> web.Response:
+        if not self._is_admin(http):
+            return _json({"error": {"type": "authentication_error", "message": "admin key required"}}, 401)
+        return _json(self.stats())
+
     def _is_admin(self, http: web.Request) -> bool:
         key = key_from_headers({k.lower(): v for k, v in http.headers.items()})
         return key is not None and secrets.compare_digest(key, self.admin_key)
 
     # ------------------------------------------------------------------ the dialect routes
 
-    def _dialect_handler(self, dialect: Dialect):
+    def _dialect_handler(self, dialect: Dialect, counters: RouteCounters):
         async def handler(http: web.Request) -> web.StreamResponse:
-            try:
-                session, request = await self._admit(http, dialect)
-                prompt = await self._build_prompt(session, request)
-                params = self._sampling(request, prompt.num_tokens)
-                if session.closing or session.tree.closed:  # closed while its body was read or its prompt built
-                    raise ApiError("authentication", "invalid x-api-key: its execution was closed")
-            except ApiError as error:
-                return self.error_response(dialect, error)
-            call = _Call(self, dialect, session, request, prompt, params)
-            session.begin_call()  # an admin close waits for this call to end (docs/proxy.md, routes)
-            try:
-                if request.stream:
-                    return await call.stream(http)
-                return await call.complete()
-            finally:
-                session.end_call()
+            return await _counted(counters, self._serve_call(http, dialect, counters))
 
         return handler
 
-    def _count_tokens_handler(self, dialect: Dialect):
+    def _count_tokens_handler(self, dialect: Dialect, counters: RouteCounters):
         async def handler(http: web.Request) -> web.Response:
-            try:
-                session = self._authenticate(http)
-                body = await self._read_json(http)
-                request = dialect.parse_count_tokens(body, _headers(http), dict(http.query))
-                self._check_model(request.model)
-                _check_stated_role(request)
-                builder = session.make_builder(session.payload)  # a throwaway builder: no cache churn, no lock
-                prompt = await _off_the_loop_if_big(builder, request)
-            except ApiError as error:
-                return self.error_response(dialect, error)
-            return _json(dialect.count_tokens_body(prompt.num_tokens))
+            return await _counted(counters, self._count_tokens(http, dialect, counters))
 
         return handler
+
+    async def _serve_call(self, http: web.Request, dialect: Dialect, counters: RouteCounters) -> web.StreamResponse:
+        try:
+            session, request = await self._admit(http, dialect)
+            prompt = await self._build_prompt(session, request)
+            params = self._sampling(request, prompt.num_tokens)
+            if session.closing or session.tree.closed:  # closed while its body was read or its prompt built
+                raise ApiError("authentication", "invalid x-api-key: its execution was closed")
+        except ApiError as error:
+            counters.ended_with(error)
+            return self.error_response(dialect, error)
+        counters.admitted += 1
+        call = _Call(self, dialect, session, request, prompt, params)
+        session.begin_call()  # an admin close waits for this call to end (docs/proxy.md, routes)
+        try:
+            if request.stream:
+                return await call.stream(http)
+            return await call.complete()
+        finally:
+            session.end_call()
+
+    async def _count_tokens(self, http: web.Request, dialect: Dialect, counters: RouteCounters) -> web.Response:
+        try:
+            session = self._authenticate(http)
+            body = await self._read_json(http)
+            request = dialect.parse_count_tokens(body, _headers(http), dict(http.query))
+            self._check_model(request.model)
+            _check_stated_role(request)
+            builder = session.make_builder(session.payload)  # a throwaway builder: no cache churn, no lock
+            prompt = await _off_the_loop_if_big(builder, request)
+        except ApiError as error:
+            counters.ended_with(error)
+            return self.error_response(dialect, error)
+        counters.answered += 1
+        return _json(dialect.count_tokens_body(prompt.num_tokens))
 
     async def _admit(self, http: web.Request, dialect: Dialect) -> tuple[ExecutionSession, ChatRequest]:
         session = self._authenticate(http)
@@ -342,6 +374,7 @@ class _Call:
 
     def __init__(self, server: ProxyServer, dialect: Dialect, session: ExecutionSession, request, prompt, params):
         self.server, self.dialect, self.session = server, dialect, session
+        self.counters = server.counters.routes[dialect.path]
         self.request, self.prompt, self.params = request, prompt, params
         self.response_id = _new_id(dialect.response_prefix)
         self.created = int(time.time())
@@ -377,6 +410,7 @@ class _Call:
                 yield self.decoder.feed(item.token_ids)
             else:
                 self.finish = item
+                self.counters.finished(item.attempts, item.continuation_cached_tokens)
         events, self.output = self.decoder.finish(self.finish.finish_reason)
         yield events
 
@@ -399,6 +433,7 @@ class _Call:
         reason = finish.finish_reason if finish is not None else "abort"
         thread = thread_key(self.request.signals)
         self.session.record(self.prompt.segments, self.output_ids, self.logprobs, reason, meta, thread=thread)
+        self.counters.recorded += 1
         self.server.heap.call_done()
         if finish is not None:
             self.session.payload.remember(self.output, self.output_ids)
@@ -414,8 +449,13 @@ class _Call:
             unrecorded = self._record_once()
         failed = unrecorded or failed  # a call that could not be recorded is never answered as a success
         if failed is not None:
-            return self.server.error_response(self.dialect, failed)
+            return self._error_response(failed)
+        self.counters.answered += 1
         return _json(self._body(self.output))
+
+    def _error_response(self, error: ApiError) -> web.Response:
+        self.counters.ended_with(error)
+        return self.server.error_response(self.dialect, error)
 
     def _record_once(self) -> ApiError | None:
         """Record the call if it produced tokens and is not recorded yet (also when the harness went away); the
@@ -443,8 +483,9 @@ class _Call:
         try:  # up to the first tokens before any byte is sent: a call that fails at once gets a plain HTTP error
             first = await events.__anext__()
         except _CALL_ERRORS as error:
-            return self.server.error_response(self.dialect, _api_error(error))
+            return self._error_response(_api_error(error))
         writer = self._writer()
+        failed: ApiError | None = None
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
         )
@@ -455,18 +496,44 @@ class _Call:
                 data = b"".join(writer.event(event) for event in batch)
                 if data:
                     await response.write(data)
-            unrecorded = self._record_once()
-            if unrecorded is not None:
-                await response.write(writer.error(unrecorded))
+            failed = self._record_once()
+            if failed is not None:
+                await response.write(writer.error(failed))
             else:
                 await response.write(writer.finish(self.output, self._usage()))
         except _CALL_ERRORS as error:  # after the stream started: the dialect's in-stream error event
-            await response.write(writer.error(_api_error(error)))
+            failed = _api_error(error)
+            await response.write(writer.error(failed))
         finally:
             await events.aclose()  # a harness that went away: the engine call is aborted
             self._record_once()  # what was sampled is recorded (finish "abort" when the call did not end)
         await response.write_eof()
+        # Counted once the stream is whole: a client that hangs up before is a hang-up (`_counted`), not both.
+        if failed is not None:
+            self.counters.ended_with(failed)
+        else:
+            self.counters.answered += 1
         return response
+
+
+# How a client's hang-up reaches a handler: aiohttp cancels it (`handler_cancellation`), or a write to the closed
+# connection raises (aiohttp's `ClientConnectionResetError` is a `ConnectionResetError`). Also a call cancelled
+# when the proxy stops.
+_HANG_UPS = (asyncio.CancelledError, ConnectionResetError)
+
+
+async def _counted(counters: RouteCounters, serve) -> web.StreamResponse:
+    """Await `serve` (one request of the route) and count a hang-up or an error the proxy did not expect: the
+    answers themselves are counted where they are made (`gyre.proxy.stats`: one outcome per request)."""
+    counters.requests += 1
+    try:
+        return await serve
+    except _HANG_UPS:
+        counters.hung_up += 1
+        raise
+    except Exception:  # aiohttp answers it with a 500; counted, then raised as before (never swallowed)
+        counters.ended_unhandled()
+        raise
 
 
 # Errors a routed call can end with, and the API error each becomes.

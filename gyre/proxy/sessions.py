@@ -118,6 +118,9 @@ class ExecutionSession:
     parse_caches: OrderedDict[str, MessageCache] = field(default_factory=OrderedDict)
     _last_calls: dict[str, _LastCall] = field(default_factory=dict)  # thread -> its last recorded call
     calls_in_flight: int = 0  # calls admitted and not yet ended (their records not yet written)
+    calls_recorded: int = 0  # calls in the tree and the record file
+    # The registry's execution -> calls recorded, which outlives the session (`SessionRegistry.calls_recorded`).
+    recorded_tally: dict[str, int] | None = None
     closing: bool = False  # closed by the admin while calls were in flight: closes when the last one ends
 
     @property
@@ -163,6 +166,9 @@ class ExecutionSession:
         write = None if self.writer is None else self._write
         record = self.tree.insert(segments[start:], response, meta, parent=parent, before_commit=write)
         self._last_calls[thread] = _LastCall(tuple(segments), record.response_node, record.response.ids)
+        self.calls_recorded += 1
+        if self.recorded_tally is not None:
+            self.recorded_tally[self.execution] = self.calls_recorded
         return record
 
     def _write(self, record: CallRecord) -> None:
@@ -227,6 +233,7 @@ class SessionRegistry:
         self._by_key: dict[str, ExecutionSession] = {}
         self._by_execution: dict[str, ExecutionSession] = {}
         self._closed: set[str] = set()  # ids of closed executions: never issued again
+        self._recorded: dict[str, int] = {}  # execution -> calls recorded, for every execution issued in the run
         self._counter = 0
         if self.records_dir is not None:
             self.records_dir.mkdir(parents=True, exist_ok=True)
@@ -259,7 +266,9 @@ class SessionRegistry:
             writer=writer,
             payload=self._make_payload(),
             make_builder=self._make_builder,
+            recorded_tally=self._recorded,
         )
+        self._recorded[execution] = 0
         self._by_key[key] = session
         self._by_execution[execution] = session
         log.info("execution %s: key issued", execution)
@@ -272,6 +281,10 @@ class SessionRegistry:
 
     def by_execution(self, execution: str) -> ExecutionSession | None:
         return self._by_execution.get(execution)
+
+    def calls_recorded(self) -> dict[str, int]:
+        """Execution -> calls recorded so far, for every execution issued in this run, open or closed (a copy)."""
+        return dict(self._recorded)
 
     def close(self, execution: str) -> int:
         """The execution ended: its key stops working at once, and its tree and file are closed as soon as its calls

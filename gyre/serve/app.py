@@ -83,7 +83,7 @@ async def _serve(cfg: ServeConfig, run_dir: Path) -> None:
         raise _StartupError(str(exc)) from exc
     try:
         print(f"anthropic: {stack.proxy.url}", flush=True)
-        print(f"openai: {stack.proxy.url}/v1", flush=True)
+        print(f"openai: {stack.proxy.openai_url}", flush=True)
         print(f"admin key: {stack.proxy.admin_key}", flush=True)
         print(f"records: {stack.registry.records_dir}", flush=True)
         for _ in range(cfg.executions):
