@@ -92,7 +92,8 @@ class TrainConfig:
     steps: int = 30
     """Training steps (optimizer updates) to run."""
     seed: int = 0
-    """Seed of the run: demo task generation, task draws, sampling, the trainer (not the warm start's)."""
+    """Seed of the run: demo task generation, task draws, the trainer (not the warm start's); the rollouts' sampling
+    too with `proxy.sampling.seed: ${seed}` (null there: unseeded)."""
 
     def __post_init__(self) -> None:
         require_int("steps", self.steps, ge=1)

@@ -140,6 +140,10 @@ BAD = [
     (lambda: TrainConfig(proxy=proxy(sampling=SamplingConfig(top_p=0.9))), "proxy.sampling.top_p=0.9 is not allowed"),
     (lambda: TrainConfig(proxy=proxy(sampling=SamplingConfig(top_k=20))), "proxy.sampling.top_k=20 is not allowed"),
     (
+        lambda: TrainConfig(proxy=proxy(sampling=SamplingConfig(seed=-1))),
+        "sampling.seed=-1 is not allowed: expected null (unseeded) or an integer in [0, 2**63)",
+    ),
+    (
         lambda: TrainConfig(proxy=proxy(sampling=SamplingConfig(honor_client=True))),
         "proxy.sampling.honor_client=True is not allowed",
     ),
