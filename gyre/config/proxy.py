@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config.checks import require, require_bool, require_duration, require_int, require_number
+from gyre.config.checks import is_int, require, require_bool, require_duration, require_int, require_number
 
 
 @dataclass(kw_only=True)
@@ -22,6 +22,10 @@ class SamplingConfig:
     honor_client: bool = False
     """Use the client's temperature/top_p/top_k when it sends them. Off by default: the behavior policy of a
     training run must not depend on what a harness happens to request."""
+    seed: int | None = None
+    """None: calls sample from the engine's global RNG. An integer: each call is seeded with
+    `gyre.engine.protocol.call_seed(seed, execution, prompt ids)`, so a run's calls sample the same tokens when
+    repeated on the same weights, whatever else the engine batches (docs/engine.md, "Seeded sampling")."""
 
     def __post_init__(self) -> None:
         require_number("sampling.temperature", self.temperature, ge=0)
@@ -29,6 +33,12 @@ class SamplingConfig:
         require_int("sampling.top_k", self.top_k, ge=0, note="0 = off")
         require_int("sampling.max_new_tokens", self.max_new_tokens, ge=1)
         require_bool("sampling.honor_client", self.honor_client)
+        require(
+            self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
+            "sampling.seed",
+            self.seed,
+            "null (unseeded) or an integer in [0, 2**63)",
+        )
 
 
 @dataclass(kw_only=True)

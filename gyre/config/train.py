@@ -92,7 +92,8 @@ class TrainConfig:
     steps: int = 30
     """Training steps (optimizer updates) to run."""
     seed: int = 0
-    """Seed of the run: demo task generation, task draws, sampling, the trainer (not the warm start's)."""
+    """Seed of the run: demo task generation, task draws, the trainer (not the warm start's); the rollouts' sampling
+    too with `proxy.sampling.seed: ${seed}` (null there: unseeded)."""
 
     def __post_init__(self) -> None:
         require_int("steps", self.steps, ge=1)
@@ -102,6 +103,7 @@ class TrainConfig:
         check_behavior_sampling(self.proxy.sampling)
         check_cell_layout(self.cluster, self.trainer)
         check_engine(self.engine, self.trainer)
+        check_engine_slots(self.engine, self.cluster)
         if self.model.uses_tiny:
             check_tiny_model_layout(self)
             check_context_limit(self, self.model.tiny.max_position_embeddings)
@@ -237,6 +239,19 @@ def check_engine(engine: EngineConfig, trainer: TrainerConfig) -> None:
         "engine.policy_version",
         engine.policy_version,
         "0 (the starting policy is version 0; each publication adds one)",
+    )
+
+
+def check_engine_slots(engine: EngineConfig, cluster: ClusterConfig) -> None:
+    """A rollout cell's engine decodes a call of each of its C_e executions at once: the scheduler counts C_e as
+    served, so executions beyond the engine's slots would queue inside the engine, where the scheduler cannot see
+    them."""
+    require(
+        engine.max_running >= cluster.cell_capacity,
+        "engine.max_running",
+        engine.max_running,
+        f"an integer >= cluster.cell_capacity ({cluster.cell_capacity}): a rollout cell's engine runs a call of "
+        "each of its C_e executions at once (more would queue inside the engine, unseen by the scheduler)",
     )
 
 

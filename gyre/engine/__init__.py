@@ -33,7 +33,7 @@ _LAZY = {
     "TensorSpec": "gyre.models.flat_weights",
     "KVBuffer": "gyre.engine.native",
     "NativeEngine": "gyre.engine.native",
-    "request_generator": "gyre.engine.sampling",
+    "seeded_uniforms": "gyre.engine.sampling",
     "sample_next": "gyre.engine.sampling",
     "sampling_logprobs": "gyre.engine.sampling",
     "sequence_logprobs": "gyre.engine.sampling",
@@ -58,8 +58,8 @@ __all__ = [
     "SamplingParams",
     "TensorSpec",
     "TokenChunk",
-    "request_generator",
     "sample_next",
     "sampling_logprobs",
+    "seeded_uniforms",
     "sequence_logprobs",
 ]

@@ -26,6 +26,9 @@ Contract (beyond `gyre.engine.protocol`)
   `numel * element_size` of the live parameters and KV buffers (prefix entries and pinned exports included).
   `release_memory(weights=True)` moves the parameters to a host copy (on a CPU device the copy is the same
   storage, so process RAM does not drop; the model's live parameters do) and leaves empty tensors in the model.
+- Sampling: one `sample_next` per step over the batch with one `SamplingParams` per row and each row's position of
+  the token drawn (`len(fed_ids)`), so a seeded request's tokens are a function of (weights, prompt, params, seed):
+  the same alone, in any batch, in any admission order, and across `export_kv`/`import_kv` or a continuation.
 - `compile_decode=True` runs the batched decode step as `torch.compile(decode_forward)` (gyre.engine.decode): the
   same tokens, log-probs equal within float noise (1e-5 fp32); compiles per new batch shape (docs/engine.md).
 See `docs/engine.md` ("Native engine").
@@ -58,7 +61,7 @@ from gyre.engine.protocol import (
     check_request,
     check_version,
 )
-from gyre.engine.sampling import request_generator, sample_next
+from gyre.engine.sampling import sample_next
 from gyre.models.decoder import DecoderLM, KVCache
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
 
@@ -179,7 +182,6 @@ class _Request:
     future: asyncio.Future
     chunks: asyncio.Queue | None  # set for streamed requests
     submitted: float
-    generator: torch.Generator | None = None
     buffer: KVBuffer | None = None
     fed_ids: list[int] = field(default_factory=list)  # tokens whose KV is in `buffer`
     next_token: int | None = None  # sampled, not yet fed
@@ -536,7 +538,6 @@ class NativeEngine(AcceptingLifecycle):
         request = entry.request
         prompt = list(request.input_ids)
         entry.admitted = time.monotonic()
-        entry.generator = request_generator(request.params, self.device)
         entry.buffer = KVBuffer.empty(self.model, entry.reserved_tokens, self.device, self.dtype)
         prefix = self._prefix.pop(request.execution_id, None)
         reused = 0
@@ -556,7 +557,8 @@ class NativeEngine(AcceptingLifecycle):
         )
         entry.buffer.length = len(prompt)
         entry.fed_ids = list(prompt)
-        token_B, logp_B = sample_next(logits_1TV[:, -1], request.params, [entry.generator])
+        # The first output sits at position len(prompt): a seeded request's draw there is its (seed, position) uniform.
+        token_B, logp_B = sample_next(logits_1TV[:, -1], request.params, [len(prompt)])
         return not self._record(entry, int(token_B[0]), float(logp_B[0]))
 
     def _decode(self) -> None:
@@ -597,7 +599,8 @@ class NativeEngine(AcceptingLifecycle):
         gathered.positions_B1 += 1
         for e in batch:
             e.fed_ids.append(e.next_token)
-        tokens_B, logps_B = sample_next(logits_BV, [e.request.params for e in batch], [e.generator for e in batch])
+        # positions_B1 now holds each row's position of the token drawn (its len(fed_ids)): the seeded counter.
+        tokens_B, logps_B = sample_next(logits_BV, [e.request.params for e in batch], gathered.positions_B1[:, 0])
         gathered.ids_B1 = tokens_B[:, None]
         tokens, logps = tokens_B.tolist(), logps_B.tolist()
         finished = [e for b, e in enumerate(batch) if self._record(e, tokens[b], logps[b])]

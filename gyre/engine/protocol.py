@@ -24,6 +24,7 @@ imports torch). See `docs/engine.md`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from array import array
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -131,7 +132,8 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens (ties with the k-th kept); 0 = off
     max_new_tokens: int = 256  # the request ends with finish reason "length" after this many output tokens
     stop_token_ids: tuple[int, ...] = ()  # sampling one ends the request ("stop"); it is kept as the last output
-    seed: int | None = None  # per-request generator seed: same seed, weights and prompt -> same tokens
+    seed: int | None = None  # None: torch's global RNG. Set: tokens are a function of (weights, prompt, params,
+    # seed), whatever is batched beside the request, and a continuation (prompt + outputs so far) goes on alike
 
     def __post_init__(self) -> None:
         require_number("temperature", self.temperature, ge=0, note="0 = greedy")
@@ -160,6 +162,23 @@ class SamplingParams:
     def filters(self) -> bool:
         """True when top-k or top-p removes tokens (for some vocabulary)."""
         return self.top_k > 0 or self.top_p < 1
+
+
+def call_seed(run_seed: int, execution_id: str, input_ids: Iterable[int]) -> int:
+    """A model call's `SamplingParams.seed` in [0, 2**63), from the run's seed, the call's execution and its prompt.
+
+    What the proxy sends when `proxy.sampling.seed` is set (docs/proxy.md). A call's request id is random, so it
+    cannot make a run repeatable; the execution id (the runtime's name for it) and the prompt (each turn's holds the
+    earlier outputs) can, whatever order concurrent calls arrive in. Two calls of one execution with the same prompt
+    get the same seed, hence (on the same weights) the same tokens. BLAKE2b of the three, its first 63 bits.
+    """
+    require(is_int(run_seed) and 0 <= run_seed < 2**63, "run_seed", run_seed, "an integer in [0, 2**63)")
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(run_seed.to_bytes(8, "little"))
+    digest.update(execution_id.encode())
+    digest.update(b"\0")
+    digest.update(array("q", input_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ Contract
   with it kept, as transformers' `TopKLogitsWarper`), then top-p on the renormalized top-k distribution (keep
   the most likely tokens until their mass reaches `top_p`: a token stays iff the mass strictly before it in
   descending order is < top_p; the most likely token always stays), then renormalized. Removed tokens are -inf.
-- `sample_next(logits_BV, params, generator)` draws from exactly `exp(sampling_logprobs)` and returns the token
+- `sample_next(logits_BV, params, positions)` draws from exactly `exp(sampling_logprobs)` and returns the token
   and its log-prob under that distribution: the behavior log-prob RL importance ratios need. A removed token
   has probability 0 and is never drawn.
 - Greedy (`temperature == 0`) takes the argmax of the raw logits and reports log_softmax of the raw logits there
@@ -16,11 +16,14 @@ Contract
   and applies the same transform at each output position. On the same weights it equals the log-probs recorded
   by `sample_next` during cached decoding within float noise (fp32 CPU: 1e-5), unless a token's value lies
   within that noise of a top-k/top-p boundary (filters are discontinuous; the engine's record is the truth).
-- Per-row parameters: `params` may be one `SamplingParams` for the batch or one per row; `generator` one
-  `torch.Generator` for the batch or one (or None) per row. With one generator per row a row's draws depend
-  only on its own logits and generator, so a seeded request samples the same tokens in any batch. Rows with a
-  generator draw with `torch.multinomial`; rows without one draw from the global RNG by inverting the CDF
-  (the same distribution, one uniform per row: much cheaper than multinomial's one exponential per token).
+- Per-row parameters: `params` may be one `SamplingParams` for the batch or one per row.
+- Seeded rows (`params.seed` set) are counter-based: the token at sequence position t (the number of tokens before
+  it: prompt and earlier outputs) is drawn by inverting the CDF at the uniform `seeded_uniforms(seed, t)`, the
+  t-th output of SplitMix64 seeded with `seed`, so a draw depends only on (the row's logits, seed, t): not on the
+  other rows of the batch, their order, or how many draws came before. A continuation (prompt + the outputs so
+  far, same params) therefore draws the same next tokens as the uninterrupted request, on any engine. The caller
+  passes `positions` (one t per row) whenever a row is seeded. Unseeded rows draw their uniforms from torch's
+  global RNG. Both invert the CDF of exactly `exp(sampling_logprobs)`: one uniform per row, batched.
 """
 
 from __future__ import annotations
@@ -31,14 +34,30 @@ import torch
 
 from gyre.engine.protocol import SamplingParams
 
-Generators = torch.Generator | Sequence[torch.Generator | None] | None
+# SplitMix64 (Steele, Lea, Flood 2014; the seeding generator of java.util.SplittableRandom and of xoshiro):
+# output i of the generator seeded with s is mix(s + (i + 1) * GAMMA). Constants as signed int64 (torch has no uint64).
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
-def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator seeded with `params.seed` on `device`, or None (global RNG) when the request has no seed."""
-    if params.seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's `>>` is arithmetic: mask off the copied sign bits)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """fp32 uniforms in [0, 1), one per element: the `positions`-th output of SplitMix64 seeded with `seeds`.
+
+    int64 tensors of one shape on one device; integer arithmetic wraps modulo 2**64, so the result is the same
+    bits on every device. The top 24 bits of the output make the fp32 (exact: 24 bits fit its mantissa), so the
+    value is k / 2**24 for an integer k < 2**24, strictly below 1.
+    """
+    z = seeds + (positions + 1) * _GAMMA
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def _row_params(params: SamplingParams | Sequence[SamplingParams], B: int) -> list[SamplingParams]:
@@ -88,61 +107,60 @@ def sampling_logprobs(logits_BV: torch.Tensor, params: SamplingParams | Sequence
     return torch.log_softmax(filtered_BV, dim=-1)
 
 
-def _draw_global(probs_SV: torch.Tensor) -> torch.Tensor:
-    """One token per row from the global RNG, drawn from `probs_SV` by inverting its CDF.
+def _draw(probs_BV: torch.Tensor, u_B1: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from `probs_BV` by inverting its CDF at the uniform `u_B1` in [0, 1).
 
     The same distribution as `torch.multinomial` (up to fp32 rounding of the cumulative sum), with one uniform per
-    row instead of one exponential per vocabulary entry: ~10x cheaper for a 512-token vocabulary on CPU. `u` is
-    strictly below the total mass (rand < 1), so the index found is in range and its cdf rises there: a token
-    of probability 0 is never drawn. Seeded generators keep `torch.multinomial`, so their draws are unchanged.
+    row instead of one exponential per vocabulary entry: ~10x cheaper for a 512-token vocabulary on CPU. `u * mass`
+    is strictly below the total mass (u < 1), so the index found is in range and its cdf rises there: a token of
+    probability 0 is never drawn.
     """
-    cdf_SV = probs_SV.cumsum(dim=-1)
-    u_S1 = torch.rand(cdf_SV.shape[0], 1, dtype=cdf_SV.dtype, device=cdf_SV.device) * cdf_SV[:, -1:]
-    return torch.searchsorted(cdf_SV, u_S1, right=True)[:, 0]  # first index with cdf > u
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    return torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)[:, 0]  # first index with cdf > u * mass
+
+
+def _uniforms(rows: list[SamplingParams], positions: Sequence[int] | torch.Tensor | None, device) -> torch.Tensor:
+    """fp32 `[B, 1]`: each row's uniform, counter-based for seeded rows, from the global RNG for the others."""
+    seeded = [p.seed is not None for p in rows]
+    B = len(rows)
+    if not any(seeded):
+        return torch.rand(B, 1, device=device)
+    if positions is None:
+        raise ValueError("positions is required when a row is seeded (SamplingParams.seed): one position per row")
+    positions_B = torch.as_tensor(positions, dtype=torch.long, device=device).reshape(-1)
+    if positions_B.numel() != B:
+        raise ValueError(f"positions has {positions_B.numel()} entries for {B} logits rows")
+    seeds_B = torch.tensor([p.seed if p.seed is not None else 0 for p in rows], dtype=torch.long, device=device)
+    u_B = seeded_uniforms(seeds_B, positions_B)
+    if not all(seeded):
+        u_B = torch.where(torch.tensor(seeded, device=device), u_B, torch.rand(B, device=device))
+    return u_B[:, None]
 
 
 @torch.no_grad()
 def sample_next(
     logits_BV: torch.Tensor,
     params: SamplingParams | Sequence[SamplingParams],
-    generator: Generators = None,
+    positions: Sequence[int] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return `(token_ids_B int64, logprobs_B fp32)`, the behavior log-prob of each token."""
+    """Draw one token per row; return `(token_ids_B int64, logprobs_B fp32)`, the behavior log-prob of each token.
+
+    `positions` (required when a row is seeded): per row, the sequence position of the token drawn (the number of
+    tokens before it), the counter of its seeded uniform.
+    """
     logp_BV = sampling_logprobs(logits_BV, params)
     B = logp_BV.shape[0]
     rows = _row_params(params, B)
-    sampled_rows = [b for b, p in enumerate(rows) if not p.greedy]
-    shared_rng = generator is None or (not isinstance(generator, torch.Generator) and all(g is None for g in generator))
-    if len(sampled_rows) == B and shared_rng:  # the common rollout batch: every row drawn at once, no indexing
-        if generator is not None and len(generator) != B:
-            raise ValueError(f"generator has {len(generator)} entries for {B} logits rows")
-        token_ids_B = _draw_global(logp_BV.exp())
-        return token_ids_B, logp_BV.gather(1, token_ids_B[:, None])[:, 0]
-    token_ids_B = logp_BV.argmax(dim=-1)  # greedy rows: argmax of the raw logits (log_softmax is monotonic)
-    if sampled_rows:
-        probs_BV = logp_BV.exp()  # exactly the distribution the log-probs describe; filtered tokens are 0
-        if generator is None or isinstance(generator, torch.Generator):
-            index_S = torch.tensor(sampled_rows, device=logp_BV.device)
-            if generator is None:
-                drawn_S = _draw_global(probs_BV[index_S])
-            else:
-                drawn_S = torch.multinomial(probs_BV[index_S], 1, generator=generator)[:, 0]
-            token_ids_B = token_ids_B.index_copy(0, index_S, drawn_S)
-        else:
-            generators = list(generator)
-            if len(generators) != B:
-                raise ValueError(f"generator has {len(generators)} entries for {B} logits rows")
-            token_ids_B = token_ids_B.clone()
-            # Rows without a generator share the global RNG: one draw for all of them.
-            shared = [b for b in sampled_rows if generators[b] is None]
-            if shared:
-                index_S = torch.tensor(shared, device=logp_BV.device)
-                token_ids_B[index_S] = _draw_global(probs_BV[index_S])
-            for b in sampled_rows:  # one draw per row from its own generator: independent of the batch
-                if generators[b] is not None:
-                    token_ids_B[b] = torch.multinomial(probs_BV[b], 1, generator=generators[b])[0]
-    logprobs_B = logp_BV.gather(1, token_ids_B[:, None])[:, 0]
-    return token_ids_B, logprobs_B
+    greedy = [p.greedy for p in rows]
+    if all(greedy):
+        token_ids_B = logp_BV.argmax(dim=-1)  # argmax of the raw logits (log_softmax is monotonic)
+    else:
+        # exp(logp) is exactly the distribution the log-probs describe; filtered tokens are 0.
+        token_ids_B = _draw(logp_BV.exp(), _uniforms(rows, positions, logp_BV.device))
+        if any(greedy):
+            greedy_B = torch.tensor(greedy, device=logp_BV.device)
+            token_ids_B = torch.where(greedy_B, logp_BV.argmax(dim=-1), token_ids_B)
+    return token_ids_B, logp_BV.gather(1, token_ids_B[:, None])[:, 0]
 
 
 @torch.no_grad()

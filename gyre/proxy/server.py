@@ -32,7 +32,7 @@ from aiohttp import web
 
 from gyre.config.proxy import ProxyConfig
 from gyre.engine.errors import RemoteEngineError
-from gyre.engine.protocol import GenerateRequest, SamplingParams
+from gyre.engine.protocol import GenerateRequest, SamplingParams, call_seed
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
 from gyre.proxy.dialects import DIALECTS, Dialect
 from gyre.proxy.dialects.fields import json_type, nesting_depth_exceeds
@@ -241,7 +241,7 @@ class ProxyServer:
         try:
             session, request = await self._admit(http, dialect)
             prompt = await self._build_prompt(session, request)
-            params = self._sampling(request, prompt.num_tokens)
+            params = self._sampling(request, prompt.num_tokens, self._call_seed(session.execution, prompt.input_ids))
             if session.closing or session.tree.closed:  # closed while its body was read or its prompt built
                 raise ApiError("authentication", "invalid x-api-key: its execution was closed")
         except ApiError as error:
@@ -339,7 +339,11 @@ class ProxyServer:
         if model not in self.config.model_names:
             raise ApiError("not_found", f"model: {model!r} is not served here; available: {self.config.model_names}")
 
-    def _sampling(self, request: ChatRequest, prompt_tokens: int) -> SamplingParams:
+    def _call_seed(self, execution: str, input_ids) -> int | None:
+        run_seed = self.config.sampling.seed
+        return None if run_seed is None else call_seed(run_seed, execution, input_ids)
+
+    def _sampling(self, request: ChatRequest, prompt_tokens: int, seed: int | None = None) -> SamplingParams:
         room = self.context_limit - prompt_tokens
         if room < self.config.min_output_tokens:
             raise ApiError(
@@ -361,6 +365,7 @@ class ProxyServer:
                 top_k=top_k,
                 max_new_tokens=budget,
                 stop_token_ids=self.template.end_of_turn_ids,
+                seed=seed,
             )
         except ValueError as error:
             raise ApiError("invalid_request", str(error)) from None

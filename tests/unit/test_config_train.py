@@ -111,6 +111,15 @@ BAD = [
         lambda: TrainConfig(cluster=cells(cell_capacity=7), algo=demo_algo(mode="async", phi=1.5, mu=1, train_cells=3)),
         "cluster.cell_capacity=7 is not allowed: expected rollout capacity of the async split (7) >= one group of 8",
     ),
+    # the engine's slots against C_e
+    (
+        lambda: TrainConfig(engine=EngineConfig(max_running=7)),
+        "engine.max_running=7 is not allowed: expected an integer >= cluster.cell_capacity (8)",
+    ),
+    (
+        lambda: TrainConfig(cluster=cells(cell_capacity=32)),
+        "engine.max_running=16 is not allowed: expected an integer >= cluster.cell_capacity (32)",
+    ),
     # the packer against the schedule and the context
     (lambda: TrainConfig(packing=packing(batch_groups=8)), "packing.batch_groups=8 is not allowed: expected algo."),
     (lambda: TrainConfig(packing=packing(group_size=16)), "packing.group_size=16 is not allowed: expected algo."),
@@ -130,6 +139,10 @@ BAD = [
     ),
     (lambda: TrainConfig(proxy=proxy(sampling=SamplingConfig(top_p=0.9))), "proxy.sampling.top_p=0.9 is not allowed"),
     (lambda: TrainConfig(proxy=proxy(sampling=SamplingConfig(top_k=20))), "proxy.sampling.top_k=20 is not allowed"),
+    (
+        lambda: TrainConfig(proxy=proxy(sampling=SamplingConfig(seed=-1))),
+        "sampling.seed=-1 is not allowed: expected null (unseeded) or an integer in [0, 2**63)",
+    ),
     (
         lambda: TrainConfig(proxy=proxy(sampling=SamplingConfig(honor_client=True))),
         "proxy.sampling.honor_client=True is not allowed",

@@ -238,6 +238,43 @@ def test_behavior_logprobs_equal_teacher_forced_and_seeded_tokens_do_not_depend_
         assert torch.allclose(torch.tensor(t.output_logprobs), expected, atol=1e-5, rtol=0)
 
 
+def test_a_seeded_request_samples_one_stream_whatever_runs_beside_it(engines):
+    """Seeded sampling is a function of (weights, prompt, params, seed): the same request alone, or among unseeded
+    and other seeded requests admitted in another order into fewer slots (so batches form and change differently),
+    samples the same tokens with the same log-probs; another seed samples others."""
+    engines.needs_model_numerics()
+    batch = prompts(6, seed=7)
+    seeded = [SamplingParams(temperature=1.0, max_new_tokens=10 + 3 * i, seed=100 + i) for i in range(6)]
+    unseeded = SamplingParams(temperature=1.0, max_new_tokens=9)
+
+    async def main():
+        async with engines.open(max_running=8) as engine:
+            alone = [
+                await engine.generate(request(f"a{i}", p, c))
+                for i, (p, c) in enumerate(zip(batch, seeded, strict=True))
+            ]
+            reseeded = await engine.generate(
+                request("other-seed", batch[0], SamplingParams(temperature=1.0, max_new_tokens=10, seed=999))
+            )
+        mixed = {}
+        for order, slots in (([0, 1, 2, 3, 4, 5], 8), ([5, 3, 1, 4, 0, 2], 3)):
+            async with engines.open(max_running=slots) as engine:
+                calls = []
+                for i in order:
+                    calls.append(engine.generate(request(f"s{i}", batch[i], seeded[i])))
+                    calls.append(engine.generate(request(f"u{i}", batch[(i + 1) % 6], unseeded)))
+                results = await asyncio.gather(*calls)
+                mixed[slots] = {order[k // 2]: r for k, r in enumerate(results) if k % 2 == 0}
+        return alone, reseeded, mixed
+
+    alone, reseeded, mixed = run(main())
+    for together in mixed.values():
+        for i, a in enumerate(alone):
+            assert together[i].output_ids == a.output_ids
+            assert torch.allclose(torch.tensor(together[i].output_logprobs), torch.tensor(a.output_logprobs), atol=1e-5)
+    assert reseeded.output_ids != alone[0].output_ids[: len(reseeded.output_ids)]
+
+
 def test_abort_mid_stream_returns_partial_output_and_the_engine_keeps_serving(engines):
     long_params = SamplingParams(temperature=0.0, max_new_tokens=110)
 
@@ -427,6 +464,36 @@ def test_kv_export_import_continues_like_an_unmigrated_run_computing_only_new_to
             assert export.output_ids + cont.output_ids == unmigrated.output_ids
             assert (await neighbour).finish_reason == "length"
             assert source.release_export("mig") is True
+
+    run(main())
+
+
+def test_a_seeded_stream_continues_unchanged_across_a_kv_migration(engines):
+    """Seeded draws are counter-based (seed, position): the continuation on another engine (prompt + outputs so far,
+    the same seed) samples exactly the tokens the unmigrated request sampled."""
+    engines.needs_kv_migration()
+    prompt = [7, 3, 11, 42, 5, 9]
+    total = 40
+    params = SamplingParams(temperature=1.0, max_new_tokens=total, seed=31)
+
+    async def main():
+        async with engines.open(max_running=4) as source, engines.open(max_running=4) as destination:
+            unmigrated = await source.generate(request("ref", prompt, params))
+            stream = source.generate_stream(request("mig", prompt, params))
+            await until_tokens(stream, 8)
+            export = await source.export_kv("mig")
+            [c async for c in stream]
+            await destination.import_kv(export)
+            done = len(export.output_ids)
+            rest = SamplingParams(temperature=1.0, max_new_tokens=total - done, seed=31)
+            cont = await destination.generate(
+                request("cont", (*prompt, *export.output_ids), rest, execution="exec-mig")
+            )
+            assert cont.cached_tokens == len(prompt) + done - 1
+            assert export.output_ids + cont.output_ids == unmigrated.output_ids
+            logprobs = torch.tensor(export.output_logprobs + cont.output_logprobs)
+            assert torch.allclose(logprobs, torch.tensor(unmigrated.output_logprobs), atol=1e-5)
+            source.release_export("mig")
 
     run(main())
 

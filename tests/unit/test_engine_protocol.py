@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from array import array
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from gyre.engine.protocol import (
     GenerateTimings,
     SamplingParams,
     TokenChunk,
+    call_seed,
 )
 from gyre.engine.scripted import ScriptedEngine
 
@@ -55,6 +57,21 @@ def test_sampling_params_defaults_and_normalization():
     assert hash(params) == hash(SamplingParams(stop_token_ids=(2, 7), temperature=0))  # frozen and hashable
     with pytest.raises(AttributeError):
         params.temperature = 1.0
+
+
+def test_call_seed_is_a_function_of_the_run_seed_the_execution_and_the_prompt():
+    seed = call_seed(7, "g000001-e0000002", [5, 6, 7])
+    assert 0 <= seed < 2**63 and SamplingParams(seed=seed).seed == seed
+    assert call_seed(7, "g000001-e0000002", array("i", [5, 6, 7])) == seed  # any sequence of ids, same bytes
+    others = {
+        call_seed(8, "g000001-e0000002", [5, 6, 7]),
+        call_seed(7, "g000001-e0000003", [5, 6, 7]),
+        call_seed(7, "g000001-e0000002", [5, 6, 7, 8]),
+        call_seed(7, "g000001-e000000", [2, 5, 6, 7]),  # the execution id and the prompt do not run together
+    }
+    assert seed not in others and len(others) == 4
+    with pytest.raises(ValueError, match=r"^run_seed=-1 is not allowed"):
+        call_seed(-1, "x", [1])
 
 
 def test_generate_request_validation():
@@ -117,7 +134,16 @@ def test_protocol_module_needs_no_torch_at_runtime():
             modules |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             modules.add((node.module or "").split(".")[0] if node.module != "gyre.config.checks" else "gyre.config")
-    assert modules <= {"__future__", "array", "asyncio", "collections", "dataclasses", "typing", "gyre.config"}, modules
+    assert modules <= {
+        "__future__",
+        "array",
+        "asyncio",
+        "collections",
+        "dataclasses",
+        "hashlib",
+        "typing",
+        "gyre.config",
+    }, modules
 
 
 def test_prompt_ids_are_kept_as_a_private_int32_array():

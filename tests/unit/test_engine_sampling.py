@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 
 import pytest
 import torch
 from engine_fixtures import sharp_tiny_model
 
 from gyre.engine.protocol import SamplingParams
-from gyre.engine.sampling import request_generator, sample_next, sampling_logprobs, sequence_logprobs
+from gyre.engine.sampling import sample_next, sampling_logprobs, seeded_uniforms, sequence_logprobs
 
 ATOL = 1e-5
 PARAM_CASES = {
@@ -27,13 +29,15 @@ def model():
 
 
 @torch.no_grad()
-def decode(model, prompt, params, generator, num_tokens):
-    """Prefill, then sample token by token from the KV cache; return (output ids, recorded log-probs)."""
+def decode(model, prompt, params, num_tokens):
+    """Prefill, then sample token by token from the KV cache; return (output ids, recorded log-probs).
+
+    Each draw passes its sequence position, as the engine does (the counter of a seeded row's uniform)."""
     ids_1T = torch.tensor([prompt])
     logits_1TV, cache = model(ids_1T, torch.arange(len(prompt))[None], num_logits_to_keep=1)
     out, logps = [], []
     for step in range(num_tokens):
-        token_B, logp_B = sample_next(logits_1TV[:, -1], params, generator)
+        token_B, logp_B = sample_next(logits_1TV[:, -1], params, [len(prompt) + step])
         out.append(int(token_B[0]))
         logps.append(float(logp_B[0]))
         position = torch.tensor([[len(prompt) + step]])
@@ -45,7 +49,7 @@ def decode(model, prompt, params, generator, num_tokens):
 def test_recorded_logprobs_equal_teacher_forced(model, name):
     params = PARAM_CASES[name]
     for seed, prompt in ((0, [5, 17, 2]), (1, [40, 41, 42, 43, 44, 45, 46]), (2, [9])):
-        out, recorded = decode(model, prompt, params, torch.Generator().manual_seed(seed), 24)
+        out, recorded = decode(model, prompt, dataclasses.replace(params, seed=seed), 24)
         recomputed = sequence_logprobs(model, prompt, out, params)
         assert recomputed.dtype == torch.float32 and recomputed.shape == (24,)
         assert torch.isfinite(recorded).all()
@@ -56,17 +60,16 @@ def test_recorded_logprobs_equal_teacher_forced(model, name):
 
 
 def test_batched_per_row_params_equal_teacher_forced(model):
-    """One batch, a different SamplingParams and generator per row: each row equals its own teacher-forced pass."""
-    rows = [PARAM_CASES[name] for name in sorted(PARAM_CASES)]
+    """One batch, a different SamplingParams and seed per row: each row equals its own teacher-forced pass."""
+    rows = [dataclasses.replace(PARAM_CASES[name], seed=10 + b) for b, name in enumerate(sorted(PARAM_CASES))]
     prompts = [[3 + b, 20 + b, 50 - b, 7] for b in range(len(rows))]
-    generators = [torch.Generator().manual_seed(10 + b) for b in range(len(rows))]
     ids_BT = torch.tensor(prompts)
     positions_BT = torch.arange(4).expand(len(rows), 4)
     with torch.no_grad():
         logits_BTV, cache = model(ids_BT, positions_BT, num_logits_to_keep=1)
     outs, logps = [], []
     for step in range(16):
-        token_B, logp_B = sample_next(logits_BTV[:, -1], rows, generators)
+        token_B, logp_B = sample_next(logits_BTV[:, -1], rows, [4 + step] * len(rows))
         outs.append(token_B)
         logps.append(logp_B)
         with torch.no_grad():
@@ -76,13 +79,13 @@ def test_batched_per_row_params_equal_teacher_forced(model):
         recomputed = sequence_logprobs(model, prompts[b], out_BN[b], params)
         torch.testing.assert_close(logp_BN[b], recomputed, atol=ATOL, rtol=0.0)
         # A seeded row draws the same tokens alone as in the batch.
-        alone, _ = decode(model, prompts[b], params, torch.Generator().manual_seed(10 + b), 16)
+        alone, _ = decode(model, prompts[b], params, 16)
         assert alone == out_BN[b].tolist()
 
 
 def test_greedy_matches_argmax_of_full_forward(model):
     prompt = [11, 12, 13, 14]
-    out, recorded = decode(model, prompt, SamplingParams(temperature=0), None, 20)
+    out, recorded = decode(model, prompt, SamplingParams(temperature=0), 20)
     ids_1T = torch.tensor([prompt + out])
     with torch.no_grad():
         logits_TV = model(ids_1T, torch.arange(ids_1T.shape[1])[None])[0][0, len(prompt) - 1 : -1]
@@ -101,12 +104,86 @@ def test_greedy_matches_argmax_of_full_forward(model):
 def test_seeded_reproducibility(model):
     prompt = [1, 2, 3]
     params = SamplingParams(temperature=1.3, top_k=8, top_p=0.9, seed=1234)
-    first, lp1 = decode(model, prompt, params, request_generator(params), 32)
-    again, lp2 = decode(model, prompt, params, request_generator(params), 32)
-    other, _ = decode(model, prompt, params, request_generator(SamplingParams(seed=99)), 32)
+    first, lp1 = decode(model, prompt, params, 32)
+    torch.manual_seed(123)  # the global RNG's state does not matter to a seeded request
+    again, lp2 = decode(model, prompt, params, 32)
+    other, _ = decode(model, prompt, dataclasses.replace(params, seed=99), 32)
     assert first == again and torch.equal(lp1, lp2)
     assert first != other
-    assert request_generator(SamplingParams()) is None
+
+
+def test_seeded_continuation_draws_the_same_next_tokens(model):
+    """Counter-based draws: resuming from prompt + the first k outputs (a migrated or rerouted call) continues the
+    same stream, although its first token now comes from a prefill's logits, not a decode step's."""
+    prompt = [8, 30, 31, 4]
+    params = SamplingParams(temperature=1.0, seed=2024)
+    whole, lp_whole = decode(model, prompt, params, 30)
+    for k in (1, 7, 18):
+        rest, lp_rest = decode(model, prompt + whole[:k], params, 30 - k)
+        assert rest == whole[k:]
+        torch.testing.assert_close(lp_rest, lp_whole[k:], atol=ATOL, rtol=0.0)
+
+
+def splitmix64(seed: int, index: int) -> int:
+    """Reference SplitMix64 on Python ints: output `index` (from 0) of the generator seeded with `seed`."""
+    mask = (1 << 64) - 1
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_seeded_uniforms_are_splitmix64_outputs():
+    assert splitmix64(0, 0) == 0xE220A8397B1DCDAF  # the published first output for seed 0
+    rng = random.Random(0)
+    seeds = [0, 1, 2**63 - 1] + [rng.randrange(2**63) for _ in range(500)]
+    positions = [0, 2**31, 5] + [rng.randrange(2**40) for _ in range(500)]
+    got = seeded_uniforms(torch.tensor(seeds), torch.tensor(positions))
+    expected = torch.tensor([(splitmix64(s, t) >> 40) / 2**24 for s, t in zip(seeds, positions, strict=True)])
+    assert got.dtype == torch.float32 and torch.equal(got, expected)  # int64 wrap-around is exact
+    assert float(got.min()) >= 0 and float(got.max()) < 1
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch_and_order():
+    """A seeded row's draw depends only on its logits, seed and position: not on the other rows (seeded, unseeded,
+    greedy, filtered) nor on its place in the batch."""
+    logits_BV = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 3
+    rows = [
+        SamplingParams(seed=5),
+        SamplingParams(temperature=0.8, top_k=6, seed=6),
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(top_p=0.7, seed=8),
+        SamplingParams(temperature=1.2),
+    ]
+    positions = [11, 3, 0, 7, 250, 9]
+    batch_tokens, batch_logps = sample_next(logits_BV, rows, positions)
+    for order in ([5, 4, 3, 2, 1, 0], [1, 0, 4, 2, 3, 5]):
+        tokens, logps = sample_next(logits_BV[order], [rows[i] for i in order], [positions[i] for i in order])
+        for b, i in enumerate(order):
+            if rows[i].seed is not None or rows[i].greedy:
+                assert int(tokens[b]) == int(batch_tokens[i]) and float(logps[b]) == float(batch_logps[i])
+    for i, params in enumerate(rows):
+        if params.seed is not None:
+            alone, logp = sample_next(logits_BV[i : i + 1], params, [positions[i]])
+            assert int(alone[0]) == int(batch_tokens[i]) and float(logp[0]) == float(batch_logps[i])
+    # Another position (or another seed) is another uniform: over many positions, the draws differ.
+    draws = {int(sample_next(logits_BV[:1], rows[0], [t])[0][0]) for t in range(40)}
+    assert len(draws) > 3
+
+
+def test_unseeded_rows_draw_from_the_global_rng_as_before():
+    """Unseeded: one torch.rand(B, 1) from the global RNG per call, inverted through each row's CDF."""
+    logits_BV = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.9)
+    torch.manual_seed(77)
+    tokens, _ = sample_next(logits_BV, params)
+    torch.manual_seed(77)
+    u_B1 = torch.rand(4, 1)
+    cdf_BV = sampling_logprobs(logits_BV, params).exp().cumsum(-1)
+    assert tokens.tolist() == torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)[:, 0].tolist()
+    torch.manual_seed(77)
+    assert torch.equal(sample_next(logits_BV, params)[0], tokens)
 
 
 def test_filtered_tokens_are_never_sampled():
@@ -120,7 +197,9 @@ def test_filtered_tokens_are_never_sampled():
         assert 1 < int(kept.sum()) < 50
         if params.top_k:
             assert int(kept.sum()) <= params.top_k
-        tokens_N, logps_N = sample_next(logits_V.expand(draws, -1), params, torch.Generator().manual_seed(1))
+        # One seed, positions 0..draws-1: the counter-based uniforms are also checked for uniformity here.
+        seeded = dataclasses.replace(params, seed=1)
+        tokens_N, logps_N = sample_next(logits_V.expand(draws, -1), seeded, torch.arange(draws))
         assert kept[tokens_N].all(), "a filtered-out token was sampled"
         torch.testing.assert_close(logps_N, logp_V[tokens_N])
         freq_V = torch.bincount(tokens_N, minlength=50).float() / draws
@@ -168,7 +247,7 @@ def test_sampling_logprobs_by_hand():
 
 def test_bf16_logits_are_scored_in_fp32():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(0)).bfloat16()
-    tokens, logps = sample_next(logits, SamplingParams(top_k=4), torch.Generator().manual_seed(0))
+    tokens, logps = sample_next(logits, SamplingParams(top_k=4, seed=0), [3, 3])
     assert tokens.dtype == torch.int64 and logps.dtype == torch.float32
     expected = torch.log_softmax(logits.float(), -1)
     assert (logps >= expected.gather(1, tokens[:, None])[:, 0]).all()  # renormalized over 4 tokens: larger
@@ -179,8 +258,10 @@ def test_argument_errors(model):
         sample_next(torch.zeros(5), SamplingParams())
     with pytest.raises(ValueError, match="params has 1 entries for 2"):
         sample_next(torch.zeros(2, 5), [SamplingParams()])
-    with pytest.raises(ValueError, match="generator has 1 entries for 2"):
-        sample_next(torch.zeros(2, 5), SamplingParams(), [None])
+    with pytest.raises(ValueError, match="positions is required when a row is seeded"):
+        sample_next(torch.zeros(2, 5), [SamplingParams(), SamplingParams(seed=1)])
+    with pytest.raises(ValueError, match="positions has 1 entries for 2"):
+        sample_next(torch.zeros(2, 5), SamplingParams(seed=1), [0])
     with pytest.raises(ValueError, match="input_ids is empty"):
         sequence_logprobs(model, [], [1], SamplingParams())
     assert sequence_logprobs(model, [1], [], SamplingParams()).shape == (0,)
