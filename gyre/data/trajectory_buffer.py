@@ -9,6 +9,9 @@ scheduler accounted for (or the controller passes the scheduler's choice to `tak
 
 Contract:
 - A group is handed out at most once; taking it again, or marking a taken group ready, is a ValueError.
+- A group the buffers refused (`mark_ready` raised; the controller reports `group_rejected`, docs/scheduler.md)
+  is dropped with `drop_group`: its trees and members are released and it is never handed out. Dropping is not
+  idempotent: dropping a group twice, a taken group, a ready group or an unknown one is a ValueError.
 - Rewards are a snapshot taken at `mark_ready` (outcomes may change later; the paper reads them once).
   A reward of None marks an excluded member: it keeps its slot (it counts in the batch's B * N) but has
   no reward, advantage 0 and no rows; its admitted trajectories, if any were passed, are dropped.
@@ -21,7 +24,7 @@ Contract:
   carry with `str()`.
 - Every check runs before any mutation: on ValueError the buffer is unchanged.
 - Not thread-safe: the controller owns it (one thread); cells never touch it.
-- Holds references to the trees, not copies; the trees of a group are released when it is taken.
+- Holds references to the trees, not copies; the trees of a group are released when it is taken or dropped.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class TrajectoryBuffer:
         self._ready: list[tuple[int, int, int]] = []  # heap of (version, ready order, group id)
         self._ready_count = 0
         self._taken: set[int] = set()
+        self._dropped: set[int] = set()
 
     @property
     def max_row_tokens(self) -> int | None:
@@ -95,7 +99,7 @@ class TrajectoryBuffer:
         for name, value in (("group_id", group_id), ("version", version)):
             if not is_int(value) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if group_id in self._groups or group_id in self._taken:
+        if group_id in self._groups or group_id in self._taken or group_id in self._dropped:
             raise ValueError(f"group {group_id} is already registered (group ids are never reused)")
         ids = list(executions)
         if not ids or not all(isinstance(e, str) and e for e in ids):
@@ -204,10 +208,25 @@ class TrajectoryBuffer:
             raise ValueError(f"group {group_id} is not ready: rewards missing (mark_ready first)")
         self._ready = [entry for entry in self._ready if entry[2] != group_id]
         heapq.heapify(self._ready)
-        del self._groups[group_id]
-        for e in group.trees:
-            del self._group_of[e]
+        self._forget(group)
         self._taken.add(group_id)
+        return group
+
+    def drop_group(self, group_id: int) -> RolloutGroup:
+        """Drop a group that was never marked ready (the buffers refused it): release its trees and members.
+
+        Returns the dropped group (for logging). Its id stays used. A ValueError, and nothing changes, when the
+        group is unknown, was already dropped or handed out, or is ready (the scheduler may claim a ready group:
+        a ready group leaves through `take`, or the packer sets it aside)."""
+        if group_id in self._dropped:
+            raise ValueError(f"group {group_id} was already dropped")
+        group = self._open_group(group_id, "drop")
+        if group.ready:
+            raise ValueError(
+                f"group {group_id} is ready and may be claimed: only a group that was not marked ready is dropped"
+            )
+        self._forget(group)
+        self._dropped.add(group_id)
         return group
 
     # -- reading ------------------------------------------------------------------------------------
@@ -216,8 +235,9 @@ class TrajectoryBuffer:
         try:
             return self._groups[group_id]
         except KeyError:
-            taken = " (already handed out)" if group_id in self._taken else ""
-            raise ValueError(f"unknown group {group_id!r}{taken}") from None
+            gone = " (already handed out)" if group_id in self._taken else ""
+            gone = " (dropped)" if group_id in self._dropped else gone
+            raise ValueError(f"unknown group {group_id!r}{gone}") from None
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -227,9 +247,22 @@ class TrajectoryBuffer:
         return len(self._ready)
 
     def __repr__(self) -> str:
-        return f"TrajectoryBuffer(groups={len(self._groups)}, ready={len(self._ready)}, taken={len(self._taken)})"
+        return (
+            f"TrajectoryBuffer(groups={len(self._groups)}, ready={len(self._ready)}, taken={len(self._taken)}, "
+            f"dropped={len(self._dropped)})"
+        )
+
+    @property
+    def num_dropped(self) -> int:
+        return len(self._dropped)
 
     # -- internals ----------------------------------------------------------------------------------
+    def _forget(self, group: RolloutGroup) -> None:
+        """Release a group the buffer no longer holds (taken or dropped): its entry and its executions."""
+        del self._groups[group.group_id]
+        for e in group.trees:
+            del self._group_of[e]
+
     def _group_of_execution(self, execution: str) -> int:
         try:
             return self._group_of[execution]

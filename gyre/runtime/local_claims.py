@@ -14,10 +14,13 @@ step's board with `gyre.distributed.step_pump.StepPump`):
    scheduler accounted for (its staleness, its batch count);
 4. once the packer's stream is closed and drained, the assembler's held-back run, then None: the step is done.
 
-`next_unit` returns `WAIT` when no group is ready yet (the caller retries after the next group verdict).
-A claimed group the packer sets aside raises `GroupSetAsideError`: the scheduler has no event yet to take a claim
-back, so the step could never get its B groups (docs/runtime.md, "Seams"). Not thread-safe: call it on the
-thread that owns the scheduler and the packer (the controller's event loop).
+`next_unit` returns `WAIT` when no group is ready yet (the caller retries after the next group verdict), and while
+the step's trainer is out (the scheduler sent it back to rollout to run a replacement, below).
+A claimed group the packer sets aside (a check `mark_ready` could not make: docs/data.md) is reported to the scheduler
+with `claimed_group_set_aside`: the batch's claim count goes back down, its actions (a replacement `Dispatch`, and
+where no rollout capacity is left a `BeginTransition` to rollout) go to `on_actions`, `set_aside` lists it, and the
+next group is claimed (docs/scheduler.md). A `ValueError` of `pull` that set nothing aside (a caller's error) is
+raised. Not thread-safe: call it on the thread that owns the scheduler and the packer (the controller's event loop).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from gyre.data.packing import StreamPackingBuffer
 from gyre.sched.scheduler import Scheduler
 from gyre.sched.types import Action
 
-__all__ = ["WAIT", "GroupSetAsideError", "LocalClaims"]
+__all__ = ["WAIT", "LocalClaims"]
 
 CLAIM_CELL = 0  # the in-process queue's claim is taken under cell 0's index (the one trainer of this process)
 
@@ -44,10 +47,6 @@ class _Wait:
 
 WAIT: Final = _Wait()
 """`next_unit`'s answer while the stream is open and no group is ready: ask again after the next verdict."""
-
-
-class GroupSetAsideError(RuntimeError):
-    """The packer refused a group the scheduler let the step claim: the step cannot get its B groups."""
 
 
 class LocalClaims:
@@ -68,7 +67,8 @@ class LocalClaims:
         self._assembler = ClaimUnitAssembler()
         self._units: list[tuple[MicroStep, ...]] = []
         self._index = itertools.count()
-        self.groups: list[int] = []  # groups claimed into this step, in claim order
+        self.groups: list[int] = []  # groups claimed into this step and packed, in claim order
+        self.set_aside: list[tuple[int, str]] = []  # claimed groups the packer set aside, with the reason
         self.micro_steps: list[MicroStep] = []  # every micro-step handed out, in order
 
     def next_unit(self) -> tuple[int, tuple[MicroStep, ...]] | _Wait | None:
@@ -87,14 +87,15 @@ class LocalClaims:
             self._on_actions(actions)
             if group is None:
                 return WAIT
-            self.groups.append(group)
             try:
                 self.packer.pull(group)
             except ValueError as error:
-                raise GroupSetAsideError(
-                    f"group {group}, claimed for step {self.scheduler.trainer_version}, was set aside by the packer "
-                    f"({error}); the scheduler has no event to take the claim back"
-                ) from error
+                if group not in (aside for aside, _ in self.packer.rejected_groups()):
+                    raise  # nothing was set aside: the caller's error
+                self.set_aside.append((group, str(error)))
+                self._on_actions(self.scheduler.claimed_group_set_aside(self._clock(), group))
+                continue
+            self.groups.append(group)
         unit = self._units.pop(0)
         self.micro_steps += unit
         return next(self._index), unit

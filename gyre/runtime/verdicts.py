@@ -84,7 +84,8 @@ def judge_group(
 
     `trees`: execution id -> its closed tree (None: the execution never made a call, or was cancelled before it
     had a session). Accepted: the group is ready in `buffer` for the packer. Refused: `buffer` holds the group as
-    it was (registered, not ready; the buffer has no way yet to drop it) and the reason is the buffer's message.
+    it was (registered, not ready; the controller drops it with `buffer.drop_group`) and the reason is the buffer's
+    message.
     A caller's error (the outcomes not ready, an unregistered group) raises."""
     if not outcomes.ready:
         raise ValueError(f"group {group} is judged once its outcomes are ready (every execution closed)")

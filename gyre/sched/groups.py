@@ -9,7 +9,9 @@ A group is dispatched at the version published then (v_d) and moves through four
   (`SchedSpec.buffer_verdicts`), otherwise a closed group is accepted at once;
 - READY: accepted; it waits in the ready heap until a training cell's claim takes it (CLAIMED);
 - REJECTED: the buffers refused it (e.g. a row longer than the micro-step budget); it never becomes ready,
-  and the scheduler dispatches a replacement.
+  and the scheduler dispatches a replacement;
+- SET_ASIDE: claimed, then refused by the packer before any of its data joined the batch; it is not trained,
+  and the batch claims another group in its place (docs/scheduler.md, "A claimed group set aside").
 
 Claims take the oldest version first, ties in the order groups became ready. Pure bookkeeping: no clock,
 no actions; the scheduler (gyre/sched/scheduler.py) decides what a state change triggers.
@@ -30,6 +32,7 @@ class GroupState(enum.Enum):
     READY = "ready"
     CLAIMED = "claimed"
     REJECTED = "rejected"
+    SET_ASIDE = "set_aside"
 
 
 @dataclass
@@ -56,6 +59,7 @@ class GroupBook:
         self._ready_order = 0
         self.unjudged = 0  # groups OPEN or JUDGING: they may still be accepted or rejected
         self.rejected: list[int] = []  # rejected groups, in the order of their verdicts
+        self.set_aside: list[int] = []  # claimed groups the packer set aside, in order
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -107,6 +111,12 @@ class GroupBook:
         g.state = GroupState.REJECTED
         self.unjudged -= 1
         self.rejected.append(group)
+
+    def set_claimed_aside(self, group: int) -> None:
+        g = self._groups[group]
+        assert g.state is GroupState.CLAIMED, f"group {group} set aside while {g.state.value}"
+        g.state = GroupState.SET_ASIDE
+        self.set_aside.append(group)
 
     def claim_oldest(self) -> int | None:
         """Take the ready group of the oldest version (None when none is ready)."""

@@ -15,15 +15,15 @@ Counters (executions): d dispatched, p started, f finished: the harness ended (c
 timeout) or the execution was cancelled (surplus). d - p are queued, p - f running, w = d - f the
 waterlevel: harnesses queued or running, not evaluations. An execution's life: queued -> running ->
 harness ended (f moves; its evaluation runs) -> closed (the outcome fills or not a slot of its group);
-a group's: open -> judged by the buffers -> ready -> claimed, or rejected and replaced
-(gyre/sched/groups.py; docs/scheduler.md, "Events the runtime reports").
+a group's: open -> judged by the buffers -> ready -> claimed (-> set aside by the packer, and replaced), or
+rejected and replaced (gyre/sched/groups.py; docs/scheduler.md, "Events the runtime reports").
 """
 
 from __future__ import annotations
 
 import collections
 
-from gyre.sched.groups import GroupBook
+from gyre.sched.groups import GroupBook, GroupState
 from gyre.sched.ledger import CapacityLedger
 from gyre.sched.staleness import StalenessLog
 from gyre.sched.types import (
@@ -61,10 +61,12 @@ class Scheduler:
         self.step_active = False
         self.batch_open = False  # claims allowed (streaming: from step start; else once B are ready)
         self.claimed_in_batch = 0
+        self._claimed_in_step: list[int] = []  # groups claimed into the current batch, in claim order
         self.step_in_burst = 0
         self.outcomes: collections.Counter[str] = collections.Counter()  # closed executions by Outcome value
         self.publishing = False
         self._return_after_join: set[int] = set()
+        self._left_mid_step: set[int] = set()  # cells that left the step in flight so a replacement can run
         self._supply_since: float | None = None
         self._wake_requested: float | None = None
         self.staleness = StalenessLog()
@@ -124,6 +126,13 @@ class Scheduler:
     def group_of(self, execution: int) -> int:
         return execution // self.spec.executions_per_group
 
+    def group_state(self, group: int) -> GroupState:
+        """Where a dispatched group stands (gyre/sched/groups.py). `GroupState.JUDGING`: every execution closed
+        and, with `buffer_verdicts`, the driver owes the buffers' verdict (`group_accepted` / `group_rejected`)."""
+        if not 0 <= group < len(self.groups):
+            raise ValueError(f"group {group!r} was never dispatched: groups are 0..{len(self.groups) - 1}")
+        return self.groups[group].state
+
     # -- events -----------------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
         """Initial dispatch (phi + mu) N B and the first starts."""
@@ -182,6 +191,27 @@ class Scheduler:
         self.groups.reject(group)
         return [self._dispatch(1, replaces=group), *self._settle(now)]
 
+    def claimed_group_set_aside(self, now: float, group: int) -> list[Action]:
+        """The packer set aside a group `claim_group` handed it in the current batch, before any of its data joined
+        the batch (gyre/data/packing.py): the group is not trained and the batch claims another in its place.
+
+        The batch's claim count goes back down and the staleness recorded at the claim is withdrawn (only trained
+        groups count). Boundary dispatch: one group is dispatched in its place, `Dispatch(..., count=1,
+        replaces=group)`, as for `group_rejected`; continuous dispatch: the claim already dispatched one.
+        With no rollout capacity left (C_s = 0, every cell training) and too few ready groups for the rest of
+        the burst, the last training cell (colocate: every cell) returns to rollout so the replacement can run, and
+        rejoins the step once the rollout side is idle and every group judged (docs/scheduler.md).
+        """
+        assert self.step_active and group in self._claimed_in_step, f"group {group} is not claimed in this batch"
+        self._claimed_in_step.remove(group)
+        self.groups.set_claimed_aside(group)
+        self.claimed_in_batch -= 1
+        g = self.groups[group]
+        self.staleness.withdraw(self.trainer_version, self.trainer_version - g.version, g.tokens)
+        actions: list[Action] = [] if self.spec.continuous_dispatch else [self._dispatch(1, replaces=group)]
+        actions += self._make_room_for_the_batch(now)
+        return actions + self._settle(now)
+
     def transition_finished(self, now: float, cell: int) -> list[Action]:
         role = self.roles[cell]
         assert role in (Role.TO_TRAINING, Role.TO_ROLLOUT), (cell, role)
@@ -202,11 +232,14 @@ class Scheduler:
         """The packing buffer pulls one ready group into the current batch, oldest version first.
 
         Called when a training cell runs short of micro-steps. Returns the group (None when no step
-        is open, the batch is full, or no group is ready; non-streaming: fewer than B ready) and
+        is open, the batch is full, no group is ready (non-streaming: fewer than B ready), or the step's
+        trainer left it so that a set-aside group's replacement could run) and
         the actions the claim made necessary (continuous dispatch, starts, role decisions).
         """
         if not self.step_active or self.claimed_in_batch >= self.spec.batch_groups:
             return None, []
+        if not self._trainer_ready():
+            return None, []  # the step's trainer left it for a replacement to run (claimed_group_set_aside)
         if not self.batch_open:
             # Without streaming the trainer waits for the data of the rest of the burst, as a global
             # shuffle across the burst's minibatches needs (mu B groups at a burst's first step).
@@ -218,6 +251,7 @@ class Scheduler:
             return None, []
         g = self.groups[group]
         self.claimed_in_batch += 1
+        self._claimed_in_step.append(group)
         self.staleness.record(self.trainer_version, self.trainer_version - g.version, g.tokens)
         actions: list[Action] = []
         if self.spec.continuous_dispatch:  # keep (phi + mu) B groups outstanding
@@ -228,6 +262,7 @@ class Scheduler:
         """All B groups of the step are trained and the core has applied the optimizer update."""
         assert self.step_active and self.claimed_in_batch == self.spec.batch_groups
         self.step_active = False
+        self._left_mid_step.clear()  # a cell still out follows the ordinary rules from here
         self.trainer_version += 1
         self.step_in_burst += 1
         if self.step_in_burst < self.spec.mu:
@@ -322,6 +357,7 @@ class Scheduler:
         self.step_active = True
         self.batch_open = self.spec.streaming
         self.claimed_in_batch = 0
+        self._claimed_in_step = []
         self._reset_supply_timer(now)
         return [BeginStep(self.trainer_version)]
 
@@ -386,6 +422,27 @@ class Scheduler:
         replacement must have somewhere to run, or the step waiting for it never ends (docs/scheduler.md)."""
         return self.spec.buffer_verdicts and capacity_after == 0 and self.groups.unjudged > 0
 
+    def _make_room_for_the_batch(self, now: float) -> list[Action]:
+        """After a set-aside: with no rollout capacity and too few ready groups for the rest of the burst (this
+        batch's need, then B per step left), the replacement could never run while the cells wait for it in
+        training, so the last training cell (colocate: every cell) leaves the step in flight for rollout; a
+        joining cell returns once joined."""
+        spec = self.spec
+        burst_need = self.batch_need() + spec.batch_groups * (spec.mu - self.step_in_burst - 1)  # this step's, then
+        if spec.mode == "async" or self.rollout_capacity() > 0 or self.ready_unclaimed >= burst_need:
+            return []
+        if self._return_after_join or any(role is Role.TO_ROLLOUT for role in self.roles):
+            return []  # a cell is on its way back already
+        joining = [c for c, role in enumerate(self.roles) if role is Role.TO_TRAINING]
+        self._return_after_join.update(joining)  # (re)joining the step: they return once joined
+        self._left_mid_step.update(joining)
+        if spec.mode == "colocate":
+            leaving = [c for c, role in enumerate(self.roles) if role is Role.TRAINING]
+        else:
+            leaving = [] if joining else [max(c for c, role in enumerate(self.roles) if role is Role.TRAINING)]
+        self._left_mid_step.update(leaving)
+        return [self._begin_transition(now, cell, Role.ROLLOUT) for cell in leaving]
+
     def _role_decisions(self, now: float) -> list[Action]:
         spec = self.spec
         if spec.mode == "async" or self.publishing:
@@ -399,10 +456,20 @@ class Scheduler:
                 return []
             if self._leaves_no_room_for_a_replacement(spec.separate_capacity):
                 return []
+            if self._left_mid_step:  # back to the step they left: its replacement ran and was judged
+                self._left_mid_step.clear()
+                return self._to_training(now, list(range(spec.num_cells)))
             return self._to_training(now, list(range(spec.num_cells))) if self.supply_held(now) else []
         cell = self.next_candidate()
         if cell is None or (cell >= 1 and not self.step_active):
             return []  # satellites join a batch in flight only
+        if cell in self._left_mid_step:  # back to the step it left once its replacement ran and was judged
+            if not self.eq2_holds() or self._leaves_no_room_for_a_replacement(
+                self.rollout_capacity() - spec.cell_capacity
+            ):
+                return []
+            self._left_mid_step.discard(cell)
+            return self._to_training(now, [cell])
         if not self.eq2_holds() or not self.supply_held(now):
             return []
         if self._leaves_no_room_for_a_replacement(self.rollout_capacity() - spec.cell_capacity):

@@ -1,4 +1,4 @@
-"""The scheduler's spec from a run's config: `spec_from_config(cluster, algo) -> SchedSpec`.
+"""The scheduler's spec from a run's config: `spec_from_config(cluster, algo, buffer_verdicts=) -> SchedSpec`.
 
 The one mapping from the user's config (`gyre/config`: `ClusterConfig`, `AlgoConfig`) to the numbers the
 policy runs on, shared by every driver: the simulator (`gyre/sim`) and the runtime's controller, which has
@@ -15,8 +15,12 @@ from gyre.config.sim import async_train_cells, check_capacity
 from gyre.sched.types import SchedSpec
 
 
-def spec_from_config(cluster: ClusterConfig, algo: AlgoConfig) -> SchedSpec:
+def spec_from_config(cluster: ClusterConfig, algo: AlgoConfig, *, buffer_verdicts: bool = False) -> SchedSpec:
     """The `SchedSpec` of a cluster and an RL schedule (docs/scheduler.md, "Interface").
+
+    `buffer_verdicts`: the driver reports the buffers' verdict on every closed group (`group_accepted` /
+    `group_rejected`): True for the runtime's controller, False (a group is accepted when its executions
+    close) for the simulator. A driver's property, not the user's, so it is not a config field.
 
     Raises `ConfigError` (a ValueError) when the rollout side of the split cannot run one group.
     """
@@ -36,4 +40,5 @@ def spec_from_config(cluster: ClusterConfig, algo: AlgoConfig) -> SchedSpec:
         continuous_dispatch=algo.dispatch == "continuous",
         streaming=algo.streaming,
         train_cells=async_train_cells(cluster, algo) if algo.mode == "async" else 0,
+        buffer_verdicts=buffer_verdicts,
     )

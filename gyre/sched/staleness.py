@@ -34,6 +34,15 @@ class StalenessLog:
         self.values.append(staleness)
         self.tokens.append(tokens)
 
+    def withdraw(self, step: int, staleness: int, tokens: float) -> None:
+        """Take back one record (a claimed group that was not trained); records are interchangeable for the
+        summaries, so the last equal one goes."""
+        for k in range(len(self.steps) - 1, -1, -1):
+            if (self.steps[k], self.values[k], self.tokens[k]) == (step, staleness, tokens):
+                del self.steps[k], self.values[k], self.tokens[k]
+                return
+        raise AssertionError(f"no staleness record {(step, staleness, tokens)} to withdraw")
+
     def summary(self, skip_steps: int = 0) -> dict[str, float]:
         """Group-weighted mean, token-weighted mean and max over groups consumed at step >= skip_steps."""
         picked = [(v, t) for s, v, t in zip(self.steps, self.values, self.tokens, strict=True) if s >= skip_steps]

@@ -85,7 +85,7 @@ class Dispatch:
     first_group: int
     count: int
     version: int  # the policy version published when these groups were admitted (v_d)
-    replaces: int | None = None  # a replacement: the rejected group it stands in for (count is 1)
+    replaces: int | None = None  # a replacement: the rejected or set-aside group it stands in for (count is 1)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ Warm-started tiny model -> `NativeEngine` behind its endpoint (`ServerThread`, r
 - Dispatch: a demo task drawn per group, its `GroupOutcomes`, the group registered in the `TrajectoryBuffer`;
 - Start: the execution's key (`SessionRegistry.issue`), its engine (`RoutingTable.assign`), `run_episode` with the
   builtin harness; `on_harness_end` closes the session and reports `harness_ended`; the episode's outcome is
-  `execution_closed`; a closed group is admitted (J_max) into the buffer, and the verdict is reported;
+  `execution_closed`; a closed group is admitted (J_max) into the buffer, and the verdict is reported (a refused
+  group is dropped from the buffer);
 - Cancel: the execution's cancel event (none happen without oversampling; handled all the same);
 - BeginTransition to training: the engine leaves rollout (`gyre.runtime.transitions.leave_rollout`), the trainer
   is built (`NativeTrainable`), then `transition_finished`;
@@ -29,7 +30,6 @@ fake except the engine's request counter (a subclass that counts, named as such)
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
 from pathlib import Path
@@ -144,7 +144,7 @@ class OneProcessLoop:
         self.tasks = tasks
         self.proxy_access = ProxyAccess(anthropic_base_url=proxy.url, openai_base_url=proxy.url + "/v1", model="gyre")
         self.registry, self.table, self.remote, self.sandbox, self.records = registry, table, remote, sandbox, records
-        self.sched = Scheduler(dataclasses.replace(spec_from_config(cfg.cluster, cfg.algo), buffer_verdicts=True))
+        self.sched = Scheduler(spec_from_config(cfg.cluster, cfg.algo, buffer_verdicts=True))
         self.ids = ExecutionIds(self.sched.spec.executions_per_group)
         from gyre.data import StreamPackingBuffer, TrajectoryBuffer
 
@@ -260,7 +260,7 @@ class OneProcessLoop:
         if outcome is not None:
             tree = self.sessions[name].tree
             self.apply(self.sched.execution_closed(self.now(), execution, outcome, sampled_tokens(tree)))
-        if self.sched.groups[group].state is GroupState.JUDGING:
+        if self.sched.group_state(group) is GroupState.JUDGING:
             self.judge(group)
 
     def judge(self, group: int) -> None:
@@ -275,6 +275,8 @@ class OneProcessLoop:
             run_seed=self.cfg.seed,
         )
         self.verdicts[group] = verdict.accepted
+        if not verdict.accepted:
+            self.buffer.drop_group(group)  # its replacement is dispatched by group_rejected
         report = self.sched.group_accepted if verdict.accepted else self.sched.group_rejected
         self.apply(report(self.now(), group))
         self.changed.set()

@@ -178,3 +178,43 @@ def test_outcomes_of_other_executions_name_both_sides():
     with pytest.raises(ValueError, match=re.escape(message)):
         buffer.mark_ready_from_outcomes(0, ready_outcomes(2, [0, 1], {1: 0.25, 0: 0.75}), {})
     assert not buffer.group(0).ready
+
+
+def test_a_refused_group_is_dropped_its_trees_and_members_released_and_its_id_stays_used():
+    buffer = TrajectoryBuffer(max_row_tokens=3)  # the rows of one_call_tree have 4 tokens: mark_ready refuses them
+    buffer.add_group(3, 0, ["a", "b"])
+    for e in ("a", "b"):
+        buffer.attach_tree(one_call_tree(e))
+    with pytest.raises(ValueError, match="max_row_tokens=3"):
+        buffer.mark_ready(3, {"a": 1.0, "b": 0.0}, {"a": [full("a")], "b": [full("b")]})
+    buffer.add_group(5, 0, ["c"])
+    dropped = buffer.drop_group(3)
+    assert dropped.group_id == 3 and list(dropped.trees) == ["a", "b"] and not dropped.ready
+    assert len(buffer) == 1 and buffer.num_dropped == 1 and buffer.ready_groups() == []
+    assert repr(buffer) == "TrajectoryBuffer(groups=1, ready=0, taken=0, dropped=1)"
+    with pytest.raises(ValueError, match=r"unknown group 3 \(dropped\)"):
+        buffer.group(3)
+    with pytest.raises(ValueError, match="unknown execution 'a'"):  # its members are released
+        buffer.attach_tree(one_call_tree("a"))
+    with pytest.raises(ValueError, match="never reused"):
+        buffer.add_group(3, 0, ["z"])
+    buffer.add_group(6, 0, ["a", "b"])  # released execution ids may be registered again, in a new group
+    assert buffer.group(6).trees == {"a": None, "b": None}
+
+
+def test_dropping_twice_a_taken_a_ready_or_an_unknown_group_is_an_error_and_changes_nothing():
+    buffer = TrajectoryBuffer()
+    buffer.add_group(0, 0, ["a"])
+    buffer.drop_group(0)
+    with pytest.raises(ValueError, match="group 0 was already dropped"):
+        buffer.drop_group(0)
+    ready_group(buffer, 1, 0, ["b"])
+    with pytest.raises(ValueError, match="group 1 is ready and may be claimed"):
+        buffer.drop_group(1)
+    assert buffer.ready_groups() == [1] and buffer.group(1).ready
+    buffer.take(1)
+    with pytest.raises(ValueError, match="cannot drop group 1: it was already handed out"):
+        buffer.drop_group(1)
+    with pytest.raises(ValueError, match="unknown group 9"):
+        buffer.drop_group(9)
+    assert (len(buffer), buffer.num_dropped) == (0, 1)

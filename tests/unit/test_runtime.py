@@ -9,9 +9,9 @@ from gyre.config import PackingConfig
 from gyre.data import StreamPackingBuffer, TrajectoryBuffer
 from gyre.proxy.sessions import check_execution_id
 from gyre.runtime.ids import POOL_NAME, ExecutionIds, engine_id, engine_name
-from gyre.runtime.local_claims import WAIT, GroupSetAsideError, LocalClaims
+from gyre.runtime.local_claims import WAIT, LocalClaims
 from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
-from gyre.sched import POOL, BeginStep, Outcome, SchedSpec, Scheduler, Start
+from gyre.sched import POOL, BeginStep, Dispatch, GroupState, Outcome, SchedSpec, Scheduler, Start
 from gyre.traj import CallMeta, Provenance, Response, Segment, TrajectoryTree
 from gyre.traj.outcomes import CloseKind, EvaluatedState, Evaluation, GroupOutcomes, Validity
 from gyre.traj.roles import classifier_for
@@ -183,7 +183,9 @@ def async_scheduler() -> tuple[Scheduler, list]:
     return sched, sched.start(0.0)
 
 
-def close_group(sched: Scheduler, buffer: TrajectoryBuffer, group: int, ids: ExecutionIds, now: float) -> None:
+def close_group(
+    sched: Scheduler, buffer: TrajectoryBuffer, group: int, ids: ExecutionIds, now: float, output=(20, 21)
+) -> None:
     """Every execution of `group` ends, is evaluated and closes; the buffers accept the group."""
     names = ids.names(group)
     outcomes = GroupOutcomes(N, names)
@@ -193,7 +195,13 @@ def close_group(sched: Scheduler, buffer: TrajectoryBuffer, group: int, ids: Exe
         evaluated(outcomes, name, float(e % 2))
         sched.execution_closed(now, e, Outcome.COMPLETED, 2.0)
     verdict = judge_group(
-        buffer, group, outcomes, {n: tree_of(n) for n in names}, classify=classifier_for("builtin"), j_max=5, run_seed=0
+        buffer,
+        group,
+        outcomes,
+        {n: tree_of(n, output) for n in names},
+        classify=classifier_for("builtin"),
+        j_max=5,
+        run_seed=0,
     )
     assert verdict.accepted
     sched.group_accepted(now, group)
@@ -228,14 +236,46 @@ def test_claims_take_one_group_at_a_time_when_the_queue_runs_dry_and_wait_for_ve
     assert sched.trainer_version == 1
 
 
-def test_a_claimed_group_the_packer_sets_aside_stops_the_step_with_its_reason():
+def test_a_claimed_group_the_packer_sets_aside_is_reported_replaced_and_the_step_still_gets_b_groups():
     sched, _ = async_scheduler()
     ids = ExecutionIds(N)
-    buffer = TrajectoryBuffer()  # no row budget yet: the group is marked ready with rows of 4 tokens
+    buffer = TrajectoryBuffer()  # no row budget yet: group 0 is marked ready with rows of 7 tokens
+    for group in range(B):
+        buffer.add_group(group, 0, ids.names(group), N)
+    close_group(sched, buffer, 0, ids, 1.0, output=(20, 21, 22, 23, 24))
+    packer = StreamPackingBuffer(
+        buffer, PackingConfig(batch_groups=B, group_size=N, max_tokens_per_microstep=4, min_fill=0.0)
+    )
+    close_group(sched, buffer, 1, ids, 1.0)  # rows of 4 tokens: they fit
+    reported: list = []
+    claims = LocalClaims(sched, packer, clock=lambda: 2.0, on_actions=reported.extend)
+    index, unit = claims.next_unit()
+    assert index == 0 and claims.groups == [1] and [step.group_ids for step in unit] == [(1,)]
+    assert [group for group, _ in claims.set_aside] == [0] and "max_tokens_per_microstep=4" in claims.set_aside[0][1]
+    assert sched.group_state(0) is GroupState.SET_ASIDE and sched.claimed_in_batch == 1
+    assert sched.staleness.values == [0]  # only the trained group's claim is recorded
+    assert reported[0] == Dispatch(2, 1, 0, replaces=0)  # its replacement, started on the rollout cell
+    assert [a for a in reported if isinstance(a, Start)] == [Start(4, 1), Start(5, 1)]
+    index, unit = claims.next_unit()
+    assert index == 1 and len(unit) == 1  # group 1's second micro-step (one execution of 4 tokens each)
+    assert claims.next_unit() is WAIT  # the batch waits for the replacement
+    buffer.add_group(2, 0, ids.names(2), N)
+    close_group(sched, buffer, 2, ids, 3.0)
+    assert [len(u) for u in (claims.next_unit()[1], claims.next_unit()[1])] == [1, 1]
+    assert claims.groups == [1, 2] and packer.closed and claims.next_unit() is None
+    sched.step_finished(4.0)
+    assert sched.trainer_version == 1 and sched.staleness.values == [0, 0]
+
+
+def test_a_pull_error_that_set_nothing_aside_is_raised():
+    sched, _ = async_scheduler()
+    ids = ExecutionIds(N)
+    buffer = TrajectoryBuffer()
     buffer.add_group(0, 0, ids.names(0), N)
+    packer = StreamPackingBuffer(buffer, PackingConfig(batch_groups=B, group_size=N, max_tokens_per_microstep=8))
     close_group(sched, buffer, 0, ids, 1.0)
-    packer = StreamPackingBuffer(buffer, PackingConfig(batch_groups=B, group_size=N, max_tokens_per_microstep=3))
+    buffer.take(0)  # someone else took it: the packer cannot pull it
     claims = LocalClaims(sched, packer, clock=lambda: 1.0, on_actions=lambda actions: None)
-    with pytest.raises(GroupSetAsideError, match="group 0, claimed for step 0, was set aside"):
+    with pytest.raises(ValueError, match="group 0"):
         claims.next_unit()
-    assert [group for group, _ in packer.rejected_groups()] == [0]
+    assert claims.set_aside == [] and packer.rejected_groups() == []

@@ -207,7 +207,8 @@ class EventDriver:
             if isinstance(action, Dispatch):
                 assert action.first_group == len(self.version) and action.version == self.published_version
                 if action.replaces is not None:
-                    assert event == "group_rejected" and action.replaces == self.last_rejected and action.count == 1
+                    assert event in ("group_rejected", "claimed_group_set_aside"), (event, action)
+                    assert action.replaces == self.last_rejected and action.count == 1
                     self.last_rejected = None
                 elif spec.continuous_dispatch:
                     assert event == "start" or (event == "claim_group" and action.count == 1), (event, action)
@@ -277,7 +278,8 @@ class EventDriver:
             assert sched.groups[group].state.value == state, (group, state, event)
         assert sorted(sched.groups.rejected) == self.groups_in("rejected")
         if spec.continuous_dispatch:  # (phi + mu) B groups outstanding: claims and rejections are replaced
-            outstanding = len(self.version) - len(self.groups_in("claimed")) - len(self.groups_in("rejected"))
+            consumed = len(self.groups_in("claimed")) + len(self.groups_in("set_aside"))  # a claim dispatches one
+            outstanding = len(self.version) - consumed - len(self.groups_in("rejected"))
             assert outstanding == spec.extra_groups + spec.mu * spec.batch_groups
         assert sched.roles == self.roles
 

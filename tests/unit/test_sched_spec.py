@@ -1,5 +1,7 @@
 """`spec_from_config(cluster, algo)`: one mapping from config to the scheduler's spec (gyre/sched/spec.py)."""
 
+import dataclasses
+
 import pytest
 
 from gyre.config import AlgoConfig, ClusterConfig, ConfigError
@@ -41,3 +43,12 @@ def test_a_split_whose_rollout_side_cannot_run_one_group_is_refused_naming_the_f
         spec_from_config(cluster, AlgoConfig(mode="async", group_size=4, batch_groups=2, train_cells=2))
     with pytest.raises(ConfigError, match=r"cluster\.cell_capacity"):
         spec_from_config(cluster, AlgoConfig(group_size=16, oversample=1, batch_groups=2))
+
+
+def test_buffer_verdicts_is_the_drivers_keyword_and_defaults_to_the_simulators_implied_verdicts():
+    cluster = ClusterConfig(num_cells=1, cell_size=1, cell_capacity=8)
+    algo = AlgoConfig(mode="colocate", group_size=4, batch_groups=2, phi=0.0)
+    assert spec_from_config(cluster, algo).buffer_verdicts is False
+    runtime = spec_from_config(cluster, algo, buffer_verdicts=True)
+    assert runtime.buffer_verdicts is True
+    assert dataclasses.replace(runtime, buffer_verdicts=False) == spec_from_config(cluster, algo)
