@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-HOST = "127.0.0.1"
+from gyre.distributed.local import HOST  # the workers' rendezvous: the loopback, as local runs use
 
 __all__ = ["JobEnv", "LaunchError", "WorkerFailed", "fixed_run_dir_overrides", "job_env", "launch_workers"]
 

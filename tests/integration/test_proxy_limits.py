@@ -79,6 +79,14 @@ def test_beyond_u64_max_tokens_is_a_400_naming_the_field(served):
     assert status == 400 and reply["error"]["message"].startswith("max_tokens:"), reply
 
 
+def request_head(key: str, body: bytes) -> bytes:
+    """The request line and headers of a `/v1/messages` call whose body is `body` (sent by the test as it likes)."""
+    return (
+        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"x-api-key: {key}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+
+
 def raw_connection(served) -> socket.socket:
     connection = socket.create_connection((served.host, served.port), timeout=10)
     connection.settimeout(10)
@@ -129,10 +137,7 @@ def test_an_idle_connection_is_closed_and_a_fresh_one_is_served(served):
 def test_a_trickling_body_gets_a_408_records_nothing_and_the_key_goes_on(served):
     before = len(calls(served))
     body = body_for("/v1/messages", 2, False, "slow body")
-    head = (
-        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"x-api-key: {served.session.key}\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
+    head = request_head(served.session.key, body)
     connection = raw_connection(served)
     try:
         connection.sendall(head + body[:5])
@@ -244,10 +249,7 @@ def test_a_call_whose_execution_closes_while_its_body_is_read_is_refused_and_not
     (401, nothing recorded, the closed file untouched), never record into a closed execution."""
     session = served.stack.registry.issue("closes-mid-body")
     body = body_for("/v1/messages", 2, False, "closed while you were typing")
-    head = (
-        "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"x-api-key: {session.key}\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
+    head = request_head(session.key, body)
     connection = raw_connection(served)
     try:
         connection.sendall(head + body[:10])

@@ -1,4 +1,6 @@
-"""Fixtures the gyre.train unit tests share (pytest finds them here; no import needed).
+"""Fixtures the unit tests share (pytest finds them here; no import needed).
+
+`store_port`: a TCPStore server on a free port of 127.0.0.1 for the test (`local_store.store_client(port)` connects).
 
 `model_parallel`: a one-rank gloo group (unless one exists) with megatron's parallel_state at TP=1, PP=1, torn down
 after the module if this fixture made it. Importing this module imports neither megatron nor torch.distributed's
@@ -26,3 +28,15 @@ def model_parallel(tmp_path_factory):
     parallel_state.destroy_model_parallel()
     if created:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def store_port():
+    from local_store import store_server
+
+    from gyre.distributed.local import free_port
+
+    port = free_port()
+    server = store_server(port)
+    yield port
+    del server

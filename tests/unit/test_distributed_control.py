@@ -10,22 +10,9 @@ import threading
 import time
 
 import pytest
-import torch.distributed as dist
+from local_store import store_client as client
 
 from gyre.distributed.control import STOP, ControlListener, ControlPublisher, ControlReader
-from gyre.distributed.local import HOST, free_port
-
-
-@pytest.fixture
-def store_port():
-    port = free_port()
-    server = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False)
-    yield port
-    del server
-
-
-def client(port: int):
-    return dist.TCPStore(HOST, port, is_master=False)
 
 
 def test_readers_get_every_decision_in_order_exactly_once_even_late(store_port):

@@ -3,17 +3,15 @@ joiner, the close after the last unit, an empty step, and cells claiming from th
 
 from __future__ import annotations
 
-import datetime
 import threading
 
 import numpy as np
 import pytest
-import torch.distributed as dist
+from local_store import store_client as client
 
 from gyre.data.microstep import TokenRow, build_microstep
 from gyre.data.queue import MicroStepQueue
 from gyre.distributed.claims import StepBoard, StepClaimer
-from gyre.distributed.local import free_port
 from gyre.distributed.step_pump import StepPump
 
 
@@ -53,23 +51,11 @@ class Packer:
         return True
 
 
-@pytest.fixture
-def port():
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
-    yield port
-    del server
-
-
-def client(port: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10))
-
-
-def test_units_appear_only_when_a_cell_waits_in_order_and_the_board_closes_after_the_last(port):
-    store = client(port)
+def test_units_appear_only_when_a_cell_waits_in_order_and_the_board_closes_after_the_last(store_port):
+    store = client(store_port)
     packer = Packer([[step(0)], [step(1, True), step(2, True)], [step(3)]])
     pump = StepPump(StepBoard(store, 0, max_cells=2), packer.queue, refill=packer.refill)
-    claimer = StepClaimer(client(port), 0, timeout_s=10)
+    claimer = StepClaimer(client(store_port), 0, timeout_s=10)
     assert not pump.poll() and packer.calls == 0 and pump.board.num_units == 0  # nobody waits: no group claimed
     index = claimer.claim_index()
     assert not pump.poll() and packer.calls == 1
@@ -85,19 +71,19 @@ def test_units_appear_only_when_a_cell_waits_in_order_and_the_board_closes_after
     assert (pump.num_put, pump.board.num_units, pump.refills) == (4, 3, 3)
 
 
-def test_lookahead_keeps_units_ready_before_anyone_claims(port):
+def test_lookahead_keeps_units_ready_before_anyone_claims(store_port):
     packer = Packer([[step(i)] for i in range(5)])
-    pump = StepPump(StepBoard(client(port), 1, max_cells=1), packer.queue, refill=packer.refill, lookahead=2)
+    pump = StepPump(StepBoard(client(store_port), 1, max_cells=1), packer.queue, refill=packer.refill, lookahead=2)
     assert not pump.poll() and pump.board.num_units == 2
-    claimer = StepClaimer(client(port), 1, timeout_s=10)
+    claimer = StepClaimer(client(store_port), 1, timeout_s=10)
     assert claimer.claim()[0] == 0
     assert not pump.poll() and pump.board.num_units == 3
 
 
-def test_no_group_ready_leaves_the_cell_waiting_until_one_is(port):
+def test_no_group_ready_leaves_the_cell_waiting_until_one_is(store_port):
     packer = Packer([[step(0)]], ready=False)
-    pump = StepPump(StepBoard(client(port), 2, max_cells=1), packer.queue, refill=packer.refill)
-    claimer = StepClaimer(client(port), 2, timeout_s=10)
+    pump = StepPump(StepBoard(client(store_port), 2, max_cells=1), packer.queue, refill=packer.refill)
+    claimer = StepClaimer(client(store_port), 2, timeout_s=10)
     index = claimer.claim_index()
     assert not pump.poll() and not pump.poll() and pump.board.num_units == 0 and packer.calls == 2
     packer.ready = True
@@ -105,10 +91,10 @@ def test_no_group_ready_leaves_the_cell_waiting_until_one_is(port):
     assert claimer.receive(index)[0].index == 0
 
 
-def test_a_late_joiner_is_admitted_and_the_rest_are_refused_at_the_close(port):
+def test_a_late_joiner_is_admitted_and_the_rest_are_refused_at_the_close(store_port):
     packer = Packer([[step(0)], [step(1)], [step(2)]])
-    pump = StepPump(StepBoard(client(port), 3, max_cells=3), packer.queue, refill=packer.refill)
-    core, joiner = StepClaimer(client(port), 3, timeout_s=10), StepClaimer(client(port), 3, timeout_s=10)
+    pump = StepPump(StepBoard(client(store_port), 3, max_cells=3), packer.queue, refill=packer.refill)
+    core, joiner = StepClaimer(client(store_port), 3, timeout_s=10), StepClaimer(client(store_port), 3, timeout_s=10)
     index = core.claim_index()
     pump.poll()
     assert core.receive(index)[0].index == 0
@@ -124,23 +110,23 @@ def test_a_late_joiner_is_admitted_and_the_rest_are_refused_at_the_close(port):
         pump.admit()
 
 
-def test_an_empty_step_closes_at_once(port):
+def test_an_empty_step_closes_at_once(store_port):
     packer = Packer([])
     packer.queue.close()  # every group of the batch was set aside
-    pump = StepPump(StepBoard(client(port), 4, max_cells=2, cells=2), packer.queue, refill=packer.refill)
+    pump = StepPump(StepBoard(client(store_port), 4, max_cells=2, cells=2), packer.queue, refill=packer.refill)
     assert pump.poll() and packer.calls == 0
-    claimers = [StepClaimer(client(port), 4, timeout_s=10) for _ in range(2)]
+    claimers = [StepClaimer(client(store_port), 4, timeout_s=10) for _ in range(2)]
     assert [c.claim() for c in claimers] == [None, None]
     assert [c.cells() for c in claimers] == [2, 2]
 
 
-def test_cells_claiming_from_threads_get_every_unit_once_while_the_pump_runs(port):
+def test_cells_claiming_from_threads_get_every_unit_once_while_the_pump_runs(store_port):
     num_units, got = 40, {0: [], 1: []}
     packer = Packer([[step(i)] for i in range(num_units)])
-    pump = StepPump(StepBoard(client(port), 5, max_cells=2, cells=2), packer.queue, refill=packer.refill)
+    pump = StepPump(StepBoard(client(store_port), 5, max_cells=2, cells=2), packer.queue, refill=packer.refill)
 
     def cell(name: int) -> None:
-        claimer = StepClaimer(client(port), 5, timeout_s=30)
+        claimer = StepClaimer(client(store_port), 5, timeout_s=30)
         while (claimed := claimer.claim()) is not None:
             got[name].append(claimed[1][0].index)
 
@@ -154,8 +140,8 @@ def test_cells_claiming_from_threads_get_every_unit_once_while_the_pump_runs(por
     assert all(units == sorted(units) for units in got.values())  # each cell sees the stream in order
 
 
-def test_bad_arguments(port):
-    board = StepBoard(client(port), 6, max_cells=1)
+def test_bad_arguments(store_port):
+    board = StepBoard(client(store_port), 6, max_cells=1)
     with pytest.raises(ValueError, match="lookahead: got -1"):
         StepPump(board, MicroStepQueue(), refill=lambda: False, lookahead=-1)
     board.close()

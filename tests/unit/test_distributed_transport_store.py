@@ -4,28 +4,14 @@ version, tensors larger than a store value, and the one-sided transport chooser.
 
 from __future__ import annotations
 
-import datetime
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
+from local_store import store_client as client
 
-from gyre.distributed.local import free_port
 from gyre.distributed.transport import WeightTransport, WeightVersionError, flatten_state_dict, one_sided_transport
 from gyre.distributed.transport_store import StoreWeightTransport
-
-
-@pytest.fixture
-def port():
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
-    yield port
-    del server
-
-
-def client(port: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10))
 
 
 def weights_of(value: float, numel: int = 1000):
@@ -33,9 +19,9 @@ def weights_of(value: float, numel: int = 1000):
     return tensors, flatten_state_dict(tensors)
 
 
-def test_a_pull_after_the_core_moved_on_gets_the_published_snapshot(port):
-    core = StoreWeightTransport(client(port), chunk_bytes=512)
-    receiver = StoreWeightTransport(client(port), chunk_bytes=512)
+def test_a_pull_after_the_core_moved_on_gets_the_published_snapshot(store_port):
+    core = StoreWeightTransport(client(store_port), chunk_bytes=512)
+    receiver = StoreWeightTransport(client(store_port), chunk_bytes=512)
     assert isinstance(core, WeightTransport)
     tensors, flat = weights_of(1.5)
     core.publish(flat, 1)
@@ -49,9 +35,9 @@ def test_a_pull_after_the_core_moved_on_gets_the_published_snapshot(port):
     assert torch.equal(back["b"], torch.full((3, 5), 1.5, dtype=torch.bfloat16))
 
 
-def test_versions_replace_each_other_and_old_ones_leave_the_store(port):
-    store = client(port)
-    core, receiver = StoreWeightTransport(store, keep_versions=1), StoreWeightTransport(client(port))
+def test_versions_replace_each_other_and_old_ones_leave_the_store(store_port):
+    store = client(store_port)
+    core, receiver = StoreWeightTransport(store, keep_versions=1), StoreWeightTransport(client(store_port))
     into = torch.zeros(8192, dtype=torch.uint8)
     for version in (1, 2):
         core.publish(weights_of(float(version))[1], version)
@@ -67,8 +53,8 @@ def test_versions_replace_each_other_and_old_ones_leave_the_store(port):
     assert not store.check(["gyre/weights/current", "gyre/weights/v2"])
 
 
-def test_a_pull_waits_for_a_version_not_yet_published(port):
-    core, receiver = StoreWeightTransport(client(port)), StoreWeightTransport(client(port), timeout_s=10)
+def test_a_pull_waits_for_a_version_not_yet_published(store_port):
+    core, receiver = StoreWeightTransport(client(store_port)), StoreWeightTransport(client(store_port), timeout_s=10)
     core.publish(weights_of(1.0)[1], 1)
     later = threading.Timer(0.3, lambda: core.publish(weights_of(2.0)[1], 2))
     later.start()
@@ -76,7 +62,7 @@ def test_a_pull_waits_for_a_version_not_yet_published(port):
     later.join()
     assert version == 2 and torch.equal(flat.buffer, weights_of(2.0)[1].buffer)
     with pytest.raises(TimeoutError, match=r"no publication under 'gyre/weights/v3' within 0\.2 s"):
-        StoreWeightTransport(client(port), timeout_s=0.2).pull(torch.zeros(8192, dtype=torch.uint8), version=3)
+        StoreWeightTransport(client(store_port), timeout_s=0.2).pull(torch.zeros(8192, dtype=torch.uint8), version=3)
 
 
 class StoreWithHook:
@@ -94,8 +80,8 @@ class StoreWithHook:
         return getattr(self.store, name)
 
 
-def test_a_read_that_outlives_its_version_raises_and_never_mixes_versions(port):
-    core = StoreWeightTransport(client(port), keep_versions=1, chunk_bytes=256)
+def test_a_read_that_outlives_its_version_raises_and_never_mixes_versions(store_port):
+    core = StoreWeightTransport(client(store_port), keep_versions=1, chunk_bytes=256)
     core.publish(weights_of(1.0)[1], 1)
 
     def publish_twice_at_chunk_3(key: str) -> None:
@@ -103,7 +89,7 @@ def test_a_read_that_outlives_its_version_raises_and_never_mixes_versions(port):
             core.publish(weights_of(2.0)[1], 2)  # v1 is released (keep_versions=1) while it is read
             core.publish(weights_of(3.0)[1], 3)
 
-    receiver = StoreWeightTransport(StoreWithHook(client(port), publish_twice_at_chunk_3), chunk_bytes=256)
+    receiver = StoreWeightTransport(StoreWithHook(client(store_port), publish_twice_at_chunk_3), chunk_bytes=256)
     into = torch.zeros(8192, dtype=torch.uint8)
     with pytest.raises(WeightVersionError, match=r"version 1 was released while it was read \(current: 3\)"):
         receiver.pull(into)
@@ -111,14 +97,14 @@ def test_a_read_that_outlives_its_version_raises_and_never_mixes_versions(port):
     assert version == 3 and torch.equal(flat.buffer, weights_of(3.0)[1].buffer)
 
 
-def test_concurrent_publications_and_pulls_give_one_version_whole(port):
+def test_concurrent_publications_and_pulls_give_one_version_whole(store_port):
     """A core publishing as fast as it can while a receiver pulls: each pull is one version's bytes or an error."""
-    core = StoreWeightTransport(client(port), keep_versions=1, chunk_bytes=256)
+    core = StoreWeightTransport(client(store_port), keep_versions=1, chunk_bytes=256)
     core.publish(weights_of(1.0, numel=4000)[1], 1)
     stop, results = threading.Event(), []
 
     def receive() -> None:
-        receiver = StoreWeightTransport(client(port), chunk_bytes=256)
+        receiver = StoreWeightTransport(client(store_port), chunk_bytes=256)
         into = torch.zeros(20000, dtype=torch.uint8)
         while not stop.is_set():
             try:
@@ -138,21 +124,21 @@ def test_concurrent_publications_and_pulls_give_one_version_whole(port):
     assert any(ok for ok in results)
 
 
-def test_tensors_larger_than_a_store_value_travel_in_chunks(port):
+def test_tensors_larger_than_a_store_value_travel_in_chunks(store_port):
     big = {"embed": torch.randn(5 << 20, generator=torch.Generator().manual_seed(0))}  # 20 MiB > 8 MiB per value
     flat = flatten_state_dict(big)
-    StoreWeightTransport(client(port), chunk_bytes=4 << 20).publish(flat, 1)
-    got, _ = StoreWeightTransport(client(port)).pull(torch.empty(flat.buffer.numel(), dtype=torch.uint8))
+    StoreWeightTransport(client(store_port), chunk_bytes=4 << 20).publish(flat, 1)
+    got, _ = StoreWeightTransport(client(store_port)).pull(torch.empty(flat.buffer.numel(), dtype=torch.uint8))
     assert torch.equal(got.buffer, flat.buffer)
 
 
-def test_bad_settings_name_the_field(port):
+def test_bad_settings_name_the_field(store_port):
     with pytest.raises(ValueError, match=r"chunk_bytes: got 16777216, expected 1 \.\. 8388608"):
-        StoreWeightTransport(client(port), chunk_bytes=16 << 20)
+        StoreWeightTransport(client(store_port), chunk_bytes=16 << 20)
     with pytest.raises(ValueError, match="keep_versions: got 0"):
-        StoreWeightTransport(client(port), keep_versions=0)
+        StoreWeightTransport(client(store_port), keep_versions=0)
     with pytest.raises(ValueError, match="kind: got 'rdma', expected one of auto, mooncake, store"):
-        one_sided_transport(client(port), kind="rdma")
+        one_sided_transport(client(store_port), kind="rdma")
 
 
 def _mooncake_imports() -> bool:
@@ -165,11 +151,11 @@ def _mooncake_imports() -> bool:
     return True
 
 
-def test_the_chooser_takes_mooncake_where_it_imports_else_the_store(port):
-    assert type(one_sided_transport(client(port), kind="store")).__name__ == "StoreWeightTransport"
-    chosen = one_sided_transport(client(port), kind="auto", prefix="gyre/auto")
+def test_the_chooser_takes_mooncake_where_it_imports_else_the_store(store_port):
+    assert type(one_sided_transport(client(store_port), kind="store")).__name__ == "StoreWeightTransport"
+    chosen = one_sided_transport(client(store_port), kind="auto", prefix="gyre/auto")
     assert type(chosen).__name__ == ("MooncakeWeightTransport" if _mooncake_imports() else "StoreWeightTransport")
     chosen.close()
     if not _mooncake_imports():
         with pytest.raises(ImportError, match="mooncake-transfer-engine"):
-            one_sided_transport(client(port), kind="mooncake")
+            one_sided_transport(client(store_port), kind="mooncake")

@@ -284,6 +284,10 @@ class EventDriver:
         assert sched.roles == self.roles
 
     # -- moves --------------------------------------------------------------------------------------
+    def extra_move(self, move: str, data: st.DataObject) -> bool:
+        """A subclass's own move (True when `move` was one of its own and has been played)."""
+        return False
+
     def moves(self) -> list[str]:
         moves = []
         if self.where:
@@ -341,12 +345,15 @@ class EventDriver:
                 assert all(self.closes[e] == 1 for e in range(group * self.per, (group + 1) * self.per)), group
 
 
-def play(data: st.DataObject, spec: SchedSpec) -> EventDriver:
-    driver = EventDriver(spec)
+def play(data: st.DataObject, spec: SchedSpec, driver_class: type[EventDriver] = EventDriver) -> EventDriver:
+    """Random moves of `driver_class` (a subclass adds its own moves with `extra_move`), then a cooperative burst."""
+    driver = driver_class(spec)
     driver.apply("start", driver.sched.start(0.0))
     for _ in range(data.draw(st.integers(0, RANDOM_MOVES), label="moves")):
         move = data.draw(st.sampled_from(driver.moves()))
         driver.now += data.draw(st.sampled_from([0.0, 0.0, 0.25, 1.0]))
+        if driver.extra_move(move, data):
+            continue
         if move == "end":
             driver.end_harness(
                 data.draw(st.sampled_from(sorted(driver.where))),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_sched_events_properties import FINISH_OUTCOMES, RANDOM_MOVES, EventDriver, sched_specs
+from test_sched_events_properties import EventDriver, play, sched_specs
 
 from gyre.sched import BeginTransition, Dispatch, GroupState, Outcome, Role, SchedSpec
 
@@ -103,6 +103,12 @@ class SetAsideDriver(EventDriver):
     def moves(self) -> list[str]:
         return [*super().moves(), *(["set_aside"] if self.step_active and self.claimed_now else [])]
 
+    def extra_move(self, move: str, data: st.DataObject) -> bool:
+        if move != "set_aside":
+            return False
+        self.set_aside(data.draw(st.sampled_from(self.claimed_now)))
+        return True
+
     def drain_one_burst(self) -> None:
         """A cooperative driver that still rejects and sets aside a few groups completes the next burst."""
         target, rejections, set_asides = self.trainer_version + self.spec.mu + 1, 0, 0
@@ -135,55 +141,13 @@ class SetAsideDriver(EventDriver):
         raise AssertionError(f"stuck: trainer version {self.trainer_version} < {target} after {DRAIN_EVENTS} events")
 
 
-def play(data: st.DataObject, spec: SchedSpec) -> SetAsideDriver:
-    driver = SetAsideDriver(spec)
-    driver.apply("start", driver.sched.start(0.0))
-    for _ in range(data.draw(st.integers(0, RANDOM_MOVES), label="moves")):
-        move = data.draw(st.sampled_from(driver.moves()))
-        driver.now += data.draw(st.sampled_from([0.0, 0.0, 0.25, 1.0]))
-        if move == "end":
-            driver.end_harness(
-                data.draw(st.sampled_from(sorted(driver.where))),
-                composed=data.draw(st.booleans()),
-                outcome=data.draw(st.sampled_from(FINISH_OUTCOMES)),
-            )
-        elif move == "close":
-            driver.close_evaluation(
-                data.draw(st.sampled_from(driver.in_state("evaluating"))), data.draw(st.sampled_from(FINISH_OUTCOMES))
-            )
-        elif move == "race":
-            driver.race(
-                data.draw(st.sampled_from(sorted(driver.cancelled))),
-                data.draw(st.sampled_from(["end", "close", "finish"])),
-            )
-        elif move == "verdict":
-            driver.verdict(data.draw(st.sampled_from(driver.groups_in("judging"))), accept=data.draw(st.booleans()))
-        elif move == "set_aside":
-            driver.set_aside(data.draw(st.sampled_from(driver.claimed_now)))
-        elif move == "transition":
-            driver.finish_transition(data.draw(st.sampled_from(sorted(driver.transitioning))))
-        elif move == "claim":
-            driver.claim()
-        elif move == "step":
-            driver.finish_step()
-        elif move == "publish":
-            driver.finish_publish()
-        else:
-            future = [w for w in driver.wakes if w > driver.now]
-            driver.now += data.draw(st.sampled_from([0.25, 1.0, 4.0] + ([min(future) - driver.now] if future else [])))
-            driver.tick()
-    driver.drain_one_burst()
-    driver.check_closed_once()
-    return driver
-
-
 @pytest.mark.parametrize("verdicts", [True, False], ids=["verdicts", "implied"])
 @pytest.mark.parametrize("continuous", [False, True], ids=["boundary", "continuous"])
 @pytest.mark.parametrize("mode", ["elastic", "colocate", "async"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_set_aside_claims_keep_counters_staleness_and_liveness(mode: str, continuous: bool, verdicts: bool, data):
-    play(data, data.draw(sched_specs(mode, continuous, verdicts), label="spec"))
+    play(data, data.draw(sched_specs(mode, continuous, verdicts), label="spec"), SetAsideDriver)
 
 
 def test_colocate_k1_a_set_aside_claim_is_replaced_the_cell_leaves_to_run_it_and_rejoins_the_same_step():
