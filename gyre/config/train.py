@@ -215,7 +215,7 @@ def check_cell_layout(cluster: ClusterConfig, trainer: TrainerConfig) -> None:
     """Every cell's ranks hold one model replica: cell_size = TP x PP (a native cell has one rank)."""
     tp, pp = trainer.tensor_parallel_size, trainer.pipeline_parallel_size
     require(
-        cluster.cell_size == tp * pp,
+        cluster.cell_size == trainer.model_parallel_size,
         "cluster.cell_size",
         cluster.cell_size,
         f"trainer.tensor_parallel_size * trainer.pipeline_parallel_size = {tp} * {pp} = {tp * pp} "

@@ -39,11 +39,6 @@ class ClaimUnitAssembler:
         self._held: list[tuple[MicroStep, tuple[str, ...]]] = []  # since the first held split one, in order
         self._parent: dict[str, str] = {}  # union-find forest over the held split execution ids
 
-    @property
-    def num_held(self) -> int:
-        """Micro-steps fed and not yet returned in a unit (they wait for `flush`)."""
-        return len(self._held)
-
     def add(self, step: MicroStep) -> list[tuple[MicroStep, ...]]:
         """Feed one micro-step; returns it as a unit alone when it has no split execution and nothing is held,
         else holds it until `flush` (returns [])."""

@@ -78,16 +78,17 @@ class ControlPublisher:
         if not isinstance(kind, str) or not kind:
             raise ValueError(f"kind={kind!r}: expected a non-empty string")
         try:
-            body = json.dumps({"kind": kind, "fields": fields}, separators=(",", ":"), allow_nan=False)
+            fields_json = json.dumps(fields, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as error:
             raise TypeError(f"decision {kind!r}: its fields must be JSON-able ({error})") from None
-        if len(body) + 32 > STORE_VALUE_MAX_BYTES:
+        size = len(fields_json) + len(kind) + 64  # with the seq and kind around it
+        if size > STORE_VALUE_MAX_BYTES:
             raise ValueError(
-                f"decision {kind!r} is {len(body)} bytes: at most {STORE_VALUE_MAX_BYTES} travel through the store "
+                f"decision {kind!r} is {size} bytes: at most {STORE_VALUE_MAX_BYTES} travel through the store "
                 "(send weights over a transport, not the control plane)"
             )
         index = self.store.add(f"{PREFIX}next", 1) - 1
-        self.store.set(_key(index), json.dumps({"seq": index, **json.loads(body)}, separators=(",", ":")))
+        self.store.set(_key(index), f'{{"seq":{index},"kind":{json.dumps(kind)},"fields":{fields_json}}}')
         return index
 
 

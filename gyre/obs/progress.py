@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from gyre.config.checks import is_int
 from gyre.obs.record import StepRecord
 
 __all__ = ["ROLE_LETTERS", "format_duration", "format_progress"]
@@ -48,7 +49,7 @@ def eta_s(record: StepRecord, total_steps: int, elapsed_s: float | None = None) 
 def format_progress(record: StepRecord, total_steps: int, *, elapsed_s: float | None = None) -> str:
     """The progress line after `record` of a run of `total_steps` steps; `elapsed_s`: seconds since the run's start
     now (a line between step ends), the record's `wall_time_s` when None."""
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+    if not is_int(total_steps) or total_steps < 1:
         raise ValueError(f"format_progress total_steps={total_steps!r} is not allowed: expected an integer >= 1")
     if elapsed_s is not None and not (math.isfinite(elapsed_s) and elapsed_s >= record.wall_time_s):
         raise ValueError(

@@ -25,6 +25,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from gyre.config.checks import is_int, is_number
+from gyre.sched.types import Role
+
 __all__ = ["LOSS_METRICS", "ROLES", "StepRecord", "TransitionRecord", "json_ready", "record_from_dict"]
 
 # The detached metrics of `gyre.rl.loss.policy_loss` (Eq. 5-6; docs/loss.md), summed or averaged over a step's
@@ -43,8 +46,8 @@ LOSS_METRICS = (
     "abs_log_ratio_mean",
 )
 
-# A cell's role at the step's end (`gyre.sched.types.Role` values plus the two transitional states).
-ROLES = ("rollout", "training", "to_training", "to_rollout")
+# A cell's role at the step's end: a `gyre.sched.types.Role` value (the transitional states included).
+ROLES = tuple(role.value for role in Role)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +187,7 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
 
 def _number(value: Any) -> bool:
     """An int or float, never a bool (nan and inf are allowed: a diverged loss is still reported)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return is_number(value)
 
 
 def _finite(value: Any) -> bool:
@@ -192,7 +195,7 @@ def _finite(value: Any) -> bool:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def json_ready(value: Any) -> Any:

@@ -50,6 +50,7 @@ from gyre.proxy.sessions import (
     thread_key,
 )
 from gyre.proxy.stats import ProxyStats, RouteCounters
+from gyre.proxy.template import RELEASE_GIL_CHARS
 from gyre.traj.record import CallMeta
 from gyre.traj.roles import Role
 
@@ -63,9 +64,9 @@ log = logging.getLogger(__name__)
 MAX_BODY_DEPTH = 128
 
 
-# A build that renders and encodes more new characters than this runs on a worker thread, so the event loop goes on
-# serving every other execution meanwhile (the tiny tokenizer encodes ~1 MB/s; 32 K characters are ~30 ms).
-OFF_THE_LOOP_CHARS = 32 * 1024
+# A build that renders and encodes this many new characters runs on a worker thread, so the event loop goes on serving
+# every other execution meanwhile; its long texts are encoded with the GIL released (one threshold for both).
+OFF_THE_LOOP_CHARS = RELEASE_GIL_CHARS
 
 
 async def _off_the_loop_if_big(builder, request: ChatRequest, *, max_tokens: int | None = None):
@@ -242,7 +243,7 @@ class ProxyServer:
             session, request = await self._admit(http, dialect)
             prompt = await self._build_prompt(session, request)
             params = self._sampling(request, prompt.num_tokens, self._call_seed(session.execution, prompt.input_ids))
-            if session.closing or session.tree.closed:  # closed while its body was read or its prompt built
+            if session.closing:  # closed while its body was read or its prompt built (every close sets it)
                 raise ApiError("authentication", "invalid x-api-key: its execution was closed")
         except ApiError as error:
             counters.ended_with(error)

@@ -18,10 +18,12 @@ from typing import Any
 from jinja2 import TemplateError
 
 from gyre.proxy.conversation import ChatRequest, ToolCall, Turn
-from gyre.proxy.token_floor import bytes_per_token_bound, token_floor, token_floor_of_chars
+from gyre.proxy.token_floor import bytes_per_token_bound, token_floor
 
 SENTINEL = "GYRE_SENTINEL_5f0c9a"
-RELEASE_GIL_CHARS = 16 * 1024  # texts this long are encoded with the GIL released (~15 ms of the tiny tokenizer)
+# Texts this long are encoded with the GIL released (`encode_batch`); a build with this much new text runs on a worker
+# thread (gyre.proxy.server), where that frees the event loop (the tiny tokenizer encodes ~1 MB/s: ~30 ms).
+RELEASE_GIL_CHARS = 32 * 1024
 
 # What rendering a chat template raises for a conversation it refuses: its own raise_exception (ValueError),
 # Jinja errors, and the errors of Python operations the template applies to message fields.
@@ -181,7 +183,7 @@ class ChatTemplate:
 
     def min_tokens(self, text: str) -> int:
         """The fewest tokens `text` can encode to, without encoding it (0 if the tokenizer gives no floor)."""
-        return token_floor(text, self.bytes_per_token)
+        return token_floor(len(text), self.bytes_per_token)
 
     def message(self, turn: Turn, *, first: bool = False) -> dict[str, Any]:
         """The HF message dict of a turn (`first`: a leading system turn keeps the system role)."""
@@ -254,7 +256,7 @@ class ChatTemplate:
         if not self.bytes_per_token or not self.keeps_contents:
             return 0
         chars = sum(len(turn.text.strip()) for turn in turns if turn.role in ("user", "tool"))
-        return token_floor_of_chars(chars, self.bytes_per_token)
+        return token_floor(chars, self.bytes_per_token)
 
     def glue_after(self, output_ids: Sequence[int]) -> str:
         """Template text between our output ids and the next message: the footer minus the stop token we emitted."""

@@ -78,11 +78,7 @@ def bytes_per_token_bound(tokenizer: Any) -> int | None:
     return shrink * max(longest, 1)
 
 
-def token_floor(text: str, bound: int | None) -> int:
-    """The fewest tokens `text` can encode to under `bytes_per_token_bound` `bound` (0 when there is none)."""
-    return token_floor_of_chars(len(text), bound)
-
-
-def token_floor_of_chars(chars: int, bound: int | None) -> int:
-    """The fewest tokens texts of `chars` characters in all, each part of one prompt, can encode to."""
+def token_floor(chars: int, bound: int | None) -> int:
+    """The fewest tokens texts of `chars` characters in all, under `bytes_per_token_bound` `bound`, can encode to
+    (0 when there is no bound)."""
     return -(-chars // bound) if bound else 0

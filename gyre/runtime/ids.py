@@ -9,7 +9,8 @@ execution by a string, and the routing table names an engine by a string. One ma
   is a valid execution id: `gyre.proxy.sessions.check_execution_id`);
 - cell `c` -> `"cell-{c}"`, `POOL` -> `"pool"`.
 
-Groups keep the scheduler's integer ids everywhere (the trajectory buffer's group ids are ints). Pure: stdlib only.
+Groups keep the scheduler's integer ids everywhere (the trajectory buffer's group ids are ints). Pure: the stdlib
+and gyre.config's checks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-POOL_ENGINE = -1  # gyre.sched.POOL (the scheduler is not imported: this module is stdlib only)
+from gyre.config.checks import is_int
+
+POOL_ENGINE = -1  # gyre.sched.POOL
 POOL_NAME = "pool"
 
 _EXECUTION = re.compile(r"g(\d{6,})-e(\d{7,})")
@@ -28,7 +31,7 @@ __all__ = ["POOL_NAME", "ExecutionIds", "engine_id", "engine_name"]
 
 def engine_name(engine: int) -> str:
     """The routing table's name of scheduler engine `engine` (a cell index, or POOL)."""
-    if isinstance(engine, bool) or not isinstance(engine, int) or engine < POOL_ENGINE:
+    if not is_int(engine) or engine < POOL_ENGINE:
         raise ValueError(f"engine={engine!r} is not allowed: expected a cell index >= 0 or POOL (-1)")
     return POOL_NAME if engine == POOL_ENGINE else f"cell-{engine}"
 
@@ -51,7 +54,7 @@ class ExecutionIds:
 
     def __post_init__(self) -> None:
         per = self.executions_per_group
-        if isinstance(per, bool) or not isinstance(per, int) or per < 1:
+        if not is_int(per) or per < 1:
             raise ValueError(f"executions_per_group={per!r} is not allowed: expected an integer >= 1 (N + oversample)")
 
     def group_of(self, execution: int) -> int:
@@ -60,7 +63,7 @@ class ExecutionIds:
 
     def name(self, execution: int) -> str:
         """The string id of scheduler execution `execution`: session, record file, outcomes, tree, buffer."""
-        if isinstance(execution, bool) or not isinstance(execution, int) or execution < 0:
+        if not is_int(execution) or execution < 0:
             raise ValueError(f"execution={execution!r} is not allowed: expected an integer >= 0")
         return f"g{self.group_of(execution):06d}-e{execution:07d}"
 
@@ -76,7 +79,7 @@ class ExecutionIds:
 
     def executions(self, group: int) -> range:
         """The scheduler executions of `group`, in order (the N + oversample the scheduler dispatched)."""
-        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+        if not is_int(group) or group < 0:
             raise ValueError(f"group={group!r} is not allowed: expected an integer >= 0")
         per = self.executions_per_group
         return range(group * per, (group + 1) * per)

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gyre.config.checks import is_int
 from gyre.distributed.local import HOST  # the workers' rendezvous: the loopback, as local runs use
 
 __all__ = ["JobEnv", "LaunchError", "WorkerFailed", "fixed_run_dir_overrides", "job_env", "launch_workers"]
@@ -123,7 +124,7 @@ def launch_workers(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+    if not is_int(nprocs) or nprocs < 1:
         raise LaunchError(f"nprocs={nprocs!r}: expected an integer >= 1")
     config = LaunchConfig(
         min_nodes=1,

@@ -78,11 +78,13 @@ class LocalClaims:
             if step is not None:
                 self._units += self._assembler.add(step)
                 continue
-            if self.packer.queue.closed_and_drained:
-                self._units += self._assembler.flush()
-                if not self._units:
-                    return None
+            # The queue is empty: the pull's micro-steps are all in, so the units they hold back are complete
+            # (a pull's end is a flush point, docs/data.md "Claim units"); hand those out before claiming more.
+            self._units += self._assembler.flush()
+            if self._units:
                 break
+            if self.packer.queue.closed_and_drained:
+                return None
             group, actions = self.scheduler.claim_group(self._clock())
             self._on_actions(actions)
             if group is None:

@@ -44,11 +44,6 @@ class GroupRecord:
     state: GroupState = GroupState.OPEN
     replaces: int | None = None  # the rejected group this one was dispatched for
 
-    @property
-    def ready(self) -> bool:
-        """Accepted by the buffers (claimed since, or not)."""
-        return self.state in (GroupState.READY, GroupState.CLAIMED)
-
 
 class GroupBook:
     """Every dispatched group by index, the ready heap, and the count of groups still awaiting a verdict."""

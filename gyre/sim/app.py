@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from gyre.config import ConfigError, SimConfig, register_configs
 from gyre.config.hydra_errors import describe_config_error, to_config
 from gyre.obs.logging import setup_logging
+from gyre.obs.record import json_ready
 from gyre.sim.presets import CONF_DIR
 from gyre.sim.simulator import SimulationError, simulate
 from gyre.sim.timeline import write_timeline
@@ -97,7 +97,7 @@ def run(cfg: DictConfig, run_dir: Path, *, experiment_choice: str | None = None)
         summary, sim = simulate(sim_cfg)
     except SimulationError as exc:
         _exit("simulation error", str(exc), EXIT_SIMULATION_ERROR)
-    summary = json_safe(summary)
+    summary = json_ready(summary)
 
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if sim_cfg.timeline:
@@ -120,17 +120,6 @@ def _exit(kind: str, message: str, status: int) -> NoReturn:
 
 
 # -- summary and labels -----------------------------------------------------------------------------
-def json_safe(value: Any) -> Any:
-    """`value` with non-finite floats replaced by None, so json.dumps writes strict JSON."""
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def config_label(cfg: SimConfig) -> str:
     cl, al = cfg.cluster, cfg.algo
     pool = f" + pool C_s={cl.separate_capacity}" if cl.separate_capacity else ""

@@ -301,7 +301,6 @@ def composed_error(overrides) -> str:
 
 
 def test_conf_train_yaml_composes_to_the_defaults():
-    pytest.importorskip("hydra")
     assert train_config() == TrainConfig()
     hydra = compose_train(hydra_config=True).hydra
     assert hydra.job.name == "train"
@@ -309,7 +308,6 @@ def test_conf_train_yaml_composes_to_the_defaults():
 
 
 def test_group_choices_and_overrides_compose():
-    pytest.importorskip("hydra")
     colocate = train_config(["algo=colocate"])
     assert (colocate.algo.mode, colocate.algo.phi, colocate.algo.mu, colocate.algo.group_size) == ("colocate", 0, 4, 8)
     assert train_config(["algo=async"]).algo.train_cells == 0  # half of the cells at run time
@@ -342,7 +340,6 @@ def test_group_choices_and_overrides_compose():
     ],
 )
 def test_bad_overrides_end_in_one_line(overrides, message):
-    pytest.importorskip("hydra")
     text = composed_error(overrides)
     assert text.startswith(message), text
     assert "\n" not in text

@@ -87,7 +87,8 @@ def test_nan_loss_is_kept_and_written_as_null():
 
 
 def test_loss_metrics_are_those_policy_loss_reports():
-    torch = pytest.importorskip("torch")
+    import torch
+
     from gyre.rl.loss import LossConfig, policy_loss
 
     _, metrics = policy_loss(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_data_claim_units import step as claim_units_step
 
 from gyre.config import PackingConfig
 from gyre.data import StreamPackingBuffer, TrajectoryBuffer
+from gyre.data.queue import MicroStepQueue
 from gyre.proxy.sessions import check_execution_id
 from gyre.runtime.ids import POOL_NAME, ExecutionIds, engine_id, engine_name
 from gyre.runtime.local_claims import WAIT, LocalClaims
@@ -279,3 +281,36 @@ def test_a_pull_error_that_set_nothing_aside_is_raised():
     with pytest.raises(ValueError, match="group 0"):
         claims.next_unit()
     assert claims.set_aside == [] and packer.rejected_groups() == []
+
+
+class SplitPullPacker:
+    """A stand-in for the packer (named as such) whose every pull emits one split execution's micro-steps apart,
+    as free-row packing does (docs/data.md, "Claim units"): a (split), b, a (split)."""
+
+    def __init__(self) -> None:
+        self.queue = MicroStepQueue()
+        self.pulled: list[int] = []
+
+    def pull(self, group: int) -> None:
+        self.pulled.append(group)
+        for index, executions, split in ((0, "a", "a"), (1, "b", ""), (2, "a", "a")):
+            self.queue.put(claim_units_step(index, executions, split))
+
+    def rejected_groups(self) -> list:
+        return []
+
+
+def test_a_pulls_split_execution_is_one_unit_handed_out_at_the_pulls_end_without_claiming_another_group():
+    sched, _ = async_scheduler()
+    ids = ExecutionIds(N)
+    buffer = TrajectoryBuffer()
+    for group in range(B):
+        buffer.add_group(group, 0, ids.names(group), N)
+    close_group(sched, buffer, 0, ids, 1.0)
+    packer = SplitPullPacker()
+    claims = LocalClaims(sched, packer, clock=lambda: 1.0, on_actions=lambda actions: None)
+    first = claims.next_unit()
+    assert first is not WAIT, "the pull's complete units were held back"
+    second = claims.next_unit()
+    assert {tuple(step.index for step in first[1]), tuple(step.index for step in second[1])} == {(0, 2), (1,)}
+    assert packer.pulled == [0]  # lazy: the units of group 0 came before any other claim
