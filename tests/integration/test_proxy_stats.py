@@ -187,13 +187,15 @@ def test_a_reroute_with_kv_is_counted_as_rerouted_and_kv_migrated(tmp_path):
         for thread in threads:
             thread.stop()
     assert b"message_stop" in stream
-    if not migration.migrated:  # the greedy call ended before the controller moved it: nothing to count
-        pytest.skip(f"the call ended before the move ({migration})")
     calls = load_tree(tmp_path / "records" / "moved.jsonl").calls
-    assert [call.meta.engine for call in calls] == ["external-0,external-1"]
     messages = stats["routes"][MESSAGES]
     assert (messages["admitted"], messages["answered"], messages["recorded"]) == (2, 2, 2)
-    assert (messages["rerouted"], messages["kv_migrated"]) == (1, 1)
+    # The counters say exactly what the move did (no skip: a greedy call that ended before the move was moved by
+    # nothing, and one the move restarted without its KV is counted rerouted but not migrated).
+    moved_engines = "external-0,external-1" if migration.calls else "external-0"
+    assert [call.meta.engine for call in calls] == [moved_engines]
+    assert (messages["rerouted"], messages["kv_migrated"]) == (migration.calls, len(migration.migrated))
+    assert migration.calls == 0 or (messages["rerouted"], messages["kv_migrated"]) == (1, 1), migration
 
 
 async def _post_short(stack, key: str, model: str) -> None:
