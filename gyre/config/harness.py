@@ -136,6 +136,10 @@ class HarnessConfig:
     """sandbox=container: docker, podman or apptainer."""
     container_image: str = ""
     """sandbox=container: the image (docker reference, or the path of an apptainer .sif); required there."""
+    isolate_user: bool | None = None
+    """sandbox=local: run each execution under its own uid (needs root; the harness's interpreter or binary must be
+    readable by other users). null: own uid when the controller runs as root, except for the builtin harness on the
+    bundled demo family, whose agent has only the calculator tool (no shell or file tools)."""
 
     def __post_init__(self) -> None:
         require_choice("harness.name", self.name, HARNESS_NAMES)
@@ -160,6 +164,12 @@ class HarnessConfig:
         require_choice("harness.sandbox", self.sandbox, SANDBOXES)
         require_choice("harness.container_engine", self.container_engine, CONTAINER_ENGINES)
         require(isinstance(self.container_image, str), "harness.container_image", self.container_image, "a string")
+        require(
+            self.isolate_user is None or isinstance(self.isolate_user, bool),
+            "harness.isolate_user",
+            self.isolate_user,
+            "true, false or null (auto)",
+        )
         if self.name == "command":
             require(
                 bool(self.argv) and bool(self.argv[0]),

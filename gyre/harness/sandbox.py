@@ -161,7 +161,7 @@ def chown_tree(top: Path, uid: int, gid: int) -> None:
                 os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
 
 
-def _unreachable_by_others(executable: str) -> Path | None:
+def unreachable_by_others(executable: str) -> Path | None:
     """The first directory or file on the way to `executable` (symlinks resolved) that a uid other than its owner
     cannot traverse or execute; None when an unrelated uid can run it."""
     target = Path(os.path.realpath(executable))
@@ -298,7 +298,7 @@ class LocalSandbox:
         if self.isolate_user and uid is None:
             raise SandboxError(f"execution {context.execution_id!r} was not prepared by this sandbox (call prepare)")
         if uid is not None and os.path.isabs(spec.argv[0]):
-            closed = _unreachable_by_others(spec.argv[0])
+            closed = unreachable_by_others(spec.argv[0])
             if closed is not None:
                 raise SandboxError(
                     f"{spec.argv[0]} cannot be run by the execution's own uid {uid}: {closed} is closed to other "

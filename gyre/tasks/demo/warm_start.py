@@ -522,6 +522,32 @@ def evaluate_greedy(
 
     template = ChatTemplate.from_pretrained(model_dir)
     model = load_pretrained(model_dir)
+    return evaluate_greedy_model(
+        model,
+        template,
+        problems,
+        max_new_tokens=max_new_tokens,
+        max_calls=max_calls,
+        max_running=max_running,
+        temperature=temperature,
+        seed=seed,
+    )
+
+
+def evaluate_greedy_model(
+    model,
+    template: ChatTemplate,
+    problems: Sequence[DemoProblem],
+    *,
+    max_new_tokens: int = 64,
+    max_calls: int = 3,
+    max_running: int = 32,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """`evaluate_greedy` on a loaded `DecoderLM` (not modified; the caller must not train it meanwhile) with its
+    chat template: what a training run evaluates its held-out set with (docs/runtime.md). Runs its own event
+    loop: call it from a thread without one (the controller uses `asyncio.to_thread`)."""
     results = asyncio.run(
         _evaluate(model, template, problems, max_new_tokens, max_calls, max_running, temperature, seed)
     )

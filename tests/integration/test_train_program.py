@@ -1,0 +1,205 @@
+"""`python -m gyre.train` as a user runs it: a real subprocess, the warm-started tiny model, the builtin harness on
+demo tasks, one cell in one process (docs/runtime.md, "The program").
+
+- A 2-step run completes with exit 0 and writes every output: metrics.jsonl (one line per step, strict JSON),
+  held_out.jsonl (before the first step and after the last), summary.json with the simulator's keys,
+  role_timeline.png, policy/ that loads as a checkpoint with its chat template, the record files; every model call
+  the proxy served is recorded exactly once (its counters vs the record files); no process of the run is left.
+- Ctrl-C mid-run exits 130 within 10 s with metrics, timeline and summary written, and no process left.
+- A user's mistakes exit 2 with one line naming the field: a world size this runtime does not run (the default
+  4 cells), a model directory without a checkpoint, a bad value, a busy proxy port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre.distributed.local import HOST
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = [
+    "cluster=one_cell",
+    "algo=colocate",
+    "algo.mu=2",
+    "algo.group_size=4",
+    "algo.batch_groups=2",
+    "cluster.cell_capacity=8",
+    "engine.max_running=8",
+    "tasks.num_demo_tasks=32",
+    "tasks.num_held_out=8",
+    "tasks.demo.max_digits=1",  # single-digit sums: a group's rewards usually differ, so the weights move
+    "harness.max_turns=4",
+    "logging.wandb=offline",
+    "logging.progress_every_s=0",
+]
+SIM_SUMMARY_KEYS = {
+    "experiment",
+    "mode",
+    "phi",
+    "mu",
+    "total_time_s",
+    "total_time_h",
+    "steps",
+    "step_times_s",
+    "staleness",
+    "utilization",
+    "counters",
+    "outcomes",
+    "transitions",
+    "reroutes",
+}
+
+
+def train(args: list[str], run_dir: Path, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "gyre.train", *args, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: what is left of it is counted, and killed at the end
+        **popen,
+    )
+
+
+def left_of(process: subprocess.Popen) -> list[str]:
+    """Processes still in the run's process group (harnesses, evaluators, engine workers)."""
+    out = subprocess.run(["ps", "-eo", "pid=,pgid=,args="], capture_output=True, text=True).stdout
+    left = []
+    for line in out.splitlines():
+        pid, pgid, args = line.split(None, 2)
+        if int(pgid) == process.pid and int(pid) != process.pid:
+            left.append(args)
+    return left
+
+
+def finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return process.returncode, out, err
+
+
+@pytest.mark.slow
+def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
+    from gyre.models.hf_weights import load_pretrained
+    from gyre.obs.record import record_from_dict
+    from gyre.proxy.render import ChatTemplate
+    from gyre.traj.store import load_tree
+
+    run_dir = tmp_path / "run"
+    process = train([*SMALL, "steps=2", "tasks.eval_every=5", "proxy.sampling.seed=7"], run_dir)
+    code, out, err = finish(process, 900)
+    assert code == 0, err[-3000:]
+    assert left_of(process) == []
+    end = json.loads(out.strip().splitlines()[-1])
+    assert end["end"] == "completed" and end["steps"] == 2 and end["run_dir"] == str(run_dir)
+
+    records = [record_from_dict(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.step for r in records] == [0, 1]
+    assert all(r.reward_mean is not None and r.train_tokens > 0 and r.grad_norm is not None for r in records)
+    assert records[0].transitions and records[0].transitions[0].to == "training"
+    held = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    assert [line["version"] for line in held] == [0, 2] and all(line["episodes"] == 8 for line in held)
+    assert end["held_out_pass_rate"] == {"first": held[0]["pass_rate"], "last": held[-1]["pass_rate"]}
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary) == SIM_SUMMARY_KEYS and summary["steps"] == 2 and summary["mode"] == "colocate"
+    assert (run_dir / "role_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"
+
+    policy = run_dir / "policy"
+    assert json.loads((policy / "policy.json").read_text())["version"] == 2
+    load_pretrained(policy)
+    ChatTemplate.from_pretrained(policy)
+
+    # Every call the proxy served is in exactly one record file, once (request ids distinct).
+    calls = 0
+    for path in sorted((run_dir / "records").glob("*.jsonl")):
+        tree = load_tree(path)
+        assert len({c.meta.request_id for c in tree.calls}) == len(tree.calls), path.name
+        calls += len(tree.calls)
+    proxy_lines = [line for line in (run_dir / "train.log").read_text().splitlines() if "proxy: calls" in line]
+    assert proxy_lines, "the run logs the proxy's counters at its end"
+    counts = json.loads(proxy_lines[-1].split("proxy: calls ", 1)[1])
+    assert counts["recorded"] == calls == counts["answered"] > 0 and counts["failed"] == 0, counts
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run_exits_promptly_with_its_outputs_written(tmp_path):
+    run_dir = tmp_path / "run"
+    process = train([*SMALL, "steps=50", "tasks.eval_every=0"], run_dir)
+    deadline = time.monotonic() + 600
+    seen = ""
+    while time.monotonic() < deadline:  # wait for the first step's progress line
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen += line
+        if line.startswith("step 1/50"):
+            break
+    assert "step 1/50" in seen, seen[-2000:]
+    time.sleep(2.0)  # into the rollout of the next step
+    process.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    code, _, err = finish(process, 30)
+    elapsed = time.monotonic() - started
+    assert code == 130, err[-3000:]
+    assert elapsed < 10.0, elapsed
+    assert left_of(process) == []
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") >= 1
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
+    assert (run_dir / "role_timeline.png").is_file()
+    print(f"ctrl-c: exit {code} after {elapsed:.1f}s")
+
+
+def busy_port() -> socket.socket:
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        ([], "cluster.num_cells=4"),  # the default 4 cells: the multi-process job is not built yet
+        (["cluster=one_cell", "model.model_dir=/nonexistent/model"], "model.model_dir"),
+        (["cluster=one_cell", "steps=0"], "steps"),
+        (["cluster=one_cell", "packing.group_size=3"], "packing.group_size"),
+        (["cluster=one_cell", "harness.isolate_user=maybe"], "harness.isolate_user"),
+        (["cluster=one_cell", "tasks.held_out_dir=/tmp"], "tasks.held_out_dir"),
+    ],
+)
+def test_a_user_mistake_exits_2_with_one_line_naming_it(tmp_path, args, names):
+    code, _, err = finish(train([*args, "logging.wandb=disabled"], tmp_path / "run"), 300)
+    lines = [line for line in err.splitlines() if line.startswith("gyre.train:")]
+    assert code == 2, err[-2000:]
+    assert len(lines) == 1 and names in lines[0], err[-2000:]
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_busy_proxy_port_exits_2_naming_it(tmp_path):
+    with busy_port() as sock:
+        port = sock.getsockname()[1]
+        args = [*SMALL, "steps=1", f"proxy.port={port}", "logging.wandb=disabled"]
+        code, _, err = finish(train(args, tmp_path / "run"), 300)
+    assert code == 2, err[-2000:]
+    line = [line for line in err.splitlines() if line.startswith("gyre.train:")]
+    assert len(line) == 1 and "port" in line[0] and str(port) in line[0], err[-2000:]
+    assert "Traceback" not in err
