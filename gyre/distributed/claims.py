@@ -172,6 +172,19 @@ class StepBoard:
         self.closed = True
         return self.num_units
 
+    def abandon(self) -> int:
+        """End the step now, for a run that stops: every unit no cell has claimed yet reads `CLOSED`, the held-back
+        units are dropped, then `close`. Each cell finishes at most the unit it holds, claims `CLOSED` and goes on
+        to its reduction, so a stop waits for one unit, not the rest of the step. Returns the units dropped."""
+        if self.closed:
+            return 0
+        claimed = self.claims()
+        for i in range(claimed, self.num_units):
+            self.store.set(f"{self._prefix}unit/{i}", CLOSED)
+        self._assembler = ClaimUnitAssembler()
+        self.close()
+        return max(0, self.num_units - claimed)
+
     def clear(self) -> None:
         """Delete the step's units and counters once every cell is past it (the core's reduction proves it): units
         can be MBs. The join keys stay (a few bytes each)."""

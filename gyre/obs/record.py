@@ -112,6 +112,10 @@ class StepRecord:
     """Model calls that ran on more than one engine (the proxy's `rerouted` counter, this step's increase)."""
     kv_migrations: int = 0
     """Model calls whose continuation reused migrated KV (the proxy's `kv_migrated`, this step's increase)."""
+    training_cells: int | None = None
+    """Cells whose gradients the step summed (the prefix 0..k-1 at the step's close)."""
+    joined_cells: tuple[int, ...] = ()
+    """Satellites admitted to the step while it was in flight (they pulled the core's weights and claimed)."""
     rollout_tokens: int = 0
     """Tokens sampled by the engines during the step."""
     train_tokens: int = 0
@@ -145,6 +149,10 @@ class StepRecord:
         _require(all(role in ROLES for role in self.roles), "roles", self.roles, f"role names among {ROLES}")
         _require(all(isinstance(t, TransitionRecord) for t in self.transitions), "transitions", self.transitions,
                  "TransitionRecord values")  # fmt: skip
+        _require(self.training_cells is None or (_count(self.training_cells) and self.training_cells >= 1),
+                 "training_cells", self.training_cells, "an integer >= 1 or None")  # fmt: skip
+        _require(all(_count(c) and c >= 1 for c in self.joined_cells), "joined_cells", self.joined_cells,
+                 "satellite cell indices (integers >= 1)")  # fmt: skip
         _require(all(_count(e) for e in self.rerouted_executions), "rerouted_executions", self.rerouted_executions,
                  "execution ids (integers >= 0)")  # fmt: skip
         _require(len(self.rerouted_executions) in (0, self.reroutes), "rerouted_executions",
@@ -175,7 +183,7 @@ def record_from_dict(data: Mapping[str, Any]) -> StepRecord:
     kwargs: dict[str, Any] = {key: value for key, value in data.items() if key in names}
     kwargs["loss"] = loss
     kwargs["transitions"] = tuple(TransitionRecord(**t) for t in data.get("transitions", ()))
-    for name in ("roles", "rerouted_executions"):
+    for name in ("roles", "rerouted_executions", "joined_cells"):
         kwargs[name] = tuple(data.get(name, ()))
     return StepRecord(**kwargs)
 

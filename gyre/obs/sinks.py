@@ -146,7 +146,7 @@ def wandb_numbers(record: StepRecord) -> dict[str, float | int]:
     data = record.to_dict()
     out: dict[str, float | int] = {}
     for key, value in data.items():
-        if key in ("step", "roles", "transitions", "rerouted_executions"):
+        if key in ("step", "roles", "transitions", "rerouted_executions", "joined_cells"):
             continue
         if isinstance(value, int | float) and not isinstance(value, bool):
             out[key] = value
@@ -154,6 +154,7 @@ def wandb_numbers(record: StepRecord) -> dict[str, float | int]:
         out[f"roles/{role}"] = count
     durations = [t.duration_s for t in record.transitions]
     out["transitions/count"] = len(durations)
+    out["joins/count"] = len(record.joined_cells)
     if durations:
         out["transitions/duration_s_total"] = sum(durations)
         out["transitions/duration_s_max"] = max(durations)

@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from gyre.config import ConfigError, TrainConfig, register_configs
 from gyre.config.hydra_errors import CONF_DIR, describe_config_error, to_config
 from gyre.obs.logging import setup_logging
-from gyre.runtime.launch import LaunchError, fixed_run_dir_overrides, job_env
+from gyre.runtime.launch import LaunchError, LaunchStopped, WorkerFailed, fixed_run_dir_overrides, job_env
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig, run_dir: Path) -> int:
     """Check `cfg`, run it, print the end; the exit status (0, 2, 3 or 130)."""
-    from gyre.runtime.program import ProgramError, run_training
+    from gyre.runtime.program import ProgramError, RunResult, run_training
 
     try:
         train_cfg = to_config(cfg, TrainConfig)
@@ -90,15 +90,22 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         _exit("config error", f"hydra.run.dir={str(run_dir)!r}: expected a writable directory ({exc})", 2)
     log.info("training -> %s", run_dir)
     try:
-        result = run_training(train_cfg, run_dir, world_size=job.world_size if job else 1, echo=_echo)
+        result = run_training(train_cfg, run_dir, echo=_echo)
     except (ProgramError, ConfigError) as exc:
         _exit("config error", str(exc), EXIT_CONFIG_ERROR)
+    except WorkerFailed as exc:  # a worker of a plainly launched job failed: the job was stopped
+        _exit("run error", f"{exc} (traceback in {run_dir / 'train.log'})", EXIT_RUN_ERROR)
+    except LaunchStopped as exc:  # Ctrl-C or SIGTERM: rank 0 wrote the outputs before it ended
+        _echo(f"run {exc}: outputs in {run_dir}")
+        return EXIT_STOPPED
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             _exit("config error", f"a port is busy: {exc} (choose another: proxy.port=...)", EXIT_CONFIG_ERROR)
         _run_error(exc, run_dir)
     except Exception as exc:
         _run_error(exc, run_dir)
+    if not isinstance(result, RunResult):  # a satellite rank under torchrun or srun: rank 0 reports
+        return EXIT_STOPPED if result.get("stop_reason") == "stopped" else 0
     _echo(ending_report(result))
     passes = [line["pass_rate"] for line in result.held_out]
     print(

@@ -1,5 +1,5 @@
-"""The controller of a training run: one asyncio loop that owns the scheduler and carries out its actions
-(docs/runtime.md, "The controller").
+"""The controller of a training run, on rank 0: one asyncio loop that owns the scheduler and carries out its actions
+over the job's cells (docs/runtime.md, "The controller").
 
 It owns the real `gyre.sched.Scheduler` (driven with a monotonic clock through exactly the API the simulator
 uses), the routing table, the proxy's sessions, the harness executions and their evaluations, the trajectory and
@@ -7,25 +7,27 @@ packing buffers, the role trace and the metrics. Every scheduler action is appli
 back through the scheduler's events; nothing moves without an action:
 
 - `Dispatch`: a task drawn per group from the training set; the group's `GroupOutcomes`; the buffer's group.
-- `Start`: the execution's key, its engine (`RoutingTable.assign`), `run_episode` with the configured harness;
-  reported: `harness_ended` at harness end, `execution_closed`, then the group's verdict (`group_accepted` or
-  `group_rejected` once all its executions closed: one readiness rule for the scheduler and the buffers).
+- `Start`: the execution's key, its engine (`RoutingTable.assign`: the scheduler's placement, never a choice of
+  the table's), `run_episode` with the configured harness; reported: `harness_ended` at harness end,
+  `execution_closed`, then the group's verdict (`group_accepted` or `group_rejected` once all its executions
+  closed: one readiness rule for the scheduler and the buffers).
 - `Cancel`: the execution's cancel event (the scheduler's surplus cancellation; no second mechanism).
-- `BeginTransition(c, TRAINING)`: `leave_rollout` of the cell's engine, the trainer built once and kept;
-  `transition_finished`.
-- `BeginStep`: `train_step` on a worker thread, its claims lazy on the loop (`LocalClaims`); `step_finished`.
-- `Publish(v)`: the trainer's weights as version v, written to `<run dir>/policy/`; `publish_finished`.
-- `BeginTransition(c, ROLLOUT)`: after the publication, `return_to_rollout` with the published version;
-  `transition_finished`.
+- `BeginTransition(c, TRAINING)`: the cell's engine stops accepting, the `Reroute`s of the same action list move
+  its executions with their calls in flight (`gyre.proxy.reroute`), then `leave_rollout` (drain, release); the
+  core builds its trainer once on the trainer thread, a satellite is told over the control plane and acks;
+  `transition_finished`; a satellite the scheduler lets into the step in flight is admitted to the step's board.
+- `BeginStep`: the step's board and pump (`gyre.distributed.step_pump`: groups claimed from the scheduler lazily,
+  as the simulator's cells claim), the `step` decision, the core's `train_claimed_step` on the trainer thread;
+  the record, the progress line; `step_finished`.
+- `Publish(v)`: the core's weights as version v, `<run dir>/policy/`, the engines still in rollout updated;
+  `publish_finished`.
+- `BeginTransition(c, ROLLOUT)`: after the publication, `return_to_rollout` with the published version (the
+  engine accepts only once it holds it); the cell is told; `transition_finished`.
 - `WakeAt(t)`: a timer, then `tick`.
 
-This stage runs the whole job in one process with one cell (K = 1, `cluster.num_cells=1`): the cell's engine
-serves behind its endpoint on its own thread, and rank 0's trainer is the core. The run ends after `steps`
-optimizer steps, at `request_stop()` (Ctrl-C, SIGTERM) or at the first error of any of its tasks; `run()` then
-cancels the executions still running (their harness and evaluator processes are stopped by `run_episode`) and
-returns a `RunEnd` saying which. Per step it writes a `gyre.obs.StepRecord` to the metrics logger and a console
-progress line; the held-out evaluation (`HeldOutEvaluator`) runs before the first step, every `tasks.eval_every`
-steps and after the last.
+The run ends after `steps` optimizer steps, at `request_stop()` (Ctrl-C, SIGTERM) or at the first error of any
+of its tasks; `run()` then closes a step in flight (its update is never published), cancels the executions still
+running (their harness and evaluator processes are stopped by `run_episode`) and returns a `RunEnd`.
 """
 
 from __future__ import annotations
@@ -42,16 +44,21 @@ from pathlib import Path
 from gyre.config import TrainConfig
 from gyre.config.harness import ExecutionLimits
 from gyre.data import StreamPackingBuffer, TrajectoryBuffer
+from gyre.distributed.claims import StepBoard
+from gyre.distributed.control import STOP, ControlPublisher
+from gyre.distributed.step_pump import StepPump
 from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.obs.progress import format_progress
 from gyre.obs.record import StepRecord, TransitionRecord
 from gyre.obs.sinks import MetricsLogger
+from gyre.proxy.reroute import reroute_execution
 from gyre.proxy.routing import RoutingTable
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.ids import ExecutionIds, engine_name
-from gyre.runtime.local_claims import WAIT, LocalClaims
+from gyre.runtime.job import Job, ack_key, step_stats_key
 from gyre.runtime.policy_dir import write_policy
 from gyre.runtime.trace import RoleTrace
+from gyre.runtime.trainer_thread import TrainerThread
 from gyre.runtime.transitions import leave_rollout, return_to_rollout
 from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import (
@@ -68,36 +75,35 @@ from gyre.sched import (
     WakeAt,
     spec_from_config,
 )
-from gyre.train.publish import engine_weights
-from gyre.train.streaming import train_step
+from gyre.train.publish import engine_weights, publish_to_engines
 from gyre.traj.outcomes import GroupOutcomes
 from gyre.traj.roles import classifier_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Controller", "ControllerParts", "RunEnd", "StopRun"]
+__all__ = ["Controller", "ControllerParts", "RunEnd"]
 
 DRAIN_S = 30.0  # a cell leaving rollout aborts what is still in flight after this (the aborted calls are recorded)
-CLAIM_WAIT_S = 3600.0  # a training cell waits this long at most for a group to become ready
+ACK_TIMEOUT_S = 300.0  # a satellite applies a role decision within this (it loads its trainer the first time)
+STATS_TIMEOUT_S = 60.0  # the satellites of a step report their share within this after the core's step returned
 CANCEL_WAIT_S = 8.0  # at the end, how long the cancelled executions get to stop their processes and close
+PUMP_POLL_S = 0.005  # the step pump's pass interval while a step is in flight
 PASS_REWARD = 1.0  # an execution passed when its reward reaches this (the demo check's full score)
-
-
-class StopRun(Exception):
-    """Raised into the trainer's claim when the run stops mid-step: the partial step is abandoned, not applied."""
 
 
 @dataclass
 class ControllerParts:
     """What the controller drives, built and closed by the program (`gyre.runtime.program`)."""
 
-    engine: object  # the cell's Engine (a RemoteEngine in front of its endpoint)
+    job: Job
+    engines: dict[int, object]  # cell -> its leader's Engine (a RemoteEngine in front of its endpoint)
     proxy: object  # gyre.proxy.server.ProxyServer
     registry: object  # gyre.proxy.sessions.SessionRegistry
     table: RoutingTable
     sandbox: object  # gyre.harness.sandbox.Sandbox
     make_runner: Callable  # task -> HarnessRunner
-    make_trainer: Callable  # () -> Trainable with a `.model` (a DecoderLM); called once, on a worker thread
+    make_trainer: Callable  # () -> Trainable with a `.model` (a DecoderLM); called once, on the trainer thread
+    core_step: Callable  # (trainer, step, final, version) -> StepResult: train_claimed_step of the core, its thread
     model_dir: Path  # the starting checkpoint (its tokenizer and chat template go into the policy directory)
 
 
@@ -112,9 +118,12 @@ class RunEnd:
 
 @dataclass
 class _StepBook:
-    """What happened since the last step's record: its transitions, sampled tokens and the proxy's counters."""
+    """What happened since the last step's record."""
 
     transitions: list[TransitionRecord] = field(default_factory=list)
+    reroutes: list[int] = field(default_factory=list)  # scheduler execution ids, one per move
+    calls_rerouted: int = 0
+    kv_migrations: int = 0
     sampled_tokens: int = 0
     started_s: float = 0.0
 
@@ -145,6 +154,9 @@ class Controller:
         self.proxy_access = ProxyAccess(
             anthropic_base_url=parts.proxy.url, openai_base_url=parts.proxy.url + "/v1", model="gyre"
         )
+        self.store = parts.job.store()  # the loop thread's client: boards, the control log, acks
+        self.control = ControlPublisher(self.store)
+        self.trainer_thread = TrainerThread()
         self.outcomes: dict[int, GroupOutcomes] = {}
         self.task_of: dict[int, object] = {}
         self.sessions: dict[str, object] = {}
@@ -152,12 +164,14 @@ class Controller:
         self.episodes: dict[int, asyncio.Task] = {}
         self.background: set[asyncio.Task] = set()
         self.transition_begun: dict[int, tuple[float, Role]] = {}
+        self.reroutes: dict[int, list[asyncio.Task]] = {}  # source cell -> its executions' moves in flight
         self.book = _StepBook()
         self.trainer = None
         self.published: tuple[int, object] | None = None  # (version, FlatWeights) of the last publication
         self.publishing: asyncio.Task | None = None
-        self.claims: LocalClaims | None = None
-        self.changed = asyncio.Event()  # a verdict arrived: a waiting claim looks again
+        self.pump: StepPump | None = None
+        self.claimed: list[int] = []  # groups pulled into the step in flight
+        self.joined: list[int] = []  # satellites admitted to the step in flight
         self.stopping = False
         self.bursts = 0  # publications so far: the burst a step belongs to
         self.end: asyncio.Future | None = None
@@ -173,7 +187,6 @@ class Controller:
         """Run until `steps` steps are done, `request_stop()` or an error; then cancel what still runs."""
         self.loop = asyncio.get_running_loop()
         self.end = self.loop.create_future()
-        self.t0 = time.monotonic()
         if self.held_out is not None:  # the starting policy's pass rate, the baseline of the curve
             await self.held_out.evaluate(self.parts.model_dir, version=0, wall_time_s=0.0)
         self.t0 = time.monotonic()  # the scheduler's clock starts with the first dispatch
@@ -184,17 +197,23 @@ class Controller:
         finally:
             progress.cancel()
             self.stopping = True
-            self.changed.set()
+            if self.pump is not None and not self.pump.closed:
+                self.pump.board.abandon()  # the cells finish the unit they hold; the update is never published
             await self._cancel_executions()
+            self.trainer_thread.close()
         return RunEnd(reason=reason, error=error, wall_time_s=self.now())
 
+    def release_cells(self, reason: str) -> None:
+        """The `stop` decision with the run's end (`RunEnd.reason`): every satellite leaves its loop and stops its
+        engine (the program calls it once the proxy has stopped, so no call of the run is still on one)."""
+        self.control.publish(STOP, reason=reason)
+
     def request_stop(self) -> None:
-        """End the run soon (Ctrl-C, SIGTERM): the step in flight is abandoned, the executions are cancelled."""
+        """End the run soon (Ctrl-C, SIGTERM): the step in flight is not published, the executions are cancelled."""
         self._finish("stopped")
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self.stopping = True
-        self.changed.set()
         if self.end is not None and not self.end.done():
             self.end.set_result((reason, error))
 
@@ -204,7 +223,7 @@ class Controller:
 
         def finished(t: asyncio.Task) -> None:
             self.background.discard(t)
-            if not t.cancelled() and t.exception() is not None and not isinstance(t.exception(), StopRun):
+            if not t.cancelled() and t.exception() is not None and not self.stopping:
                 log.error("the run failed: %r", t.exception())  # the app writes the traceback to train.log
                 self._finish("error", t.exception())
 
@@ -257,10 +276,13 @@ class Controller:
                     self.cancels[action.execution].set()
                 case BeginTransition(to=Role.TRAINING):
                     self._transition_begins(action.cell, Role.TRAINING, "to_training")
+                    self.parts.engines[action.cell].stop_accepting()  # at once: no new call starts there
                     self.spawn(self.to_training(action.cell))
                 case BeginTransition(to=Role.ROLLOUT):
                     self._transition_begins(action.cell, Role.ROLLOUT, "to_rollout")
                     self.spawn(self.to_rollout(action.cell))
+                case Reroute():
+                    self.reroutes.setdefault(action.source, []).append(self.spawn(self.reroute(action)))
                 case BeginStep():
                     self.spawn(self.train(action.step))
                 case Publish():
@@ -269,8 +291,6 @@ class Controller:
                 case WakeAt():
                     delay = max(0.0, action.time_s - self.now())
                     self.loop.call_later(delay, lambda: self.apply(self.sched.tick(self.now())))
-                case Reroute():
-                    raise AssertionError(f"a Reroute needs two engines; this run has one cell: {action}")
         self.trace.sample(self.now(), self.sched.waterlevel, self.sched.rollout_capacity())
 
     def dispatch(self, action: Dispatch) -> None:
@@ -348,7 +368,6 @@ class Controller:
             self.buffer.drop_group(group)  # its replacement is dispatched by group_rejected
         report = self.sched.group_accepted if verdict.accepted else self.sched.group_rejected
         self.apply(report(self.now(), group))
-        self.changed.set()
 
     # -- transitions ------------------------------------------------------------------------------------
     def _transition_begins(self, cell: int, to: Role, state: str) -> None:
@@ -362,11 +381,57 @@ class Controller:
         )
         self.trace.role(self.now(), cell, to.value)
         self.apply(self.sched.transition_finished(self.now(), cell))
+        pump = self.pump
+        if to is Role.TRAINING and pump is not None and pump.can_admit and cell in self.sched.training_cells():
+            admitted = pump.admit()  # a satellite joins the step in flight (cells join in cell order)
+            if admitted != cell:
+                raise RuntimeError(f"the step's board admitted cell {admitted}, the scheduler moved cell {cell}")
+            self.joined.append(cell)
+
+    async def reroute(self, action: Reroute) -> None:
+        name = self.ids.name(action.execution)
+        moved = await reroute_execution(self.parts.table, name, engine_name(action.destination))
+        self.book.reroutes.append(action.execution)
+        self.book.calls_rerouted += moved.calls
+        self.book.kv_migrations += len(moved.migrated)
+
+    async def _acked(self, seq: int, cell: int) -> None:
+        """Every rank of `cell` applied control decision `seq`."""
+        layout = self.parts.job.layout
+        keys = [ack_key(seq, cell * layout.cell_size + i) for i in range(layout.cell_size)]
+        job = self.parts.job
+
+        def wait() -> None:
+            client = job.store()
+            deadline = time.monotonic() + ACK_TIMEOUT_S
+            while not client.check(keys):
+                if time.monotonic() > deadline or self.stopping:
+                    raise TimeoutError(f"cell {cell} did not apply control decision {seq} in {ACK_TIMEOUT_S:g}s")
+                time.sleep(0.01)
+
+        await asyncio.to_thread(wait)
 
     async def to_training(self, cell: int) -> None:
-        await leave_rollout(self.parts.engine, drain_s=DRAIN_S)
-        if self.trainer is None:
-            self.trainer = await asyncio.to_thread(self.parts.make_trainer)
+        begun = self.now()
+        moves = self.reroutes.pop(cell, [])
+        await asyncio.gather(*moves)  # its executions moved before the drain
+        moved = self.now()
+        await leave_rollout(self.parts.engines[cell], drain_s=DRAIN_S)
+        released = self.now()
+        if cell == 0:
+            if self.trainer is None:
+                self.trainer = await self.trainer_thread.submit(self.parts.make_trainer)
+        else:
+            await self._acked(self.control.publish("role", cell=cell, to="training"), cell)
+        log.info(
+            "cell %d to training: %d executions rerouted in %.2fs, drained and released in %.2fs, trainer ready in "
+            "%.2fs",
+            cell,
+            len(moves),
+            moved - begun,
+            released - moved,
+            self.now() - released,
+        )
         self._transition_ends(cell)
 
     async def to_rollout(self, cell: int) -> None:
@@ -375,56 +440,62 @@ class Controller:
         if self.published is None:
             raise RuntimeError(f"cell {cell} returns to rollout before any publication")
         version, weights = self.published
-        await return_to_rollout(self.parts.engine, weights, version=version)
+        if cell != 0:
+            await self._acked(self.control.publish("role", cell=cell, to="rollout"), cell)
+        await return_to_rollout(self.parts.engines[cell], weights, version=version)
         self._transition_ends(cell)
 
     async def publish(self, version: int) -> None:
-        weights = engine_weights(self.trainer)
+        weights = await self.trainer_thread.submit(engine_weights, self.trainer)
         self.published = (version, weights)
         await asyncio.to_thread(
             write_policy, self.trainer.model, source_dir=self.parts.model_dir, run_dir=self.run_dir, version=version
         )
-        # The one engine is the returning cell's (its BeginTransition(ROLLOUT) is in the same action list); engines
-        # that stayed in rollout would take the weights here (gyre.train.publish.publish_to_engines).
+        staying = [self.parts.engines[c] for c, role in enumerate(self.sched.roles) if role is Role.ROLLOUT]
+        await publish_to_engines(staying, weights, version=version)  # returning cells load it in to_rollout
         self.apply(self.sched.publish_finished(self.now()))
 
     # -- the step ----------------------------------------------------------------------------------------
-    async def next_unit(self):
-        while True:
-            if self.stopping:
-                raise StopRun()
-            unit = self.claims.next_unit()
-            if unit is not WAIT:
-                return unit
-            self.changed.clear()
-            await asyncio.wait_for(self.changed.wait(), CLAIM_WAIT_S)
+    def refill(self) -> bool:
+        """The pump runs short: claim one ready group from the scheduler and pull it into the packer."""
+        group, actions = self.sched.claim_group(self.now())
+        self.apply(actions)
+        if group is None:
+            return False
+        try:
+            self.packer.pull(group)
+        except ValueError as error:
+            if group not in (aside for aside, _ in self.packer.rejected_groups()):
+                raise  # nothing was set aside: a bug, not a refusal
+            log.warning("group %d set aside by the packer (%s): replaced", group, error)
+            self.apply(self.sched.claimed_group_set_aside(self.now(), group))
+            return True
+        self.claimed.append(group)
+        return True
 
     async def train(self, step: int) -> None:
         started = self.now()
         final = self.sched.step_in_burst == self.cfg.algo.mu - 1
-        burst = self.bursts
-        self.claims = LocalClaims(self.sched, self.packer, clock=self.now, on_actions=self.apply)
-        first_claim: list[float] = []
-
-        def claim():  # on the trainer's thread: the claim runs on the controller's loop
-            unit = asyncio.run_coroutine_threadsafe(self.next_unit(), self.loop).result()
-            if not first_claim:
-                first_claim.append(self.now())
-            return unit
-
-        result = await asyncio.to_thread(
-            train_step,
-            self.trainer,
-            claim=claim,
-            cells=lambda: 1,
-            prefix_group=lambda k: None,
-            is_core=True,
-            core_rank=0,
-            final=final,
-            config=self.cfg.loss,
-        )
+        cells = self.sched.training_cells()
+        if cells != list(range(len(cells))):
+            raise RuntimeError(f"step {step}: the training cells {cells} are not a prefix of the cells")
+        version = step + 1  # the core's weights of this step, for satellites that join it (one snapshot per step)
+        self.claimed, self.joined = [], []
+        board = StepBoard(self.store, step, max_cells=self.cfg.cluster.num_cells, cells=len(cells))
+        self.pump = pump = StepPump(board, self.packer.queue, refill=self.refill)
+        self.control.publish("step", step=step, final=final, version=version)
+        core = self.trainer_thread.submit(self.parts.core_step, self.trainer, step, final, version)
+        while not pump.poll():
+            await asyncio.sleep(PUMP_POLL_S)
+        result = await core
+        self.pump = None
+        self.control.publish("step_end", step=step)
+        if self.stopping:
+            return
+        tokens, loss = await self._satellite_shares(step, result.cells)
+        board.clear()
         self.packer.next_batch()
-        record = self._step_record(step, burst, result, started, first_claim[0] if first_claim else started)
+        record = self._step_record(step, result, started, tokens + result.tokens, loss + result.loss)
         self.records.append(record)
         self.metrics.write(record)
         self.trace.step_end(self.now())
@@ -432,52 +503,78 @@ class Controller:
         self.last_progress = self.now()
         done = len(self.records) >= self.cfg.steps
         if self.held_out is not None and (done or len(self.records) % self.cfg.tasks.eval_every == 0):
-            evaluation = self.held_out.evaluate(self.trainer.model, version=step + 1, wall_time_s=self.now())
+            evaluation = self.held_out.evaluate(self.trainer.model, version=version, wall_time_s=self.now())
             if done:
                 await evaluation
             else:  # on a copy of the weights, beside the next step
                 self.spawn(evaluation)
         if done:
             await asyncio.to_thread(
-                write_policy,
-                self.trainer.model,
-                source_dir=self.parts.model_dir,
-                run_dir=self.run_dir,
-                version=step + 1,
+                write_policy, self.trainer.model, source_dir=self.parts.model_dir, run_dir=self.run_dir, version=version
             )
             self._finish("completed")
             return
         self.apply(self.sched.step_finished(self.now()))
 
-    def _step_record(self, step: int, burst: int, result, started: float, first_claim: float) -> StepRecord:
+    async def _satellite_shares(self, step: int, cells: int) -> tuple[int, float]:
+        """The tokens and loss the satellites of the step computed (each writes its share after its step)."""
+        if cells <= 1:
+            return 0, 0.0
+        keys = [step_stats_key(step, cell) for cell in range(1, cells)]
+        job = self.parts.job
+
+        def read() -> list[dict]:
+            import json
+
+            client = job.store()
+            client.wait(keys, _seconds(STATS_TIMEOUT_S))
+            shares = [json.loads(client.get(key)) for key in keys]
+            for key in keys:
+                client.delete_key(key)
+            return shares
+
+        shares = await asyncio.to_thread(read)
+        return sum(s["tokens"] for s in shares), sum(s["loss"] for s in shares)
+
+    def _step_record(self, step: int, result, started: float, tokens: int, loss: float) -> StepRecord:
         end = self.now()
-        groups = list(self.claims.groups)
-        rewards = [r for g in groups for r in self.outcomes[g].rewards().values() if r is not None]
+        rewards = [r for g in self.claimed for r in self.outcomes[g].rewards().values() if r is not None]
         log_ = self.sched.staleness
         picked = [(v, t) for s, v, t in zip(log_.steps, log_.values, log_.tokens, strict=True) if s == step]
-        tokens = sum(t for _, t in picked)
+        group_tokens = sum(t for _, t in picked)
         book, self.book = self.book, _StepBook(started_s=end)
-        wall = end - book.started_s
-        train_s = end - first_claim
+        wall, train_s = end - book.started_s, end - started
         return StepRecord(
             step=step,
             wall_time_s=end,
-            burst=burst,
+            burst=self.bursts,
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
             pass_rate=sum(r >= PASS_REWARD for r in rewards) / len(rewards) if rewards else None,
-            loss={"loss": result.loss},
+            loss={"loss": loss},
             grad_norm=result.update.get("grad_norm"),
             staleness_group_mean=sum(v for v, _ in picked) / len(picked) if picked else None,
-            staleness_token_mean=sum(v * t for v, t in picked) / tokens if picked and tokens > 0 else None,
+            staleness_token_mean=sum(v * t for v, t in picked) / group_tokens if group_tokens > 0 else None,
             staleness_max=float(max(v for v, _ in picked)) if picked else None,
             staleness_groups=len(picked),
-            staleness_tokens=float(tokens),
+            staleness_tokens=float(group_tokens),
             roles=tuple(role.value for role in self.sched.roles),
             waterlevel=float(self.sched.waterlevel),
             rollout_capacity=self.sched.rollout_capacity(),
             transitions=tuple(book.transitions),
+            reroutes=len(book.reroutes),
+            rerouted_executions=tuple(book.reroutes),
+            calls_rerouted=book.calls_rerouted,
+            kv_migrations=book.kv_migrations,
+            training_cells=result.cells,
+            joined_cells=tuple(self.joined),
             rollout_tokens=book.sampled_tokens,
-            train_tokens=result.tokens,
+            train_tokens=tokens,
             rollout_tokens_per_s=book.sampled_tokens / wall if wall > 0 else None,
-            train_tokens_per_s=result.tokens / train_s if train_s > 0 else None,
+            train_tokens_per_s=tokens / train_s if train_s > 0 else None,
         )
+
+
+def _seconds(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

@@ -9,7 +9,9 @@ The SPMD job (docs/runtime.md, "Launching") runs the same entry point on every r
 - **plainly** (`python -m ...` on a laptop, or a Hydra `-m` sweep): the one process launches `nprocs` workers itself
   with torch's `elastic_launch` (`launch_workers`), rendezvous on 127.0.0.1, no restarts. A worker that fails ends
   the job: the agent stops the others and `WorkerFailed` names the first failing rank and its error (the worker
-  function must be wrapped in torch's `@record`, which `launch_workers` does). Ctrl-C stops every worker.
+  function must be wrapped in torch's `@record`, which `launch_workers` does). Ctrl-C or SIGTERM to the launching
+  process is passed to every worker, which gets torch's shutdown timeout (30 s) to end before it is killed; then
+  `LaunchStopped`.
 
 Under a launcher every rank resolves Hydra's run directory itself, and timestamped directories differ between ranks
 (docs/distributed.md): `fixed_run_dir_overrides` pins it to one directory named by the job's id, unless the user
@@ -26,11 +28,28 @@ from typing import Any
 from gyre.config.checks import is_int
 from gyre.distributed.local import HOST  # the workers' rendezvous: the loopback, as local runs use
 
-__all__ = ["JobEnv", "LaunchError", "WorkerFailed", "fixed_run_dir_overrides", "job_env", "launch_workers"]
+__all__ = [
+    "JobEnv",
+    "LaunchError",
+    "LaunchStopped",
+    "WorkerFailed",
+    "fixed_run_dir_overrides",
+    "job_env",
+    "launch_workers",
+]
 
 
 class LaunchError(ValueError):
     """The job's environment or command line cannot start the job (one line, naming what to fix)."""
+
+
+class LaunchStopped(Exception):
+    """The launching process got Ctrl-C or SIGTERM: the workers were sent the same signal and waited for (each ends
+    its part of the run: rank 0 writes the run's outputs), then stopped. `signal` names it."""
+
+    def __init__(self, sig) -> None:
+        super().__init__(f"stopped by {getattr(sig, 'name', sig)}")
+        self.signal = sig
 
 
 class WorkerFailed(RuntimeError):
@@ -121,6 +140,7 @@ def launch_workers(
     """Run `target(*args)` on `nprocs` local worker processes (spawned, torch.distributed's environment set in
     each), wait for all, and return their results by rank. `target` is `"package.module:function"` (spawned workers
     import it; see `gyre.distributed.local.resolve`)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -140,6 +160,8 @@ def launch_workers(
     )
     try:
         return elastic_launch(config, _recorded_worker)(target, list(args))
+    except SignalException as signalled:  # Ctrl-C or SIGTERM: the agent passed it to the workers and waited
+        raise LaunchStopped(signalled.sigval) from None
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         message = failure.message

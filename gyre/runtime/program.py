@@ -1,36 +1,42 @@
 """One training run, from a checked `TrainConfig` to the run directory's outputs (docs/runtime.md, "The program").
 
-`run_training(cfg, run_dir)` resolves the starting policy (a checkpoint directory, or the tiny model warm-started
-on the demo family, cached), loads the task sets, starts the cell's engine behind its endpoint, the proxy and the
-sessions, builds the harness and the sandbox, and runs the `Controller` until `steps` steps are done, Ctrl-C or
-SIGTERM (`request_stop`), or an error. Whatever ended it, it then writes `summary.json` (the simulator's keys,
-`gyre.obs.summary`) and `role_timeline.png`, closes the metrics sinks (`metrics.jsonl`, W&B), the proxy and the
-engine, and returns a `RunResult`.
+`run_training(cfg, run_dir)` starts the SPMD job: under torchrun or srun this process is one of its ranks; run
+plainly, a job of one rank runs here and a job of more starts its own workers (`launch_workers`, after the checks
+and the warm start ran here once, so errors are one line before any worker starts). Every rank then runs
+`run_rank`: the process groups and the runtime store (`gyre.runtime.job`), the starting checkpoint's path from
+rank 0, then rank 0's controller or a satellite's cell loop (`gyre.runtime.cell_worker`).
 
-Errors a user can fix before anything runs raise `ProgramError` (one line naming the field): a world size this
-stage does not run, a trainer backend it does not drive, a missing model directory or task directory, a harness or
-sandbox missing here. The app (`gyre.runtime.app`) prints that line and exits 2.
+Rank 0 (`_controller`): the task sets, the harness runner and sandbox (checked), its own cell's engine behind its
+endpoint, every cell's engine reached with a `RemoteEngine`, `start_proxy` over a `RoutingTable(placement=
+"scheduler")`, the metrics sinks, the held-out evaluator, then the `Controller` until it ends; then
+`summary.json` (the simulator's keys, `gyre.obs.summary`) and `role_timeline.png`, and everything closed.
 
-This stage runs one process with one cell (K = 1: `cluster.num_cells=1`); the multi-process job (K cells on K
-processes with the control plane and satellites) is the next stage of the runtime (docs/runtime.md, "State").
+Errors a user can fix before anything runs raise `ProgramError` (one line naming the field): a trainer backend
+this runtime does not drive yet, a missing model directory or task directory, a harness or sandbox missing here.
+The app (`gyre.runtime.app`) prints that line and exits 2.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
+import os
 import signal
+import socket
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, TrainConfig
-from gyre.config.train import check_context_limit
+from gyre.config.train import check_context_limit, layout_fields
 from gyre.runtime.controller import Controller, ControllerParts, RunEnd
 from gyre.runtime.held_out import HeldOutEvaluator
-from gyre.runtime.task_sets import TaskSetError, load_task_sets
+from gyre.runtime.launch import job_env, launch_workers
+from gyre.runtime.task_sets import TaskSetError, TaskSets, load_task_sets
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,9 @@ RECORDS_DIR = "records"
 EXECUTIONS_DIR = "executions"
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "role_timeline.png"
+DONE_WAIT_S = 30.0  # rank 0 waits this long for the satellites to finish before the runtime store goes
+STOPPED_EXIT = 130  # a worker of a run stopped by Ctrl-C or SIGTERM
+STOP_WAIT_S = 5.0  # after a stop, the satellites get this long (they may finish the unit they hold first)
 
 
 class ProgramError(ValueError):
@@ -54,18 +63,24 @@ class RunResult:
     run_dir: Path
 
 
-def check_stage(cfg: TrainConfig, world_size: int) -> None:
-    """What this stage of the runtime runs: one process with one cell, the native trainer."""
-    if cfg.cluster.num_cells != 1 or cfg.cluster.separate_size != 0 or world_size != 1:
+@dataclass
+class Prepared:
+    model_dir: Path
+    task_sets: TaskSets
+
+
+def check_supported(cfg: TrainConfig, world_size: int) -> None:
+    """What this runtime runs: the job's size fits the cells; native cells of one rank."""
+    try:
+        layout_fields(cfg, world_size)
+    except ConfigError as error:
+        raise ProgramError(str(error)) from None
+    if cfg.trainer.backend != "native" or cfg.cluster.cell_size != 1 or cfg.cluster.separate_size != 0:
         raise ProgramError(
-            f"cluster.num_cells={cfg.cluster.num_cells} (world size {world_size}): this runtime runs one cell in one "
-            "process so far (cluster=one_cell, or cluster.num_cells=1 cluster.separate_capacity=0); the job of K cells "
-            "on K processes is being built (docs/runtime.md, 'State')"
-        )
-    if cfg.trainer.backend != "native":
-        raise ProgramError(
-            f"trainer.backend={cfg.trainer.backend}: the one-process runtime trains with the native trainer "
-            "(trainer.backend=native); Megatron cells come with the multi-process job (docs/runtime.md, 'State')"
+            f"trainer.backend={cfg.trainer.backend} cluster.cell_size={cfg.cluster.cell_size} "
+            f"cluster.separate_size={cfg.cluster.separate_size}: this runtime trains native cells of one rank and no "
+            "separate rollout pool so far (trainer.backend=native, cluster.cell_size=1); Megatron cells are being "
+            "built (docs/runtime.md, 'State')"
         )
 
 
@@ -98,20 +113,165 @@ def resolve_model_dir(cfg: TrainConfig, echo: Callable[[str], None] = print) -> 
     return model_dir
 
 
-def run_training(cfg: TrainConfig, run_dir: Path, *, world_size: int = 1, echo: Callable[[str], None] = print):
-    """One run (module docstring); returns its `RunResult`. `ProgramError` before anything runs."""
-    check_stage(cfg, world_size)
-    run_dir = Path(run_dir)
+def check_proxy_port(host: str, port: int) -> None:
+    """A fixed `proxy.port` is free on `proxy.host` now (0 picks a free one at start and is not checked)."""
+    if port == 0:
+        return
+    probe = socket.socket()
+    try:
+        probe.bind((host, port))
+    except OSError as error:
+        raise ProgramError(
+            f"proxy.port={port}: cannot listen on {host}:{port} ({error.strerror}); choose another port, or 0 for a "
+            "free one"
+        ) from None
+    finally:
+        probe.close()
+
+
+def prepare(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> Prepared:
+    """The checks that need no process group, the starting checkpoint and the task sets (ProgramError)."""
+    from gyre.runtime.harness_setup import HarnessSetupError, check_harness, make_runner
+
+    check_proxy_port(cfg.proxy.host, cfg.proxy.port)
     model_dir = resolve_model_dir(cfg, echo)
     try:
         task_sets = load_task_sets(cfg.tasks, run_dir, seed=cfg.seed)
     except TaskSetError as error:
         raise ProgramError(str(error)) from None
-    echo(f"tasks: {len(task_sets.train)} training tasks, {len(task_sets.held_out)} held-out problems")
-    return asyncio.run(_run(cfg, run_dir, model_dir, task_sets, echo))
+    try:
+        check_harness(make_runner(cfg.harness, task_sets.train[0]), _sandbox(cfg, run_dir))
+    except HarnessSetupError as error:
+        raise ProgramError(str(error)) from None
+    return Prepared(model_dir=model_dir, task_sets=task_sets)
 
 
-async def _run(cfg: TrainConfig, run_dir: Path, model_dir: Path, task_sets, echo) -> RunResult:
+def _sandbox(cfg: TrainConfig, run_dir: Path):
+    from gyre.runtime.harness_setup import make_sandbox
+
+    (run_dir / RECORDS_DIR).mkdir(parents=True, exist_ok=True)
+    return make_sandbox(
+        cfg.harness,
+        cfg.limits,
+        root=run_dir / EXECUTIONS_DIR,
+        demo_tasks=cfg.tasks.uses_demo,
+        protected=(run_dir / RECORDS_DIR,),
+    )
+
+
+def run_training(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = print) -> RunResult:
+    """One run (module docstring); returns rank 0's `RunResult`. `ProgramError` before anything runs."""
+    run_dir = Path(run_dir)
+    launched = job_env(os.environ)
+    world_size = launched.world_size if launched else cfg.world_size
+    check_supported(cfg, world_size)
+    if launched is None and world_size > 1:
+        prepare(cfg, run_dir, echo)  # one line for a mistake, and the warm start once, before any worker
+        echo(f"starting {world_size} worker processes (one per cell) ...")
+        results = launch_workers("gyre.runtime.program:run_worker", [cfg, str(run_dir)], world_size)
+        return results[0]
+    return run_rank(cfg, run_dir, echo=echo)
+
+
+def run_worker(cfg: TrainConfig, run_dir: str) -> RunResult | dict:
+    """A worker of a plainly launched job: its logging, its signals, its rank's part (`run_rank`)."""
+    from gyre.obs.logging import setup_logging
+
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(rank=rank, level=logging.INFO, log_file=Path(run_dir) / "train.log")
+    _share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack on stderr
+    try:
+        result = run_rank(cfg, Path(run_dir), echo=_printer if rank == 0 else log.info)
+    except BaseException as error:  # the traceback into train.log; the launcher names the error
+        log.error("rank %d failed:\n%s", rank, "".join(traceback.format_exception(error)))
+        raise
+    reason = result.end.reason if isinstance(result, RunResult) else result["stop_reason"]
+    if reason == "stopped":
+        # Ctrl-C or SIGTERM reached the launcher, which waits for the workers to exit and reads no result: exit
+        # now (a returned value would wait for a reader until the launcher's shutdown timeout kills us), without
+        # running destructors (the core's trainer thread may still be in the abandoned step's collective). The
+        # outputs are written and fsynced; the log is flushed here.
+        logging.shutdown()
+        os._exit(STOPPED_EXIT)
+    if isinstance(result, RunResult) and result.end.error is not None:
+        error = result.end.error
+        log.error("the run failed:\n%s", "".join(traceback.format_exception(error)))
+        result.end.error = RuntimeError(f"{type(error).__name__}: {error}")  # picklable back to the launcher
+    return result
+
+
+def _share_cpu_threads(local_processes: int) -> None:
+    """Each of this machine's workers gets its share of the CPU for torch's intra-op threads (torchrun sets
+    OMP_NUM_THREADS=1 for the same reason); an OMP_NUM_THREADS the user set wins."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_processes)))
+
+
+def _printer(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_rank(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = print) -> RunResult | dict:
+    """This rank's part of the job: rank 0's controller (a `RunResult`), a satellite's cell loop (what it did)."""
+    import torch.distributed as dist
+
+    from gyre.runtime.cell_worker import run_cell
+    from gyre.runtime.job import open_job
+
+    job = open_job(cfg)
+    if job.rank > 0:  # a satellite ends at the controller's stop decision, not at the terminal's Ctrl-C
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    completed, reason = False, "error"
+    try:
+        prepared = prepare(cfg, run_dir, echo) if job.rank == 0 else None
+        shared = [str(prepared.model_dir) if prepared else None]
+        if job.world_size > 1:
+            dist.broadcast_object_list(shared, src=0, group=job.groups.control_group)
+        if job.rank == 0:
+            result = asyncio.run(_controller(cfg, run_dir, prepared, job, echo))
+            reason = result.end.reason
+            completed = reason != "error"
+        else:
+            result = run_cell(cfg, run_dir, job, Path(shared[0]))
+            job.done()
+            completed = True
+        return result
+    finally:
+        job.close(wait_s=(DONE_WAIT_S if reason == "completed" else STOP_WAIT_S) if completed else 0.0)
+
+
+def _core_step_runner(cfg: TrainConfig, job):
+    """The core's `train_claimed_step`, with the trainer thread's own store client and weight transport."""
+    from gyre.distributed.transport import one_sided_transport
+    from gyre.runtime.cell_worker import weights_prefix
+    from gyre.train.streaming import train_claimed_step
+
+    held: dict[str, Any] = {}
+
+    def core_step(trainer, step: int, final: bool, version: int):
+        if not held:
+            held["store"] = job.store()
+            held["transport"] = one_sided_transport(held["store"], kind="store", prefix=weights_prefix(job))
+        return train_claimed_step(
+            trainer,
+            store=held["store"],
+            step=step,
+            groups=job.groups,
+            transport=held["transport"],
+            version=version,
+            training=True,
+            final=final,
+            config=cfg.loss,
+        )
+
+    return core_step
+
+
+async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, echo) -> RunResult:
     import torch
 
     from gyre.engine.endpoint import ServerThread
@@ -121,24 +281,17 @@ async def _run(cfg: TrainConfig, run_dir: Path, model_dir: Path, task_sets, echo
     from gyre.obs.sinks import build_metrics_logger
     from gyre.proxy.render import ChatTemplate
     from gyre.proxy.routing import RoutingTable
-    from gyre.runtime.harness_setup import HarnessSetupError, check_harness, make_runner, make_sandbox
+    from gyre.runtime.harness_setup import make_runner
     from gyre.runtime.ids import engine_name
+    from gyre.runtime.job import engine_key
     from gyre.serve.stack import start_proxy
     from gyre.train.native_trainable import NativeTrainable
 
+    model_dir, task_sets = prepared.model_dir, prepared.task_sets
+    echo(f"tasks: {len(task_sets.train)} training tasks, {len(task_sets.held_out)} held-out problems")
     template = ChatTemplate.from_pretrained(model_dir)
-    (run_dir / RECORDS_DIR).mkdir(parents=True, exist_ok=True)
-    sandbox = make_sandbox(
-        cfg.harness,
-        cfg.limits,
-        root=run_dir / EXECUTIONS_DIR,
-        demo_tasks=cfg.tasks.uses_demo,
-        protected=(run_dir / RECORDS_DIR,),
-    )
-    try:
-        check_harness(make_runner(cfg.harness, task_sets.train[0]), sandbox)
-    except HarnessSetupError as error:
-        raise ProgramError(str(error)) from None
+    sandbox = _sandbox(cfg, run_dir)
+    sandbox.check()
 
     def make_trainer():
         torch.manual_seed(cfg.seed)
@@ -146,28 +299,34 @@ async def _run(cfg: TrainConfig, run_dir: Path, model_dir: Path, task_sets, echo
         t = cfg.trainer
         return NativeTrainable(model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
 
-    engine_model = await asyncio.to_thread(
-        load_pretrained, model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device
-    )
+    dtype = getattr(torch, cfg.engine.dtype)
+    engine_model = await asyncio.to_thread(load_pretrained, model_dir, dtype, cfg.engine.device)
     server = ServerThread(lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0))
     url = await asyncio.to_thread(server.start)
-    remote = proxy = registry = metrics = controller = None
+    store = job.store()
+    store.set(engine_key(0), url)
+    engines: dict[int, RemoteEngine] = {}
+    proxy = registry = metrics = controller = end = None
     try:
-        remote = await RemoteEngine.connect(url)
         table = RoutingTable(placement="scheduler")
-        table.add_engine(engine_name(0), remote)
+        for cell in range(cfg.cluster.num_cells):
+            address = (await asyncio.to_thread(_wait_get, job, engine_key(cell))).decode()
+            engines[cell] = await RemoteEngine.connect(address)
+            table.add_engine(engine_name(cell), engines[cell])
         proxy, registry = await start_proxy(
             cfg.proxy, model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
         )
         metrics = build_metrics_logger(cfg.logging, run_dir, run_config=_plain(cfg))
         parts = ControllerParts(
-            engine=remote,
+            job=job,
+            engines=engines,
             proxy=proxy,
             registry=registry,
             table=table,
             sandbox=sandbox,
             make_runner=lambda task: make_runner(cfg.harness, task),
             make_trainer=make_trainer,
+            core_step=_core_step_runner(cfg, job),
             model_dir=model_dir,
         )
         held_out = None
@@ -180,7 +339,7 @@ async def _run(cfg: TrainConfig, run_dir: Path, model_dir: Path, task_sets, echo
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _stop_once(controller, echo))
         end = await controller.run()
-        summary = _write_outputs(cfg, controller, run_dir, end, echo)
+        summary = _write_outputs(cfg, controller, run_dir, end)
         return RunResult(end=end, summary=summary, held_out=held_out.results if held_out else [], run_dir=run_dir)
     finally:
         loop = asyncio.get_running_loop()
@@ -193,23 +352,36 @@ async def _run(cfg: TrainConfig, run_dir: Path, model_dir: Path, task_sets, echo
             log.info("proxy: calls %s", json.dumps(proxy_counts(proxy.stats()["total"])))
         if registry is not None:
             registry.close_all()
-        if remote is not None:
+        if controller is not None:
+            controller.release_cells(end.reason if end is not None else "error")
+        for remote in engines.values():
             await remote.close()
         await asyncio.to_thread(server.stop)
 
 
+def _wait_get(job, key: str) -> bytes:
+    client = job.store()
+    client.wait([key])
+    return client.get(key)
+
+
 def proxy_counts(total: dict[str, Any]) -> dict[str, int]:
-    """The proxy's run totals, flat: requests, answered, refused, failed, hung_up, recorded, rerouted, kv_migrated
-    (docs/proxy.md, "Counters"); a run's harnesses saw an API error exactly when refused or failed is nonzero."""
-    flat = {name: total[name] for name in ("requests", "answered", "hung_up", "recorded", "rerouted", "kv_migrated")}
+    """The proxy's run totals, flat: requests, admitted, answered, refused, failed, hung_up, recorded, rerouted,
+    kv_migrated (docs/proxy.md, "Counters"); the harnesses saw an API error exactly when refused or failed is > 0."""
+    names = ("requests", "admitted", "answered", "hung_up", "recorded", "rerouted", "kv_migrated")
+    flat = {name: total[name] for name in names}
     flat["refused"] = sum(total["refused"].values())
     flat["failed"] = sum(total["failed"].values())
     return flat
 
 
 def _stop_once(controller: Controller, echo) -> Callable[[], None]:
-    def stop() -> None:
-        echo("stopping: the step in flight is abandoned, executions are cancelled, outputs are written ...")
+    said: list[bool] = []
+
+    def stop() -> None:  # a terminal's Ctrl-C reaches rank 0 twice: itself, then passed on by the launcher
+        if not said:
+            said.append(True)
+            echo("stopping: the step in flight is not published, executions are cancelled, outputs are written ...")
         controller.request_stop()
 
     return stop
@@ -221,7 +393,7 @@ def _plain(cfg: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(asdict(cfg), default=str))
 
 
-def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end: RunEnd, echo) -> dict[str, Any]:
+def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end: RunEnd) -> dict[str, Any]:
     from gyre.obs.summary import build_summary, write_summary
     from gyre.sched.staleness import warmup_steps
 
@@ -239,9 +411,10 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
     )
     write_summary(run_dir / SUMMARY_FILE, summary)
     if cfg.logging.timeline:
+        cl = cfg.cluster
         title = (
             f"gyre.train: {spec.mode}, phi={cfg.algo.phi:g}, mu={cfg.algo.mu}, {len(controller.records)} steps in "
-            f"{end.wall_time_s / 60:.1f} min ({cfg.cluster.num_cells} cell x {cfg.cluster.cell_size})"
+            f"{end.wall_time_s / 60:.1f} min ({cl.num_cells} cells x {cl.cell_size})"
         )
         try:
             controller.trace.write_png(run_dir / TIMELINE_FILE, end_s=end.wall_time_s, title=title)

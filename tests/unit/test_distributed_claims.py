@@ -167,3 +167,16 @@ def test_a_unit_over_the_store_value_limit_is_refused_before_it_is_sent(store):
     assert board.num_units == 0 and not store.check(["gyre/step/6/unit/0"])
     board.put(step(1, ["e2"]))  # the client is still connected
     assert StepClaimer(store, 6, timeout_s=10).claim()[0] == 0
+
+
+def test_an_abandoned_step_answers_every_claim_not_yet_taken_with_closed(store):
+    board = StepBoard(store, 6, max_cells=2, cells=2)
+    core, satellite = StepClaimer(store, 6, timeout_s=10), StepClaimer(store, 6, timeout_s=10)
+    for index in range(4):
+        board.put(step(index, [f"e{index}"]))
+    board.put(step(4, ["e9"], split=("e9",)))  # held back: its run may continue
+    held = core.claim()  # the core holds unit 0 when the run stops
+    assert board.abandon() == 3  # units 1..3 unclaimed: dropped, as is the held-back run
+    assert held[0] == 0
+    assert core.claim() is None and satellite.claim() is None  # each cell stops after what it holds
+    assert core.cells() == 2 and board.closed and board.abandon() == 0

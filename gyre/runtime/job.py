@@ -1,0 +1,122 @@
+"""Every rank's start of the SPMD job: the process group, the cells' groups, and the job's gyre store
+(docs/runtime.md, "The process model").
+
+`open_job(cfg)` runs on every rank, right after the process starts:
+
+1. `torch.distributed.init_process_group("gloo")`: from the launcher's environment under torchrun or
+   `launch_workers`; over `tcp://MASTER_ADDR:MASTER_PORT` with SLURM's rank and task count under srun; in process
+   for a job of one rank run plainly (a HashStore: nothing listens);
+2. `build_process_groups(Layout(**layout_fields(cfg, world_size)))`: the control group, the cell groups and the
+   prefix groups, created in the same order on every rank before anything else makes a group;
+3. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
+   engine addresses, acks) and broadcasts its address over the control group; `Job.store()` makes a client (one
+   per thread: a TCPStore client is used by one thread at a time).
+
+`Job.done()` on a satellite and `Job.close(wait_s=)` on rank 0: rank 0 waits for every other rank's `done` (the
+store lives on rank 0 and must outlive every client), then each rank destroys its process group. Keys:
+`gyre/engine/<cell>` (a cell leader's engine endpoint), `gyre/ack/<seq>/<rank>` (a rank applied control decision
+seq), `gyre/stepstats/<step>/<cell>` (a satellite's share of a step), `gyre/done/<rank>`, plus those of
+`gyre.distributed.claims`, `control` and `transport_store`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from gyre.config import TrainConfig
+from gyre.config.train import layout_fields
+from gyre.distributed.groups import ProcessGroups, build_process_groups
+from gyre.distributed.layout import Layout
+from gyre.distributed.local import HOST
+from gyre.runtime.launch import job_env
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Job", "ack_key", "engine_key", "open_job", "step_stats_key"]
+
+STORE_TIMEOUT = datetime.timedelta(seconds=300)  # a store call that waits longer fails (the job is broken)
+PG_TIMEOUT = datetime.timedelta(seconds=1800)  # a collective waits this long at most (the warm start is minutes)
+
+
+def engine_key(cell: int) -> str:
+    return f"gyre/engine/{cell}"
+
+
+def ack_key(seq: int, rank: int) -> str:
+    return f"gyre/ack/{seq}/{rank}"
+
+
+def step_stats_key(step: int, cell: int) -> str:
+    """A satellite's share of step `step` (`{"tokens": n, "loss": x}`), written after its `train_claimed_step`."""
+    return f"gyre/stepstats/{step}/{cell}"
+
+
+@dataclass
+class Job:
+    """This rank's place in the job, its groups and the runtime store's address."""
+
+    rank: int
+    world_size: int
+    groups: ProcessGroups
+    store_host: str
+    store_port: int
+    server: dist.TCPStore | None = None  # rank 0: the runtime store's server
+
+    @property
+    def layout(self) -> Layout:
+        return self.groups.layout
+
+    def store(self) -> dist.TCPStore:
+        """A new client of the runtime store (use it from one thread)."""
+        return dist.TCPStore(self.store_host, self.store_port, is_master=False, timeout=STORE_TIMEOUT)
+
+    def done(self) -> None:
+        """This rank is finished with the runtime store (a satellite says so before it exits)."""
+        self.store().set(f"gyre/done/{self.rank}", b"1")
+
+    def close(self, *, wait_s: float = 0.0) -> None:
+        """Rank 0: wait up to `wait_s` for every other rank's `done` (the store server lives here and must outlive
+        their clients); then end the process group. No collective: a rank that died must not hang the others."""
+        if self.server is not None and wait_s > 0 and self.world_size > 1:
+            keys = [f"gyre/done/{rank}" for rank in range(1, self.world_size)]
+            deadline = time.monotonic() + wait_s
+            while not self.server.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def open_job(cfg: TrainConfig) -> Job:
+    """Initialize this rank's part of the job (module docstring). ConfigError when the job does not fit the cells."""
+    if not dist.is_initialized():
+        launched = job_env(os.environ)
+        if launched is None:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        elif launched.launcher == "srun":  # no launcher store: rank 0 serves the rendezvous at MASTER_ADDR:PORT
+            address = f"tcp://{launched.master_addr}:{launched.master_port}"
+            dist.init_process_group(
+                "gloo", init_method=address, rank=launched.rank, world_size=launched.world_size, timeout=PG_TIMEOUT
+            )
+        else:  # torchrun, or launch_workers: the launcher's store, from the environment
+            dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    layout = Layout(**layout_fields(cfg, world_size))
+    groups = build_process_groups(layout)
+    server = None
+    address: list = [None, None]
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR", HOST) if world_size > 1 else HOST
+        server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+        address = [host, server.port]
+    if world_size > 1:
+        dist.broadcast_object_list(address, src=0, group=groups.control_group)
+    log.info("job ready: %s; runtime store at %s:%s", layout.describe(rank), *address)
+    return Job(
+        rank=rank, world_size=world_size, groups=groups, store_host=address[0], store_port=address[1], server=server
+    )
