@@ -44,6 +44,9 @@ DEMO_TAU_S = 5.0  # a demo step takes seconds: the supply check's 60 s default w
 # satellites can join mid-step.
 DEMO_CONTEXT_LIMIT = 1024
 DEMO_MAX_NEW_TOKENS = 128
+# Every execution is a fresh harness process: the builtin harness's `import openai` costs ~0.45 CPU s, `import
+# anthropic` ~1.3 (2 cores; docs/runtime.md, "Measured"), most of a demo execution's CPU.
+DEMO_HARNESS_BACKEND = "openai"
 
 
 @dataclass(kw_only=True)
@@ -81,8 +84,8 @@ class TrainConfig:
     """The stream packing buffer; batch_groups and group_size are algo's B and N (conf/train.yaml interpolates)."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss's thresholds (Eq. 5-6)."""
-    harness: HarnessConfig = field(default_factory=HarnessConfig)
-    """Which harness runs each execution, in which sandbox."""
+    harness: HarnessConfig = field(default_factory=lambda: HarnessConfig(backend=DEMO_HARNESS_BACKEND))
+    """Which harness runs each execution, in which sandbox (the builtin one on the OpenAI SDK: the lighter start)."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     """The training task set, the held-out set and the evaluation interval."""
     limits: ExecutionLimits = field(default_factory=ExecutionLimits)

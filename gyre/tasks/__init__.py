@@ -1,18 +1,30 @@
 """Tasks: the task format and loader (`spec`), evaluators with partial scoring (`evaluate`), the bundled demo
 family (`demo`). See docs/tasks.md. Stdlib only, plus the pure `gyre.traj.outcomes` types; the exception is the
 demo family's supervised warm start of the tiny model (`demo.warm_start`, CLI `python -m gyre.tasks.demo`), which
-imports the proxy's rendering, the model and the engine, and which nothing here imports."""
+imports the proxy's rendering, the model and the engine, and which nothing here imports. The names below load on
+first use, so a harness process importing a task's tool (`gyre.tasks.demo.calculator`) loads neither `evaluate`
+nor `gyre.traj` (numpy)."""
 
-from gyre.tasks.evaluate import EvaluationResult, evaluate, evaluated_state, to_evaluation, workspace_digest
-from gyre.tasks.spec import (
-    CommandEvaluatorSpec,
-    PythonEvaluatorSpec,
-    Task,
-    TaskError,
-    load_task,
-    load_tasks,
-    prepare_workspace,
-)
+from gyre.lazy_names import lazy_names
+
+_LAZY = {
+    **dict.fromkeys(
+        ["EvaluationResult", "evaluate", "evaluated_state", "to_evaluation", "workspace_digest"], "gyre.tasks.evaluate"
+    ),
+    **dict.fromkeys(
+        [
+            "CommandEvaluatorSpec",
+            "PythonEvaluatorSpec",
+            "Task",
+            "TaskError",
+            "load_task",
+            "load_tasks",
+            "prepare_workspace",
+        ],
+        "gyre.tasks.spec",
+    ),
+}
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 __all__ = [
     "CommandEvaluatorSpec",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,3 +164,14 @@ def test_tool_forms_agree_and_plugin_call() -> None:
     assert call("calculator", {"expression": "6 * 7"}, Path(".")) == "42"
     assert call("calculator", {}, None).startswith("error: missing argument")
     assert call("bash", {"command": "ls"}, None).startswith("error: unknown tool")
+
+
+def test_a_harness_loading_the_calculator_tool_imports_no_evaluator_and_no_numpy():
+    """The builtin harness imports `tools_impl` (`gyre.tasks.demo.calculator`) in every execution's process: the
+    package's evaluators, `gyre.traj` and numpy stay out of it (~0.1 CPU s per execution, measured)."""
+    probe = (
+        "import sys, gyre.tasks.demo.calculator; "
+        "print(sorted(m for m in sys.modules if m in ('numpy', 'gyre.traj', 'gyre.tasks.evaluate')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
