@@ -92,8 +92,8 @@ class TrainConfig:
     """Ceilings on every execution's budgets (a task's own are capped by them) and the sandbox's rlimits."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Console progress, metrics.jsonl, W&B, role_timeline.png."""
-    steps: int = 30
-    """Training steps (optimizer updates) to run."""
+    steps: int = 16
+    """Training steps (optimizer updates) to run; the CPU demo's 16 take ~7 minutes on 2 cores."""
     seed: int = 0
     """Seed of the run: demo task generation, task draws, the trainer (not the warm start's); the rollouts' sampling
     too with `proxy.sampling.seed: ${seed}` (null there: unseeded)."""

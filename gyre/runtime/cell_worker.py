@@ -64,7 +64,7 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
     trainer = None
     training = synced = False
     step: dict | None = None  # the step in flight, as its decision said
-    done: dict = {"steps": [], "joined": [], "stop_reason": None}
+    done: dict = {"steps": [], "pulled": [], "stop_reason": None}
     expected = 0
 
     def train(fields: dict) -> None:
@@ -85,8 +85,8 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
         if job.groups.coordinate == 0:  # the cell leader reports the cell's share of the step
             share = {"tokens": result.tokens, "loss": result.loss}
             store.set(step_stats_key(fields["step"], cell), json.dumps(share))
-        if not synced:
-            done["joined"].append(fields["step"])
+        if not synced:  # it pulled the core's weights of this step (joined it, or started it out of sync)
+            done["pulled"].append(fields["step"])
         done["steps"].append(fields["step"])
         synced = not fields["final"]  # after a non-final step the core's broadcast keeps the cell in sync
 
@@ -129,5 +129,5 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
         listener.close()
         transport.close()
         server.stop()
-    log.info("cell %d: trained steps %s, joined in flight %s", cell, done["steps"], done["joined"])
+    log.info("cell %d: trained steps %s, pulled the core's weights at %s", cell, done["steps"], done["pulled"])
     return done

@@ -190,6 +190,7 @@ class Controller:
         if self.held_out is not None:  # the starting policy's pass rate, the baseline of the curve
             await self.held_out.evaluate(self.parts.model_dir, version=0, wall_time_s=0.0)
         self.t0 = time.monotonic()  # the scheduler's clock starts with the first dispatch
+        await self._initial_roles()
         self.apply(self.sched.start(self.now()))
         progress = self.spawn(self._progress_loop())
         try:
@@ -207,6 +208,20 @@ class Controller:
         """The `stop` decision with the run's end (`RunEnd.reason`): every satellite leaves its loop and stops its
         engine (the program calls it once the proxy has stopped, so no call of the run is still on one)."""
         self.control.publish(STOP, reason=reason)
+
+    async def _initial_roles(self) -> None:
+        """Cells the schedule starts in the training role (async mode's static split) never serve: their engines
+        stop accepting and release their memory, the core builds its trainer, a satellite is told and acks."""
+        for cell, role in enumerate(self.sched.roles):
+            if role is not Role.TRAINING:
+                continue
+            self.trace.role(self.now(), cell, "training")
+            self.parts.engines[cell].stop_accepting()
+            await leave_rollout(self.parts.engines[cell], drain_s=0.0)
+            if cell == 0:
+                self.trainer = await self.trainer_thread.submit(self.parts.make_trainer)
+            else:
+                await self._acked(self.control.publish("role", cell=cell, to="training"), cell)
 
     def request_stop(self) -> None:
         """End the run soon (Ctrl-C, SIGTERM): the step in flight is not published, the executions are cancelled."""

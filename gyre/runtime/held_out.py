@@ -21,13 +21,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from gyre.tasks.demo import DemoProblem
+from gyre.tasks.demo import DEMO_MAX_TURNS, DemoProblem
 
 __all__ = ["HELD_OUT_FILE", "HeldOutEvaluator"]
 
 HELD_OUT_FILE = "held_out.jsonl"
 MAX_NEW_TOKENS = 64  # as the warm start's report (evaluate_greedy's defaults): the curve starts at its figure
-MAX_CALLS = 3
+MAX_CALLS = DEMO_MAX_TURNS  # as the builtin harness plays a demo task (its metadata.max_turns)
 
 
 class HeldOutEvaluator:

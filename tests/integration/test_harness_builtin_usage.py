@@ -14,8 +14,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-pytest.importorskip("anthropic")
-
 from gyre.harness.builtin.agent import AnthropicBackend, UserTurn
 
 USAGE = {"input_tokens": 70, "cache_read_input_tokens": 54, "cache_creation_input_tokens": 6, "output_tokens": 3}

@@ -120,6 +120,7 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     from gyre.models.hf_weights import load_pretrained
     from gyre.obs.record import record_from_dict
     from gyre.proxy.render import ChatTemplate
+    from gyre.runtime.audit import audit_run
     from gyre.traj.store import load_tree
 
     run_dir = tmp_path / "run"
@@ -162,7 +163,11 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     # Every answered call is recorded; a call hung up on (executions cancelled at the run's end) is recorded when it
     # had sampled tokens (docs/proxy.md, "Counters").
     assert counts["answered"] <= calls <= counts["answered"] + counts["hung_up"], counts
-    print(f"2-step run: {len(records)} steps, {calls} calls recorded, proxy {counts}")
+    audit = audit_run(run_dir)  # what the harnesses' own transcripts say
+    assert audit["retries"] == audit["api_errors"] == audit["duplicate_request_ids"] == 0, audit
+    assert audit["calls_recorded"] == calls and audit["proxy"] == counts, audit
+    assert audit["ends"].get("answered", 0) >= 1, audit
+    print(f"2-step run: {len(records)} steps, {calls} calls recorded, proxy {counts}, harness ends {audit['ends']}")
 
 
 @pytest.mark.slow

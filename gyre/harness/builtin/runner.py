@@ -50,7 +50,8 @@ class BuiltinRunner:
     @classmethod
     def for_task(cls, task: Task, **options) -> BuiltinRunner:
         """A runner configured from the task's metadata (`gyre.tasks`): `tools` (schemas) with `tools_impl`,
-        `system_prompt`, `final_answer_file`, `only_task_tools` (the demo family sets all of them)."""
+        `system_prompt`, `final_answer_file`, `only_task_tools`, `max_turns` (a cap on the configured turns; the
+        demo family sets all of them)."""
         meta = task.metadata
         runner = cls(**options)
         if "tools" in meta:
@@ -62,6 +63,11 @@ class BuiltinRunner:
         runner.system_prompt = meta.get("system_prompt", runner.system_prompt)
         runner.final_answer_file = meta.get("final_answer_file", runner.final_answer_file)
         runner.only_task_tools = bool(meta.get("only_task_tools", runner.only_task_tools))
+        if "max_turns" in meta:  # the task's own turn budget caps the configured one
+            turns = meta["max_turns"]
+            if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
+                raise ValueError(f"task {task.id!r}: metadata.max_turns={turns!r}: expected an integer >= 1")
+            runner.max_turns = min(runner.max_turns, turns)
         return runner
 
     def launch_spec(self, context: ExecutionContext) -> LaunchSpec:

@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 SYSTEM_PROMPT = "You are a careful assistant. Use the calculator for arithmetic."  # as in the tiny model's corpus
+DEMO_MAX_TURNS = 3  # model calls of a demo episode at most (metadata.max_turns)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +94,9 @@ def _metadata(problem: DemoProblem, config: DemoConfig) -> dict[str, Any]:
         "tools_impl": "gyre.tasks.demo.calculator:call",
         "final_answer_file": config.answer_file,
         "only_task_tools": True,  # the builtin harness offers the calculator only: short prompts for a tiny model
+        # An episode needs 2 model calls (the tool call, the answer); the builtin harness caps its turns at this,
+        # as the greedy held-out player does (gyre.runtime.held_out): a wandering episode costs no more.
+        "max_turns": DEMO_MAX_TURNS,
         "difficulty": {
             k: v
             for k, v in asdict(config).items()
