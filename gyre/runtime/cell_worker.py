@@ -58,9 +58,14 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
     store = job.store()
     engine_model = load_pretrained(model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device)
     server = ServerThread(lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0))
-    store.set(engine_key(cell), server.start())
-    transport = one_sided_transport(store, kind="store", prefix=weights_prefix(job))
-    listener = ControlListener(job.store)
+    url = server.start()
+    try:
+        store.set(engine_key(cell), url)
+        transport = one_sided_transport(store, kind="store", prefix=weights_prefix(job))
+        listener = ControlListener(job.store)
+    except BaseException:
+        server.stop()
+        raise
     trainer = None
     training = synced = False
     step: dict | None = None  # the step in flight, as its decision said

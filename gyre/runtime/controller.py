@@ -81,7 +81,12 @@ from gyre.traj.roles import classifier_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Controller", "ControllerParts", "RunEnd"]
+__all__ = ["Controller", "ControllerParts", "RunEnd", "StopRun"]
+
+
+class StopRun(Exception):
+    """A wait ended because the run is stopping (not an error of the run)."""
+
 
 DRAIN_S = 30.0  # a cell leaving rollout aborts what is still in flight after this (the aborted calls are recorded)
 ACK_TIMEOUT_S = 300.0  # a satellite applies a role decision within this (it loads its trainer the first time)
@@ -187,11 +192,8 @@ class Controller:
         """Run until `steps` steps are done, `request_stop()` or an error; then cancel what still runs."""
         self.loop = asyncio.get_running_loop()
         self.end = self.loop.create_future()
-        if self.held_out is not None:  # the starting policy's pass rate, the baseline of the curve
-            await self.held_out.evaluate(self.parts.model_dir, version=0, wall_time_s=0.0)
-        self.t0 = time.monotonic()  # the scheduler's clock starts with the first dispatch
-        await self._initial_roles()
-        self.apply(self.sched.start(self.now()))
+        self.t0 = time.monotonic()
+        self.spawn(self._begin())
         progress = self.spawn(self._progress_loop())
         try:
             reason, error = await self.end
@@ -203,6 +205,24 @@ class Controller:
             await self._cancel_executions()
             self.trainer_thread.close()
         return RunEnd(reason=reason, error=error, wall_time_s=self.now())
+
+    async def _begin(self) -> None:
+        """The baseline held-out evaluation, the cells that start in the training role, the first dispatch (a task,
+        so that a stop or an error during them ends the run like any other)."""
+        if self.held_out is not None:  # the starting policy's pass rate, the baseline of the curve
+            await self.held_out.evaluate(self.parts.model_dir, version=0, wall_time_s=0.0)
+        self.t0 = time.monotonic()  # the scheduler's clock starts with the first dispatch
+        await self._initial_roles()
+        if not self.stopping:
+            self.apply(self.sched.start(self.now()))
+
+    def _tick(self) -> None:
+        """A `WakeAt` timer: `tick`, its error ending the run as a task's would."""
+        try:
+            self.apply(self.sched.tick(self.now()))
+        except Exception as error:
+            log.error("the run failed: %r", error)
+            self._finish("error", error)
 
     def release_cells(self, reason: str) -> None:
         """The `stop` decision with the run's end (`RunEnd.reason`): every satellite leaves its loop and stops its
@@ -238,9 +258,13 @@ class Controller:
 
         def finished(t: asyncio.Task) -> None:
             self.background.discard(t)
-            if not t.cancelled() and t.exception() is not None and not self.stopping:
-                log.error("the run failed: %r", t.exception())  # the app writes the traceback to train.log
-                self._finish("error", t.exception())
+            if t.cancelled() or t.exception() is None:
+                return
+            if self.stopping:  # the run is ending already: said, not raised
+                log.warning("while stopping: %r", t.exception())
+                return
+            log.error("the run failed: %r", t.exception())  # the app writes the traceback to train.log
+            self._finish("error", t.exception())
 
         task.add_done_callback(finished)
         return task
@@ -298,14 +322,15 @@ class Controller:
                     self.spawn(self.to_rollout(action.cell))
                 case Reroute():
                     self.reroutes.setdefault(action.source, []).append(self.spawn(self.reroute(action)))
-                case BeginStep():
-                    self.spawn(self.train(action.step))
+                case BeginStep():  # the step's shape as the scheduler has it now, not when the task first runs
+                    final = self.sched.step_in_burst == self.cfg.algo.mu - 1
+                    self.spawn(self.train(action.step, final, self.sched.training_cells()))
                 case Publish():
                     self.bursts += 1
                     self.publishing = self.spawn(self.publish(action.version))
                 case WakeAt():
                     delay = max(0.0, action.time_s - self.now())
-                    self.loop.call_later(delay, lambda: self.apply(self.sched.tick(self.now())))
+                    self.loop.call_later(delay, self._tick)
         self.trace.sample(self.now(), self.sched.waterlevel, self.sched.rollout_capacity())
 
     def dispatch(self, action: Dispatch) -> None:
@@ -397,11 +422,12 @@ class Controller:
         self.trace.role(self.now(), cell, to.value)
         self.apply(self.sched.transition_finished(self.now(), cell))
         pump = self.pump
-        if to is Role.TRAINING and pump is not None and pump.can_admit and cell in self.sched.training_cells():
-            admitted = pump.admit()  # a satellite joins the step in flight (cells join in cell order)
-            if admitted != cell:
-                raise RuntimeError(f"the step's board admitted cell {admitted}, the scheduler moved cell {cell}")
+        joins = to is Role.TRAINING and pump is not None and pump.can_admit and cell in self.sched.training_cells()
+        if joins and cell == pump.board.cells:  # a satellite joins the step in flight (cells join in cell order)
+            pump.admit()
             self.joined.append(cell)
+        elif joins and cell > pump.board.cells:
+            raise RuntimeError(f"cell {cell} joins the step before cell {pump.board.cells}: cells join in order")
 
     async def reroute(self, action: Reroute) -> None:
         name = self.ids.name(action.execution)
@@ -416,11 +442,13 @@ class Controller:
         keys = [ack_key(seq, cell * layout.cell_size + i) for i in range(layout.cell_size)]
         job = self.parts.job
 
-        def wait() -> None:
+        def wait() -> None:  # a client of its own (dropped when it returns: TCPStore has no close)
             client = job.store()
             deadline = time.monotonic() + ACK_TIMEOUT_S
             while not client.check(keys):
-                if time.monotonic() > deadline or self.stopping:
+                if self.stopping:
+                    raise StopRun(f"the run stopped while cell {cell} applied control decision {seq}")
+                if time.monotonic() > deadline:
                     raise TimeoutError(f"cell {cell} did not apply control decision {seq} in {ACK_TIMEOUT_S:g}s")
                 time.sleep(0.01)
 
@@ -452,12 +480,15 @@ class Controller:
     async def to_rollout(self, cell: int) -> None:
         if self.publishing is not None:
             await asyncio.shield(self.publishing)  # the Publish of the same action list
-        if self.published is None:
-            raise RuntimeError(f"cell {cell} returns to rollout before any publication")
-        version, weights = self.published
         if cell != 0:
             await self._acked(self.control.publish("role", cell=cell, to="rollout"), cell)
-        await return_to_rollout(self.parts.engines[cell], weights, version=version)
+        engine = self.parts.engines[cell]
+        if self.published is None:  # back before any publication (mid-step, to make room): the starting weights
+            await engine.resume_memory()
+            engine.resume_accepting()
+        else:
+            version, weights = self.published
+            await return_to_rollout(engine, weights, version=version)
         self._transition_ends(cell)
 
     async def publish(self, version: int) -> None:
@@ -488,23 +519,27 @@ class Controller:
         self.claimed.append(group)
         return True
 
-    async def train(self, step: int) -> None:
+    async def train(self, step: int, final: bool, cells: list[int]) -> None:
+        if self.stopping:
+            return
         started = self.now()
-        final = self.sched.step_in_burst == self.cfg.algo.mu - 1
-        cells = self.sched.training_cells()
         if cells != list(range(len(cells))):
             raise RuntimeError(f"step {step}: the training cells {cells} are not a prefix of the cells")
         version = step + 1  # the core's weights of this step, for satellites that join it (one snapshot per step)
         self.claimed, self.joined = [], []
         board = StepBoard(self.store, step, max_cells=self.cfg.cluster.num_cells, cells=len(cells))
         self.pump = pump = StepPump(board, self.packer.queue, refill=self.refill)
-        self.control.publish("step", step=step, final=final, version=version)
-        core = self.trainer_thread.submit(self.parts.core_step, self.trainer, step, final, version)
-        while not pump.poll():
-            await asyncio.sleep(PUMP_POLL_S)
-        result = await core
-        self.pump = None
-        self.control.publish("step_end", step=step)
+        try:
+            self.control.publish("step", step=step, final=final, version=version)
+            core = self.trainer_thread.submit(self.parts.core_step, self.trainer, step, final, version)
+            while not pump.poll() and not core.done():
+                await asyncio.sleep(PUMP_POLL_S)
+            result = await core  # the core's error, if it failed with the board still open, is raised here
+        finally:
+            if not board.closed:
+                board.abandon()  # every cell stops after the unit it holds
+            self.pump = None
+            self.control.publish("step_end", step=step)
         if self.stopping:
             return
         tokens, loss = await self._satellite_shares(step, result.cells)
@@ -541,7 +576,7 @@ class Controller:
         def read() -> list[dict]:
             import json
 
-            client = job.store()
+            client = job.store()  # its own (dropped when it returns)
             client.wait(keys, _seconds(STATS_TIMEOUT_S))
             shares = [json.loads(client.get(key)) for key in keys]
             for key in keys:

@@ -7,9 +7,10 @@ config.json keys the model's own config lacks, such as `pad_token_id`), and `pol
 "source": <starting checkpoint>}`).
 
 Contract: a reader sees the previous policy or the new one, never a mixture: the new directory is written beside
-it (`.policy-<version>.tmp`), fsynced, and swapped in by two renames; a crash between them leaves the previous
-policy as `.policy-previous` and no `policy/`, which the next write cleans up. A failed write (a full disk) raises
-OSError with the previous policy left in place and the temporary directory removed.
+it (`.policy-<version>.tmp`), fsynced, and swapped in by two renames (a directory cannot be renamed over a
+non-empty one); between them, for the time of one rename, `policy/` is absent and the previous policy is
+`.policy-previous`, where a crash at that moment leaves it (the next write cleans it up). A failed write (a full
+disk) raises OSError with the previous policy left in place and the temporary directory removed.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ The app (`gyre.runtime.app`) prints that line and exits 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import logging
@@ -195,9 +196,11 @@ def run_worker(cfg: TrainConfig, run_dir: str) -> RunResult | dict:
         logging.shutdown()
         os._exit(STOPPED_EXIT)
     if isinstance(result, RunResult) and result.end.error is not None:
+        # The run failed (its outputs are written): rank 0 fails as a worker, so the launcher names its error
+        # (satellites cut off in a collective may fail after it; the first failure is what the user reads).
         error = result.end.error
         log.error("the run failed:\n%s", "".join(traceback.format_exception(error)))
-        result.end.error = RuntimeError(f"{type(error).__name__}: {error}")  # picklable back to the launcher
+        raise RuntimeError(f"{type(error).__name__}: {error}") from None
     return result
 
 
@@ -237,11 +240,16 @@ def run_rank(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = p
             completed = reason != "error"
         else:
             result = run_cell(cfg, run_dir, job, Path(shared[0]))
-            job.done()
+            try:
+                job.done()
+            except Exception as error:  # rank 0 (the store's server) has gone already: the run has ended anyway
+                log.warning("rank %d: could not say done (%r)", job.rank, error)
             completed = True
         return result
     finally:
-        job.close(wait_s=(DONE_WAIT_S if reason == "completed" else STOP_WAIT_S) if completed else 0.0)
+        # Rank 0 waits for the satellites' done (they have the stop decision) before its store goes, longer after a
+        # completed run; a satellite does not wait.
+        job.close(wait_s=DONE_WAIT_S if completed and reason == "completed" else STOP_WAIT_S)
 
 
 def _core_step_runner(cfg: TrainConfig, job):
@@ -345,18 +353,33 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        if metrics is not None:
-            metrics.close()
-        if proxy is not None:
-            await proxy.stop()
-            log.info("proxy: calls %s", json.dumps(proxy_counts(proxy.stats()["total"])))
-        if registry is not None:
-            registry.close_all()
-        if controller is not None:
-            controller.release_cells(end.reason if end is not None else "error")
+        # Each step on its own: a failing close must not keep the satellites from their stop, nor hide the error.
+        async with _closing_step("the metrics sinks"):
+            if metrics is not None:
+                metrics.close()
+        async with _closing_step("the proxy"):
+            if proxy is not None:
+                await proxy.stop()
+                log.info("proxy: calls %s", json.dumps(proxy_counts(proxy.stats()["total"])))
+        async with _closing_step("the sessions"):
+            if registry is not None:
+                registry.close_all()
+        async with _closing_step("the satellites' stop"):
+            if controller is not None:
+                controller.release_cells(end.reason if end is not None else "error")
         for remote in engines.values():
-            await remote.close()
+            async with _closing_step("an engine client"):
+                await remote.close()
         await asyncio.to_thread(server.stop)
+
+
+@contextlib.asynccontextmanager
+async def _closing_step(what: str):
+    """One step of the program's cleanup: its error is logged, and the next steps still run."""
+    try:
+        yield
+    except Exception as error:
+        log.error("closing %s failed: %r", what, error)
 
 
 def _wait_get(job, key: str) -> bytes:
