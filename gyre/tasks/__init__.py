@@ -3,13 +3,14 @@ family (`demo`). See docs/tasks.md. Stdlib only, plus the pure `gyre.traj.outcom
 demo family's supervised warm start of the tiny model (`demo.warm_start`, CLI `python -m gyre.tasks.demo`), which
 imports the proxy's rendering, the model and the engine, and which nothing here imports. The names below load on
 first use, so a harness process importing a task's tool (`gyre.tasks.demo.calculator`) loads neither `evaluate`
-nor `gyre.traj` (numpy)."""
+nor `gyre.traj` (numpy). The evaluator function is `gyre.tasks.evaluate.evaluate`: a lazily exported name equal to a
+submodule's is shadowed by the submodule once anything imports it, so the package does not export it."""
 
 from gyre.lazy_names import lazy_names
 
 _LAZY = {
     **dict.fromkeys(
-        ["EvaluationResult", "evaluate", "evaluated_state", "to_evaluation", "workspace_digest"], "gyre.tasks.evaluate"
+        ["EvaluationResult", "evaluated_state", "to_evaluation", "workspace_digest"], "gyre.tasks.evaluate"
     ),
     **dict.fromkeys(
         [
@@ -32,7 +33,6 @@ __all__ = [
     "PythonEvaluatorSpec",
     "Task",
     "TaskError",
-    "evaluate",
     "evaluated_state",
     "load_task",
     "load_tasks",

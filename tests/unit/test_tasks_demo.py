@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gyre.config import DemoConfig
-from gyre.tasks import evaluate, load_tasks, prepare_workspace
+from gyre.tasks import load_tasks, prepare_workspace
 from gyre.tasks.demo import (
     CALCULATOR_TOOL,
     CALCULATOR_TOOL_SPEC,
@@ -22,6 +22,7 @@ from gyre.tasks.demo import (
 )
 from gyre.tasks.demo.calculator import CalculatorError, call, evaluate_expression
 from gyre.tasks.demo.check import read_answer
+from gyre.tasks.evaluate import evaluate
 from gyre.traj.outcomes import Validity
 
 
