@@ -56,6 +56,7 @@ from gyre.proxy.routing import RoutingTable
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.ids import ExecutionIds, engine_name
 from gyre.runtime.job import Job, ack_key, step_stats_key
+from gyre.runtime.local_claims import claim_and_pull
 from gyre.runtime.policy_dir import write_policy
 from gyre.runtime.trace import RoleTrace
 from gyre.runtime.trainer_thread import TrainerThread
@@ -504,19 +505,13 @@ class Controller:
     # -- the step ----------------------------------------------------------------------------------------
     def refill(self) -> bool:
         """The pump runs short: claim one ready group from the scheduler and pull it into the packer."""
-        group, actions = self.sched.claim_group(self.now())
-        self.apply(actions)
+        group, refused = claim_and_pull(self.sched, self.packer, clock=self.now, on_actions=self.apply)
         if group is None:
             return False
-        try:
-            self.packer.pull(group)
-        except ValueError as error:
-            if group not in (aside for aside, _ in self.packer.rejected_groups()):
-                raise  # nothing was set aside: a bug, not a refusal
-            log.warning("group %d set aside by the packer (%s): replaced", group, error)
-            self.apply(self.sched.claimed_group_set_aside(self.now(), group))
-            return True
-        self.claimed.append(group)
+        if refused is not None:
+            log.warning("group %d set aside by the packer (%s): replaced", group, refused)
+        else:
+            self.claimed.append(group)
         return True
 
     async def train(self, step: int, final: bool, cells: list[int]) -> None:

@@ -35,7 +35,7 @@ from gyre.data.packing import StreamPackingBuffer
 from gyre.sched.scheduler import Scheduler
 from gyre.sched.types import Action
 
-__all__ = ["WAIT", "LocalClaims"]
+__all__ = ["WAIT", "LocalClaims", "claim_and_pull"]
 
 CLAIM_CELL = 0  # the in-process queue's claim is taken under cell 0's index (the one trainer of this process)
 
@@ -47,6 +47,31 @@ class _Wait:
 
 WAIT: Final = _Wait()
 """`next_unit`'s answer while the stream is open and no group is ready: ask again after the next verdict."""
+
+
+def claim_and_pull(
+    scheduler: Scheduler,
+    packer: StreamPackingBuffer,
+    *,
+    clock: Callable[[], float],
+    on_actions: Callable[[Sequence[Action]], None],
+) -> tuple[int | None, str | None]:
+    """Claim one ready group from the scheduler (`claim_group`) and pull it into the packer: `(group, None)`;
+    `(None, None)` when no group is ready; `(group, reason)` when the packer set the claimed group aside (reported
+    to the scheduler with `claimed_group_set_aside`, which replaces it). Every action goes to `on_actions`. A
+    ValueError of the packer that set nothing aside is raised (a caller's bug, not a refusal)."""
+    group, actions = scheduler.claim_group(clock())
+    on_actions(actions)
+    if group is None:
+        return None, None
+    try:
+        packer.pull(group)
+    except ValueError as error:
+        if group not in (aside for aside, _ in packer.rejected_groups()):
+            raise
+        on_actions(scheduler.claimed_group_set_aside(clock(), group))
+        return group, str(error)
+    return group, None
 
 
 class LocalClaims:
@@ -85,17 +110,11 @@ class LocalClaims:
                 break
             if self.packer.queue.closed_and_drained:
                 return None
-            group, actions = self.scheduler.claim_group(self._clock())
-            self._on_actions(actions)
+            group, refused = claim_and_pull(self.scheduler, self.packer, clock=self._clock, on_actions=self._on_actions)
             if group is None:
                 return WAIT
-            try:
-                self.packer.pull(group)
-            except ValueError as error:
-                if group not in (aside for aside, _ in self.packer.rejected_groups()):
-                    raise  # nothing was set aside: the caller's error
-                self.set_aside.append((group, str(error)))
-                self._on_actions(self.scheduler.claimed_group_set_aside(self._clock(), group))
+            if refused is not None:
+                self.set_aside.append((group, refused))
                 continue
             self.groups.append(group)
         unit = self._units.pop(0)
