@@ -1,20 +1,25 @@
-"""A satellite cell's rank: its engine in the rollout role, its trainer in the training role, moved by the
-controller's decisions (docs/runtime.md, "The process model").
+"""Every rank but rank 0: a satellite cell's ranks, and the core's other ranks in a cell of several (a Megatron
+cell of TP ranks), moved by the controller's decisions (docs/runtime.md, "The process model").
 
-Every rank of cells 1..K-1 runs `run_cell`. At start its leader serves the native engine on the starting
-checkpoint behind an endpoint and writes the address under `gyre/engine/<cell>`; the controller reaches it with a
-`RemoteEngine` and drives the engine side of every transition itself (stop accepting, reroutes, drain, release;
-resume, load the published version, accept: `gyre.runtime.transitions`). The rank reads the control log
-(`gyre.distributed.control`) on a listener thread and applies, in order:
+Every rank of the job but rank 0 runs `run_cell`. At start a cell leader (a satellite's first rank) serves the
+native engine on the starting checkpoint behind an endpoint and writes the address under `gyre/engine/<cell>`; the
+controller reaches it with a `RemoteEngine` and drives the engine side of every transition itself (stop accepting,
+reroutes, drain, release; resume, load the published version, accept: `gyre.runtime.transitions`). A cell's other
+ranks serve nothing: in the rollout role they wait. The rank reads the control log (`gyre.distributed.control`) on a
+listener thread and applies, in order:
 
-- `role` (cell, to="training"): build the trainer once (the starting checkpoint; it pulls the core's weights when
-  it joins a step), then ack (`gyre/ack/<seq>/<rank>`); if a step is in flight, wait to be admitted to it
+- `role` (cell, to="training") for its cell: build this rank's trainer once (`gyre.runtime.trainers`: the starting
+  checkpoint, this rank's shard of it in a Megatron cell; a satellite pulls the core's weights when it joins a
+  step), then ack (`gyre/ack/<seq>/<rank>`); if a step is in flight, wait to be admitted to it
   (`train_claimed_step` with `training=False`: it pulls the step's weights and trains, or returns None when the
   step closed without it);
-- `step` (step, final, version): when training, `train_claimed_step` on this rank's main thread: claims from the
-  step's board, gradients summed over the prefix group onto the core, the core's broadcast after a non-final step
-  (so the cell stays in sync for the burst's next step);
-- `role` (cell, to="rollout"): the trainer stops training (its weights are stale from now on); ack;
+- `step` (step, final, version): when training, `train_claimed_step` on this rank's main thread: the cell leader
+  claims from the step's board and the cell's other ranks follow it, gradients summed over the prefix group onto
+  the core, the core's broadcast after a non-final step (so the cell stays in sync for the burst's next step);
+- `role` (cell, to="rollout"): a satellite's trainer stops training (its weights are stale from now on; the core's
+  stay the run's weights); ack;
+- `gather` (the core's ranks only): the core's whole weights gathered over its tensor-parallel group, with rank 0
+  (`gyre.runtime.trainers.core_weights`, for a publication, the held-out evaluation or the policy directory);
 - `stop`: leave the loop; the engine is stopped.
 
 Nothing is applied twice or skipped: the listener delivers the log in order, each decision once, and the rank
@@ -31,6 +36,7 @@ from gyre.config import TrainConfig
 from gyre.distributed.control import STOP, ControlListener
 from gyre.distributed.transport import one_sided_transport
 from gyre.runtime.job import Job, ack_key, engine_key, step_stats_key
+from gyre.runtime.trainers import GATHER, build_trainable, core_weights
 
 log = logging.getLogger(__name__)
 
@@ -45,26 +51,22 @@ def weights_prefix(job: Job) -> str:
 
 
 def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict:
-    """The loop of one satellite rank (module docstring); returns what it did."""
-    import torch
-
-    from gyre.engine.endpoint import ServerThread
-    from gyre.engine.native import NativeEngine
-    from gyre.models.hf_weights import load_pretrained
-    from gyre.train.native_trainable import NativeTrainable
+    """The loop of one rank (module docstring); returns what it did."""
+    from gyre.models.hf_weights import read_config
     from gyre.train.streaming import train_claimed_step
 
-    cell = job.groups.cell
+    cell, is_core = job.groups.cell, job.groups.cell == 0
+    model_config = read_config(model_dir)
     store = job.store()
-    engine_model = load_pretrained(model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device)
-    server = ServerThread(lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0))
-    url = server.start()
+    server, url = _serve_engine(cfg, model_dir) if job.groups.is_cell_leader else (None, None)
     try:
-        store.set(engine_key(cell), url)
+        if server is not None:
+            store.set(engine_key(cell), url)
         transport = one_sided_transport(store, kind="store", prefix=weights_prefix(job))
         listener = ControlListener(job.store)
     except BaseException:
-        server.stop()
+        if server is not None:
+            server.stop()
         raise
     trainer = None
     training = synced = False
@@ -93,7 +95,7 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
         if not synced:  # it pulled the core's weights of this step (joined it, or started it out of sync)
             done["pulled"].append(fields["step"])
         done["steps"].append(fields["step"])
-        synced = not fields["final"]  # after a non-final step the core's broadcast keeps the cell in sync
+        synced = is_core or not fields["final"]  # after a non-final step the core's broadcast keeps the cell in sync
 
     try:
         while True:
@@ -115,24 +117,45 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
             elif kind == "role" and fields["cell"] == cell:
                 if fields["to"] == "training":
                     if trainer is None:
-                        model = load_pretrained(model_dir, torch.float32, cfg.trainer.device)
-                        t = cfg.trainer
-                        trainer = NativeTrainable(
-                            model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm
-                        )
-                    training, synced = True, False
+                        trainer = build_trainable(cfg, model_dir)
+                    training, synced = True, is_core  # the core's weights are the run's: always in sync
                     store.set(ack_key(decision.seq, job.rank), b"1")
-                    if step is not None:  # a step in flight: join it if the controller admits this cell
+                    if step is not None and not is_core:  # a step in flight: join it if the controller admits it
                         train(step)
                         step = None
                 else:
-                    training = synced = False
+                    training, synced = False, is_core
                     store.set(ack_key(decision.seq, job.rank), b"1")
+            elif kind == GATHER and is_core:
+                if trainer is None:
+                    raise RuntimeError(f"control decision {decision.seq}: gather before the core's trainer exists")
+                core_weights(trainer, model_config)  # rank 0 keeps the result
             elif kind == "step_end":
                 step = None
     finally:
         listener.close()
         transport.close()
-        server.stop()
-    log.info("cell %d: trained steps %s, pulled the core's weights at %s", cell, done["steps"], done["pulled"])
+        if server is not None:
+            server.stop()
+    log.info(
+        "rank %d (cell %d): trained steps %s, pulled the core's weights at %s",
+        job.rank,
+        cell,
+        done["steps"],
+        done["pulled"],
+    )
     return done
+
+
+def _serve_engine(cfg: TrainConfig, model_dir: Path):
+    """The cell leader's native engine on the starting checkpoint behind an endpoint: the started `ServerThread`
+    and its address."""
+    import torch
+
+    from gyre.engine.endpoint import ServerThread
+    from gyre.engine.native import NativeEngine
+    from gyre.models.hf_weights import load_pretrained
+
+    engine_model = load_pretrained(model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device)
+    server = ServerThread(lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0))
+    return server, server.start()

@@ -48,6 +48,9 @@ from gyre.distributed.claims import StepBoard
 from gyre.distributed.control import STOP, ControlPublisher
 from gyre.distributed.step_pump import StepPump
 from gyre.harness.episode import ProxyAccess, run_episode
+from gyre.models.decoder import DecoderLM
+from gyre.models.decoder_config import DecoderConfig
+from gyre.models.flat_weights import FlatWeights
 from gyre.obs.progress import format_progress
 from gyre.obs.record import StepRecord, TransitionRecord
 from gyre.obs.sinks import MetricsLogger
@@ -60,6 +63,7 @@ from gyre.runtime.local_claims import claim_and_pull
 from gyre.runtime.policy_dir import write_policy
 from gyre.runtime.trace import RoleTrace
 from gyre.runtime.trainer_thread import TrainerThread
+from gyre.runtime.trainers import GATHER, core_weights, policy_model
 from gyre.runtime.transitions import leave_rollout, return_to_rollout
 from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import (
@@ -76,7 +80,7 @@ from gyre.sched import (
     WakeAt,
     spec_from_config,
 )
-from gyre.train.publish import engine_weights, publish_to_engines
+from gyre.train.publish import publish_to_engines
 from gyre.traj.outcomes import GroupOutcomes
 from gyre.traj.roles import classifier_for
 
@@ -108,9 +112,10 @@ class ControllerParts:
     table: RoutingTable
     sandbox: object  # gyre.harness.sandbox.Sandbox
     make_runner: Callable  # task -> HarnessRunner
-    make_trainer: Callable  # () -> Trainable with a `.model` (a DecoderLM); called once, on the trainer thread
+    make_trainer: Callable  # () -> Trainable with a `.model`; called once, on the trainer thread
     core_step: Callable  # (trainer, step, final, version) -> StepResult: train_claimed_step of the core, its thread
     model_dir: Path  # the starting checkpoint (its tokenizer and chat template go into the policy directory)
+    model_config: DecoderConfig  # the starting checkpoint's config: the HF layout the core's weights are gathered into
 
 
 @dataclass
@@ -239,10 +244,7 @@ class Controller:
             self.trace.role(self.now(), cell, "training")
             self.parts.engines[cell].stop_accepting()
             await leave_rollout(self.parts.engines[cell], drain_s=0.0)
-            if cell == 0:
-                self.trainer = await self.trainer_thread.submit(self.parts.make_trainer)
-            else:
-                await self._acked(self.control.publish("role", cell=cell, to="training"), cell)
+            await self._tell_training(cell)
 
     def request_stop(self) -> None:
         """End the run soon (Ctrl-C, SIGTERM): the step in flight is not published, the executions are cancelled."""
@@ -437,10 +439,32 @@ class Controller:
         self.book.calls_rerouted += moved.calls
         self.book.kv_migrations += len(moved.migrated)
 
+    async def _tell_training(self, cell: int) -> None:
+        """The cell's ranks take the training role: the core builds its trainer once on the trainer thread; every
+        other rank of the cell (a satellite's, the core's other ranks in a cell of several) is told and acks."""
+        if cell == 0 and self.trainer is None:
+            building = self.trainer_thread.submit(self.parts.make_trainer)
+            if self.parts.job.layout.cell_size > 1:  # the core's other ranks build their shards meanwhile
+                await self._acked(self.control.publish("role", cell=0, to="training"), 0)
+            self.trainer = await building
+        elif cell != 0 or self.parts.job.layout.cell_size > 1:
+            seq = self.control.publish("role", cell=cell, to="training")
+            if not self._in_step(cell):
+                await self._acked(seq, cell)
+
+    def _in_step(self, cell: int) -> bool:
+        """Whether `cell` is a member of the step in flight: its ranks are inside `train_claimed_step` and apply a
+        decision only after the step, so the controller does not wait for their ack (a cell the scheduler sent
+        to rollout mid-step and brings back, `Scheduler._make_room_for_the_batch`; its engine side is the
+        controller's own work)."""
+        return self.pump is not None and cell < self.pump.board.cells
+
     async def _acked(self, seq: int, cell: int) -> None:
-        """Every rank of `cell` applied control decision `seq`."""
+        """Every rank of `cell` but this one (rank 0, the controller) applied control decision `seq`."""
         layout = self.parts.job.layout
-        keys = [ack_key(seq, cell * layout.cell_size + i) for i in range(layout.cell_size)]
+        keys = [ack_key(seq, rank) for rank in range(cell * layout.cell_size, (cell + 1) * layout.cell_size) if rank]
+        if not keys:
+            return
         job = self.parts.job
 
         def wait() -> None:  # a client of its own (dropped when it returns: TCPStore has no close)
@@ -462,11 +486,7 @@ class Controller:
         moved = self.now()
         await leave_rollout(self.parts.engines[cell], drain_s=DRAIN_S)
         released = self.now()
-        if cell == 0:
-            if self.trainer is None:
-                self.trainer = await self.trainer_thread.submit(self.parts.make_trainer)
-        else:
-            await self._acked(self.control.publish("role", cell=cell, to="training"), cell)
+        await self._tell_training(cell)
         log.info(
             "cell %d to training: %d executions rerouted in %.2fs, drained and released in %.2fs, trainer ready in "
             "%.2fs",
@@ -481,8 +501,13 @@ class Controller:
     async def to_rollout(self, cell: int) -> None:
         if self.publishing is not None:
             await asyncio.shield(self.publishing)  # the Publish of the same action list
-        if cell != 0:
-            await self._acked(self.control.publish("role", cell=cell, to="rollout"), cell)
+        if cell != 0 or self.parts.job.layout.cell_size > 1:
+            seq = self.control.publish("role", cell=cell, to="rollout")
+            # With a step in flight (a cell leaving it mid-step to make room for a replacement, or a joiner sent
+            # back before it was admitted) the cell's ranks are inside the step, or waiting for its admission,
+            # until it ends: they apply the decision then; the engine side below needs nothing of them.
+            if self.pump is None:
+                await self._acked(seq, cell)
         engine = self.parts.engines[cell]
         if self.published is None:  # back before any publication (mid-step, to make room): the starting weights
             await engine.resume_memory()
@@ -492,11 +517,34 @@ class Controller:
             await return_to_rollout(engine, weights, version=version)
         self._transition_ends(cell)
 
+    async def core_weights(self) -> FlatWeights:
+        """The core's whole weights now, in HF names: on the trainer thread after the work submitted before; a
+        Megatron core gathers its shards, its other ranks told with a `gather` decision (gyre.runtime.trainers)."""
+        if self.parts.job.layout.cell_size > 1:
+            self.control.publish(GATHER)
+        return await self.trainer_thread.submit(core_weights, self.trainer, self.parts.model_config)
+
+    def _as_model(self, weights: FlatWeights) -> DecoderLM:
+        """The core's model as a `DecoderLM`: a native trainer's own module, else one made of `weights`."""
+        if isinstance(self.trainer.model, DecoderLM):
+            return self.trainer.model
+        return policy_model(weights, self.parts.model_config)
+
+    async def core_model(self) -> DecoderLM:
+        """The core's model now as a `DecoderLM` (for the held-out evaluation and the policy directory)."""
+        if isinstance(self.trainer.model, DecoderLM):
+            return self.trainer.model
+        return policy_model(await self.core_weights(), self.parts.model_config)
+
     async def publish(self, version: int) -> None:
-        weights = await self.trainer_thread.submit(engine_weights, self.trainer)
+        weights = await self.core_weights()
         self.published = (version, weights)
         await asyncio.to_thread(
-            write_policy, self.trainer.model, source_dir=self.parts.model_dir, run_dir=self.run_dir, version=version
+            write_policy,
+            self._as_model(weights),
+            source_dir=self.parts.model_dir,
+            run_dir=self.run_dir,
+            version=version,
         )
         staying = [self.parts.engines[c] for c, role in enumerate(self.sched.roles) if role is Role.ROLLOUT]
         await publish_to_engines(staying, weights, version=version)  # returning cells load it in to_rollout
@@ -547,15 +595,17 @@ class Controller:
         self.echo(format_progress(record, self.cfg.steps, elapsed_s=self.now()))
         self.last_progress = self.now()
         done = len(self.records) >= self.cfg.steps
-        if self.held_out is not None and (done or len(self.records) % self.cfg.tasks.eval_every == 0):
-            evaluation = self.held_out.evaluate(self.trainer.model, version=version, wall_time_s=self.now())
+        evaluates = self.held_out is not None and (done or len(self.records) % self.cfg.tasks.eval_every == 0)
+        policy = await self.core_model() if done or evaluates else None
+        if evaluates:
+            evaluation = self.held_out.evaluate(policy, version=version, wall_time_s=self.now())
             if done:
                 await evaluation
             else:  # on a copy of the weights, beside the next step
                 self.spawn(evaluation)
         if done:
             await asyncio.to_thread(
-                write_policy, self.trainer.model, source_dir=self.parts.model_dir, run_dir=self.run_dir, version=version
+                write_policy, policy, source_dir=self.parts.model_dir, run_dir=self.run_dir, version=version
             )
             self._finish("completed")
             return

@@ -7,7 +7,10 @@
    `launch_workers`; over `tcp://MASTER_ADDR:MASTER_PORT` with SLURM's rank and task count under srun; in process
    for a job of one rank run plainly (a HashStore: nothing listens);
 2. `build_process_groups(Layout(**layout_fields(cfg, world_size)))`: the control group, the cell groups and the
-   prefix groups, created in the same order on every rank before anything else makes a group;
+   prefix groups, created in the same order on every rank before anything else makes a group; with
+   `trainer.backend=megatron`, `build_process_groups_and_model_parallel`, which makes Megatron's tensor- and
+   pipeline-parallel groups right after them, so that Megatron's groups are exactly the cells (docs/distributed.md,
+   "Megatron's groups");
 3. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
    engine addresses, acks) and broadcasts its address over the control group; `Job.store()` makes a client (one
    per thread: a TCPStore client is used by one thread at a time).
@@ -107,7 +110,18 @@ def open_job(cfg: TrainConfig) -> Job:
             dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = Layout(**layout_fields(cfg, world_size))
-    groups = build_process_groups(layout)
+    if cfg.trainer.backend == "megatron":
+        from gyre.train.model import build_process_groups_and_model_parallel
+
+        t = cfg.trainer
+        groups = build_process_groups_and_model_parallel(
+            layout,
+            tensor_parallel_size=t.tensor_parallel_size,
+            pipeline_parallel_size=t.pipeline_parallel_size,
+            seed=cfg.seed,
+        )
+    else:
+        groups = build_process_groups(layout)
     server = None
     address: list = [None, None]
     if rank == 0:

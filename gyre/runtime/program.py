@@ -11,8 +11,9 @@ endpoint, every cell's engine reached with a `RemoteEngine`, `start_proxy` over 
 "scheduler")`, the metrics sinks, the held-out evaluator, then the `Controller` until it ends; then
 `summary.json` (the simulator's keys, `gyre.obs.summary`) and `role_timeline.png`, and everything closed.
 
-Errors a user can fix before anything runs raise `ProgramError` (one line naming the field): a trainer backend
-this runtime does not drive yet, a missing model directory or task directory, a harness or sandbox missing here.
+Errors a user can fix before anything runs raise `ProgramError` (one line naming the field): a layout this runtime
+does not drive yet (pipeline stages, a separate rollout pool), a model a Megatron cell cannot shard, a missing model
+directory or task directory, a harness or sandbox missing here.
 The app (`gyre.runtime.app`) prints that line and exits 2.
 """
 
@@ -71,18 +72,31 @@ class Prepared:
 
 
 def check_supported(cfg: TrainConfig, world_size: int) -> None:
-    """What this runtime runs: the job's size fits the cells; native cells of one rank."""
+    """What this runtime runs: the job's size fits the cells; native cells of one rank or Megatron cells of TP
+    ranks (no pipeline stages yet); no separate rollout pool."""
     try:
         layout_fields(cfg, world_size)
     except ConfigError as error:
         raise ProgramError(str(error)) from None
-    if cfg.trainer.backend != "native" or cfg.cluster.cell_size != 1 or cfg.cluster.separate_size != 0:
+    if cfg.trainer.pipeline_parallel_size != 1 or cfg.cluster.separate_size != 0:
         raise ProgramError(
-            f"trainer.backend={cfg.trainer.backend} cluster.cell_size={cfg.cluster.cell_size} "
-            f"cluster.separate_size={cfg.cluster.separate_size}: this runtime trains native cells of one rank and no "
-            "separate rollout pool so far (trainer.backend=native, cluster.cell_size=1); Megatron cells are being "
-            "built (docs/runtime.md, 'State')"
+            f"trainer.pipeline_parallel_size={cfg.trainer.pipeline_parallel_size} "
+            f"cluster.separate_size={cfg.cluster.separate_size}: this runtime trains cells of one model replica "
+            "without pipeline stages and no separate rollout pool so far (trainer.pipeline_parallel_size=1, "
+            "cluster.separate_size=0; docs/runtime.md, 'State')"
         )
+
+
+def check_model_layout(cfg: TrainConfig, config) -> None:
+    """A Megatron trainer can shard the model over the cell's ranks (heads, KV heads, vocabulary divisible by TP)."""
+    if cfg.trainer.backend != "megatron":
+        return
+    from gyre.train.model import validate_layout
+
+    try:
+        validate_layout(config, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
+    except ValueError as error:
+        raise ProgramError(f"trainer.tensor_parallel_size={cfg.trainer.tensor_parallel_size}: {error}") from None
 
 
 def resolve_model_dir(cfg: TrainConfig, echo: Callable[[str], None] = print) -> Path:
@@ -107,10 +121,12 @@ def resolve_model_dir(cfg: TrainConfig, echo: Callable[[str], None] = print) -> 
         from gyre.models.tiny import tiny_model_dir
 
         model_dir = tiny_model_dir(spec=cfg.model.tiny)
+    config = read_config(model_dir)
     try:
-        check_context_limit(cfg, read_config(model_dir).max_position_embeddings)
+        check_context_limit(cfg, config.max_position_embeddings)
     except ConfigError as error:
         raise ProgramError(str(error)) from None
+    check_model_layout(cfg, config)
     return model_dir
 
 
@@ -285,27 +301,21 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
     from gyre.engine.endpoint import ServerThread
     from gyre.engine.native import NativeEngine
     from gyre.engine.remote import RemoteEngine
-    from gyre.models.hf_weights import load_pretrained
+    from gyre.models.hf_weights import load_pretrained, read_config
     from gyre.obs.sinks import build_metrics_logger
     from gyre.proxy.render import ChatTemplate
     from gyre.proxy.routing import RoutingTable
     from gyre.runtime.harness_setup import make_runner
     from gyre.runtime.ids import engine_name
     from gyre.runtime.job import engine_key
+    from gyre.runtime.trainers import build_trainable
     from gyre.serve.stack import start_proxy
-    from gyre.train.native_trainable import NativeTrainable
 
     model_dir, task_sets = prepared.model_dir, prepared.task_sets
     echo(f"tasks: {len(task_sets.train)} training tasks, {len(task_sets.held_out)} held-out problems")
     template = ChatTemplate.from_pretrained(model_dir)
     sandbox = _sandbox(cfg, run_dir)
     sandbox.check()
-
-    def make_trainer():
-        torch.manual_seed(cfg.seed)
-        model = load_pretrained(model_dir, torch.float32, cfg.trainer.device)
-        t = cfg.trainer
-        return NativeTrainable(model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
 
     dtype = getattr(torch, cfg.engine.dtype)
     engine_model = await asyncio.to_thread(load_pretrained, model_dir, dtype, cfg.engine.device)
@@ -333,9 +343,10 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
             table=table,
             sandbox=sandbox,
             make_runner=lambda task: make_runner(cfg.harness, task),
-            make_trainer=make_trainer,
+            make_trainer=lambda: build_trainable(cfg, model_dir),
             core_step=_core_step_runner(cfg, job),
             model_dir=model_dir,
+            model_config=read_config(model_dir),
         )
         held_out = None
         if task_sets.held_out:

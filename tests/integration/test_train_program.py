@@ -8,9 +8,12 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
   counters vs the record files), none failed or was refused; no process of the run is left.
 - Ctrl-C mid-run (SIGINT to the foreground process group, as a terminal sends it) exits 130 within 10 s with
   metrics, timeline and summary written, and no process left.
+- Megatron cells: 2 cells x TP 2 on 4 processes run 2 steps of a burst with the satellite cell training beside
+  the core (it pulls the core's shards) and a publication (the core's shards gathered into the engines' HF
+  layout, the engines updated, `policy/` written), every output as above.
 - A user's mistakes exit 2 with one line naming the field: a world size that does not fit the cells (under
-  torchrun's variables), a trainer backend not driven yet, a model directory without a checkpoint, a bad value, a
-  held-out task directory, a busy proxy port.
+  torchrun's variables), a layout not driven yet (pipeline stages), a model a Megatron cell cannot shard, a model
+  directory without a checkpoint, a bad value, a held-out task directory, a busy proxy port.
 """
 
 from __future__ import annotations
@@ -171,6 +174,46 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
 
 
 @pytest.mark.slow
+def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_publish(tmp_path):
+    from gyre.models.hf_weights import load_pretrained
+    from gyre.obs.record import record_from_dict
+    from gyre.runtime.audit import audit_run
+
+    run_dir = tmp_path / "run"
+    # Colocate, one step a burst: both cells train every step (cell 1 a satellite: it pulls the core's shards at its
+    # first step of a burst, its gradients are summed onto the core's ranks), each step is published (the core's
+    # shards gathered into the engines' layout), both cells return to rollout. Whether an elastic satellite joins
+    # a step in flight depends on timing; docs/runtime.md, "Megatron cells", has the measured runs.
+    args = [*SMALL, *MEGATRON_TP2, "algo=colocate", "algo.mu=1", "steps=2", "tasks.eval_every=1"]
+    process = train(args, run_dir, env={"PYTHONWARNINGS": "ignore"})
+    code, out, err = finish(process, 900)
+    assert code == 0, err[-3000:]
+    assert wait_until_gone(process) == []
+    end = json.loads(out.strip().splitlines()[-1])
+    assert end["end"] == "completed" and end["steps"] == 2
+    records = [record_from_dict(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r.step for r in records] == [0, 1] and [r.burst for r in records] == [0, 1]
+    assert [r.training_cells for r in records] == [2, 2]
+    assert all(r.train_tokens > 0 and r.grad_norm is not None for r in records)
+    returned = {t.cell for r in records for t in r.transitions if t.to == "rollout"}
+    assert returned == {0, 1}, [r.transitions for r in records]  # back to rollout with the publication
+    log = (run_dir / "train.log").read_text()
+    for rank, line in ((1, "(cell 0): trained steps [0, 1]"), (2, "(cell 1): trained steps [0, 1]")):
+        assert f"rank {rank} {line}" in log, log[-3000:]  # the core's second rank, the satellite's leader
+    assert "rank 3 (cell 1): trained steps [0, 1], pulled the core's weights at [0, 1]" in log, log[-3000:]
+    held = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    assert [line["version"] for line in held] == [0, 1, 2]
+    policy = run_dir / "policy"
+    assert json.loads((policy / "policy.json").read_text())["version"] == 2
+    load_pretrained(policy)
+    audit = audit_run(run_dir)
+    assert audit["retries"] == audit["api_errors"] == audit["duplicate_request_ids"] == 0, audit
+    assert audit["proxy"]["failed"] == audit["proxy"]["refused"] == 0, audit
+    norms = [round(r.grad_norm, 3) for r in records]
+    print(f"megatron 2 cells x TP 2: training cells {[r.training_cells for r in records]}, grad norms {norms}")
+
+
+@pytest.mark.slow
 def test_ctrl_c_mid_run_exits_promptly_with_its_outputs_written(tmp_path):
     run_dir = tmp_path / "run"
     process = train([*SMALL, "steps=50", "tasks.eval_every=0"], run_dir)
@@ -205,6 +248,13 @@ def busy_port() -> socket.socket:
     return sock
 
 
+MEGATRON_TP2 = [
+    "trainer.backend=megatron",
+    "trainer.tensor_parallel_size=2",
+    "cluster.num_cells=2",
+    "cluster.cell_size=2",
+]
+ONE_CELL_OF_4 = ["cluster.num_cells=1", "cluster.cell_size=4"]
 TORCHRUN_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": HOST, "MASTER_PORT": "29999"}
 
 
@@ -212,7 +262,8 @@ TORCHRUN_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": 
     ("args", "env", "names"),
     [
         ([], TORCHRUN_3, "world_size"),  # 3 processes for the default 4 cells
-        (["trainer.backend=megatron"], None, "trainer.backend"),
+        ([*MEGATRON_TP2[:2], "trainer.pipeline_parallel_size=2", *ONE_CELL_OF_4], None, "pipeline_parallel_size"),
+        (["trainer.backend=megatron", "trainer.tensor_parallel_size=4", *ONE_CELL_OF_4], None, "tensor_parallel_size"),
         (["model.model_dir=/nonexistent/model"], None, "model.model_dir"),
         (["steps=0"], None, "steps"),
         (["packing.group_size=3"], None, "packing.group_size"),

@@ -1,0 +1,78 @@
+"""A cell's trainer as the runtime builds it, and the core's whole weights out of it (docs/runtime.md, "Megatron
+cells").
+
+`build_trainable(cfg, model_dir)` is what every rank of a cell calls the first time its cell enters the training
+role, on the thread that will train (rank 0: the core's trainer thread; every other rank: its main thread):
+
+- `trainer.backend=native`: the starting checkpoint as a `DecoderLM` in a `NativeTrainable` (one rank per cell);
+- `trainer.backend=megatron`: a Megatron-core `GPTModel` for this rank's tensor-parallel shard
+  (`gyre.train.model.build_gpt_model`; Megatron's `parallel_state` was initialized by `open_job`), the starting
+  checkpoint's HF weights loaded into it (`load_hf_state_dict`), in a `MegatronTrainable`.
+
+`core_weights(trainable, config)` is the core's whole model in HF names (`gyre.train.publish.engine_weights`): local
+for a native trainer, a collective over the core cell's tensor-parallel group for a Megatron one, so every rank of
+the core calls it at the same point of its work; the controller tells the core's other ranks with a `gather`
+decision. `policy_model(weights, config)` makes a `DecoderLM` of them for what needs a whole model on rank 0 (the
+held-out evaluation, `<run dir>/policy/`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gyre.config import TrainConfig
+from gyre.models.decoder import DecoderLM
+from gyre.models.decoder_config import DecoderConfig
+from gyre.models.flat_weights import FlatWeights, unflatten_weights
+from gyre.models.hf_weights import load_pretrained, read_config, without_tolerated
+
+__all__ = ["GATHER", "build_trainable", "core_weights", "policy_model", "uses_megatron"]
+
+GATHER = "gather"  # the control decision: the core's ranks gather its whole weights now (a collective)
+
+
+def uses_megatron(cfg: TrainConfig) -> bool:
+    return cfg.trainer.backend == "megatron"
+
+
+def build_trainable(cfg: TrainConfig, model_dir: Path):
+    """This rank's trainer on the starting checkpoint (module docstring), seeded with `cfg.seed`."""
+    t = cfg.trainer
+    torch.manual_seed(cfg.seed)
+    native = load_pretrained(model_dir, torch.float32, t.device)
+    if not uses_megatron(cfg):
+        from gyre.train.native_trainable import NativeTrainable
+
+        return NativeTrainable(native, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+    from gyre.train.convert import load_hf_state_dict
+    from gyre.train.megatron_trainable import MegatronTrainable
+    from gyre.train.model import build_gpt_model
+
+    config = read_config(model_dir)
+    model = build_gpt_model(config)
+    load_hf_state_dict(model, native.state_dict(), config)
+    del native
+    if t.device != "cpu":
+        model = model.to(t.device)
+    return MegatronTrainable(model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+
+
+def core_weights(trainable, config: DecoderConfig) -> FlatWeights:
+    """The core's whole model in HF names, one flat copy (collective over the core cell for Megatron)."""
+    from gyre.train.publish import engine_weights
+
+    if isinstance(trainable.model, DecoderLM):
+        return engine_weights(trainable)
+    return engine_weights(trainable, config)
+
+
+def policy_model(weights: FlatWeights, config: DecoderConfig) -> DecoderLM:
+    """A `DecoderLM` (CPU, fp32, eval mode) holding `weights` (a copy: the flat buffer may be reused)."""
+    state = {name: tensor.clone().float() for name, tensor in unflatten_weights(weights).items()}
+    state = without_tolerated(state, config, where="the core's weights")
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
