@@ -56,6 +56,7 @@ from gyre.obs.record import StepRecord, TransitionRecord
 from gyre.obs.sinks import MetricsLogger
 from gyre.proxy.reroute import reroute_execution
 from gyre.proxy.routing import RoutingTable
+from gyre.rl.loss_metrics import LossMetricSums
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.ids import ExecutionIds, engine_name
 from gyre.runtime.job import Job, ack_key, step_stats_key
@@ -585,10 +586,12 @@ class Controller:
             self.control.publish("step_end", step=step)
         if self.stopping:
             return
-        tokens, loss = await self._satellite_shares(step, result.cells)
+        tokens, loss, metrics = await self._satellite_shares(step, result.cells)
+        metrics.merge(result.metrics)
         board.clear()
         self.packer.next_batch()
-        record = self._step_record(step, result, started, tokens + result.tokens, loss + result.loss)
+        losses = {"loss": loss + result.loss, **metrics.means()}
+        record = self._step_record(step, result, started, tokens + result.tokens, losses)
         self.records.append(record)
         self.metrics.write(record)
         self.trace.step_end(self.now())
@@ -611,10 +614,11 @@ class Controller:
             return
         self.apply(self.sched.step_finished(self.now()))
 
-    async def _satellite_shares(self, step: int, cells: int) -> tuple[int, float]:
-        """The tokens and loss the satellites of the step computed (each writes its share after its step)."""
+    async def _satellite_shares(self, step: int, cells: int) -> tuple[int, float, LossMetricSums]:
+        """The tokens, loss and loss metrics the satellites of the step computed (each writes its share after its
+        step)."""
         if cells <= 1:
-            return 0, 0.0
+            return 0, 0.0, LossMetricSums()
         keys = [step_stats_key(step, cell) for cell in range(1, cells)]
         job = self.parts.job
 
@@ -629,9 +633,12 @@ class Controller:
             return shares
 
         shares = await asyncio.to_thread(read)
-        return sum(s["tokens"] for s in shares), sum(s["loss"] for s in shares)
+        metrics = LossMetricSums()
+        for share in shares:
+            metrics.merge(LossMetricSums.from_dict(share["metrics"]))
+        return sum(s["tokens"] for s in shares), sum(s["loss"] for s in shares), metrics
 
-    def _step_record(self, step: int, result, started: float, tokens: int, loss: float) -> StepRecord:
+    def _step_record(self, step: int, result, started: float, tokens: int, losses: dict) -> StepRecord:
         end = self.now()
         rewards = [r for g in self.claimed for r in self.outcomes[g].rewards().values() if r is not None]
         log_ = self.sched.staleness
@@ -645,7 +652,7 @@ class Controller:
             burst=self.bursts,
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
             pass_rate=sum(r >= PASS_REWARD for r in rewards) / len(rewards) if rewards else None,
-            loss={"loss": loss},
+            loss=losses,
             grad_norm=result.update.get("grad_norm"),
             staleness_group_mean=sum(v for v, _ in picked) / len(picked) if picked else None,
             staleness_token_mean=sum(v * t for v, t in picked) / group_tokens if group_tokens > 0 else None,

@@ -36,6 +36,7 @@ from gyre.distributed.claims import StepClaimer, claim_in_cell
 from gyre.distributed.groups import ProcessGroups
 from gyre.distributed.transport import WeightTransport, flatten_state_dict, unflatten
 from gyre.rl import finalize_sequence_ratio, policy_loss, sequence_log_ratio_sums
+from gyre.rl.loss_metrics import LossMetricSums
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class StepResult:
     micro_steps: int = 0
     tokens: int = 0
     loss: float = 0.0  # this cell's share of the batch loss
+    metrics: LossMetricSums = field(default_factory=LossMetricSums)  # the loss metrics of its micro-steps (PP = 1)
     cells: int = 1  # cells that trained the step (the prefix length)
     update: dict[str, float] = field(default_factory=dict)  # core: the optimizer's metrics (grad norm, ...)
 
@@ -102,8 +104,11 @@ def loss_inputs_on(step: MicroStep, device: torch.device, seq_ratio_E: Tensor | 
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
 
 
-def accumulate_unit(model: Trainable, unit: Sequence[MicroStep], config: LossConfig) -> float:
-    """Forward and backward over one claim unit, gradients added into `.grad`; returns the summed loss.
+def accumulate_unit(
+    model: Trainable, unit: Sequence[MicroStep], config: LossConfig, metrics: LossMetricSums | None = None
+) -> float:
+    """Forward and backward over one claim unit, gradients added into `.grad`; returns the summed loss. Each
+    micro-step's loss metrics are added to `metrics` when given.
 
     A unit with split executions first takes s_i (Eq. 5) over all its micro-steps in a no-grad pass: the weights
     do not change during accumulation, so that pass sees the same log-probs as the backward passes."""
@@ -119,9 +124,11 @@ def accumulate_unit(model: Trainable, unit: Sequence[MicroStep], config: LossCon
         ratio_E = seq_ratio[torch.from_numpy(step.batch_execution_E)] if seq_ratio is not None else None
         logp_U = model.logprobs(step)
         logp_T = logp_U[torch.from_numpy(step.target_U).to(logp_U.device)].float()
-        loss, _ = policy_loss(logp_T, **loss_inputs_on(step, logp_T.device, ratio_E), config=config)
+        loss, step_metrics = policy_loss(logp_T, **loss_inputs_on(step, logp_T.device, ratio_E), config=config)
         loss.backward()
         total += float(loss.detach())
+        if metrics is not None:
+            metrics.add(step_metrics)
     return total
 
 
@@ -214,7 +221,7 @@ def train_step(
         result = StepResult()
         while (claimed := claim()) is not None:  # the stream: claim whenever compute frees up
             index, unit = claimed
-            result.loss += accumulate_unit(model, unit, config)
+            result.loss += accumulate_unit(model, unit, config, result.metrics)
             result.units.append(index)
             result.micro_steps += len(unit)
             result.tokens += sum(step.num_tokens for step in unit)

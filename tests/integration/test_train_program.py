@@ -137,6 +137,7 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     records = [record_from_dict(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r.step for r in records] == [0, 1]
     assert all(r.reward_mean is not None and r.train_tokens > 0 and r.grad_norm is not None for r in records)
+    assert all(0 <= r.loss["clip_fraction"] <= 1 and r.loss["abs_log_ratio_mean"] >= 0 for r in records), records
     assert records[0].transitions and records[0].transitions[0].to == "training"
     held = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
     assert [line["version"] for line in held] == [0, 2] and all(line["episodes"] == 8 for line in held)
@@ -194,7 +195,7 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     records = [record_from_dict(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r.step for r in records] == [0, 1] and [r.burst for r in records] == [0, 1]
     assert [r.training_cells for r in records] == [2, 2]
-    assert all(r.train_tokens > 0 and r.grad_norm is not None for r in records)
+    assert all(r.train_tokens > 0 and r.grad_norm is not None and "seq_ratio_max" in r.loss for r in records)
     returned = {t.cell for r in records for t in r.transitions if t.to == "rollout"}
     assert returned == {0, 1}, [r.transitions for r in records]  # back to rollout with the publication
     log = (run_dir / "train.log").read_text()
