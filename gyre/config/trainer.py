@@ -17,6 +17,8 @@ from gyre.config.checks import require, require_choice, require_int, require_num
 TRAINER_BACKENDS = ("native", "megatron")
 TRAINER_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")
+WEIGHT_TRANSPORTS = ("store", "mooncake", "auto")  # gyre.distributed.transport.ONE_SIDED_KINDS (config imports no
+# other gyre package; tests/unit/test_config_train.py holds them equal)
 
 
 @dataclass(kw_only=True)
@@ -42,8 +44,15 @@ class TrainerConfig:
     """cpu or cuda (each rank then trains on its local GPU, LOCAL_RANK); the same kind as engine.device, since a
     cell swaps between its engine and its trainer in one process."""
 
+    weight_transport: str = "store"
+    """How a satellite joining a step in flight pulls the core's weights (one-sided reads, docs/distributed.md):
+    store (the snapshot in the job's store: anywhere, no extra package), mooncake (the Mooncake Transfer Engine:
+    TCP, RDMA on clusters; needs mooncake-transfer-engine and its Debian libraries), auto (Mooncake where it
+    imports, else store)."""
+
     def __post_init__(self) -> None:
         require_choice("trainer.backend", self.backend, TRAINER_BACKENDS)
+        require_choice("trainer.weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
         require_int("trainer.tensor_parallel_size", self.tensor_parallel_size, ge=1)
         require_int("trainer.pipeline_parallel_size", self.pipeline_parallel_size, ge=1)
         require_number("trainer.lr", self.lr, gt=0)

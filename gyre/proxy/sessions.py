@@ -271,7 +271,7 @@ class SessionRegistry:
         self._recorded[execution] = 0
         self._by_key[key] = session
         self._by_execution[execution] = session
-        log.info("execution %s: key issued", execution)
+        log.debug("execution %s: key issued", execution)  # one per execution: at INFO it floods a run's console
         return session
 
     def by_key(self, key: str | None) -> ExecutionSession | None:

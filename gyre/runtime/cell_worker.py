@@ -50,6 +50,11 @@ def weights_prefix(job: Job) -> str:
     return f"gyre/weights/{job.groups.coordinate}"
 
 
+def weights_transport(cfg: TrainConfig, job: Job, store):
+    """This rank's one-sided transport of the core's weights (`trainer.weight_transport`), over `store`."""
+    return one_sided_transport(store, kind=cfg.trainer.weight_transport, host=job.host, prefix=weights_prefix(job))
+
+
 def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict:
     """The loop of one rank (module docstring); returns what it did."""
     from gyre.models.hf_weights import read_config
@@ -62,7 +67,7 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
     try:
         if server is not None:
             store.set(engine_key(cell), url)
-        transport = one_sided_transport(store, kind="store", prefix=weights_prefix(job))
+        transport = weights_transport(cfg, job, store)
         listener = ControlListener(job.store)
     except BaseException:
         if server is not None:

@@ -114,7 +114,8 @@ class ControllerParts:
     sandbox: object  # gyre.harness.sandbox.Sandbox
     make_runner: Callable  # task -> HarnessRunner
     make_trainer: Callable  # () -> Trainable with a `.model`; called once, on the trainer thread
-    core_step: Callable  # (trainer, step, final, version) -> StepResult: train_claimed_step of the core, its thread
+    core_step: Callable  # (trainer, step, final, version) -> StepResult: train_claimed_step of the core, its thread;
+    # its `close()` runs on that thread after the run's last step
     model_dir: Path  # the starting checkpoint (its tokenizer and chat template go into the policy directory)
     model_config: DecoderConfig  # the starting checkpoint's config: the HF layout the core's weights are gathered into
 
@@ -210,6 +211,7 @@ class Controller:
             if self.pump is not None and not self.pump.closed:
                 self.pump.board.abandon()  # the cells finish the unit they hold; the update is never published
             await self._cancel_executions()
+            self.trainer_thread.submit(self.parts.core_step.close)  # its transport, after the last step
             self.trainer_thread.close()
         return RunEnd(reason=reason, error=error, wall_time_s=self.now())
 

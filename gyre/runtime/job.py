@@ -27,7 +27,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -45,6 +47,21 @@ __all__ = ["Job", "ack_key", "engine_key", "open_job", "step_stats_key"]
 
 STORE_TIMEOUT = datetime.timedelta(seconds=300)  # a store call that waits longer fails (the job is broken)
 PG_TIMEOUT = datetime.timedelta(seconds=1800)  # a collective waits this long at most (the warm start is minutes)
+
+
+LOOPBACK = ("", "localhost", "127.0.0.1", "::1")
+RANK_ADDR_ENV = "GYRE_RANK_ADDR"  # the address other ranks reach this one at, when the default guess is wrong
+
+
+def rank_address(env: Mapping[str, str]) -> str:
+    """The address other ranks reach this rank at (a one-sided weight transport listens there): $GYRE_RANK_ADDR if
+    set; the loopback address when the job's rendezvous is on this machine's loopback (every rank is local); else
+    this host's name resolved."""
+    if env.get(RANK_ADDR_ENV):
+        return env[RANK_ADDR_ENV]
+    if env.get("MASTER_ADDR", "") in LOOPBACK:
+        return HOST
+    return socket.gethostbyname(socket.gethostname())
 
 
 def engine_key(cell: int) -> str:
@@ -70,6 +87,7 @@ class Job:
     store_host: str
     store_port: int
     server: dist.TCPStore | None = None  # rank 0: the runtime store's server
+    host: str = HOST  # the address other ranks reach this one at (`rank_address`)
 
     @property
     def layout(self) -> Layout:
@@ -132,5 +150,11 @@ def open_job(cfg: TrainConfig) -> Job:
         dist.broadcast_object_list(address, src=0, group=groups.control_group)
     log.info("job ready: %s; runtime store at %s:%s", layout.describe(rank), *address)
     return Job(
-        rank=rank, world_size=world_size, groups=groups, store_host=address[0], store_port=address[1], server=server
+        rank=rank,
+        world_size=world_size,
+        groups=groups,
+        store_host=address[0],
+        store_port=address[1],
+        server=server,
+        host=rank_address(os.environ),
     )

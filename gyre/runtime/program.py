@@ -268,31 +268,40 @@ def run_rank(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = p
         job.close(wait_s=DONE_WAIT_S if completed and reason == "completed" else STOP_WAIT_S)
 
 
-def _core_step_runner(cfg: TrainConfig, job):
-    """The core's `train_claimed_step`, with the trainer thread's own store client and weight transport."""
-    from gyre.distributed.transport import one_sided_transport
-    from gyre.runtime.cell_worker import weights_prefix
-    from gyre.train.streaming import train_claimed_step
+class CoreStep:
+    """The core's `train_claimed_step`, with the trainer thread's own store client and weight transport (made at
+    its first step, on that thread); `close()` there too, after the last step."""
 
-    held: dict[str, Any] = {}
+    def __init__(self, cfg: TrainConfig, job) -> None:
+        self.cfg, self.job = cfg, job
+        self.store = self.transport = None
 
-    def core_step(trainer, step: int, final: bool, version: int):
-        if not held:
-            held["store"] = job.store()
-            held["transport"] = one_sided_transport(held["store"], kind="store", prefix=weights_prefix(job))
+    def __call__(self, trainer, step: int, final: bool, version: int):
+        from gyre.runtime.cell_worker import weights_transport
+        from gyre.train.streaming import train_claimed_step
+
+        if self.transport is None:
+            self.store = self.job.store()
+            self.transport = weights_transport(self.cfg, self.job, self.store)
         return train_claimed_step(
             trainer,
-            store=held["store"],
+            store=self.store,
             step=step,
-            groups=job.groups,
-            transport=held["transport"],
+            groups=self.job.groups,
+            transport=self.transport,
             version=version,
             training=True,
             final=final,
-            config=cfg.loss,
+            config=self.cfg.loss,
         )
 
-    return core_step
+    def close(self) -> None:
+        if self.transport is None:
+            return
+        try:
+            self.transport.close()
+        except Exception as error:  # the run has ended; its outputs do not depend on this
+            log.warning("closing the core's weight transport failed: %r", error)
 
 
 async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, echo) -> RunResult:
@@ -344,7 +353,7 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
             sandbox=sandbox,
             make_runner=lambda task: make_runner(cfg.harness, task),
             make_trainer=lambda: build_trainable(cfg, model_dir),
-            core_step=_core_step_runner(cfg, job),
+            core_step=CoreStep(cfg, job),
             model_dir=model_dir,
             model_config=read_config(model_dir),
         )

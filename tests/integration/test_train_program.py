@@ -10,7 +10,8 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
   metrics, timeline and summary written, and no process left.
 - Megatron cells: 2 cells x TP 2 on 4 processes run 2 steps of a burst with the satellite cell training beside
   the core (it pulls the core's shards) and a publication (the core's shards gathered into the engines' HF
-  layout, the engines updated, `policy/` written), every output as above.
+  layout, the engines updated, `policy/` written), every output as above; the satellite pulls over Mooncake where
+  it imports (`trainer.weight_transport=auto`), else over the store.
 - A user's mistakes exit 2 with one line naming the field: a world size that does not fit the cells (under
   torchrun's variables), a layout not driven yet (pipeline stages), a model a Megatron cell cannot shard, a model
   directory without a checkpoint, a bad value, a held-out task directory, a busy proxy port.
@@ -174,6 +175,16 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     print(f"2-step run: {len(records)} steps, {calls} calls recorded, proxy {counts}, harness ends {audit['ends']}")
 
 
+def mooncake_missing() -> str | None:
+    from gyre.distributed.transport_mooncake import import_transfer_engine
+
+    try:
+        import_transfer_engine()
+    except ImportError as error:
+        return str(error)
+    return None
+
+
 @pytest.mark.slow
 def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_publish(tmp_path):
     from gyre.models.hf_weights import load_pretrained
@@ -186,9 +197,10 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     # shards gathered into the engines' layout), both cells return to rollout. Whether an elastic satellite joins
     # a step in flight depends on timing; docs/runtime.md, "Megatron cells", has the measured runs.
     args = [*SMALL, *MEGATRON_TP2, "algo=colocate", "algo.mu=1", "steps=2", "tasks.eval_every=1"]
-    process = train(args, run_dir, env={"PYTHONWARNINGS": "ignore"})
+    process = train([*args, "trainer.weight_transport=auto"], run_dir, env={"PYTHONWARNINGS": "ignore"})
     code, out, err = finish(process, 900)
     assert code == 0, err[-3000:]
+    assert ("Transfer Engine" in err) == (mooncake_missing() is None), err[-3000:]  # Mooncake's own log lines
     assert wait_until_gone(process) == []
     end = json.loads(out.strip().splitlines()[-1])
     assert end["end"] == "completed" and end["steps"] == 2

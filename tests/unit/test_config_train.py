@@ -169,6 +169,7 @@ BAD = [
     (lambda: TrainerConfig(lr=0.0), "trainer.lr=0.0 is not allowed"),
     (lambda: TrainerConfig(max_grad_norm=-1.0), "trainer.max_grad_norm=-1.0 is not allowed"),
     (lambda: TrainerConfig(dtype="float16"), "trainer.dtype='float16' is not allowed"),
+    (lambda: TrainerConfig(weight_transport="nccl"), "trainer.weight_transport='nccl' is not allowed: expected one of"),
     (lambda: TrainerConfig(device="tpu"), "trainer.device='tpu' is not allowed"),
     (lambda: TrainerConfig(device="cuda:x"), "trainer.device='cuda:x' is not allowed"),
     (lambda: ModelConfig(init="zeros"), "model.init='zeros' is not allowed: expected one of warm_start, random"),
@@ -256,6 +257,13 @@ def test_a_checkpoints_context_limit_is_checked_against_its_config():
     assert error_of(lambda: check_context_limit(capped, 1024)).startswith(
         "proxy.context_limit=2048 is not allowed: expected an integer <= the model's max_position_embeddings (1024)"
     )
+
+
+def test_the_weight_transports_are_the_one_sided_kinds():
+    from gyre.config.trainer import WEIGHT_TRANSPORTS
+    from gyre.distributed.transport import ONE_SIDED_KINDS
+
+    assert set(WEIGHT_TRANSPORTS) == set(ONE_SIDED_KINDS)
 
 
 def test_the_harness_names_are_the_runner_registry():
