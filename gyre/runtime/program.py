@@ -184,7 +184,10 @@ def run_training(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None]
     check_supported(cfg, world_size)
     if launched is None and world_size > 1:
         prepare(cfg, run_dir, echo)  # one line for a mistake, and the warm start once, before any worker
-        echo(f"starting {world_size} worker processes (one per cell) ...")
+        cells = (
+            f"{cfg.cluster.num_cells} cells of {cfg.cluster.cell_size} rank{'s' if cfg.cluster.cell_size > 1 else ''}"
+        )
+        echo(f"starting {world_size} worker processes ({cells}) ...")
         results = launch_workers("gyre.runtime.program:run_worker", [cfg, str(run_dir)], world_size)
         return results[0]
     return run_rank(cfg, run_dir, echo=echo)
@@ -199,7 +202,8 @@ def run_worker(cfg: TrainConfig, run_dir: str) -> RunResult | dict:
     _share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack on stderr
     try:
-        result = run_rank(cfg, Path(run_dir), echo=_printer if rank == 0 else log.info)
+        # The launcher ran the checks and printed the warm start's lines already: here they go to train.log only.
+        result = run_rank(cfg, Path(run_dir), echo=_printer if rank == 0 else log.info, prepare_echo=log.info)
     except BaseException as error:  # the traceback into train.log; the launcher names the error
         log.error("rank %d failed:\n%s", rank, "".join(traceback.format_exception(error)))
         raise
@@ -234,8 +238,15 @@ def _printer(line: str) -> None:
     print(line, flush=True)
 
 
-def run_rank(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = print) -> RunResult | dict:
-    """This rank's part of the job: rank 0's controller (a `RunResult`), a satellite's cell loop (what it did)."""
+def run_rank(
+    cfg: TrainConfig,
+    run_dir: Path,
+    *,
+    echo: Callable[[str], None] = print,
+    prepare_echo: Callable[[str], None] | None = None,
+) -> RunResult | dict:
+    """This rank's part of the job: rank 0's controller (a `RunResult`), a satellite's cell loop (what it did).
+    `prepare_echo`: where rank 0's checks print (default `echo`)."""
     import torch.distributed as dist
 
     from gyre.runtime.cell_worker import run_cell
@@ -246,7 +257,7 @@ def run_rank(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = p
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     completed, reason = False, "error"
     try:
-        prepared = prepare(cfg, run_dir, echo) if job.rank == 0 else None
+        prepared = prepare(cfg, run_dir, prepare_echo or echo) if job.rank == 0 else None
         shared = [str(prepared.model_dir) if prepared else None]
         if job.world_size > 1:
             dist.broadcast_object_list(shared, src=0, group=job.groups.control_group)
