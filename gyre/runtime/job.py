@@ -56,12 +56,22 @@ RANK_ADDR_ENV = "GYRE_RANK_ADDR"  # the address other ranks reach this one at, w
 def rank_address(env: Mapping[str, str]) -> str:
     """The address other ranks reach this rank at (a one-sided weight transport listens there): $GYRE_RANK_ADDR if
     set; the loopback address when the job's rendezvous is on this machine's loopback (every rank is local); else
-    this host's name resolved."""
+    this host's name resolved, or, where that resolves to a loopback address (Debian maps the host name to
+    127.0.1.1), the address of the interface that routes to MASTER_ADDR (a UDP socket's connect: no packet)."""
     if env.get(RANK_ADDR_ENV):
         return env[RANK_ADDR_ENV]
-    if env.get("MASTER_ADDR", "") in LOOPBACK:
+    master = env.get("MASTER_ADDR", "")
+    if master in LOOPBACK:
         return HOST
-    return socket.gethostbyname(socket.gethostname())
+    address = socket.gethostbyname(socket.gethostname())
+    if address.startswith("127."):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, 1))
+                address = probe.getsockname()[0]
+        except OSError:  # no route to the rendezvous host from here: keep the name's address
+            pass
+    return address
 
 
 def engine_key(cell: int) -> str:
