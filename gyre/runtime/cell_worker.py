@@ -19,7 +19,7 @@ listener thread and applies, in order:
 - `role` (cell, to="rollout"): a satellite's trainer stops training (its weights are stale from now on; the core's
   stay the run's weights); ack;
 - `gather` (the core's ranks only): the core's whole weights gathered over its tensor-parallel group, with rank 0
-  (`gyre.runtime.trainers.core_weights`, for a publication, the held-out evaluation or the policy directory);
+  (`gyre.train.publish.engine_weights`, for a publication, the held-out evaluation or the policy directory);
 - `stop`: leave the loop; the engine is stopped.
 
 Nothing is applied twice or skipped: the listener delivers the log in order, each decision once, and the rank
@@ -36,7 +36,7 @@ from gyre.config import TrainConfig
 from gyre.distributed.control import STOP, ControlListener
 from gyre.distributed.transport import one_sided_transport
 from gyre.runtime.job import Job, ack_key, engine_key, step_stats_key
-from gyre.runtime.trainers import GATHER, build_trainable, core_weights
+from gyre.runtime.trainers import GATHER, build_trainable
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def weights_transport(cfg: TrainConfig, job: Job, store):
 def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict:
     """The loop of one rank (module docstring); returns what it did."""
     from gyre.models.hf_weights import read_config
+    from gyre.train.publish import engine_weights
     from gyre.train.streaming import train_claimed_step
 
     cell, is_core = job.groups.cell, job.groups.cell == 0
@@ -134,7 +135,7 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
             elif kind == GATHER and is_core:
                 if trainer is None:
                     raise RuntimeError(f"control decision {decision.seq}: gather before the core's trainer exists")
-                core_weights(trainer, model_config)  # rank 0 keeps the result
+                engine_weights(trainer, model_config)  # the gather's other side: rank 0 keeps the result
             elif kind == "step_end":
                 step = None
     finally:

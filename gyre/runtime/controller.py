@@ -64,7 +64,7 @@ from gyre.runtime.local_claims import claim_and_pull
 from gyre.runtime.policy_dir import write_policy
 from gyre.runtime.trace import RoleTrace
 from gyre.runtime.trainer_thread import TrainerThread
-from gyre.runtime.trainers import GATHER, core_weights, policy_model
+from gyre.runtime.trainers import GATHER, policy_model
 from gyre.runtime.transitions import leave_rollout, return_to_rollout
 from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import (
@@ -81,7 +81,7 @@ from gyre.sched import (
     WakeAt,
     spec_from_config,
 )
-from gyre.train.publish import publish_to_engines
+from gyre.train.publish import engine_weights, publish_to_engines
 from gyre.traj.outcomes import GroupOutcomes
 from gyre.traj.roles import classifier_for
 
@@ -450,10 +450,14 @@ class Controller:
             if self.parts.job.layout.cell_size > 1:  # the core's other ranks build their shards meanwhile
                 await self._acked(self.control.publish("role", cell=0, to="training"), 0)
             self.trainer = await building
-        elif cell != 0 or self.parts.job.layout.cell_size > 1:
+        elif self._has_other_ranks(cell):
             seq = self.control.publish("role", cell=cell, to="training")
             if not self._in_step(cell):
                 await self._acked(seq, cell)
+
+    def _has_other_ranks(self, cell: int) -> bool:
+        """The cell has ranks besides rank 0 (the controller), which must be told of its role decisions."""
+        return cell != 0 or self.parts.job.layout.cell_size > 1
 
     def _in_step(self, cell: int) -> bool:
         """Whether `cell` is a member of the step in flight: its ranks are inside `train_claimed_step` and apply a
@@ -504,7 +508,7 @@ class Controller:
     async def to_rollout(self, cell: int) -> None:
         if self.publishing is not None:
             await asyncio.shield(self.publishing)  # the Publish of the same action list
-        if cell != 0 or self.parts.job.layout.cell_size > 1:
+        if self._has_other_ranks(cell):
             seq = self.control.publish("role", cell=cell, to="rollout")
             # With a step in flight (a cell leaving it mid-step to make room for a replacement, or a joiner sent
             # back before it was admitted) the cell's ranks are inside the step, or waiting for its admission,
@@ -525,19 +529,19 @@ class Controller:
         Megatron core gathers its shards, its other ranks told with a `gather` decision (gyre.runtime.trainers)."""
         if self.parts.job.layout.cell_size > 1:
             self.control.publish(GATHER)
-        return await self.trainer_thread.submit(core_weights, self.trainer, self.parts.model_config)
+        return await self.trainer_thread.submit(engine_weights, self.trainer, self.parts.model_config)
 
-    def _as_model(self, weights: FlatWeights) -> DecoderLM:
+    def _as_model(self, weights: FlatWeights | None) -> DecoderLM:
         """The core's model as a `DecoderLM`: a native trainer's own module, else one made of `weights`."""
         if isinstance(self.trainer.model, DecoderLM):
             return self.trainer.model
         return policy_model(weights, self.parts.model_config)
 
     async def core_model(self) -> DecoderLM:
-        """The core's model now as a `DecoderLM` (for the held-out evaluation and the policy directory)."""
-        if isinstance(self.trainer.model, DecoderLM):
-            return self.trainer.model
-        return policy_model(await self.core_weights(), self.parts.model_config)
+        """The core's model now as a `DecoderLM` (for the held-out evaluation and the policy directory); a native
+        trainer's needs no copy of its weights."""
+        native = isinstance(self.trainer.model, DecoderLM)
+        return self._as_model(None if native else await self.core_weights())
 
     async def publish(self, version: int) -> None:
         weights = await self.core_weights()

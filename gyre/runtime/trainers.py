@@ -9,10 +9,10 @@ role, on the thread that will train (rank 0: the core's trainer thread; every ot
   (`gyre.train.model.build_gpt_model`; Megatron's `parallel_state` was initialized by `open_job`), the starting
   checkpoint's HF weights loaded into it (`load_hf_state_dict`), in a `MegatronTrainable`.
 
-`core_weights(trainable, config)` is the core's whole model in HF names (`gyre.train.publish.engine_weights`): local
-for a native trainer, a collective over the core cell's tensor-parallel group for a Megatron one, so every rank of
-the core calls it at the same point of its work; the controller tells the core's other ranks with a `gather`
-decision. `policy_model(weights, config)` makes a `DecoderLM` of them for what needs a whole model on rank 0 (the
+The core's whole model in HF names is `gyre.train.publish.engine_weights(trainable, config)`: local for a native
+trainer, a collective over the core cell's tensor-parallel group for a Megatron one, so every rank of the core
+calls it at the same point of its work; the controller tells the core's other ranks with a `gather` decision.
+`policy_model(weights, config)` makes a `DecoderLM` of them for what needs a whole model on rank 0 (the
 held-out evaluation, `<run dir>/policy/`).
 """
 
@@ -28,7 +28,7 @@ from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
 from gyre.models.hf_weights import load_pretrained, read_config, without_tolerated
 
-__all__ = ["GATHER", "build_trainable", "core_weights", "policy_model", "uses_megatron"]
+__all__ = ["GATHER", "build_trainable", "policy_model", "uses_megatron"]
 
 GATHER = "gather"  # the control decision: the core's ranks gather its whole weights now (a collective)
 
@@ -57,15 +57,6 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
     if t.device != "cpu":
         model = model.to(t.device)
     return MegatronTrainable(model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
-
-
-def core_weights(trainable, config: DecoderConfig) -> FlatWeights:
-    """The core's whole model in HF names, one flat copy (collective over the core cell for Megatron)."""
-    from gyre.train.publish import engine_weights
-
-    if isinstance(trainable.model, DecoderLM):
-        return engine_weights(trainable)
-    return engine_weights(trainable, config)
 
 
 def policy_model(weights: FlatWeights, config: DecoderConfig) -> DecoderLM:

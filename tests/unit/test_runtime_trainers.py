@@ -10,8 +10,9 @@ from gyre.config import TrainConfig
 from gyre.config.model import ModelConfig
 from gyre.models.hf_weights import read_config
 from gyre.models.tiny import build_tiny_model
-from gyre.runtime.trainers import build_trainable, core_weights, policy_model
+from gyre.runtime.trainers import build_trainable, policy_model
 from gyre.train.native_trainable import NativeTrainable
+from gyre.train.publish import engine_weights
 
 
 def test_the_core_weights_make_a_model_with_the_trainers_logits(tmp_path):
@@ -23,7 +24,7 @@ def test_the_core_weights_make_a_model_with_the_trainers_logits(tmp_path):
         for p in trainable.parameters():
             p.add_(0.01 * torch.randn_like(p))
     config = read_config(model_dir)
-    weights = core_weights(trainable, config)
+    weights = engine_weights(trainable, config)
     model = policy_model(weights, config)
     ids = torch.tensor([[1, 5, 7, 9, 11]])
     positions = torch.arange(5)[None]
