@@ -6,11 +6,57 @@ Pure: stdlib only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gyre.config.checks import require, require_bool, require_duration, require_int
+from gyre.config.checks import require, require_bool, require_duration, require_int, require_number
 
 DEMO_OPERATORS = "+-*"
+
+
+WORK_TIME_SCALE = 400.0  # the nl2repo_122b workload's hours as seconds: 1.93 h -> ~17 s a mean execution
+
+
+@dataclass(kw_only=True)
+class DemoWorkConfig:
+    """Slow executions (docs/tasks.md, "Slow executions"): after its final answer, the builtin harness runs the
+    task's check command, which takes a duration drawn per execution from the paper's NL2Repo shape, so an
+    execution spends most of its time in a command that really runs, as a build or a test suite would. The
+    defaults are `conf/workload/nl2repo_122b.yaml` with every time divided by 400 (a mean execution ~17 s).
+    """
+
+    enabled: bool = False
+    """Off: the plain demo (an episode takes seconds)."""
+    median_s: float = 6000.0 / WORK_TIME_SCALE
+    """Median raw duration of the check command (log-normal)."""
+    sigma: float = 0.3
+    """Log-space standard deviation of the per-execution factor."""
+    query_sigma: float = 0.4
+    """Log-space standard deviation of the per-task factor a group's executions share."""
+    harness_timeout_s: float = 12600.0 / WORK_TIME_SCALE
+    """The task's harness budget (replaces harness_timeout_s): past it the harness is stopped and the answer it
+    left is scored (a harness timeout, trained on)."""
+    overall_timeout_s: float = 16200.0 / WORK_TIME_SCALE
+    """The task's overall budget (replaces overall_timeout_s): an execution past it is discarded."""
+    overall_timeout_share: float = 0.1222
+    """Share of the over-budget executions whose evaluation hangs until the overall budget (a stuck evaluation)."""
+    eval_s: float = 300.0 / WORK_TIME_SCALE
+    """Mean of the evaluation's duration (exponential)."""
+
+    def __post_init__(self) -> None:
+        require_bool("tasks.demo.work.enabled", self.enabled)
+        require_duration("tasks.demo.work.median_s", self.median_s)
+        require_number("tasks.demo.work.sigma", self.sigma, ge=0, le=3)
+        require_number("tasks.demo.work.query_sigma", self.query_sigma, ge=0, le=3)
+        require_duration("tasks.demo.work.harness_timeout_s", self.harness_timeout_s)
+        require_duration("tasks.demo.work.overall_timeout_s", self.overall_timeout_s)
+        require(
+            self.overall_timeout_s > self.harness_timeout_s,
+            "tasks.demo.work.overall_timeout_s",
+            self.overall_timeout_s,
+            f"more than tasks.demo.work.harness_timeout_s ({self.harness_timeout_s:g})",
+        )
+        require_number("tasks.demo.work.overall_timeout_share", self.overall_timeout_share, ge=0, le=1)
+        require_duration("tasks.demo.work.eval_s", self.eval_s, allow_zero=True)
 
 
 @dataclass(kw_only=True)
@@ -37,6 +83,8 @@ class DemoConfig:
     """Harness + evaluation budget of one demo task (>= harness_timeout_s)."""
     id_prefix: str = "demo"
     """Task ids are `<id_prefix>-<seed>-<index>`."""
+    work: DemoWorkConfig = field(default_factory=DemoWorkConfig)
+    """Slow executions (off by default); when on, its budgets replace the two timeouts above."""
 
     def __post_init__(self) -> None:
         require_int("DemoConfig.num_operands", self.num_operands, ge=2)

@@ -63,4 +63,5 @@ class WarmStartConfig:
         """What determines the trained weights (everything but the time budget)."""
         fields = asdict(self)
         fields.pop("max_minutes")
+        fields["demo"].pop("work", None)  # the slow executions' check command shapes no demonstration
         return fields

@@ -12,7 +12,8 @@ This is the harness manager's core on the controller (docs/architecture.md, proc
     (`gyre.harness.evaluation.SandboxHost`: its own uid, or bubblewrap), since it may execute the agent's code;
     `evaluate_in_sandbox=False` runs it as the controller's user (trusted policies only);
   - the overall budget (harness + evaluation, `ExecutionLimits.overall_timeout_s`, the outcome's deadline) runs
-    out without a valid evaluation: EXCLUDED, no reward;
+    out without a valid evaluation: EXCLUDED, no reward; an evaluation still running at that moment is stopped
+    then, never waited for past it;
   - the harness cannot start or its workspace cannot be made (total failure, no evaluable work): FAILED, the
     zero-reward placeholder that keeps the group complete;
   - cancelled (surplus under oversampling): CANCELLED, outside the group's N.
@@ -249,15 +250,14 @@ async def _run_episode(
             if not worth_evaluating():
                 break
         evaluation = await _evaluate_once(
-            task, dirs.workspace, sandbox, execution_id, evaluate_in_sandbox, cancel_event
+            task, dirs.workspace, sandbox, execution_id, evaluate_in_sandbox, cancel_event, deadline=outcome.deadline
         )
-        if evaluation is None:  # cancelled while it ran: stopped and discarded
+        now = time.monotonic()
+        if evaluation is None or now >= outcome.deadline:  # cancelled, or past the overall budget: not recorded
+            if now >= outcome.deadline:
+                result.reason = f"the overall budget of {overall_timeout_s:g} s ran out during the evaluation"
             break
         result.evaluations.append(evaluation)
-        now = time.monotonic()
-        if now >= outcome.deadline:  # it came back after the overall budget: not recorded
-            result.reason = f"the overall budget of {overall_timeout_s:g} s ran out during the evaluation"
-            break
         attempt = outcome.next_attempt(state)
         group.record(to_evaluation(evaluation, execution=execution_id, attempt=attempt, created_at=now))
         if evaluation.valid:
@@ -300,10 +300,13 @@ async def _evaluate_once(
     execution_id: str,
     in_sandbox: bool,
     cancel_event: asyncio.Event | None,
+    *,
+    deadline: float,
 ) -> EvaluationResult | None:
-    """One evaluation attempt on a worker thread; None when `cancel_event` was set before it returned (the
-    evaluator is then stopped and waited for, bounded by `EVALUATION_STOP_WAIT_S`). Should this coroutine itself
-    be cancelled, the evaluator is stopped too: it never outlives its episode."""
+    """One evaluation attempt on a worker thread; None when `cancel_event` was set before it returned, or the
+    `deadline` (the overall budget, `time.monotonic()`) came first: the evaluator is then stopped and waited for,
+    bounded by `EVALUATION_STOP_WAIT_S`. Should this coroutine itself be cancelled, the evaluator is stopped too: it
+    never outlives its episode."""
     stop = threading.Event()  # the thread's side of the cancel (the evaluator's host polls it)
     if in_sandbox:
         call = functools.partial(sandboxed_evaluation, task, workspace, sandbox, execution_id, stop=stop)
@@ -311,14 +314,16 @@ async def _evaluate_once(
         call = functools.partial(_evaluate_as_controller, task, workspace, stop)
     attempt = asyncio.ensure_future(asyncio.to_thread(call))
     try:
-        if cancel_event is None:
-            return await asyncio.shield(attempt)
-        waiter = asyncio.ensure_future(cancel_event.wait())
+        waiters = {attempt}
+        if cancel_event is not None:
+            waiters.add(asyncio.ensure_future(cancel_event.wait()))
         try:
-            await asyncio.wait({attempt, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            timeout = max(0.0, deadline - time.monotonic())
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            waiter.cancel()
-        if not cancel_event.is_set():
+            for waiter in waiters - {attempt}:
+                waiter.cancel()
+        if attempt.done() and not (cancel_event is not None and cancel_event.is_set()):
             return attempt.result()
     except asyncio.CancelledError:
         stop.set()

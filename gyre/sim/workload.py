@@ -16,6 +16,7 @@ import numpy as np
 from gyre.config.checks import ConfigError
 from gyre.config.workload import WorkloadConfig
 from gyre.sched import Outcome
+from gyre.sim.durations import budgeted_duration
 
 _OUTCOMES = {
     "ok": Outcome.COMPLETED,
@@ -53,20 +54,20 @@ class DurationModel:
         overall_u = rng.random(size)
         point_u = rng.random(size)
         evals = rng.exponential(cfg.eval_s, size) if cfg.eval_s > 0 else np.zeros(size)
-        harness, overall = cfg.harness_timeout_s, cfg.overall_timeout_s
         plans = []
         for i in range(size):
             if fail_u[i] < cfg.failure_rate:
                 duration, outcome = raw[i] * point_u[i], Outcome.FAILED
-            elif harness and raw[i] >= harness:
-                if overall_u[i] < cfg.overall_timeout_share:
-                    duration, outcome = overall, Outcome.OVERALL_TIMEOUT
-                else:
-                    duration, outcome = harness + evals[i], Outcome.HARNESS_TIMEOUT
-            elif overall and raw[i] + evals[i] >= overall:
-                duration, outcome = overall, Outcome.OVERALL_TIMEOUT
             else:
-                duration, outcome = raw[i] + evals[i], Outcome.COMPLETED
+                duration, label = budgeted_duration(
+                    float(raw[i]),
+                    float(evals[i]),
+                    float(overall_u[i]),
+                    harness_s=cfg.harness_timeout_s,
+                    overall_s=cfg.overall_timeout_s,
+                    overall_share=cfg.overall_timeout_share,
+                )
+                outcome = _OUTCOMES[label]
             plans.append(ExecutionPlan(float(duration), outcome, float(duration) * cfg.tokens_per_s))
         return plans
 

@@ -11,6 +11,7 @@ execution's key, then scores `answer.txt` with the task's hidden check. The prox
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,70 @@ def test_the_builtin_harness_solves_demo_tasks_through_gyre_serve(tmp_path, warm
         tree = load_tree(served.records / f"{result.execution_id}.jsonl")
         assert len(tree.calls) >= 2  # the calculator call, then the answer
         assert {classify(tree, leaf) for leaf in tree.leaves()} == {Role.MAIN}
+
+
+@pytest.mark.slow
+def test_slow_executions_spend_their_time_in_the_check_command_and_meet_both_budgets(tmp_path, warm_model):
+    """docs/tasks.md, "Slow executions": one execution of each outcome the workload shape gives, through the real
+    harness and the proxy: the check command's time inside the harness, a harness timeout scored with the answer it
+    left, a stuck evaluation discarded at the overall budget."""
+    from gyre.config.demo import DemoWorkConfig
+    from gyre.traj.outcomes import CloseKind
+
+    fixed = {"sigma": 0.0, "query_sigma": 0.0, "eval_s": 0.2}
+    works = {
+        "completed": DemoWorkConfig(enabled=True, median_s=1.5, harness_timeout_s=40, overall_timeout_s=60, **fixed),
+        "harness_timeout": DemoWorkConfig(
+            enabled=True, median_s=600, harness_timeout_s=12, overall_timeout_s=60, **fixed
+        ),
+        "overall_timeout": DemoWorkConfig(
+            enabled=True, median_s=600, harness_timeout_s=12, overall_timeout_s=20, overall_timeout_share=1.0, **fixed
+        ),
+    }
+    tasks = {
+        kind: generate_demo_tasks(1, seed=5, out_dir=tmp_path / kind, config=DemoConfig(operators="*", work=work))[0]
+        for kind, work in works.items()
+    }
+    served = start_serve(tmp_path / "run", f"model_dir={warm_model}", "executions=3", "proxy.sampling.temperature=0")
+    try:
+        proxy = ProxyAccess(anthropic_base_url=served.anthropic_url, openai_base_url=served.openai_url, model="gyre")
+        sandbox = LocalSandbox(root=tmp_path / "executions", isolate_user=False)
+        executions = dict(zip(works, sorted(served.keys)[:3], strict=True))
+        group = GroupOutcomes(3, list(executions.values()))
+
+        async def one(kind: str):
+            task, execution = tasks[kind], executions[kind]
+            started = time.monotonic()
+            result = await run_episode(
+                task,
+                execution_id=execution,
+                api_key=served.keys[execution],
+                runner=BuiltinRunner.for_task(task, backend="openai"),
+                sandbox=sandbox,
+                proxy=proxy,
+                limits=ExecutionLimits(harness_timeout_s=120, overall_timeout_s=240, grace_period_s=2),
+                group=group,
+            )
+            return result, time.monotonic() - started
+
+        async def main():
+            return await asyncio.gather(*(one(kind) for kind in works))
+
+        results = dict(zip(works, asyncio.run(main()), strict=True))
+    finally:
+        served.stop()
+    details = {kind: (r.status, r.reward, r.reason, round(s, 1)) for kind, (r, s) in results.items()}
+    completed, seconds = results["completed"]
+    assert (
+        completed.status is Status.VALID and group.execution(executions["completed"]).close_kind is CloseKind.COMPLETED
+    )
+    transcript = "".join(
+        p.read_text() for p in (tmp_path / "executions").rglob("transcript.jsonl") if executions["completed"] in str(p)
+    )
+    assert '"check_end"' in transcript and seconds >= 1.5 + 0.2, details
+    timed_out, seconds = results["harness_timeout"]
+    assert timed_out.status is Status.VALID, details  # scored with what it left (its answer, written before the check)
+    assert group.execution(executions["harness_timeout"]).close_kind is CloseKind.HARNESS_TIMEOUT, details
+    assert 12 <= seconds < 40, details
+    stuck, seconds = results["overall_timeout"]
+    assert stuck.status is Status.EXCLUDED and 20 <= seconds < 30, details  # stopped at the budget, not waited for

@@ -337,6 +337,23 @@ def test_cancel_while_the_evaluator_runs_stops_it_and_cancels_the_outcome(tmp_pa
     assert group.ready and group.members == () and group.rewards() == {}  # cancelled: outside the group's N
 
 
+@pytest.mark.parametrize("in_sandbox", [True, False], ids=["sandboxed", "as-controller"])
+def test_an_evaluation_still_running_when_the_overall_budget_ends_is_stopped_then(tmp_path, setup, in_sandbox):
+    """A hung evaluator does not hold its execution (and so its group) past the overall budget: EXCLUDED at it."""
+    script, sandbox = setup
+    marker = tmp_path / "evaluator.pid"
+    task = make_task(tmp_path, harness_s=2.0, overall_s=4.0, check=SLOW_CHECK.format(marker=str(marker)))
+    limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=300, grace_period_s=1.0)
+    group = GroupOutcomes(1, ["e"])
+    started = time.monotonic()
+    result = asyncio.run(one_episode(task, script, sandbox, limits, group, "finish", evaluate_in_sandbox=in_sandbox))
+    elapsed = time.monotonic() - started
+    assert 4.0 <= elapsed < 12.0  # the budget, not the evaluator's 120 s (nor its own 30 s timeout)
+    assert not alive(int(marker.read_text()))  # stopped before the episode returned
+    assert result.status is Status.EXCLUDED and result.reward is None and result.evaluations == []
+    assert "overall budget of 4 s ran out during the evaluation" in result.reason
+
+
 def test_cancel_while_waiting_to_retry_a_failed_evaluation_cancels_the_outcome(tmp_path, setup):
     script, sandbox = setup
     task = make_task(tmp_path, harness_s=60.0, overall_s=300.0)

@@ -2,7 +2,9 @@
 
 Exit codes: 0 the model answered without tool calls (its answer is printed to stdout); 2 bad usage (one line on
 stderr); 3 the model API refused a request or kept failing (the reason on stderr); 4 `--max-turns` reached
-without a final answer. The transcript is `<log dir>/transcript.jsonl`. See docs/builtin-harness.md.
+without a final answer. The transcript is `<log dir>/transcript.jsonl`. With `--check-command` the harness runs
+that command in the workspace after the agent loop (the final answer already written), whatever its exit code.
+See docs/builtin-harness.md.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--final-answer-file", help="also write the final answer to this file (relative to the workspace)"
     )
+    parser.add_argument(
+        "--check-command",
+        help="a shell command run in the workspace after the final answer, as an agent that runs the build or the "
+        "test suite before it hands in would (its output goes to check.log in the log directory)",
+    )
+    parser.add_argument("--check-timeout", type=float, default=3600.0, help="seconds the check command may run")
     parser.add_argument("--shell-timeout", type=float, default=60.0, help="default seconds per shell command")
     parser.add_argument("--output-cap", type=int, default=16_000, help="bytes of tool output the model sees")
     parser.add_argument("--max-retries", type=int, default=4, help="retries of a transient failure per call")
@@ -147,6 +155,8 @@ def _main(argv: list[str] | None = None) -> int:
         )
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens: got {args.max_tokens}, expected an integer >= 1")
+        if not args.check_timeout > 0:
+            raise ValueError(f"--check-timeout: got {args.check_timeout}, expected a positive number of seconds")
     except (OSError, ValueError, ToolError) as err:
         return _usage_error(str(err))
     env_prefix = "ANTHROPIC" if args.backend == "anthropic" else "OPENAI"
@@ -169,18 +179,33 @@ def _main(argv: list[str] | None = None) -> int:
             transcript.write("end", status="error", error=str(err))
             print(f"{PROG}: {err}", file=sys.stderr)
             return EXIT_MODEL_ERROR
+        if result.status != "max_turns" and answer_path is not None:  # before the check: a stop during it keeps it
+            answer_path.parent.mkdir(parents=True, exist_ok=True)
+            answer_path.write_text(result.text)
+        if args.check_command:
+            _run_check(args, workspace, log_dir, transcript)
         transcript.write("end", status=result.status, turns=result.turns, compactions=result.compactions)
     if result.status == "max_turns":
         print(f"{PROG}: stopped after --max-turns {args.max_turns} without a final answer", file=sys.stderr)
         return EXIT_MAX_TURNS
-    if answer_path is not None:
-        answer_path.parent.mkdir(parents=True, exist_ok=True)
-        answer_path.write_text(result.text)
     print(result.text)
     print(
         json.dumps({"status": result.status, "turns": result.turns, "compactions": result.compactions}), file=sys.stderr
     )
     return EXIT_OK
+
+
+def _run_check(args: argparse.Namespace, workspace, log_dir: Path, transcript) -> None:
+    """The --check-command, in the workspace, its own process group (killed at its timeout, or with the harness)."""
+    import time
+
+    from gyre.harness.builtin.tools import run_shell
+
+    started = time.monotonic()
+    transcript.write("check", command=args.check_command)
+    report = run_shell(args.check_command, workspace.root, timeout_s=args.check_timeout, output_cap=args.output_cap)
+    (log_dir / "check.log").write_text(report)
+    transcript.write("check_end", status=report.split("\n", 1)[0], seconds=round(time.monotonic() - started, 3))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class BuiltinRunner:
     only_task_tools: bool = False  # --only-task-tools: no shell, files or delegate (short prompts for small models)
     system_prompt: str | None = None  # replaces the main agent's system prompt
     final_answer_file: str | None = None  # the final answer is also written here (relative to the workspace)
+    check_command: str | None = None  # --check-command, `{python}` replaced by this runner's python
 
     def __post_init__(self) -> None:
         if self.backend not in ("anthropic", "openai"):
@@ -51,7 +53,7 @@ class BuiltinRunner:
     def for_task(cls, task: Task, **options) -> BuiltinRunner:
         """A runner configured from the task's metadata (`gyre.tasks`): `tools` (schemas) with `tools_impl`,
         `system_prompt`, `final_answer_file`, `only_task_tools`, `max_turns` (a cap on the configured turns; the
-        demo family sets all of them)."""
+        demo family sets all of them), `check_command` (the demo family's slow executions)."""
         meta = task.metadata
         runner = cls(**options)
         if "tools" in meta:
@@ -63,6 +65,11 @@ class BuiltinRunner:
         runner.system_prompt = meta.get("system_prompt", runner.system_prompt)
         runner.final_answer_file = meta.get("final_answer_file", runner.final_answer_file)
         runner.only_task_tools = bool(meta.get("only_task_tools", runner.only_task_tools))
+        if "check_command" in meta:
+            command = meta["check_command"]
+            if not isinstance(command, str) or not command.strip():
+                raise ValueError(f"task {task.id!r}: metadata.check_command={command!r}: expected a shell command")
+            runner.check_command = command
         if "max_turns" in meta:  # the task's own turn budget caps the configured one
             turns = meta["max_turns"]
             if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
@@ -88,6 +95,8 @@ class BuiltinRunner:
             task_args += ["--system-prompt-file", str(system_file)]
         if self.final_answer_file is not None:
             task_args += ["--final-answer-file", self.final_answer_file]
+        if self.check_command is not None:
+            task_args += ["--check-command", self.check_command.replace("{python}", shlex.quote(self.python))]
         argv = (
             self.python, "-m", "gyre.harness.builtin",
             "--task-file", str(task_file),

@@ -13,7 +13,8 @@ evaluator) compares the last integer there with `hidden/expected.json`. A perfec
     assistant:  15655050
 
 `make_demo_problems(n, seed, config)` is pure and deterministic; `generate_demo_tasks(n, seed, out_dir)`
-writes task directories (task.toml, empty workspace/, hidden/expected.json) and loads them back.
+writes task directories (task.toml, empty workspace/, hidden/expected.json) and loads them back. With
+`config.work.enabled` the executions are slow (`gyre.tasks.demo.work`, docs/tasks.md "Slow executions").
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from gyre.config.demo import DemoConfig
 from gyre.tasks.demo.calculator import CALCULATOR_TOOL, CALCULATOR_TOOL_SPEC, calculator, evaluate_expression
 from gyre.tasks.demo.check import EXPECTED_FILE
+from gyre.tasks.demo.work import CHECK_COMMAND, WORK_FILE, task_work
 from gyre.tasks.spec import TASK_FILE, Task, load_task, write_task_toml
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "make_demo_problems",
 ]
 
+EVALUATOR = "gyre.tasks.demo.work:score_after_evaluation"  # the slow executions' evaluator
 SYSTEM_PROMPT = "You are a careful assistant. Use the calculator for arithmetic."  # as in the tiny model's corpus
 DEMO_MAX_TURNS = 3  # model calls of a demo episode at most (metadata.max_turns)
 
@@ -112,25 +115,37 @@ def generate_demo_tasks(n: int, seed: int, out_dir: str | Path, *, config: DemoC
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"out_dir {out_dir} must be absent or an empty directory")
     tasks = []
+    work = config.work
     for problem in make_demo_problems(n, seed, config):
         task_dir = out_dir / problem.id
         (task_dir / "workspace").mkdir(parents=True)
         (task_dir / "hidden").mkdir()
         expected = {"answer": str(problem.answer), "answer_file": config.answer_file}
         (task_dir / "hidden" / EXPECTED_FILE).write_text(json.dumps(expected) + "\n", encoding="utf-8")
+        evaluator = {
+            "kind": "python",
+            "function": "gyre.tasks.demo.check:score_answer",
+            "isolation": "inline",  # our own bounded check: no child process per episode
+            "timeout_s": 10.0,
+        }
+        timeouts = {"harness_s": config.harness_timeout_s, "overall_s": config.overall_timeout_s}
+        metadata = _metadata(problem, config)
+        if work.enabled:  # slow executions (gyre.tasks.demo.work): a check command, a slow evaluation in a process
+            shape = task_work(work, seed, problem.id)
+            (task_dir / "workspace" / WORK_FILE).write_text(json.dumps(shape) + "\n", encoding="utf-8")
+            # The overall budget ends a stuck evaluation, never the evaluator's own timeout (which would retry it).
+            timeout = 3 * work.overall_timeout_s
+            evaluator = {**evaluator, "function": EVALUATOR, "isolation": "subprocess", "timeout_s": timeout}
+            timeouts = {"harness_s": work.harness_timeout_s, "overall_s": work.overall_timeout_s}
+            metadata["check_command"] = CHECK_COMMAND
         write_task_toml(
             task_dir / TASK_FILE,
             {
                 "id": problem.id,
                 "prompt": problem.prompt,
-                "evaluator": {
-                    "kind": "python",
-                    "function": "gyre.tasks.demo.check:score_answer",
-                    "isolation": "inline",  # our own bounded check: no child process per episode
-                    "timeout_s": 10.0,
-                },
-                "timeouts": {"harness_s": config.harness_timeout_s, "overall_s": config.overall_timeout_s},
-                "metadata": _metadata(problem, config),
+                "evaluator": evaluator,
+                "timeouts": timeouts,
+                "metadata": metadata,
             },
         )
         tasks.append(load_task(task_dir))

@@ -321,8 +321,9 @@ def warm_start_key(config: WarmStartConfig, seed: int, base_dir: str | Path | No
 
 def _key_sources() -> list[Path]:
     package = Path(gyre.__file__).parent
-    demo = Path(__file__).parent  # this file and the demo family's modules; the CLI (__main__.py) trains nothing
-    paths = sorted(path for path in demo.glob("*.py") if path.name != "__main__.py")
+    demo = Path(__file__).parent  # this file and the demo family's modules
+    # The CLI (__main__.py) trains nothing, and the slow executions' check (work.py) shapes no demonstration.
+    paths = sorted(path for path in demo.glob("*.py") if path.name not in ("__main__.py", "work.py"))
     paths += [package / "proxy" / name for name in ("render.py", "template.py", "output.py", "payload.py")]
     return [*paths, package / "models" / "decoder.py"]
 
