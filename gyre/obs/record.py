@@ -124,6 +124,9 @@ class StepRecord:
     """Sampled tokens per second of the step's wall time."""
     train_tokens_per_s: float | None = None
     """Trained tokens per second of the step's training time (first claim to update done)."""
+    train_compute_s: float = 0.0
+    """Seconds the step's cells spent in forward and backward passes, summed over the cells (`StepResult.compute_s`):
+    the training part of the node-time utilization."""
 
     def __post_init__(self) -> None:
         _require(_count(self.step), "step", self.step, "an integer >= 0")
@@ -144,6 +147,8 @@ class StepRecord:
             _require(_count(getattr(self, name)), name, getattr(self, name), "an integer >= 0")
         _require(_number(self.staleness_tokens) and self.staleness_tokens >= 0, "staleness_tokens",
                  self.staleness_tokens, "a number >= 0")  # fmt: skip
+        _require(_finite(self.train_compute_s) and self.train_compute_s >= 0, "train_compute_s",
+                 self.train_compute_s, "seconds >= 0")  # fmt: skip
         _require(self.rollout_capacity is None or _count(self.rollout_capacity), "rollout_capacity",
                  self.rollout_capacity, "an integer >= 0 or None")  # fmt: skip
         _require(all(role in ROLES for role in self.roles), "roles", self.roles, f"role names among {ROLES}")

@@ -14,10 +14,10 @@ Contract
       the warm-up; `target` as given (None under continuous dispatch, as the simulator writes it).
     * `transitions`: the transitions recorded; `reroutes.total` the reroutes recorded, `executions` the distinct
       `rerouted_executions`, `max_per_execution_in_a_burst` the most moves of one execution within one burst.
-    * Null where a real run's records cannot say what the simulator knows: `utilization` (`rollout`, `training`,
-      `idle`: the simulator integrates every engine's occupancy, the records hold one waterlevel per step), and
-      `counters` / `outcomes` when the caller does not pass the scheduler's (`Scheduler.d`, `.p`, `.f`,
-      `.outcomes`); a mean over no groups is null (the simulator's NaN, which its app writes as null).
+    * `utilization` as the caller measured it (the program: every cell's load from its trace and the records'
+      `train_compute_s`, docs/runtime.md "Outputs"), null when not passed; `counters` / `outcomes` null when the
+      caller does not pass the scheduler's (`Scheduler.d`, `.p`, `.f`, `.outcomes`); a mean over no groups is null
+      (the simulator's NaN, which its app writes as null).
     * `write_summary(path, summary)` writes strict JSON (non-finite floats as null) to a temporary file in the same
       directory, fsyncs it and renames it over `path`, so a reader sees the old file or the new one, never half.
 """
@@ -51,9 +51,11 @@ def build_summary(
     warmup_steps: int,
     counters: Mapping[str, int] | None = None,
     outcomes: Mapping[str, int] | None = None,
+    utilization: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The simulator's summary keys from the records of a real run (module docstring). `counters`: the scheduler's
-    `{"dispatched": d, "started": p, "finished": f}`; `outcomes`: its `outcomes` counter by Outcome value."""
+    `{"dispatched": d, "started": p, "finished": f}`; `outcomes`: its `outcomes` counter by Outcome value;
+    `utilization`: `{"rollout", "training", "idle"}` node-time fractions the caller measured."""
     steps = [r.step for r in records]
     if steps != sorted(set(steps)):
         raise ValueError(f"build_summary records={steps!r} is not allowed: expected steps in increasing order")
@@ -83,7 +85,9 @@ def build_summary(
             "groups_counted": sum(r.staleness_groups for r in steady),
             "warmup_steps": warmup_steps,
         },
-        "utilization": {"rollout": None, "training": None, "idle": None},
+        "utilization": dict(utilization)
+        if utilization is not None
+        else {"rollout": None, "training": None, "idle": None},
         "counters": dict(counters) if counters is not None else {"dispatched": None, "started": None, "finished": None},
         "outcomes": dict(outcomes) if outcomes is not None else None,
         "transitions": sum(len(r.transitions) for r in records),

@@ -96,7 +96,12 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
         if result is None:
             return
         if job.groups.coordinate == 0:  # the cell leader reports the cell's share of the step
-            share = {"tokens": result.tokens, "loss": result.loss, "metrics": result.metrics.to_dict()}
+            share = {
+                "tokens": result.tokens,
+                "loss": result.loss,
+                "metrics": result.metrics.to_dict(),
+                "compute_s": result.compute_s,
+            }
             store.set(step_stats_key(fields["step"], cell), json.dumps(share))
         if not synced:  # it pulled the core's weights of this step (joined it, or started it out of sync)
             done["pulled"].append(fields["step"])

@@ -57,6 +57,7 @@ from gyre.obs.sinks import MetricsLogger
 from gyre.proxy.reroute import reroute_execution
 from gyre.proxy.routing import RoutingTable
 from gyre.rl.loss_metrics import LossMetricSums
+from gyre.runtime.execution_log import EXECUTIONS_FILE, ExecutionLine, ExecutionLog
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.ids import ExecutionIds, engine_name
 from gyre.runtime.job import Job, ack_key, step_stats_key
@@ -163,6 +164,7 @@ class Controller:
         self.packer = StreamPackingBuffer(self.buffer, cfg.packing)
         self.rng = random.Random(cfg.seed)
         self.trace = RoleTrace(cfg.cluster.num_cells)
+        self.executions = ExecutionLog(run_dir / EXECUTIONS_FILE)
         self.records: list[StepRecord] = []
         self.proxy_access = ProxyAccess(
             anthropic_base_url=parts.proxy.url, openai_base_url=parts.proxy.url + "/v1", model="gyre"
@@ -211,6 +213,7 @@ class Controller:
             if self.pump is not None and not self.pump.closed:
                 self.pump.board.abandon()  # the cells finish the unit they hold; the update is never published
             await self._cancel_executions()
+            self.executions.close()
             self.trainer_thread.submit(self.parts.core_step.close)  # its transport, after the last step
             self.trainer_thread.close()
         return RunEnd(reason=reason, error=error, wall_time_s=self.now())
@@ -337,7 +340,8 @@ class Controller:
                 case WakeAt():
                     delay = max(0.0, action.time_s - self.now())
                     self.loop.call_later(delay, self._tick)
-        self.trace.sample(self.now(), self.sched.waterlevel, self.sched.rollout_capacity())
+        loads = [self.sched.ledger.load(cell) for cell in range(self.sched.spec.num_cells)]
+        self.trace.sample(self.now(), self.sched.waterlevel, self.sched.rollout_capacity(), loads)
 
     def dispatch(self, action: Dispatch) -> None:
         for group in range(action.first_group, action.first_group + action.count):
@@ -352,17 +356,25 @@ class Controller:
         self.sessions[name] = session
         self.parts.table.assign(name, engine_name(action.engine))
         self.cancels[execution] = asyncio.Event()
-        self.episodes[execution] = self.spawn(self.episode(execution, name, session.key))
+        line = ExecutionLine(
+            execution=name,
+            group=self.ids.group_of(execution),
+            task=self.task_of[self.ids.group_of(execution)].id,
+            engine=engine_name(action.engine),
+            start_s=self.now(),
+        )
+        self.episodes[execution] = self.spawn(self.episode(execution, name, session.key, line))
 
-    async def episode(self, execution: int, name: str, key: str) -> None:
+    async def episode(self, execution: int, name: str, key: str, line: ExecutionLine) -> None:
         group = self.ids.group_of(execution)
         task = self.task_of[group]
 
         def harness_ended(run) -> None:  # the harness has ended: its key stops working, f moves
+            line.harness_end_s = self.now()
             self.parts.registry.close(name)
             self.apply(self.sched.harness_ended(self.now(), execution))
 
-        await run_episode(
+        result = await run_episode(
             task,
             execution_id=name,
             api_key=key,
@@ -374,9 +386,14 @@ class Controller:
             cancel_event=self.cancels[execution],
             on_harness_end=harness_ended,
         )
+        line.end_s, line.reward = self.now(), result.reward
+        line.status = result.status.value if result.status is not None else None
+        settled = result.status is not None and result.status.settled
+        outcome = sched_outcome(self.outcomes[group].execution(name)) if settled or not self.stopping else None
+        line.outcome = outcome.value if outcome is not None else None
+        self.executions.write(line)
         if self.stopping:
             return
-        outcome = sched_outcome(self.outcomes[group].execution(name))
         if outcome is not None:
             tokens = sampled_tokens(self.sessions[name].tree)
             self.book.sampled_tokens += int(tokens)
@@ -592,12 +609,12 @@ class Controller:
             self.control.publish("step_end", step=step)
         if self.stopping:
             return
-        tokens, loss, metrics = await self._satellite_shares(step, result.cells)
+        tokens, loss, metrics, compute_s = await self._satellite_shares(step, result.cells)
         metrics.merge(result.metrics)
         board.clear()
         self.packer.next_batch()
         losses = {"loss": loss + result.loss, **metrics.means()}
-        record = self._step_record(step, result, started, tokens + result.tokens, losses)
+        record = self._step_record(step, result, started, tokens + result.tokens, losses, compute_s + result.compute_s)
         self.records.append(record)
         self.metrics.write(record)
         self.trace.step_end(self.now())
@@ -620,11 +637,11 @@ class Controller:
             return
         self.apply(self.sched.step_finished(self.now()))
 
-    async def _satellite_shares(self, step: int, cells: int) -> tuple[int, float, LossMetricSums]:
-        """The tokens, loss and loss metrics the satellites of the step computed (each writes its share after its
-        step)."""
+    async def _satellite_shares(self, step: int, cells: int) -> tuple[int, float, LossMetricSums, float]:
+        """The tokens, loss, loss metrics and compute seconds of the satellites of the step (each writes its share
+        after its step)."""
         if cells <= 1:
-            return 0, 0.0, LossMetricSums()
+            return 0, 0.0, LossMetricSums(), 0.0
         keys = [step_stats_key(step, cell) for cell in range(1, cells)]
         job = self.parts.job
 
@@ -642,9 +659,12 @@ class Controller:
         metrics = LossMetricSums()
         for share in shares:
             metrics.merge(LossMetricSums.from_dict(share["metrics"]))
-        return sum(s["tokens"] for s in shares), sum(s["loss"] for s in shares), metrics
+        tokens, loss = sum(s["tokens"] for s in shares), sum(s["loss"] for s in shares)
+        return tokens, loss, metrics, sum(s["compute_s"] for s in shares)
 
-    def _step_record(self, step: int, result, started: float, tokens: int, losses: dict) -> StepRecord:
+    def _step_record(
+        self, step: int, result, started: float, tokens: int, losses: dict, compute_s: float
+    ) -> StepRecord:
         end = self.now()
         rewards = [r for g in self.claimed for r in self.outcomes[g].rewards().values() if r is not None]
         log_ = self.sched.staleness
@@ -679,6 +699,7 @@ class Controller:
             train_tokens=tokens,
             rollout_tokens_per_s=book.sampled_tokens / wall if wall > 0 else None,
             train_tokens_per_s=tokens / train_s if train_s > 0 else None,
+            train_compute_s=compute_s,
         )
 
 

@@ -48,6 +48,7 @@ RECORDS_DIR = "records"
 EXECUTIONS_DIR = "executions"
 SUMMARY_FILE = "summary.json"
 TIMELINE_FILE = "role_timeline.png"
+TRACE_FILE = "timeline.json"  # what role_timeline.png is drawn from, and every cell's load (gyre.runtime.trace)
 DONE_WAIT_S = 30.0  # rank 0 waits this long for the satellites to finish before the runtime store goes
 STOPPED_EXIT = 130  # a worker of a run stopped by Ctrl-C or SIGTERM
 STOP_WAIT_S = 5.0  # after a stop, the satellites get this long (they may finish the unit they hold first)
@@ -452,6 +453,13 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
     from gyre.sched.staleness import warmup_steps
 
     sched, spec = controller.sched, controller.sched.spec
+    end_s = end.wall_time_s
+    slots = cfg.cluster.num_cells * cfg.cluster.cell_capacity
+    utilization = None
+    if end_s > 0:  # node-time fractions, as the simulator defines them (cells of one node each in its terms)
+        rollout = controller.trace.rollout_slot_seconds(end_s) / (slots * end_s)
+        training = sum(r.train_compute_s for r in controller.records) / (cfg.cluster.num_cells * end_s)
+        utilization = {"rollout": rollout, "training": training, "idle": max(0.0, 1.0 - rollout - training)}
     summary = build_summary(
         controller.records,
         experiment="",
@@ -462,8 +470,13 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
         warmup_steps=warmup_steps(spec.mu, spec.extra_groups, spec.batch_groups),
         counters={"dispatched": sched.d, "started": sched.p, "finished": sched.f},
         outcomes=dict(sched.outcomes),
+        utilization=utilization,
     )
     write_summary(run_dir / SUMMARY_FILE, summary)
+    try:
+        write_summary(run_dir / TRACE_FILE, controller.trace.to_dict(end_s))  # the same atomic JSON write
+    except OSError as error:
+        log.error("%s not written: %s", TRACE_FILE, error)
     if cfg.logging.timeline:
         cl = cfg.cluster
         title = (

@@ -4,10 +4,12 @@ simulator draws, with the simulator's lane names (`gyre.sim.timeline.cell_lane`)
 `role_timeline.png` read the same way.
 
 `RoleTrace` is pure: the controller calls `role(now, cell, state)` when a cell's role changes (a transition begun
-or finished), `sample(now, waterlevel, capacity)` after each batch of scheduler actions, and `step_end(now)`; times
-are seconds from the run's start. `segments(end_s)` closes every open interval at `end_s`. States are the
-timeline's (`gyre.obs.timeline.STATES`); a cell in the training role is drawn `training` throughout (this trace
-does not split compute from waiting as the simulator does).
+or finished), `sample(now, waterlevel, capacity, loads)` after each batch of scheduler actions (`loads`: every
+cell's running executions, the ledger's), and `step_end(now)`; times are seconds from the run's start.
+`segments(end_s)` closes every open interval at `end_s`. States are the timeline's (`gyre.obs.timeline.STATES`); a
+cell in the training role is drawn `training` throughout (this trace does not split compute from waiting as the
+simulator does). `to_dict(end_s)` is what `timeline.json` holds; `rollout_slot_seconds(end_s)` integrates the loads
+for the node-time utilization (docs/runtime.md, "Outputs").
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class RoleTrace:
         self._closed: list[Segment] = []
         self.waterlevel: list[tuple[float, float]] = []
         self.capacity: list[tuple[float, float]] = []
+        self.loads: list[list[tuple[float, int]]] = [[] for _ in range(num_cells)]  # per cell: (time_s, running)
         self.step_ends_s: list[float] = []
 
     def lanes(self) -> list[str]:
@@ -47,11 +50,36 @@ class RoleTrace:
             self._closed.append(Segment(cell_lane(cell), since, now, current))
         self._open[cell] = (state, now)
 
-    def sample(self, now: float, waterlevel: float, capacity: float) -> None:
-        """The waterlevel and rollout capacity at `now` (kept only when they change)."""
+    def sample(self, now: float, waterlevel: float, capacity: float, loads: list[int] | None = None) -> None:
+        """The waterlevel, rollout capacity and every cell's running executions at `now` (kept when they change)."""
         for series, value in ((self.waterlevel, waterlevel), (self.capacity, capacity)):
             if not series or series[-1][1] != value:
                 series.append((now, float(value)))
+        for series, load in zip(self.loads, loads or (), strict=False):
+            if series and series[-1][0] == now:
+                series[-1] = (now, int(load))
+            elif not series or series[-1][1] != load:
+                series.append((now, int(load)))
+
+    def rollout_slot_seconds(self, end_s: float) -> float:
+        """Executions x seconds run on the cells' engines up to `end_s` (the integral of the loads)."""
+        total = 0.0
+        for series in self.loads:
+            for (t, load), (t_next, _) in zip(series, [*series[1:], (end_s, 0)], strict=True):
+                total += load * max(0.0, min(t_next, end_s) - t)
+        return total
+
+    def to_dict(self, end_s: float) -> dict:
+        """Plain data of the whole trace (`timeline.json`): lanes, segments, series, loads, step ends."""
+        return {
+            "end_s": end_s,
+            "lanes": self.lanes(),
+            "segments": [[s.lane, s.start_s, s.end_s, s.state] for s in self.segments(end_s)],
+            "waterlevel": [list(p) for p in self.waterlevel],
+            "capacity": [list(p) for p in self.capacity],
+            "loads": [[list(p) for p in series] for series in self.loads],
+            "step_ends_s": list(self.step_ends_s),
+        }
 
     def step_end(self, now: float) -> None:
         self.step_ends_s.append(now)

@@ -22,6 +22,7 @@ owns the order of operations, not the math of the model. `train_step` takes its 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -83,6 +84,7 @@ class StepResult:
     metrics: LossMetricSums = field(default_factory=LossMetricSums)  # the loss metrics of its micro-steps (PP = 1)
     cells: int = 1  # cells that trained the step (the prefix length)
     update: dict[str, float] = field(default_factory=dict)  # core: the optimizer's metrics (grad norm, ...)
+    compute_s: float = 0.0  # seconds in forward and backward passes (the claims' waits left out)
 
 
 def add_sequence_sums(sums_2B: Tensor, step: MicroStep, logp_U: Tensor) -> None:
@@ -216,12 +218,16 @@ def train_step(
     warm-up and one drain per step); at PP = 1 the units are accumulated one after another here.
     """
     if pipeline is not None:
+        started = time.perf_counter()
         result = pipeline.run(claim)
+        result.compute_s = time.perf_counter() - started  # the pipeline's claims inside it
     else:
         result = StepResult()
         while (claimed := claim()) is not None:  # the stream: claim whenever compute frees up
             index, unit = claimed
+            started = time.perf_counter()
             result.loss += accumulate_unit(model, unit, config, result.metrics)
+            result.compute_s += time.perf_counter() - started
             result.units.append(index)
             result.micro_steps += len(unit)
             result.tokens += sum(step.num_tokens for step in unit)

@@ -125,6 +125,7 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     from gyre.obs.record import record_from_dict
     from gyre.proxy.render import ChatTemplate
     from gyre.runtime.audit import audit_run
+    from gyre.runtime.execution_log import read_executions
     from gyre.traj.store import load_tree
 
     run_dir = tmp_path / "run"
@@ -148,6 +149,17 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     assert set(summary) == SIM_SUMMARY_KEYS and summary["steps"] == 2 and summary["mode"] == "elastic"
     assert (run_dir / "role_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"
+    use = summary["utilization"]
+    assert 0 < use["rollout"] < 1 and 0 < use["training"] < 1 and use["idle"] >= 0, use
+    assert all(r.train_compute_s > 0 for r in records), records
+    trace = json.loads((run_dir / "timeline.json").read_text())
+    assert len(trace["loads"]) == 4 and len(trace["step_ends_s"]) == len(records)
+    assert all(abs(t - r.wall_time_s) < 1.0 for t, r in zip(trace["step_ends_s"], records, strict=True)), trace
+    lines = read_executions(run_dir / "executions.jsonl")
+    assert len(lines) == summary["counters"]["started"] and len({x.execution for x in lines}) == len(lines)
+    closed = [x for x in lines if x.outcome is not None]
+    assert closed and all(x.start_s <= x.harness_end_s <= x.end_s for x in closed), closed[:3]
+    assert sum(x.outcome == "completed" for x in lines) == summary["outcomes"]["completed"], summary["outcomes"]
 
     policy = run_dir / "policy"
     assert json.loads((policy / "policy.json").read_text())["version"] == 2
