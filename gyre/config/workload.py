@@ -49,6 +49,10 @@ class WorkloadConfig:
     """Fraction of executions that fail totally (zero-reward placeholder), at a uniform point of their run."""
     tokens_per_s: float = 100.0
     """Tokens an execution processes per second; weights the token-weighted staleness."""
+    replay_order: str = "sample"
+    """replay: `sample` draws a random query per group and random rows of it (with replacement); `sequence` gives
+    the i-th dispatched group the i-th query of the CSV, its rows in order (a real run replayed as it happened;
+    cycling when the CSV runs out)."""
     replay_csv: str = ""
     """replay: path of a CSV with a `duration_s` column (optional `outcome`: ok|harness_timeout|
     overall_timeout|failed, optional `query` to keep a group's executions together)."""
@@ -82,5 +86,6 @@ class WorkloadConfig:
                 "0 unless both workload.harness_timeout_s and workload.overall_timeout_s are set",
             )
         require_number("workload.tokens_per_s", self.tokens_per_s, gt=0)
+        require_choice("workload.replay_order", self.replay_order, ("sample", "sequence"))
         if self.distribution == "replay":
             require(bool(self.replay_csv), "workload.replay_csv", self.replay_csv, "a CSV path for replay")

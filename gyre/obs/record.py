@@ -58,6 +58,10 @@ class TransitionRecord:
     to: str  # "rollout" or "training"
     start_s: float  # seconds since the run's start
     duration_s: float
+    # Where the time went (docs/runtime.md, "What happens at a transition"), seconds by phase: to training `reroute`
+    # (the cell's executions moved, their KV with them), `drain`, `release`, `restore` (the trainer built or the
+    # cell's ranks told); to rollout `publish_wait`, `ranks` (the cell's ranks told), `resume`, `load_weights`.
+    phases: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.cell, int) and not isinstance(self.cell, bool) and self.cell >= 0,
@@ -66,6 +70,9 @@ class TransitionRecord:
         _require(_finite(self.start_s) and self.start_s >= 0, "transition.start_s", self.start_s, "seconds >= 0")
         _require(_finite(self.duration_s) and self.duration_s >= 0, "transition.duration_s", self.duration_s,
                  "seconds >= 0")  # fmt: skip
+        _require(isinstance(self.phases, Mapping) and all(isinstance(k, str) and _finite(v) and v >= 0
+                 for k, v in self.phases.items()), "transition.phases", self.phases,
+                 "a mapping of phase names to seconds >= 0")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,13 +134,18 @@ class StepRecord:
     train_compute_s: float = 0.0
     """Seconds the step's cells spent in forward and backward passes, summed over the cells (`StepResult.compute_s`):
     the training part of the node-time utilization."""
+    update_s: float | None = None
+    """Seconds from the core's last micro-step to the step's end: the gradient reduction, the optimizer update and
+    the broadcast to the satellites (`StepResult.update_s`)."""
+    weight_pulls_s: tuple[float, ...] = ()
+    """Seconds each satellite that joined the step spent pulling the core's weights of the step."""
 
     def __post_init__(self) -> None:
         _require(_count(self.step), "step", self.step, "an integer >= 0")
         _require(_count(self.burst), "burst", self.burst, "an integer >= 0")
         _require(_finite(self.wall_time_s) and self.wall_time_s >= 0, "wall_time_s", self.wall_time_s, "seconds >= 0")
         for name in ("reward_mean", "grad_norm", "staleness_group_mean", "staleness_token_mean", "staleness_max",
-                     "waterlevel", "rollout_tokens_per_s", "train_tokens_per_s"):  # fmt: skip
+                     "waterlevel", "rollout_tokens_per_s", "train_tokens_per_s", "update_s"):  # fmt: skip
             value = getattr(self, name)
             _require(value is None or _number(value), name, value, "a number or None")
         _require(self.pass_rate is None or (_number(self.pass_rate) and 0 <= self.pass_rate <= 1), "pass_rate",
@@ -149,6 +161,8 @@ class StepRecord:
                  self.staleness_tokens, "a number >= 0")  # fmt: skip
         _require(_finite(self.train_compute_s) and self.train_compute_s >= 0, "train_compute_s",
                  self.train_compute_s, "seconds >= 0")  # fmt: skip
+        _require(all(_finite(s) and s >= 0 for s in self.weight_pulls_s), "weight_pulls_s", self.weight_pulls_s,
+                 "seconds >= 0")  # fmt: skip
         _require(self.rollout_capacity is None or _count(self.rollout_capacity), "rollout_capacity",
                  self.rollout_capacity, "an integer >= 0 or None")  # fmt: skip
         _require(all(role in ROLES for role in self.roles), "roles", self.roles, f"role names among {ROLES}")
@@ -188,7 +202,7 @@ def record_from_dict(data: Mapping[str, Any]) -> StepRecord:
     kwargs: dict[str, Any] = {key: value for key, value in data.items() if key in names}
     kwargs["loss"] = loss
     kwargs["transitions"] = tuple(TransitionRecord(**t) for t in data.get("transitions", ()))
-    for name in ("roles", "rerouted_executions", "joined_cells"):
+    for name in ("roles", "rerouted_executions", "joined_cells", "weight_pulls_s"):
         kwargs[name] = tuple(data.get(name, ()))
     return StepRecord(**kwargs)
 

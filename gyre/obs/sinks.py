@@ -146,7 +146,7 @@ def wandb_numbers(record: StepRecord) -> dict[str, float | int]:
     data = record.to_dict()
     out: dict[str, float | int] = {}
     for key, value in data.items():
-        if key in ("step", "roles", "transitions", "rerouted_executions", "joined_cells"):
+        if key in ("step", "roles", "transitions", "rerouted_executions", "joined_cells", "weight_pulls_s"):
             continue
         if isinstance(value, int | float) and not isinstance(value, bool):
             out[key] = value

@@ -34,7 +34,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["STATES", "Segment", "merge_segments", "write_role_timeline"]
+__all__ = ["STATES", "Segment", "merge_segments", "write_role_timeline", "write_stacked_timelines"]
 
 STATES: tuple[str, ...] = ("rollout", "to_training", "training", "training_wait", "to_rollout")
 
@@ -138,6 +138,89 @@ def _series_hours(series: Sequence[tuple[float, float]], name: str) -> tuple[lis
     return ts, vs
 
 
+def _draw_lanes(
+    ax, segments: Sequence[Segment], lanes: list[str], *, title: str, scale_s: float, legend: bool = True
+) -> list[float]:
+    """The lanes' bars, ticks, title and legend on `ax`, times divided by `scale_s`; the bars' ends (for limits)."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.patches import Patch
+
+    merged = merge_segments(segments)
+    lane_row = {lane: i for i, lane in enumerate(lanes)}
+    # (lane, state) -> ([(x, width), ...], [facecolor, ...])
+    bars: dict[tuple[str, str], tuple[list[tuple[float, float]], list[tuple[float, float, float, float]]]] = {}
+    for seg in merged:
+        ranges, colors = bars.setdefault((seg.lane, seg.state), ([], []))
+        ranges.append((seg.start_s / scale_s, (seg.end_s - seg.start_s) / scale_s))
+        alpha = 1.0 if seg.occupancy is None else max(_MIN_ROLLOUT_ALPHA, seg.occupancy)
+        colors.append(to_rgba(_STYLE[seg.state][0], alpha))
+    bar_h = 0.8
+    for (lane, state), (ranges, colors) in bars.items():
+        hatch = _STYLE[state][1]
+        ax.broken_barh(
+            ranges,
+            (lane_row[lane] - bar_h / 2, bar_h),
+            facecolors=colors,
+            edgecolor=_HATCH_COLOR if hatch else "none",
+            linewidth=0.0,
+            hatch=hatch,
+        )
+    n = len(lanes)
+    ax.set_yticks(range(n), lanes)
+    ax.set_ylim(n - 0.5, -0.5)  # first lane on top
+    ax.tick_params(axis="y", length=0)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    if title:
+        ax.set_title(title)
+    handles = [
+        Patch(
+            facecolor=_STYLE[s][0],
+            edgecolor=_HATCH_COLOR if _STYLE[s][1] else "none",
+            linewidth=0.0,
+            hatch=_STYLE[s][1],
+            label=_LEGEND_LABEL[s],
+        )
+        for s in STATES
+    ]
+    if legend:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+    return [t for r in bars.values() for x, w in r[0] for t in (x, x + w)]
+
+
+def write_stacked_timelines(
+    path: str | os.PathLike,
+    panels: Sequence[tuple[str, Sequence[Segment], Sequence[str], Sequence[float]]],
+    *,
+    title: str = "",
+) -> None:
+    """Several runs' role timelines one above the other on one time axis in minutes (as the paper's figures stack
+    its modes): each panel is (title, segments, lanes, step_ends_s). Checked as `write_role_timeline` checks."""
+    if not panels:
+        raise ValueError("panels must hold at least one run")
+    for _, segments, lanes, _ in panels:
+        _validate(list(segments), list(lanes))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    heights = [max(0.35 * len(lanes), 1.0) + 0.6 for _, _, lanes, _ in panels]
+    fig = Figure(figsize=(12.0, 1.0 + sum(heights)), dpi=_DPI, layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, height_ratios=heights, squeeze=False)[:, 0]
+    for i, (ax, (name, segments, lanes, step_ends_s)) in enumerate(zip(axes, panels, strict=True)):
+        _draw_lanes(ax, list(segments), list(lanes), title=name, scale_s=60.0, legend=i == 0)
+        ends = [float(t) / 60.0 for t in step_ends_s]
+        if ends:
+            ax.vlines(ends, 0, 1, transform=ax.get_xaxis_transform(), colors="0.35", linestyles=":", linewidth=0.8)
+    axes[-1].set_xlabel("time (minutes)")
+    axes[0].set_xlim(left=0)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(os.fspath(path), format="png", dpi=_DPI)
+    fig.clear()
+
+
 def write_role_timeline(
     path: str | os.PathLike,
     segments: Sequence[Segment],
@@ -174,19 +257,7 @@ def write_role_timeline(
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib.colors import to_rgba
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    merged = merge_segments(segments)
-    lane_row = {lane: i for i, lane in enumerate(lanes)}
-    # (lane, state) -> ([(x_h, width_h), ...], [facecolor, ...])
-    bars: dict[tuple[str, str], tuple[list[tuple[float, float]], list[tuple[float, float, float, float]]]] = {}
-    for seg in merged:
-        ranges, colors = bars.setdefault((seg.lane, seg.state), ([], []))
-        ranges.append((seg.start_s / 3600.0, (seg.end_s - seg.start_s) / 3600.0))
-        alpha = 1.0 if seg.occupancy is None else max(_MIN_ROLLOUT_ALPHA, seg.occupancy)
-        colors.append(to_rgba(_STYLE[seg.state][0], alpha))
 
     has_series = bool(wl_t or cap_t)
     n = len(lanes)
@@ -196,38 +267,7 @@ def write_role_timeline(
         ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=[max(0.35 * n, 1.0), 1.3])
     else:
         ax, ax2 = fig.subplots(1, 1), None
-
-    bar_h = 0.8
-    for (lane, state), (ranges, colors) in bars.items():
-        hatch = _STYLE[state][1]
-        ax.broken_barh(
-            ranges,
-            (lane_row[lane] - bar_h / 2, bar_h),
-            facecolors=colors,
-            edgecolor=_HATCH_COLOR if hatch else "none",
-            linewidth=0.0,
-            hatch=hatch,
-        )
-    ax.set_yticks(range(n), lanes)
-    ax.set_ylim(n - 0.5, -0.5)  # first lane on top
-    ax.tick_params(axis="y", length=0)
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_axisbelow(True)
-    if title:
-        ax.set_title(title)
-    handles = [
-        Patch(
-            facecolor=_STYLE[s][0],
-            edgecolor=_HATCH_COLOR if _STYLE[s][1] else "none",
-            linewidth=0.0,
-            hatch=_STYLE[s][1],
-            label=_LEGEND_LABEL[s],
-        )
-        for s in STATES
-    ]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
-
-    times = [t for r in bars.values() for x, w in r[0] for t in (x, x + w)] + wl_t + cap_t + step_ends_h
+    times = _draw_lanes(ax, segments, lanes, title=title, scale_s=3600.0) + wl_t + cap_t + step_ends_h
     if times:
         lo, hi = min(times), max(times)
         pad = 0.01 * (hi - lo) if hi > lo else 0.05

@@ -101,6 +101,7 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
                 "loss": result.loss,
                 "metrics": result.metrics.to_dict(),
                 "compute_s": result.compute_s,
+                "pull_s": result.pull_s,
             }
             store.set(step_stats_key(fields["step"], cell), json.dumps(share))
         if not synced:  # it pulled the core's weights of this step (joined it, or started it out of sync)

@@ -437,10 +437,12 @@ class Controller:
         self.transition_begun[cell] = (self.now(), to)
         self.trace.role(self.now(), cell, state)
 
-    def _transition_ends(self, cell: int) -> None:
+    def _transition_ends(self, cell: int, phases: dict[str, float] | None = None) -> None:
         start_s, to = self.transition_begun.pop(cell)
         self.book.transitions.append(
-            TransitionRecord(cell=cell, to=to.value, start_s=start_s, duration_s=self.now() - start_s)
+            TransitionRecord(
+                cell=cell, to=to.value, start_s=start_s, duration_s=self.now() - start_s, phases=phases or {}
+            )
         )
         self.trace.role(self.now(), cell, to.value)
         self.apply(self.sched.transition_finished(self.now(), cell))
@@ -508,9 +510,10 @@ class Controller:
         moves = self.reroutes.pop(cell, [])
         await asyncio.gather(*moves)  # its executions moved before the drain
         moved = self.now()
-        await leave_rollout(self.parts.engines[cell], drain_s=DRAIN_S)
+        phases = {"reroute": moved - begun, **await leave_rollout(self.parts.engines[cell], drain_s=DRAIN_S)}
         released = self.now()
         await self._tell_training(cell)
+        phases["restore"] = self.now() - released
         log.info(
             "cell %d to training: %d executions rerouted in %.2fs, drained and released in %.2fs, trainer ready in "
             "%.2fs",
@@ -518,13 +521,16 @@ class Controller:
             len(moves),
             moved - begun,
             released - moved,
-            self.now() - released,
+            phases["restore"],
         )
-        self._transition_ends(cell)
+        self._transition_ends(cell, phases)
 
     async def to_rollout(self, cell: int) -> None:
+        begun = self.now()
         if self.publishing is not None:
             await asyncio.shield(self.publishing)  # the Publish of the same action list
+        phases = {"publish_wait": self.now() - begun}
+        told = self.now()
         if self._has_other_ranks(cell):
             seq = self.control.publish("role", cell=cell, to="rollout")
             # With a step in flight (a cell leaving it mid-step to make room for a replacement, or a joiner sent
@@ -533,13 +539,16 @@ class Controller:
             if self.pump is None:
                 await self._acked(seq, cell)
         engine = self.parts.engines[cell]
+        phases["ranks"] = self.now() - told
+        resumed = self.now()
         if self.published is None:  # back before any publication (mid-step, to make room): the starting weights
             await engine.resume_memory()
             engine.resume_accepting()
+            phases["resume"] = self.now() - resumed
         else:
             version, weights = self.published
-            await return_to_rollout(engine, weights, version=version)
-        self._transition_ends(cell)
+            phases.update(await return_to_rollout(engine, weights, version=version))
+        self._transition_ends(cell, phases)
 
     async def core_weights(self) -> FlatWeights:
         """The core's whole weights now, in HF names: on the trainer thread after the work submitted before; a
@@ -561,8 +570,10 @@ class Controller:
         return self._as_model(None if native else await self.core_weights())
 
     async def publish(self, version: int) -> None:
+        begun = self.now()
         weights = await self.core_weights()
         self.published = (version, weights)
+        gathered = self.now()
         await asyncio.to_thread(
             write_policy,
             self._as_model(weights),
@@ -570,8 +581,11 @@ class Controller:
             run_dir=self.run_dir,
             version=version,
         )
+        written = self.now()
         staying = [self.parts.engines[c] for c, role in enumerate(self.sched.roles) if role is Role.ROLLOUT]
         await publish_to_engines(staying, weights, version=version)  # returning cells load it in to_rollout
+        phases = {"weights": gathered - begun, "policy_dir": written - gathered, "engines": self.now() - written}
+        self.trace.publication(begun, self.now() - begun, version, phases)
         self.apply(self.sched.publish_finished(self.now()))
 
     # -- the step ----------------------------------------------------------------------------------------
@@ -609,12 +623,23 @@ class Controller:
             self.control.publish("step_end", step=step)
         if self.stopping:
             return
-        tokens, loss, metrics, compute_s = await self._satellite_shares(step, result.cells)
+        shares = await self._satellite_shares(step, result.cells)
+        metrics = LossMetricSums()
+        for share in shares:
+            metrics.merge(LossMetricSums.from_dict(share["metrics"]))
         metrics.merge(result.metrics)
         board.clear()
         self.packer.next_batch()
-        losses = {"loss": loss + result.loss, **metrics.means()}
-        record = self._step_record(step, result, started, tokens + result.tokens, losses, compute_s + result.compute_s)
+        losses = {"loss": sum(s["loss"] for s in shares) + result.loss, **metrics.means()}
+        record = self._step_record(
+            step,
+            result,
+            started,
+            sum(s["tokens"] for s in shares) + result.tokens,
+            losses,
+            compute_s=sum(s["compute_s"] for s in shares) + result.compute_s,
+            pulls_s=tuple(s["pull_s"] for s in shares if s["pull_s"] > 0),
+        )
         self.records.append(record)
         self.metrics.write(record)
         self.trace.step_end(self.now())
@@ -637,11 +662,11 @@ class Controller:
             return
         self.apply(self.sched.step_finished(self.now()))
 
-    async def _satellite_shares(self, step: int, cells: int) -> tuple[int, float, LossMetricSums, float]:
-        """The tokens, loss, loss metrics and compute seconds of the satellites of the step (each writes its share
-        after its step)."""
+    async def _satellite_shares(self, step: int, cells: int) -> list[dict]:
+        """What each satellite of the step did (`tokens`, `loss`, `metrics`, `compute_s`, `pull_s`): each writes its
+        share after its step."""
         if cells <= 1:
-            return 0, 0.0, LossMetricSums(), 0.0
+            return []
         keys = [step_stats_key(step, cell) for cell in range(1, cells)]
         job = self.parts.job
 
@@ -655,15 +680,10 @@ class Controller:
                 client.delete_key(key)
             return shares
 
-        shares = await asyncio.to_thread(read)
-        metrics = LossMetricSums()
-        for share in shares:
-            metrics.merge(LossMetricSums.from_dict(share["metrics"]))
-        tokens, loss = sum(s["tokens"] for s in shares), sum(s["loss"] for s in shares)
-        return tokens, loss, metrics, sum(s["compute_s"] for s in shares)
+        return await asyncio.to_thread(read)
 
     def _step_record(
-        self, step: int, result, started: float, tokens: int, losses: dict, compute_s: float
+        self, step: int, result, started: float, tokens: int, losses: dict, *, compute_s: float, pulls_s: tuple
     ) -> StepRecord:
         end = self.now()
         rewards = [r for g in self.claimed for r in self.outcomes[g].rewards().values() if r is not None]
@@ -700,6 +720,8 @@ class Controller:
             rollout_tokens_per_s=book.sampled_tokens / wall if wall > 0 else None,
             train_tokens_per_s=tokens / train_s if train_s > 0 else None,
             train_compute_s=compute_s,
+            update_s=result.update_s,
+            weight_pulls_s=pulls_s,
         )
 
 

@@ -35,6 +35,7 @@ class RoleTrace:
         self.capacity: list[tuple[float, float]] = []
         self.loads: list[list[tuple[float, int]]] = [[] for _ in range(num_cells)]  # per cell: (time_s, running)
         self.step_ends_s: list[float] = []
+        self.publications: list[dict] = []  # version, start_s, duration_s, phases (seconds by phase)
 
     def lanes(self) -> list[str]:
         return [cell_lane(cell) for cell in range(self.num_cells)]
@@ -79,7 +80,12 @@ class RoleTrace:
             "capacity": [list(p) for p in self.capacity],
             "loads": [[list(p) for p in series] for series in self.loads],
             "step_ends_s": list(self.step_ends_s),
+            "publications": list(self.publications),
         }
+
+    def publication(self, start_s: float, duration_s: float, version: int, phases: dict[str, float]) -> None:
+        """A publication of `version` began at `start_s` and took `duration_s` (its phases in seconds)."""
+        self.publications.append({"version": version, "start_s": start_s, "duration_s": duration_s, "phases": phases})
 
     def step_end(self, now: float) -> None:
         self.step_ends_s.append(now)

@@ -24,6 +24,7 @@ they import no engine module.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from gyre.config.checks import require_duration
@@ -35,18 +36,26 @@ if TYPE_CHECKING:
 __all__ = ["leave_rollout", "return_to_rollout"]
 
 
-async def leave_rollout(engine: Engine, *, drain_s: float) -> None:
-    """Stop accepting, drain (aborting what is still in flight after `drain_s` seconds), release the memory.
-    `drain_s`: a finite number of seconds >= 0 (0 aborts every call in flight at the next step boundary)."""
+async def leave_rollout(engine: Engine, *, drain_s: float) -> dict[str, float]:
+    """Stop accepting, drain (aborting what is still in flight after `drain_s` seconds), release the memory; the
+    seconds of the `drain` and the `release`. `drain_s`: a finite number of seconds >= 0 (0 aborts every call in
+    flight at the next step boundary)."""
     require_duration("drain_s", drain_s, allow_zero=True, note="a transition's wait is bounded")
+    started = time.monotonic()
     engine.stop_accepting()
     await engine.drain(abort_after_s=drain_s)
+    drained = time.monotonic()
     await engine.release_memory()
+    return {"drain": drained - started, "release": time.monotonic() - drained}
 
 
-async def return_to_rollout(engine: Engine, weights: FlatWeights, *, version: int) -> None:
+async def return_to_rollout(engine: Engine, weights: FlatWeights, *, version: int) -> dict[str, float]:
     """Resume the memory, load `weights` as `version`, then accept: the engine serves the published version from
-    its first request on. A refused update raises with the engine resumed but not accepting."""
+    its first request on; the seconds of the `resume` and of `load_weights`. A refused update raises with the engine
+    resumed but not accepting."""
+    started = time.monotonic()
     await engine.resume_memory()
+    resumed = time.monotonic()
     await engine.update_weights(weights, version=version)
     engine.resume_accepting()
+    return {"resume": resumed - started, "load_weights": time.monotonic() - resumed}

@@ -39,6 +39,7 @@ class DurationModel:
         self.cfg = cfg
         self.rng = np.random.default_rng(seed)
         self._replay: list[list[tuple[float, Outcome]]] = []
+        self._next_query = 0
         if cfg.distribution == "replay":
             self._replay = read_replay_csv(cfg.replay_csv)
 
@@ -72,8 +73,13 @@ class DurationModel:
         return plans
 
     def _sample_replay(self, size: int) -> list[ExecutionPlan]:
-        rows = self._replay[self.rng.integers(len(self._replay))]
-        picks = self.rng.integers(len(rows), size=size)
+        if self.cfg.replay_order == "sequence":  # the i-th group gets the i-th query, its rows in order
+            rows = self._replay[self._next_query % len(self._replay)]
+            self._next_query += 1
+            picks = np.arange(size) % len(rows)
+        else:
+            rows = self._replay[self.rng.integers(len(self._replay))]
+            picks = self.rng.integers(len(rows), size=size)
         return [ExecutionPlan(rows[i][0], rows[i][1], rows[i][0] * self.cfg.tokens_per_s) for i in picks.tolist()]
 
 

@@ -85,6 +85,8 @@ class StepResult:
     cells: int = 1  # cells that trained the step (the prefix length)
     update: dict[str, float] = field(default_factory=dict)  # core: the optimizer's metrics (grad norm, ...)
     compute_s: float = 0.0  # seconds in forward and backward passes (the claims' waits left out)
+    pull_s: float = 0.0  # a joining satellite: seconds pulling the core's weights of the step
+    update_s: float = 0.0  # seconds from the last micro-step to the step's end: reduce, update, broadcast
 
 
 def add_sequence_sums(sums_2B: Tensor, step: MicroStep, logp_U: Tensor) -> None:
@@ -232,6 +234,7 @@ def train_step(
             result.micro_steps += len(unit)
             result.tokens += sum(step.num_tokens for step in unit)
     result.cells = cells()
+    closed = time.perf_counter()
     params = model.parameters()
     group = prefix_group(result.cells)
     reduce_gradients(params, core_rank, group)
@@ -244,6 +247,7 @@ def train_step(
     finally:  # satellites wait in this broadcast: it happens even when the core's update raised (unchanged weights)
         if not final:
             broadcast_parameters(params, core_rank, group)
+        result.update_s = time.perf_counter() - closed
     return result
 
 
@@ -277,16 +281,19 @@ def train_claimed_step(
         raise ValueError(f"train_claimed_step runs on cell ranks; {groups.layout.describe(groups.rank)} has no cell")
     params = model.parameters()
     claimer = StepClaimer(store, step, timeout_s=timeout_s)
+    pull_s = 0.0
     if cell == 0:  # weights are frozen until the update: one snapshot for every joiner of the step
         publish_parameters(transport, params, version=version)
     elif not training:
         if not claimer.admitted(cell):
             return None
+        started = time.perf_counter()
         pull_parameters(transport, params, version=version)
-        log.info("step %d: cell %d joined with weights version %d", step, cell, version)
+        pull_s = time.perf_counter() - started
+        log.info("step %d: cell %d joined with weights version %d (pulled in %.3f s)", step, cell, version, pull_s)
     cell_size = groups.layout.cell_size
     cell_group = groups.cell_group if cell_size > 1 else None
-    return train_step(
+    result = train_step(
         model,
         claim=lambda: claim_in_cell(claimer, cell_group=cell_group, leader_rank=cell * cell_size),
         cells=claimer.cells,
@@ -296,3 +303,5 @@ def train_claimed_step(
         final=final,
         config=config,
     )
+    result.pull_s = pull_s
+    return result

@@ -42,7 +42,7 @@ def test_to_dict_is_flat_json_and_reads_back():
     data = record.to_dict()
     assert data["loss/loss"] == -0.01 and data["loss/clip_fraction"] == 0.25 and "loss" not in data
     assert data["roles"] == ["training", "training", "rollout", "to_rollout"]
-    assert data["transitions"] == [{"cell": 3, "to": "rollout", "start_s": 110.0, "duration_s": 2.5}]
+    assert data["transitions"] == [{"cell": 3, "to": "rollout", "start_s": 110.0, "duration_s": 2.5, "phases": {}}]
     assert record_from_dict(json.loads(json.dumps(data))) == record
 
 

@@ -149,3 +149,15 @@ def test_other_invalid_input_raises(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         write_role_timeline(tmp_path / "x.png", segments, lanes)
+
+
+def test_stacked_timelines_draw_several_runs_on_one_time_axis(tmp_path):
+    from gyre.obs.timeline import write_stacked_timelines
+
+    out = tmp_path / "stacked.png"
+    write_stacked_timelines(out, [("a", _segments(), LANES, [60.0]), ("b", _segments(), LANES, [])], title="t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="at least one"):
+        write_stacked_timelines(tmp_path / "none.png", [])
+    with pytest.raises(ValueError):
+        write_stacked_timelines(tmp_path / "bad.png", [("a", [Segment("nope", 0, 1, "rollout")], LANES, [])])
