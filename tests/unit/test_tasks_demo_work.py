@@ -106,3 +106,14 @@ def test_the_check_command_writes_its_plan_then_sleeps_and_the_evaluator_waits_i
         text=True,
     )
     assert no_env.returncode == 2 and "GYRE_EXECUTION_ID" in no_env.stderr
+
+
+def test_the_harness_time_before_the_check_counts_towards_the_drawn_duration(tmp_path):
+    work = task_work(DemoWorkConfig(median_s=3.0, sigma=0.0, query_sigma=0.0), 0, "t")
+    (tmp_path / WORK_FILE).write_text(json.dumps(work))
+    env = {**os.environ, "GYRE_EXECUTION_ID": "g000000-e0000001", "GYRE_HARNESS_STARTED": repr(time.time() - 2.5)}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "gyre.tasks.demo.work"], cwd=tmp_path, env=env, capture_output=True)
+    waited = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert 0.4 <= waited < 2.0  # 3 s drawn, 2.5 s of them already spent by the harness (plus start-up)

@@ -15,9 +15,11 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 EXIT_OK, EXIT_USAGE, EXIT_MODEL_ERROR, EXIT_MAX_TURNS = 0, 2, 3, 4
+STARTED_ENV = "GYRE_HARNESS_STARTED"  # the harness's start (Unix time), in the check command's environment
 PROG = "gyre.harness.builtin"
 
 
@@ -97,6 +99,7 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault(STARTED_ENV, repr(time.time()))  # the check command may count the harness's time so far
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return _main(argv)
@@ -197,8 +200,6 @@ def _main(argv: list[str] | None = None) -> int:
 
 def _run_check(args: argparse.Namespace, workspace, log_dir: Path, transcript) -> None:
     """The --check-command, in the workspace, its own process group (killed at its timeout, or with the harness)."""
-    import time
-
     from gyre.harness.builtin.tools import run_shell
 
     started = time.monotonic()

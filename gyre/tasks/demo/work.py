@@ -5,8 +5,9 @@ builtin harness in the workspace after the final answer: `python -m gyre.tasks.d
 in its workspace (`.work.json`: the task's own factor, drawn once per task as a query's difficulty, and the
 `DemoWorkConfig` numbers). The command draws its execution's durations from `$GYRE_EXECUTION_ID` (the same
 execution of the same task and seed draws the same durations in every run), writes them to `.work/plan.json` and
-sleeps: the work costs wall time and no CPU, like a build waiting on its tools. The harness budget stops a command
-that runs past it (a harness timeout: the answer already written is scored); the evaluator
+sleeps until the execution has run its drawn duration (the harness's start-up and model calls count towards it,
+from `$GYRE_HARNESS_STARTED`): the work costs wall time and no CPU, like a build waiting on its tools. The harness
+budget stops a command that runs past it (a harness timeout: the answer already written is scored); the evaluator
 (`score_after_evaluation`, a python evaluator in its own process) first takes the evaluation time of the plan,
 and for the share of over-budget executions the workload sends to the overall timeout it never returns before
 the overall budget ends it (a stuck evaluation: the execution is discarded). The rule that splits durations into
@@ -36,6 +37,7 @@ WORK_FILE = ".work.json"  # in the task's workspace template
 PLAN_FILE = ".work/plan.json"  # written by the check command into the execution's workspace
 CHECK_COMMAND = "{python} -m gyre.tasks.demo.work"
 EXECUTION_ENV = "GYRE_EXECUTION_ID"
+STARTED_ENV = "GYRE_HARNESS_STARTED"  # set by the builtin harness (gyre.harness.builtin.__main__.STARTED_ENV)
 
 
 @dataclass(frozen=True)
@@ -72,13 +74,16 @@ def _read_work(workspace: Path) -> dict:
     return json.loads((workspace / WORK_FILE).read_text(encoding="utf-8"))
 
 
-def run_check(workspace: Path, execution: str) -> WorkPlan:
-    """The check command's work: the plan written first (the evaluator reads it even after a stop), then the wait."""
+def run_check(workspace: Path, execution: str, *, started_at: float | None = None) -> WorkPlan:
+    """The check command's work: the plan written first (the evaluator reads it even after a stop), then the wait
+    until the execution has run its drawn duration: `started_at` (Unix time) is when the harness started, whose
+    start-up and model calls count towards it (without it, the whole duration is waited here)."""
     plan = plan_work(_read_work(workspace), execution)
     path = workspace / PLAN_FILE
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(asdict(plan)) + "\n", encoding="utf-8")
-    time.sleep(plan.work_s)
+    elapsed = 0.0 if started_at is None else max(0.0, time.time() - started_at)
+    time.sleep(max(0.0, plan.work_s - elapsed))
     return plan
 
 
@@ -100,8 +105,13 @@ def main() -> int:
     if not execution:
         print(f"gyre.tasks.demo.work: ${EXECUTION_ENV} is not set (the harness sets it)", file=sys.stderr)
         return 2
-    plan = run_check(Path.cwd(), execution)
-    print(f"checked in {plan.work_s:.2f} s")
+    started = os.environ.get(STARTED_ENV)
+    try:
+        started_at = float(started) if started else None
+    except ValueError:
+        started_at = None
+    plan = run_check(Path.cwd(), execution, started_at=started_at)
+    print(f"the execution ran its {plan.work_s:.2f} s")
     return 0
 
 
