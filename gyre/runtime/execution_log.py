@@ -3,12 +3,15 @@
 What the simulator replays (`workload=replay`, docs/simulator.md "Calibrating from a real run") and what a user
 reads to see where an execution's time went: when it started and on which engine, when its harness ended (its
 slot freed), when its evaluation closed it, and how (the scheduler's outcome, the outcome's status and reward).
-Times are seconds from the run's start, the controller's clock. Each line is flushed as it is written.
+Times are seconds from the run's start, the controller's clock. Each line is flushed as it is written. A write
+that fails (a full disk) is logged once and the file is left as it is: the run goes on without it (the training
+data is in the record files and the trajectory buffer, never here).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
@@ -16,6 +19,7 @@ from typing import IO
 __all__ = ["EXECUTIONS_FILE", "ExecutionLine", "ExecutionLog", "read_executions"]
 
 EXECUTIONS_FILE = "executions.jsonl"
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -42,13 +46,20 @@ class ExecutionLog:
     def write(self, line: ExecutionLine) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(asdict(line), allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(asdict(line), allow_nan=False) + "\n")
+            self._file.flush()
+        except (OSError, ValueError) as error:
+            log.error("%s: not written from %s on (%s); the run goes on", self.path, line.execution, error)
+            self.close()
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as error:  # the flush of a full disk
+                log.error("%s: %s", self.path, error)
 
 
 def read_executions(path: Path) -> list[ExecutionLine]:

@@ -44,3 +44,21 @@ def test_the_execution_log_appends_lines_and_skips_a_torn_last_one(tmp_path):
         f.write('{"execution": "g0000')  # a crash mid-line
     lines = read_executions(path)
     assert lines[0] == first and lines[1].outcome is None and len(lines) == 2
+
+
+def test_a_failing_write_is_logged_once_and_the_run_goes_on(tmp_path, caplog):
+    log = ExecutionLog(tmp_path / "executions.jsonl")
+
+    class Full:
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    log._file = Full()
+    line = ExecutionLine(execution="g000000-e0000000", group=0, task="t", engine="cell-0", start_s=0.0)
+    log.write(line)
+    log.write(line)
+    errors = [r for r in caplog.records if "No space left" in r.getMessage()]
+    assert len(errors) == 1
