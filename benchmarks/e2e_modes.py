@@ -10,8 +10,13 @@ the run's own execution durations replayed in dispatch order (`workload=replay w
 and the predicted totals and ratios are printed beside the measured ones (docs/simulator.md, "Calibrating from a
 real run"). One PNG stacks the three role timelines.
 
+The slow executions spend most of their time in their check command, so a transition rarely meets a model call in
+flight. A fourth run (`--migration-steps`, 0 to skip) measures the calls a transition moves: the plain demo,
+elastic with tau = 0 (satellites join steps in flight), counting the calls moved and those that continued on the
+destination with their KV instead of recomputing their prefix.
+
     python benchmarks/e2e_modes.py [--steps 8] [--seed 0] [--cell-capacity 4] [--group-size 4] [--batch-groups 2]
-        [--work-dir /tmp/gyre-e2e] [--modes elastic,colocate,async] [--reuse]
+        [--work-dir /tmp/gyre-e2e] [--modes elastic,colocate,async] [--migration-steps 8] [--reuse]
         [--out benchmarks/results/e2e_modes.json] [--png benchmarks/results/e2e_modes.png]
 
 `--reuse` measures the run directories already in --work-dir instead of running them again.
@@ -66,9 +71,13 @@ def run_overrides(args: argparse.Namespace, mode: str) -> list[str]:
     ]
 
 
-def run_mode(args: argparse.Namespace, mode: str, run_dir: Path) -> dict[str, Any]:
+MIGRATION_OVERRIDES = ["algo=elastic", "algo.tau_s=0", "tasks.eval_every=0", "logging.wandb=disabled"]
+
+
+def run_mode(args: argparse.Namespace, mode: str, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """One `python -m gyre.train` for `mode` into `run_dir`; its exit code and wall seconds."""
-    command = [sys.executable, "-m", "gyre.train", *run_overrides(args, mode), f"hydra.run.dir={run_dir}"]
+    overrides = run_overrides(args, mode) if overrides is None else overrides
+    command = [sys.executable, "-m", "gyre.train", *overrides, f"hydra.run.dir={run_dir}"]
     print(f"[{mode}] {' '.join(command[1:])}", file=sys.stderr, flush=True)
     started = time.monotonic()
     with (run_dir.parent / f"{mode}.out").open("w") as out:
@@ -252,6 +261,7 @@ def main() -> None:
     parser.add_argument("--batch-groups", type=int, default=2)
     parser.add_argument("--tau-s", type=float, default=0.5)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--migration-steps", type=int, default=8, help="steps of the plain-demo run (0: none)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gyre-e2e"))
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--reuse", action="store_true", help="measure the runs already in --work-dir")
@@ -279,6 +289,34 @@ def main() -> None:
             "overrides": run_overrides(args, mode),
             **measure(run_dir, args.cell_capacity),
         }
+
+    migration = None
+    if args.migration_steps > 0:
+        run_dir = args.work_dir / "migration"
+        process = {"rc": None, "process_wall_s": None}
+        overrides = [*MIGRATION_OVERRIDES, f"steps={args.migration_steps}", f"seed={args.seed}"]
+        if not args.reuse:
+            if run_dir.exists() and any(run_dir.iterdir()):
+                parser.error(f"{run_dir} is not empty: remove it, or measure it with --reuse")
+            process = run_mode(args, "migration", run_dir, overrides)
+            if process["rc"] != 0:
+                raise SystemExit(
+                    f"[migration] gyre.train exited {process['rc']}: see {args.work_dir / 'migration.out'}"
+                )
+        measured = measure(run_dir, 8)
+        migration = {
+            "process": process,
+            "overrides": overrides,
+            "total_time_s": measured["total_time_s"],
+            "joins_in_flight": measured["joins_in_flight"],
+            "reroutes": measured["reroutes"],
+            "calls_moved": measured["calls_moved"],
+            "audit": measured["audit"],
+            "calls_recorded_once": measured["calls_recorded_once"],
+            "harness_visible_errors": measured["harness_visible_errors"],
+        }
+        moved = migration["calls_moved"]
+        print(f"[migration] calls moved {moved['moved']}, with their KV {moved['kv_migrated']}", file=sys.stderr)
 
     seen = [runs[m]["transitions"] for m in modes]
     pooled = {
@@ -347,14 +385,21 @@ def main() -> None:
         "batch_groups": args.batch_groups,
         "tau_s": args.tau_s,
         "runs": runs,
+        "migration_run": migration,
         "ratios": ratios,
         "order": {"measured": order_measured, "simulated": order_simulated, "same": order_measured == order_simulated},
         "checks": {
             "elastic_speedup_target": TARGET_SPEEDUP,
             "elastic_meets_target": all(r["measured"] >= TARGET_SPEEDUP for r in ratios.values()),
             "sim_within_tolerance": all(abs(runs[m]["sim_error"]) <= SIM_TOLERANCE for m in modes),
-            "harness_visible_errors": sum(runs[m]["harness_visible_errors"] for m in modes),
-            "calls_recorded_once": all(runs[m]["calls_recorded_once"] for m in modes),
+            "harness_visible_errors": sum(runs[m]["harness_visible_errors"] for m in modes)
+            + (migration["harness_visible_errors"] if migration else 0),
+            "calls_recorded_once": all(runs[m]["calls_recorded_once"] for m in modes)
+            and (migration is None or migration["calls_recorded_once"]),
+            "calls_moved": sum(runs[m]["calls_moved"]["moved"] for m in modes)
+            + (migration["calls_moved"]["moved"] if migration else 0),
+            "calls_moved_with_kv": sum(runs[m]["calls_moved"]["kv_migrated"] for m in modes)
+            + (migration["calls_moved"]["kv_migrated"] if migration else 0),
         },
         "png": str(args.png) if args.png else None,
     }
