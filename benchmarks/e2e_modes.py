@@ -233,6 +233,50 @@ def simulate_mode(args: argparse.Namespace, mode: str, real: dict[str, Any], csv
     }
 
 
+def layouts(args: argparse.Namespace, costs: dict, csv_path: Path, seeds: int = 3) -> list[dict]:
+    """The simulator, with the elastic run's costs and durations (sampled), over the layouts this machine can run:
+    C_e in {2, 4, 6, 8}, N in {2, 4, 8}, B in {2, 4} (8-32 concurrent executions). The training cost scales with N
+    (measured per group of `--group-size`)."""
+    rows = []
+    per_execution = costs["group_train_node_s"] / args.group_size
+    for capacity, size, batch in itertools.product((2, 4, 6, 8), (2, 4, 8), (2, 4)):
+        if 2 * capacity < size:  # async's two rollout cells must hold a group
+            continue
+        totals = {}
+        for mode in MODES:
+            overrides = [
+                *[o for o in MODES[mode] if o.startswith("algo")],
+                "cluster=tiny",
+                "cluster.num_cells=4",
+                "cluster.cell_size=1",
+                f"cluster.cell_capacity={capacity}",
+                "cluster.microsteps_per_group=1",
+                *[f"cluster.{k}={v:.6g}" for k, v in costs.items() if k != "group_train_node_s"],
+                f"cluster.group_train_node_s={per_execution * size:.6g}",
+                "workload=replay",
+                f"workload.replay_csv={csv_path}",
+                f"algo.group_size={size}",
+                f"algo.batch_groups={batch}",
+                f"algo.tau_s={args.tau_s}",
+                f"steps={args.steps}",
+                "timeline=false",
+            ]
+            totals[mode] = statistics.mean(
+                simulate(compose_sim_config([*overrides, f"seed={seed}"]))[0]["total_time_s"] for seed in range(seeds)
+            )
+        rows.append(
+            {
+                "cell_capacity": capacity,
+                "group_size": size,
+                "batch_groups": batch,
+                "total_time_s": totals,
+                "elastic_vs_colocate": totals["colocate"] / totals["elastic"],
+                "elastic_vs_async": totals["async"] / totals["elastic"],
+            }
+        )
+    return rows
+
+
 # -- the picture ---------------------------------------------------------------------------------------------------
 def panel(mode: str, run_dir: Path, cell_capacity: int, total: float):
     """A mode's lanes, with rollout shaded by the share of the cell's slots running an execution."""
@@ -354,6 +398,16 @@ def main() -> None:
             runs[base]["cumulative_speedup_of_elastic"] = [
                 b / e for e, b in zip(runs["elastic"]["cumulative_s"], runs[base]["cumulative_s"], strict=False)
             ]
+    grid = []
+    if "elastic" in runs and set(MODES) <= set(modes):
+        grid = layouts(args, runs["elastic"]["simulated"]["costs"], args.work_dir / "elastic-durations.csv")
+        best = max(grid, key=lambda r: r["elastic_vs_colocate"])
+        print(
+            f"layouts (simulated, {len(grid)}): elastic vs colocate "
+            f"{min(r['elastic_vs_colocate'] for r in grid):.2f}-{best['elastic_vs_colocate']:.2f}x (best at C_e "
+            f"{best['cell_capacity']}, N {best['group_size']}, B {best['batch_groups']}), vs async "
+            f"{min(r['elastic_vs_async'] for r in grid):.2f}-{max(r['elastic_vs_async'] for r in grid):.2f}x"
+        )
     order_measured = sorted(modes, key=lambda m: runs[m]["total_time_s"])
     order_simulated = sorted(modes, key=lambda m: runs[m]["simulated"]["total_time_s"])
 
@@ -386,6 +440,7 @@ def main() -> None:
         "tau_s": args.tau_s,
         "runs": runs,
         "migration_run": migration,
+        "layouts_simulated": grid,
         "ratios": ratios,
         "order": {"measured": order_measured, "simulated": order_simulated, "same": order_measured == order_simulated},
         "checks": {
