@@ -184,6 +184,7 @@ class Controller:
         self.trainer = None
         self.published: tuple[int, object] | None = None  # (version, FlatWeights) of the last publication
         self.publishing: asyncio.Task | None = None
+        self.weights_ready: asyncio.Event | None = None  # set once the publication in flight has its weights
         self.pump: StepPump | None = None
         self.claimed: list[int] = []  # groups pulled into the step in flight
         self.joined: list[int] = []  # satellites admitted to the step in flight
@@ -336,6 +337,7 @@ class Controller:
                     self.spawn(self.train(action.step, final, self.sched.training_cells()))
                 case Publish():
                     self.bursts += 1
+                    self.weights_ready = asyncio.Event()
                     self.publishing = self.spawn(self.publish(action.version))
                 case WakeAt():
                     delay = max(0.0, action.time_s - self.now())
@@ -527,8 +529,7 @@ class Controller:
 
     async def to_rollout(self, cell: int) -> None:
         begun = self.now()
-        if self.publishing is not None:
-            await asyncio.shield(self.publishing)  # the Publish of the same action list
+        await self._published_weights()
         phases = {"publish_wait": self.now() - begun}
         told = self.now()
         if self._has_other_ranks(cell):
@@ -549,6 +550,21 @@ class Controller:
             version, weights = self.published
             phases.update(await return_to_rollout(engine, weights, version=version))
         self._transition_ends(cell, phases)
+
+    async def _published_weights(self) -> None:
+        """Until the publication of the same action list has its weights (`self.published`), not until it ends: a
+        returning cell loads them while `policy/` is written and the engines that stayed are updated, and is back
+        before the next dispatch's harnesses start (docs/runtime.md, "What happens at a transition"). A publication
+        that fails before it has them raises its error here."""
+        if self.publishing is None or self.weights_ready is None:
+            return
+        waiter = asyncio.ensure_future(self.weights_ready.wait())
+        try:
+            await asyncio.wait({waiter, self.publishing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not self.weights_ready.is_set():
+            await asyncio.shield(self.publishing)  # it ended without weights: its error
 
     async def core_weights(self) -> FlatWeights:
         """The core's whole weights now, in HF names: on the trainer thread after the work submitted before; a
@@ -573,6 +589,8 @@ class Controller:
         begun = self.now()
         weights = await self.core_weights()
         self.published = (version, weights)
+        if self.weights_ready is not None:
+            self.weights_ready.set()  # the returning cells load them now (to_rollout)
         gathered = self.now()
         await asyncio.to_thread(
             write_policy,
