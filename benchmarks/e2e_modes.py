@@ -75,7 +75,12 @@ MIGRATION_OVERRIDES = ["algo=elastic", "algo.tau_s=0", "tasks.eval_every=0", "lo
 
 
 def run_mode(args: argparse.Namespace, mode: str, run_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """One `python -m gyre.train` for `mode` into `run_dir`; its exit code and wall seconds."""
+    """One `python -m gyre.train` for `mode` into `run_dir` (nothing with --reuse: the run is there); its exit code
+    and wall seconds. A non-empty `run_dir` or a failed run ends the benchmark with one line."""
+    if args.reuse:
+        return {"rc": None, "process_wall_s": None}
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise SystemExit(f"{run_dir} is not empty: remove it, or measure it with --reuse")
     overrides = run_overrides(args, mode) if overrides is None else overrides
     command = [sys.executable, "-m", "gyre.train", *overrides, f"hydra.run.dir={run_dir}"]
     print(f"[{mode}] {' '.join(command[1:])}", file=sys.stderr, flush=True)
@@ -84,6 +89,8 @@ def run_mode(args: argparse.Namespace, mode: str, run_dir: Path, overrides: list
         done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout_s)
     wall = time.monotonic() - started
     print(f"[{mode}] rc {done.returncode} in {wall:.0f} s", file=sys.stderr, flush=True)
+    if done.returncode != 0:
+        raise SystemExit(f"[{mode}] gyre.train exited {done.returncode}: see {run_dir.parent / (mode + '.out')}")
     return {"rc": done.returncode, "process_wall_s": wall}
 
 
@@ -321,13 +328,7 @@ def main() -> None:
     runs: dict[str, Any] = {}
     for mode in modes:
         run_dir = args.work_dir / mode
-        process = {"rc": None, "process_wall_s": None}
-        if not args.reuse:
-            if run_dir.exists() and any(run_dir.iterdir()):
-                parser.error(f"{run_dir} is not empty: remove it, or measure it with --reuse")
-            process = run_mode(args, mode, run_dir)
-            if process["rc"] != 0:
-                raise SystemExit(f"[{mode}] gyre.train exited {process['rc']}: see {args.work_dir / (mode + '.out')}")
+        process = run_mode(args, mode, run_dir)
         runs[mode] = {
             "process": process,
             "overrides": run_overrides(args, mode),
@@ -337,16 +338,8 @@ def main() -> None:
     migration = None
     if args.migration_steps > 0:
         run_dir = args.work_dir / "migration"
-        process = {"rc": None, "process_wall_s": None}
         overrides = [*MIGRATION_OVERRIDES, f"steps={args.migration_steps}", f"seed={args.seed}"]
-        if not args.reuse:
-            if run_dir.exists() and any(run_dir.iterdir()):
-                parser.error(f"{run_dir} is not empty: remove it, or measure it with --reuse")
-            process = run_mode(args, "migration", run_dir, overrides)
-            if process["rc"] != 0:
-                raise SystemExit(
-                    f"[migration] gyre.train exited {process['rc']}: see {args.work_dir / 'migration.out'}"
-                )
+        process = run_mode(args, "migration", run_dir, overrides)
         measured = measure(run_dir, 8)
         migration = {
             "process": process,
