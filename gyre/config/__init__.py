@@ -6,6 +6,7 @@ Pure: imports the standard library only (and hydra inside `register_configs`).
 """
 
 from gyre.config.algo import AlgoConfig
+from gyre.config.checkpoint import CheckpointConfig
 from gyre.config.checks import ConfigError
 from gyre.config.cluster import ClusterConfig
 from gyre.config.demo import DemoConfig
@@ -27,6 +28,7 @@ from gyre.config.workload import WorkloadConfig
 __all__ = [
     "AgentConfig",
     "AlgoConfig",
+    "CheckpointConfig",
     "ClusterConfig",
     "ConfigError",
     "DemoConfig",
@@ -87,3 +89,4 @@ def register_configs() -> None:
     cs.store(group="harness", name="base_harness", node=HarnessConfig)
     cs.store(group="tasks", name="base_tasks", node=TasksConfig)
     cs.store(group="logging", name="base_logging", node=LoggingConfig)
+    cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)

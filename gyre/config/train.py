@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gyre.config.algo import AlgoConfig
+from gyre.config.checkpoint import CheckpointConfig, check_resume
 from gyre.config.checks import require, require_int
 from gyre.config.cluster import ClusterConfig
 from gyre.config.engine import EngineConfig
@@ -92,6 +93,12 @@ class TrainConfig:
     """Ceilings on every execution's budgets (a task's own are capped by them) and the sandbox's rlimits."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Console progress, metrics.jsonl, W&B, role_timeline.png."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When the run writes its checkpoints (`<run dir>/checkpoints/`) and how many it keeps."""
+    resume: str = "never"
+    """never: start afresh (a run directory holding checkpoints is refused); auto: from the latest complete checkpoint
+    of the run directory, afresh if there is none (what a restarted torchrun or slurm job runs); or the path of one
+    checkpoint directory."""
     steps: int = 16
     """Training steps (optimizer updates) to run; the CPU demo's 16 take ~7 minutes on 2 cores."""
     seed: int = 0
@@ -101,6 +108,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         require_int("steps", self.steps, ge=1)
         require_int("seed", self.seed, ge=0)
+        check_resume(self.resume)
         check_capacity(self.cluster, self.algo)
         check_packing_matches_algo(self.packing, self.algo)
         check_behavior_sampling(self.proxy.sampling)

@@ -259,6 +259,13 @@ class StreamPackingBuffer:
         self._emitted = 0
         return self._queue
 
+    def resume_at(self, batch: int) -> None:
+        """Number the current batch `batch` (a run resumed from a checkpoint taken after batch `batch - 1`); nothing
+        may have been pulled yet."""
+        if self._groups or self._pending or self._emitted:
+            raise ValueError(f"batch {self._batch} has groups pulled already: a packer resumes before any pull")
+        self._batch = batch
+
     # -- internals ----------------------------------------------------------------------------------
     def _set_aside(self, group_id: int, reason: str) -> None:
         self.trajectories.take(group_id)

@@ -35,6 +35,7 @@ from pathlib import Path
 from gyre.config import TrainConfig
 from gyre.distributed.control import STOP, ControlListener
 from gyre.distributed.transport import one_sided_transport
+from gyre.runtime.checkpoint import StartingPoint
 from gyre.runtime.job import Job, ack_key, engine_key, step_stats_key
 from gyre.runtime.trainers import GATHER, build_trainable
 
@@ -55,16 +56,18 @@ def weights_transport(cfg: TrainConfig, job: Job, store):
     return one_sided_transport(store, kind=cfg.trainer.weight_transport, host=job.host, prefix=weights_prefix(job))
 
 
-def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict:
-    """The loop of one rank (module docstring); returns what it did."""
+def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) -> dict:
+    """The loop of one rank (module docstring), its engine on `start.engine_dir` and its trainer built from
+    `start.trainer_dir` (a resumed run's checkpoint); returns what it did."""
     from gyre.models.hf_weights import read_config
     from gyre.train.publish import engine_weights
     from gyre.train.streaming import train_claimed_step
 
     cell, is_core = job.groups.cell, job.groups.cell == 0
-    model_config = read_config(model_dir)
+    model_config = read_config(start.trainer_dir)
     store = job.store()
-    server, url = _serve_engine(cfg, model_dir) if job.groups.is_cell_leader else (None, None)
+    leader = job.groups.is_cell_leader
+    server, url = _serve_engine(cfg, start.engine_dir, start.engine_version) if leader else (None, None)
     try:
         if server is not None:
             store.set(engine_key(cell), url)
@@ -129,7 +132,7 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
             elif kind == "role" and fields["cell"] == cell:
                 if fields["to"] == "training":
                     if trainer is None:
-                        trainer = build_trainable(cfg, model_dir)
+                        trainer = build_trainable(cfg, start.trainer_dir)
                     training, synced = True, is_core  # the core's weights are the run's: always in sync
                     store.set(ack_key(decision.seq, job.rank), b"1")
                     if step is not None and not is_core:  # a step in flight: join it if the controller admits it
@@ -159,9 +162,9 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
     return done
 
 
-def _serve_engine(cfg: TrainConfig, model_dir: Path):
-    """The cell leader's native engine on the starting checkpoint behind an endpoint: the started `ServerThread`
-    and its address."""
+def _serve_engine(cfg: TrainConfig, model_dir: Path, version: int):
+    """The cell leader's native engine on `model_dir` (the starting checkpoint, or a resumed run's published policy
+    `version`) behind an endpoint: the started `ServerThread` and its address."""
     import torch
 
     from gyre.engine.endpoint import ServerThread
@@ -169,5 +172,7 @@ def _serve_engine(cfg: TrainConfig, model_dir: Path):
     from gyre.models.hf_weights import load_pretrained
 
     engine_model = load_pretrained(model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device)
-    server = ServerThread(lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0))
+    server = ServerThread(
+        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=version)
+    )
     return server, server.start()

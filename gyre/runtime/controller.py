@@ -51,12 +51,14 @@ from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights
+from gyre.models.hf_weights import load_pretrained
 from gyre.obs.progress import format_progress
-from gyre.obs.record import StepRecord, TransitionRecord
+from gyre.obs.record import StepRecord, TransitionRecord, record_from_dict
 from gyre.obs.sinks import MetricsLogger
 from gyre.proxy.reroute import reroute_execution
 from gyre.proxy.routing import RoutingTable
 from gyre.rl.loss_metrics import LossMetricSums
+from gyre.runtime.checkpoint import Checkpoint, write_checkpoint
 from gyre.runtime.execution_log import EXECUTIONS_FILE, ExecutionLine, ExecutionLog
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.ids import ExecutionIds, engine_name
@@ -82,9 +84,12 @@ from gyre.sched import (
     WakeAt,
     spec_from_config,
 )
+from gyre.sched.checkpoint import resume, resumed_scheduler, scheduler_state
 from gyre.train.publish import engine_weights, publish_to_engines
 from gyre.traj.outcomes import GroupOutcomes
+from gyre.traj.outcomes_state import group_outcomes_state, restored_group_outcomes
 from gyre.traj.roles import classifier_for
+from gyre.traj.store import load_tree
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +124,9 @@ class ControllerParts:
     # its `close()` runs on that thread after the run's last step
     model_dir: Path  # the starting checkpoint (its tokenizer and chat template go into the policy directory)
     model_config: DecoderConfig  # the starting checkpoint's config: the HF layout the core's weights are gathered into
+    records_dir: Path | None = None  # the proxy's record files: the trees of a resumed run's finished executions
+    optimizer_state: Callable | None = None  # (trainer) -> its optimizer's state to checkpoint, on the trainer thread
+    engine_dir: Path | None = None  # the weights the engines started with (a resumed run's last publication)
 
 
 @dataclass
@@ -155,10 +163,13 @@ class Controller:
         metrics: MetricsLogger,
         run_dir: Path,
         echo: Callable[[str], None] = print,
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         self.cfg, self.parts, self.tasks = cfg, parts, train_tasks
         self.held_out, self.metrics, self.run_dir, self.echo = held_out, metrics, run_dir, echo
-        self.sched = Scheduler(spec_from_config(cfg.cluster, cfg.algo, buffer_verdicts=True))
+        spec = spec_from_config(cfg.cluster, cfg.algo, buffer_verdicts=True)
+        self.resumed_from = checkpoint
+        self.sched = resumed_scheduler(spec, checkpoint.state["scheduler"]) if checkpoint else Scheduler(spec)
         self.ids = ExecutionIds(self.sched.spec.executions_per_group)
         self.buffer = TrajectoryBuffer()
         self.packer = StreamPackingBuffer(self.buffer, cfg.packing)
@@ -194,10 +205,22 @@ class Controller:
         self.t0 = 0.0
         self.last_progress = 0.0
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.reruns: dict[int, int] = {}  # execution -> how often it was dispatched again after a resume
+        self.clock_offset = 0.0  # a resumed run's clock goes on from its checkpoint's time
+        self.on_disk: set[str] = set()  # finished executions of a resumed run: their trees are their record files
+        if checkpoint is not None:
+            self._restore(checkpoint)
 
     # -- running ------------------------------------------------------------------------------------------
     def now(self) -> float:
-        return time.monotonic() - self.t0
+        return time.monotonic() - self.t0 + self.clock_offset
+
+    def name(self, execution: int) -> str:
+        """The execution's string id, its rerun's after a resume (`ExecutionIds.name`)."""
+        return self.ids.name(execution, self.reruns.get(execution, 0))
+
+    def names(self, group: int) -> list[str]:
+        return [self.name(e) for e in self.ids.executions(group)]
 
     async def run(self) -> RunEnd:
         """Run until `steps` steps are done, `request_stop()` or an error; then cancel what still runs."""
@@ -222,12 +245,12 @@ class Controller:
     async def _begin(self) -> None:
         """The baseline held-out evaluation, the cells that start in the training role, the first dispatch (a task,
         so that a stop or an error during them ends the run like any other)."""
-        if self.held_out is not None:  # the starting policy's pass rate, the baseline of the curve
+        if self.held_out is not None and self.resumed_from is None:  # the starting policy's, the curve's baseline
             await self.held_out.evaluate(self.parts.model_dir, version=0, wall_time_s=0.0)
         self.t0 = time.monotonic()  # the scheduler's clock starts with the first dispatch
         await self._initial_roles()
         if not self.stopping:
-            self.apply(self.sched.start(self.now()))
+            self.apply(resume(self.sched, self.now()) if self.resumed_from else self.sched.start(self.now()))
 
     def _tick(self) -> None:
         """A `WakeAt` timer: `tick`, its error ending the run as a task's would."""
@@ -347,13 +370,13 @@ class Controller:
 
     def dispatch(self, action: Dispatch) -> None:
         for group in range(action.first_group, action.first_group + action.count):
-            names = self.ids.names(group)
+            names = self.names(group)
             self.task_of[group] = self.rng.choice(self.tasks)
             self.outcomes[group] = GroupOutcomes(self.cfg.algo.group_size, names)
             self.buffer.add_group(group, action.version, names, self.cfg.algo.group_size)
 
     def start(self, action: Start) -> None:
-        execution, name = action.execution, self.ids.name(action.execution)
+        execution, name = action.execution, self.name(action.execution)
         session = self.parts.registry.issue(name)
         self.sessions[name] = session
         self.parts.table.assign(name, engine_name(action.engine))
@@ -417,8 +440,7 @@ class Controller:
         )
 
     def judge(self, group: int) -> None:
-        names = self.ids.names(group)
-        trees = {name: self.sessions[name].tree if name in self.sessions else None for name in names}
+        trees = {name: self._tree(name) for name in self.names(group)}
         verdict = judge_group(
             self.buffer,
             group,
@@ -457,7 +479,7 @@ class Controller:
             raise RuntimeError(f"cell {cell} joins the step before cell {pump.board.cells}: cells join in order")
 
     async def reroute(self, action: Reroute) -> None:
-        name = self.ids.name(action.execution)
+        name = self.name(action.execution)
         moved = await reroute_execution(self.parts.table, name, engine_name(action.destination))
         self.book.reroutes.append(action.execution)
         self.book.calls_rerouted += moved.calls
@@ -606,6 +628,131 @@ class Controller:
         self.trace.publication(begun, self.now() - begun, version, phases)
         self.apply(self.sched.publish_finished(self.now()))
 
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """The controller's state at a step's end, before `step_finished` (docs/runtime.md, "Checkpoints and
+        resume"): the scheduler's (`gyre.sched.checkpoint.scheduler_state`), every open or ready group's task and
+        outcomes (their finished executions' calls are their record files), the executions' reruns, the task
+        sampler's RNG, the step records, the packer's batch, the clock."""
+        sched = scheduler_state(self.sched)
+        groups = {}
+        for group in range(len(self.sched.groups)):
+            if self.sched.groups[group].state in (GroupState.OPEN, GroupState.READY):
+                groups[str(group)] = {
+                    "task": self.task_of[group].id,
+                    "outcomes": group_outcomes_state(self.outcomes[group]),
+                }
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "scheduler": sched,
+            "groups": groups,
+            "reruns": {str(e): k for e, k in sorted(self.reruns.items())},
+            "task_rng": [version, list(internal), gauss],
+            "records": [record.to_dict() for record in self.records],
+            "bursts": self.bursts + (1 if sched["step_in_burst"] == 0 else 0),  # a burst's end counts its publication
+            "packer_batch": self.packer.batch,
+            "wall_time_s": self.now(),
+            "seed": self.cfg.seed,
+            "executions_per_group": self.ids.executions_per_group,
+        }
+
+    async def write_checkpoint(self) -> None:
+        """`<run dir>/checkpoints/step-<n>/` (`gyre.runtime.checkpoint`) with the core's weights and optimizer state,
+        and the engines' weights when a burst is in flight (its last publication)."""
+        begun = self.now()
+        state = self.checkpoint_state()  # in one go on the loop: a consistent state
+        sched = state["scheduler"]
+        step, published = sched["trainer_version"], sched["published_version"]
+        trainer_model = await self.core_model()
+        optimizer = None
+        if self.parts.optimizer_state is not None:
+            optimizer = await self.trainer_thread.submit(self.parts.optimizer_state, self.trainer)
+        engine_model = None
+        if published not in (0, step):  # inside a burst: the engines serve the last publication
+            if self.published is not None:
+                version, weights = self.published
+                assert version == published, (version, published)
+                engine_model = policy_model(weights, self.parts.model_config)
+            else:  # a resumed run before its first publication: the weights its engines started with
+                engine_model = await asyncio.to_thread(load_pretrained, self.parts.engine_dir)
+        path = await asyncio.to_thread(
+            write_checkpoint,
+            self.run_dir,
+            step,
+            state,
+            trainer_model=trainer_model,
+            optimizer_state=optimizer,
+            engine_model=engine_model,
+            source_dir=self.parts.model_dir,
+            keep=self.cfg.checkpoint.keep,
+        )
+        log.info("checkpoint %s written in %.2fs", path, self.now() - begun)
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        """The controller's state from `checkpoint` (the scheduler's is restored already): the executions the
+        scheduler dispatches again get their next rerun's id, the open and ready groups their outcomes and buffer
+        entries (a ready group judged again from its record files: the same verdict, admission is seeded)."""
+        state = checkpoint.state
+        if state["executions_per_group"] != self.ids.executions_per_group or state["seed"] != self.cfg.seed:
+            raise ValueError(
+                f"checkpoint {checkpoint.path} is of another run shape (seed {state['seed']}, "
+                f"{state['executions_per_group']} executions per group; this run: seed {self.cfg.seed}, "
+                f"{self.ids.executions_per_group}): resume with the run's own config"
+            )
+        self.reruns = {int(e): k for e, k in state["reruns"].items()}
+        for execution in self.sched.redispatched:
+            self.reruns[execution] = self.reruns.get(execution, 0) + 1
+        version, internal, gauss = state["task_rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.records = [record_from_dict(record) for record in state["records"]]
+        self.bursts = state["bursts"]
+        self.packer.resume_at(state["packer_batch"])
+        self.clock_offset = state["wall_time_s"]
+        self.book = _StepBook(started_s=self.clock_offset)
+        self.trace = RoleTrace(self.cfg.cluster.num_cells, start_s=self.clock_offset)
+        tasks = {task.id: task for task in self.tasks}
+        for key, saved in sorted(state["groups"].items(), key=lambda item: int(item[0])):
+            group = int(key)
+            if saved["task"] not in tasks:
+                raise ValueError(
+                    f"checkpoint {checkpoint.path}: group {group}'s task {saved['task']!r} is not in the "
+                    "training tasks: resume with the run's own task set"
+                )
+            names = self.names(group)
+            self.task_of[group] = tasks[saved["task"]]
+            self.outcomes[group] = restored_group_outcomes(saved["outcomes"], names)
+            self.on_disk.update(e["execution"] for e in saved["outcomes"]["executions"] if e["close_kind"])
+            entry = self.sched.groups[group]
+            self.buffer.add_group(group, entry.version, names, self.cfg.algo.group_size)
+            if entry.state is GroupState.READY:
+                verdict = judge_group(
+                    self.buffer,
+                    group,
+                    self.outcomes[group],
+                    {name: self._tree(name) for name in names},
+                    classify=classifier_for(self.cfg.harness.name),
+                    j_max=self.cfg.algo.j_max,
+                    run_seed=self.cfg.seed,
+                )
+                if not verdict.accepted:
+                    raise ValueError(
+                        f"checkpoint {checkpoint.path}: ready group {group} is refused on resume "
+                        f"({verdict.reason}): its record files changed"
+                    )
+
+    def _tree(self, name: str):
+        """An execution's trajectory tree: its session's, or (a finished execution of a resumed run) its record
+        file's; None when it made no call."""
+        if name in self.sessions:
+            return self.sessions[name].tree
+        if name in self.on_disk and self.parts.records_dir is not None:
+            path = self.parts.records_dir / f"{name}.jsonl"
+            if path.is_file():
+                tree = load_tree(path)
+                tree.close()
+                return tree
+        return None
+
     # -- the step ----------------------------------------------------------------------------------------
     def refill(self) -> bool:
         """The pump runs short: claim one ready group from the scheduler and pull it into the packer."""
@@ -672,6 +819,9 @@ class Controller:
                 await evaluation
             else:  # on a copy of the weights, beside the next step
                 self.spawn(evaluation)
+        every = self.cfg.checkpoint.every_steps
+        if done or (every > 0 and len(self.records) % every == 0):
+            await self.write_checkpoint()
         if done:
             await asyncio.to_thread(
                 write_policy, policy, source_dir=self.parts.model_dir, run_dir=self.run_dir, version=version

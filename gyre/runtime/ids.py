@@ -6,7 +6,9 @@ The scheduler (`gyre.sched`) numbers executions 0, 1, 2, ... (execution `e` belo
 execution by a string, and the routing table names an engine by a string. One mapping, pure and reversible:
 
 - execution `e` of group `g` -> `"g{g:06d}-e{e:07d}"` (sorts like the integers, names its group for a reader, and
-  is a valid execution id: `gyre.proxy.sessions.check_execution_id`);
+  is a valid execution id: `gyre.proxy.sessions.check_execution_id`); run again after a resume (a harness cannot
+  be resumed: docs/runtime.md, "Checkpoints and resume"), its k-th rerun is `"g{g:06d}-e{e:07d}-r{k}"`, so that no
+  session, record file or workspace of the instance that was lost is reused;
 - cell `c` -> `"cell-{c}"`, `POOL` -> `"pool"`.
 
 Groups keep the scheduler's integer ids everywhere (the trajectory buffer's group ids are ints). Pure: the stdlib
@@ -23,7 +25,7 @@ from gyre.config.checks import is_int
 POOL_ENGINE = -1  # gyre.sched.POOL
 POOL_NAME = "pool"
 
-_EXECUTION = re.compile(r"g(\d{6,})-e(\d{7,})")
+_EXECUTION = re.compile(r"g(\d{6,})-e(\d{7,})(?:-r([1-9]\d*))?")
 _CELL = re.compile(r"cell-(0|[1-9]\d*)")
 
 __all__ = ["POOL_NAME", "ExecutionIds", "engine_id", "engine_name"]
@@ -61,11 +63,15 @@ class ExecutionIds:
         """The group of scheduler execution `execution` (the scheduler's own rule)."""
         return execution // self.executions_per_group
 
-    def name(self, execution: int) -> str:
-        """The string id of scheduler execution `execution`: session, record file, outcomes, tree, buffer."""
+    def name(self, execution: int, rerun: int = 0) -> str:
+        """The string id of scheduler execution `execution` (its `rerun`-th rerun after a resume, 0: the first
+        instance): session, record file, outcomes, tree, buffer."""
         if not is_int(execution) or execution < 0:
             raise ValueError(f"execution={execution!r} is not allowed: expected an integer >= 0")
-        return f"g{self.group_of(execution):06d}-e{execution:07d}"
+        if not is_int(rerun) or rerun < 0:
+            raise ValueError(f"rerun={rerun!r} is not allowed: expected an integer >= 0")
+        base = f"g{self.group_of(execution):06d}-e{execution:07d}"
+        return f"{base}-r{rerun}" if rerun else base
 
     def execution(self, name: str) -> int:
         """The scheduler execution named `name` (inverse of `name`); ValueError for a name it never gave."""

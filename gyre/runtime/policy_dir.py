@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gyre.models.hf_weights import save_pretrained
 
-__all__ = ["POLICY_DIR", "POLICY_META", "write_policy"]
+__all__ = ["POLICY_DIR", "POLICY_META", "copy_side_files", "fsync_dir", "write_policy"]
 
 POLICY_DIR = "policy"
 POLICY_META = "policy.json"
@@ -31,7 +31,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 _WEIGHT_INDEX = "model.safetensors.index.json"
 
 
-def _copy_side_files(source_dir: Path, target: Path) -> None:
+def copy_side_files(source_dir: Path, target: Path) -> None:
     """The source checkpoint's non-weight files; config.json merged: the written one wins, the source adds keys."""
     for path in sorted(source_dir.iterdir()):
         if not path.is_file() or path.name.endswith(_WEIGHT_SUFFIXES) or path.name == _WEIGHT_INDEX:
@@ -45,7 +45,7 @@ def _copy_side_files(source_dir: Path, target: Path) -> None:
             shutil.copy2(path, target / path.name)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     for path in directory.iterdir():
         with open(path, "rb") as handle:
             os.fsync(handle.fileno())
@@ -65,10 +65,10 @@ def write_policy(model, *, source_dir: Path, run_dir: Path, version: int) -> Pat
     shutil.rmtree(staging, ignore_errors=True)
     try:
         save_pretrained(model, staging)
-        _copy_side_files(Path(source_dir), staging)
+        copy_side_files(Path(source_dir), staging)
         meta = {"version": version, "source": str(Path(source_dir).resolve())}
         (staging / POLICY_META).write_text(json.dumps(meta) + "\n")
-        _fsync_dir(staging)
+        fsync_dir(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

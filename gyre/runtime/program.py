@@ -35,6 +35,7 @@ from typing import Any
 
 from gyre.config import ConfigError, TrainConfig
 from gyre.config.train import check_context_limit, layout_fields
+from gyre.runtime.checkpoint import Checkpoint, StartingPoint
 from gyre.runtime.controller import Controller, ControllerParts, RunEnd
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.launch import job_env, launch_workers
@@ -70,6 +71,7 @@ class RunResult:
 class Prepared:
     model_dir: Path
     task_sets: TaskSets
+    checkpoint: Checkpoint | None = None  # the checkpoint the run resumes from (`resume`)
 
 
 def check_supported(cfg: TrainConfig, world_size: int) -> None:
@@ -147,11 +149,53 @@ def check_proxy_port(host: str, port: int) -> None:
         probe.close()
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """The run directory can be written (a file is created, synced and removed there)."""
+    probe = Path(run_dir) / f".write-probe-{os.getpid()}"
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(probe, "w") as handle:
+            handle.write("gyre\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        probe.unlink()
+    except OSError as error:
+        raise ProgramError(
+            f"hydra.run.dir={str(run_dir)!r}: cannot write there ({error.strerror or error}); free space or choose a "
+            "writable directory"
+        ) from None
+
+
+def resolve_checkpoint(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> Checkpoint | None:
+    """The checkpoint `resume` names (docs/runtime.md, "Checkpoints and resume"); ProgramError for one that cannot
+    be resumed here."""
+    from gyre.runtime.resume import ResumeError, checkpoint_to_resume
+
+    try:
+        checkpoint = checkpoint_to_resume(cfg.resume, run_dir)
+    except ResumeError as error:
+        raise ProgramError(str(error)) from None
+    if checkpoint is None:
+        if cfg.resume == "auto":
+            echo("resume=auto: no complete checkpoint in the run directory, starting afresh")
+        return None
+    if checkpoint.step >= cfg.steps:
+        raise ProgramError(
+            f"steps={cfg.steps}: the checkpoint {checkpoint.path} has {checkpoint.step} steps done already; raise "
+            "steps to train on from it"
+        )
+    echo(f"resuming from {checkpoint.path} (step {checkpoint.step} of {cfg.steps})")
+    return checkpoint
+
+
 def prepare(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> Prepared:
-    """The checks that need no process group, the starting checkpoint and the task sets (ProgramError)."""
+    """The checks that need no process group, the starting checkpoint, the checkpoint to resume and the task sets
+    (ProgramError)."""
     from gyre.runtime.harness_setup import HarnessSetupError, check_harness, make_runner
 
+    check_run_dir(run_dir)
     check_proxy_port(cfg.proxy.host, cfg.proxy.port)
+    checkpoint = resolve_checkpoint(cfg, run_dir, echo)
     model_dir = resolve_model_dir(cfg, echo)
     try:
         task_sets = load_task_sets(cfg.tasks, run_dir, seed=cfg.seed)
@@ -161,7 +205,7 @@ def prepare(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> Pre
         check_harness(make_runner(cfg.harness, task_sets.train[0]), _sandbox(cfg, run_dir))
     except HarnessSetupError as error:
         raise ProgramError(str(error)) from None
-    return Prepared(model_dir=model_dir, task_sets=task_sets)
+    return Prepared(model_dir=model_dir, task_sets=task_sets, checkpoint=checkpoint)
 
 
 def _sandbox(cfg: TrainConfig, run_dir: Path):
@@ -259,15 +303,19 @@ def run_rank(
     completed, reason = False, "error"
     try:
         prepared = prepare(cfg, run_dir, prepare_echo or echo) if job.rank == 0 else None
-        shared = [str(prepared.model_dir) if prepared else None]
+        shared: list[StartingPoint | None] = [None]
+        if prepared is not None:
+            from gyre.runtime.resume import starting_point
+
+            shared = [starting_point(prepared.model_dir, prepared.checkpoint)]
         if job.world_size > 1:
             dist.broadcast_object_list(shared, src=0, group=job.groups.control_group)
         if job.rank == 0:
-            result = asyncio.run(_controller(cfg, run_dir, prepared, job, echo))
+            result = asyncio.run(_controller(cfg, run_dir, prepared, shared[0], job, echo))
             reason = result.end.reason
             completed = reason != "error"
         else:
-            result = run_cell(cfg, run_dir, job, Path(shared[0]))
+            result = run_cell(cfg, run_dir, job, shared[0])
             try:
                 job.done()
             except Exception as error:  # rank 0 (the store's server) has gone already: the run has ended anyway
@@ -316,7 +364,9 @@ class CoreStep:
             log.warning("closing the core's weight transport failed: %r", error)
 
 
-async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, echo) -> RunResult:
+async def _controller(
+    cfg: TrainConfig, run_dir: Path, prepared: Prepared, start: StartingPoint, job, echo
+) -> RunResult:
     import torch
 
     from gyre.engine.endpoint import ServerThread
@@ -329,18 +379,28 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
     from gyre.runtime.harness_setup import make_runner
     from gyre.runtime.ids import engine_name
     from gyre.runtime.job import engine_key
-    from gyre.runtime.trainers import build_trainable
+    from gyre.runtime.resume import prepare_run_dir
+    from gyre.runtime.trainers import optimizer_state
     from gyre.serve.stack import start_proxy
 
-    model_dir, task_sets = prepared.model_dir, prepared.task_sets
+    model_dir, task_sets, checkpoint = prepared.model_dir, prepared.task_sets, prepared.checkpoint
     echo(f"tasks: {len(task_sets.train)} training tasks, {len(task_sets.held_out)} held-out problems")
     template = ChatTemplate.from_pretrained(model_dir)
     sandbox = _sandbox(cfg, run_dir)
     sandbox.check()
+    kept = None
+    if checkpoint is not None:
+        kept = prepare_run_dir(
+            run_dir, checkpoint, records_dir=run_dir / RECORDS_DIR, executions_dir=run_dir / EXECUTIONS_DIR
+        )
+        await asyncio.to_thread(_policy_of_the_checkpoint, run_dir, start, model_dir)
 
     dtype = getattr(torch, cfg.engine.dtype)
-    engine_model = await asyncio.to_thread(load_pretrained, model_dir, dtype, cfg.engine.device)
-    server = ServerThread(lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0))
+    engine_model = await asyncio.to_thread(load_pretrained, start.engine_dir, dtype, cfg.engine.device)
+    version = start.engine_version
+    server = ServerThread(
+        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=version)
+    )
     url = await asyncio.to_thread(server.start)
     store = job.store()
     store.set(engine_key(0), url)
@@ -364,16 +424,27 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
             table=table,
             sandbox=sandbox,
             make_runner=lambda task: make_runner(cfg.harness, task),
-            make_trainer=lambda: build_trainable(cfg, model_dir),
+            make_trainer=lambda: _core_trainer(cfg, start),
             core_step=CoreStep(cfg, job),
             model_dir=model_dir,
             model_config=read_config(model_dir),
+            records_dir=run_dir / RECORDS_DIR,
+            optimizer_state=optimizer_state,
+            engine_dir=start.engine_dir,
         )
         held_out = None
         if task_sets.held_out:
             held_out = HeldOutEvaluator(task_sets.held_out, template, out_path=run_dir / "held_out.jsonl", echo=echo)
+            held_out.results = list(kept["held_out"]) if kept else []
         controller = Controller(
-            cfg, parts, train_tasks=task_sets.train, held_out=held_out, metrics=metrics, run_dir=run_dir, echo=echo
+            cfg,
+            parts,
+            train_tasks=task_sets.train,
+            held_out=held_out,
+            metrics=metrics,
+            run_dir=run_dir,
+            echo=echo,
+            checkpoint=checkpoint,
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -403,6 +474,36 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
             async with _closing_step("an engine client"):
                 await remote.close()
         await asyncio.to_thread(server.stop)
+
+
+def _core_trainer(cfg: TrainConfig, start: StartingPoint):
+    """The core's trainer: on the starting checkpoint, or a resumed run's with its optimizer state."""
+    from gyre.runtime.checkpoint import OPTIMIZER_FILE
+    from gyre.runtime.trainers import build_trainable, restore_optimizer
+
+    trainer = build_trainable(cfg, start.trainer_dir)
+    if start.checkpoint is not None:
+        saved = start.trainer_dir / OPTIMIZER_FILE
+        if saved.is_file():
+            restore_optimizer(trainer, saved)
+        else:
+            log.warning("%s: no optimizer state kept (a Megatron core of several ranks): AdamW starts afresh", saved)
+    return trainer
+
+
+def _policy_of_the_checkpoint(run_dir: Path, start: StartingPoint, model_dir: Path) -> None:
+    """`<run dir>/policy/` as the resumed run's engines serve it (a publication after the checkpoint is undone)."""
+    from gyre.models.hf_weights import load_pretrained
+    from gyre.runtime.policy_dir import POLICY_DIR, POLICY_META, write_policy
+
+    meta = Path(run_dir) / POLICY_DIR / POLICY_META
+    try:
+        version = json.loads(meta.read_text())["version"]
+    except (OSError, ValueError, KeyError):
+        version = None
+    if start.engine_version > 0 and version != start.engine_version:
+        model = load_pretrained(start.engine_dir)
+        write_policy(model, source_dir=model_dir, run_dir=run_dir, version=start.engine_version)
 
 
 @contextlib.asynccontextmanager
@@ -468,7 +569,12 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
         mu=cfg.algo.mu,
         target_staleness=None if spec.continuous_dispatch else cfg.algo.target_staleness,
         warmup_steps=warmup_steps(spec.mu, spec.extra_groups, spec.batch_groups),
-        counters={"dispatched": sched.d, "started": sched.p, "finished": sched.f},
+        counters={
+            "dispatched": sched.d,
+            "started": sched.p,
+            "finished": sched.f,
+            "redispatched": getattr(sched, "redispatched_total", 0),
+        },
         outcomes=dict(sched.outcomes),
         utilization=utilization,
     )

@@ -25,11 +25,12 @@ __all__ = ["RoleTrace"]
 class RoleTrace:
     """Every cell's role intervals, the waterlevel and capacity step series, the step ends."""
 
-    def __init__(self, num_cells: int, *, start_state: str = "rollout") -> None:
+    def __init__(self, num_cells: int, *, start_state: str = "rollout", start_s: float = 0.0) -> None:
+        """`start_s`: when the trace begins (a resumed run's: its checkpoint's time)."""
         if start_state not in STATES:
             raise ValueError(f"start_state={start_state!r}: expected one of {STATES}")
         self.num_cells = num_cells
-        self._open: list[tuple[str, float]] = [(start_state, 0.0)] * num_cells
+        self._open: list[tuple[str, float]] = [(start_state, start_s)] * num_cells
         self._closed: list[Segment] = []
         self.waterlevel: list[tuple[float, float]] = []
         self.capacity: list[tuple[float, float]] = []

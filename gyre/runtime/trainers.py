@@ -28,7 +28,7 @@ from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
 from gyre.models.hf_weights import load_pretrained, read_config, without_tolerated
 
-__all__ = ["GATHER", "build_trainable", "policy_model", "uses_megatron"]
+__all__ = ["GATHER", "build_trainable", "optimizer_state", "policy_model", "restore_optimizer", "uses_megatron"]
 
 GATHER = "gather"  # the control decision: the core's ranks gather its whole weights now (a collective)
 
@@ -57,6 +57,34 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
     if t.device != "cpu":
         model = model.to(t.device)
     return MegatronTrainable(model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+
+
+def optimizer_state(trainer) -> dict | None:
+    """What a checkpoint keeps of the core's trainer besides its weights: the optimizer's state (a copy) and torch's
+    RNG state; None for a Megatron core of several ranks, whose optimizer state is sharded over them (not kept:
+    docs/runtime.md, "Checkpoints and resume")."""
+    import copy
+
+    if uses_megatron_sharded(trainer):
+        return None
+    return {"optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "rng": torch.get_rng_state()}
+
+
+def uses_megatron_sharded(trainer) -> bool:
+    from torch import distributed as dist
+
+    if isinstance(trainer.model, DecoderLM):
+        return False
+    from megatron.core import parallel_state
+
+    return dist.is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
+def restore_optimizer(trainer, path: Path) -> None:
+    """Load `optimizer_state`'s file into `trainer` (its optimizer built on the checkpoint's weights)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
 
 
 def policy_model(weights: FlatWeights, config: DecoderConfig) -> DecoderLM:

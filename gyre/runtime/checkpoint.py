@@ -1,0 +1,218 @@
+"""A run's checkpoints on disk: written whole or not at all, and the latest complete one found again (docs/runtime.md,
+"Checkpoints and resume").
+
+A checkpoint is a directory `<run dir>/checkpoints/step-<n>/`, n the trainer version it holds (steps done):
+
+- `trainer/`: the core's weights in the HF layout (`config.json`, `model.safetensors`, the starting checkpoint's
+  tokenizer and chat template) and `optimizer.pt` (the optimizer's state, and the core's torch RNG state);
+- `engine/`: the weights the engines served, when they are not `trainer/`'s (a checkpoint inside a burst: the
+  version published last; absent when that is the starting checkpoint, version 0);
+- `state.json`: the controller's state (the scheduler's, every group's task and outcomes, the executions' reruns,
+  the task sampler's RNG, the step records, the packer's batch; `gyre.runtime.controller.Controller.checkpoint_state`);
+  the finished executions' calls are their record files (`<run dir>/records/`), which it names;
+- `complete.json`, written last: the size of every file above.
+
+It is written as `checkpoints/.step-<n>.tmp/`, every file fsynced, `complete.json` last, then renamed into place: a
+crash leaves a `.tmp` directory, never a `step-<n>/` without `complete.json`. A reader (`latest_checkpoint`) takes
+the highest `step-<n>/` whose `complete.json` reads and whose files have the sizes it lists, and skips any other with
+a warning. A write that fails (a full disk) removes its `.tmp` directory and raises `CheckpointError`; the previous
+checkpoints are untouched. Once a checkpoint is complete, all but the newest `keep` are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gyre.runtime.policy_dir import copy_side_files
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "Checkpoint",
+    "CheckpointError",
+    "StartingPoint",
+    "latest_checkpoint",
+    "read_checkpoint",
+    "write_checkpoint",
+]
+
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "state.json"
+COMPLETE_FILE = "complete.json"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_DIR = "trainer"
+ENGINE_DIR = "engine"
+_NAME = re.compile(r"step-(\d{6,})")
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written (the run directory is full or unwritable); nothing of it is left."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint directory and its `state.json`."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]
+
+    @property
+    def trainer_dir(self) -> Path:
+        return self.path / TRAINER_DIR
+
+    @property
+    def engine_dir(self) -> Path | None:
+        """Where the engines' weights are: `engine/`, `trainer/` (published at this step), None (the starting
+        checkpoint)."""
+        if (self.path / ENGINE_DIR).is_dir():
+            return self.path / ENGINE_DIR
+        sched = self.state["scheduler"]
+        return self.trainer_dir if sched["published_version"] == sched["trainer_version"] else None
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """What every rank of a run starts from: the trainers' and the engines' weights (a directory in the HF layout)
+    and the engines' policy version; `checkpoint` when the run resumes."""
+
+    trainer_dir: Path
+    engine_dir: Path
+    engine_version: int = 0
+    checkpoint: Path | None = None
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}"
+
+
+def _fsync_path(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Every file and directory under `directory`, and itself, on disk."""
+    for path in sorted(directory.rglob("*")):
+        _fsync_path(path)
+    _fsync_path(directory)
+
+
+def write_checkpoint(
+    run_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    *,
+    trainer_model,
+    optimizer_state: dict[str, Any] | None,
+    engine_model=None,
+    source_dir: Path,
+    keep: int,
+) -> Path:
+    """Write checkpoint `step` (module docstring): `trainer_model` and `engine_model` are `DecoderLM`s (`engine_model`
+    None: the engines serve `trainer_model`'s weights or the starting checkpoint's, as `state` says). Its path."""
+    import torch
+
+    from gyre.models.hf_weights import save_pretrained
+
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    staging = root / f".step-{step:06d}.tmp"
+    target = _step_dir(root, step)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        save_pretrained(trainer_model, staging / TRAINER_DIR)
+        copy_side_files(Path(source_dir), staging / TRAINER_DIR)
+        if optimizer_state is not None:
+            torch.save(optimizer_state, staging / TRAINER_DIR / OPTIMIZER_FILE)
+        if engine_model is not None:
+            save_pretrained(engine_model, staging / ENGINE_DIR)
+            copy_side_files(Path(source_dir), staging / ENGINE_DIR)
+        (staging / STATE_FILE).write_text(json.dumps(state) + "\n")
+        sizes = {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
+        _fsync_tree(staging)
+        (staging / COMPLETE_FILE).write_text(json.dumps({"step": step, "files": sizes}) + "\n")
+        _fsync_path(staging / COMPLETE_FILE)
+        _fsync_path(staging)
+        if target.exists():  # the same step again (a resumed run redoing it): the new one replaces it
+            shutil.rmtree(target)
+        staging.rename(target)
+        _fsync_path(root)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"checkpoint of step {step} not written under {root}: {error.strerror or error} (the earlier checkpoints "
+            "are kept; free space or fix the run directory's permissions, then resume=auto)"
+        ) from error
+    _prune(root, keep)
+    return target
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = [c for c in _candidates(root) if _complete(c[1]) is None]
+    for _, path in complete[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _candidates(root: Path) -> list[tuple[int, Path]]:
+    """`step-<n>` directories of `root`, newest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _NAME.fullmatch(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def _complete(path: Path) -> str | None:
+    """None when `path` is a complete checkpoint, else why not."""
+    try:
+        listing = json.loads((path / COMPLETE_FILE).read_text())
+        for name, size in listing["files"].items():
+            actual = (path / name).stat().st_size
+            if actual != size:
+                return f"{name} has {actual} bytes, {size} were written"
+        json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint at `path`; ValueError naming what is wrong when it is not complete."""
+    path = Path(path)
+    match = _NAME.fullmatch(path.name)
+    why = "not a step-<n> checkpoint directory" if match is None else _complete(path)
+    if why is not None:
+        raise ValueError(f"{path}: not a complete checkpoint ({why})")
+    state = json.loads((path / STATE_FILE).read_text())
+    return Checkpoint(path=path, step=int(match.group(1)), state=state)
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The newest complete checkpoint of `run_dir` (module docstring); None when there is none."""
+    for _, path in _candidates(Path(run_dir) / CHECKPOINTS_DIR):
+        why = _complete(path)
+        if why is None:
+            return read_checkpoint(path)
+        log.warning("checkpoint %s skipped: it is not complete (%s)", path, why)
+    return None
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether `run_dir` holds any checkpoint directory (complete or not)."""
+    return bool(_candidates(Path(run_dir) / CHECKPOINTS_DIR))

@@ -1,0 +1,165 @@
+"""A run that loses its controller and resumes (docs/runtime.md, "Checkpoints and resume"): real processes, the
+program as a user runs it (`python -m gyre.train`, 4 workers), the controller's process SIGKILLed.
+
+The run checkpoints after every step. Once a checkpoint holds executions still running and a finished group waiting
+for a step, rank 0 (the controller, the proxy, the harnesses' parent) gets SIGKILL: the launcher ends the job
+naming rank 0. The same command with `resume=auto` then finishes the run, and its checkpoints show:
+
+- training went on from the saved version (the first step after the resume is the checkpoint's step, the records
+  before it are the killed run's own);
+- every execution that had finished before the checkpoint is still accounted for: its group is trained (CLAIMED)
+  or, with its outcome unchanged, in the buffer; none ran twice (its id has one line in `executions.jsonl`, and no
+  rerun id of it exists);
+- the executions that were running were dispatched again as new ones (`-r1` ids): the counters are the
+  checkpoint's plus one dispatch, start and finish each, the summary's `redispatched` is their number, and the
+  staleness log goes on from the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from test_train_program import SMALL, finish, left_of, train, wait_until_gone
+
+pytestmark = pytest.mark.slow
+
+# Slow executions (docs/tasks.md, "Slow executions"): steps end while executions still run.
+ARGS = [
+    *SMALL,
+    "steps=6",
+    "tasks.eval_every=0",
+    "tasks.demo.work.enabled=true",
+    "algo.phi=1.0",  # 2 groups beyond the burst: finished groups wait while the steps run
+    "checkpoint.every_steps=1",
+    "checkpoint.keep=10",
+]
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    return sorted(p for p in root.glob("step-*") if (p / "complete.json").is_file()) if root.is_dir() else []
+
+
+def state_of(path: Path) -> dict:
+    return json.loads((path / "state.json").read_text())
+
+
+def in_flight(state: dict) -> tuple[set[int], list[int]]:
+    """Executions neither closed nor queued at the checkpoint (running, or evaluating), and the groups with finished
+    executions waiting (ready, or open with some of its executions closed)."""
+    sched = state["scheduler"]
+    per = state["executions_per_group"]
+    closed = set(sched["closed"])
+    waiting = closed | set(sched["queue"])
+    running = {e for e in range(len(sched["groups"]) * per) if e not in waiting}
+    finished = [
+        g
+        for g, entry in enumerate(sched["groups"])
+        if entry[4] == "ready" or (entry[4] == "open" and any(e in closed for e in range(g * per, (g + 1) * per)))
+    ]
+    return running, finished
+
+
+def rank_pid(process, rank: int) -> int | None:
+    """The worker process of `rank` (torch's launcher sets RANK in each worker's environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if {f"GYRE_TEST_RUN={process.marker}".encode(), f"RANK={rank}".encode()} <= environ:
+            return int(entry.name)
+    return None
+
+
+def test_the_controller_killed_mid_burst_resumes_from_its_checkpoint_and_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    process = train(ARGS, run_dir)
+    chosen = None
+    try:
+        deadline = time.monotonic() + 400
+        while chosen is None and process.poll() is None and time.monotonic() < deadline:
+            for path in checkpoints(run_dir):
+                running, ready = in_flight(state_of(path))
+                if running and ready and state_of(path)["scheduler"]["trainer_version"] < 6:
+                    chosen = path
+            time.sleep(0.05)
+        assert chosen is not None, "no checkpoint with executions running and a group waiting before the run ended"
+        pid = rank_pid(process, 0)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rc, out, err = finish(process, 120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    ended_s = time.monotonic() - killed_at
+    assert rc == 3, (rc, out[-2000:], err[-3000:])
+    assert "rank 0" in out + err and ended_s < 30, (ended_s, out[-2000:])
+    assert not wait_until_gone(process, 30), left_of(process)
+    # The last complete checkpoint before the kill is what resume=auto takes (a later one may have been written
+    # between the choice and the kill).
+    before = checkpoints(run_dir)[-1]
+    saved = state_of(before)
+    running, ready = in_flight(saved)
+    step = saved["scheduler"]["trainer_version"]
+
+    resumed = train([*ARGS, "resume=auto"], run_dir)
+    rc, out, err = finish(resumed, 600)
+    assert rc == 0, (out[-3000:], err[-3000:])
+    assert f"resuming from {before} (step {step} of 6)" in out
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 6
+    assert not wait_until_gone(resumed), left_of(resumed)
+
+    final = state_of(checkpoints(run_dir)[-1])
+    assert final["scheduler"]["trainer_version"] == 6
+    steps = [r["step"] for r in final["records"]]
+    assert steps == list(range(6)), steps
+    assert final["records"][:step] == saved["records"]  # the killed run's own records, then the resumed ones
+    metrics = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == list(range(6)), metrics
+
+    # Every execution finished before the checkpoint: trained, or in the buffer with its outcome, never again.
+    groups_after = final["scheduler"]["groups"]
+    lines: dict[str, int] = {}
+    for line in (run_dir / "executions.jsonl").read_text().splitlines():
+        name = json.loads(line)["execution"]
+        lines[name] = lines.get(name, 0) + 1
+    finished_before = 0
+    per, closed = saved["executions_per_group"], set(saved["scheduler"]["closed"])
+    for key, group in saved["groups"].items():
+        state_after = groups_after[int(key)][4]
+        assert state_after in ("claimed", "ready", "open"), (key, state_after)
+        for index, execution in enumerate(group["outcomes"]["executions"]):
+            if int(key) * per + index not in closed:
+                continue
+            finished_before += 1
+            name = execution["execution"]
+            assert lines.get(name) == 1, (name, lines.get(name))
+            assert not any(n.startswith(name + "-r") for n in lines), name
+            if state_after != "claimed":
+                kept = next(e for e in final["groups"][key]["outcomes"]["executions"] if e["execution"] == name)
+                assert kept == execution
+    for group in ready:
+        assert groups_after[group][4] in ("claimed", "ready", "open")
+    assert finished_before > 0
+
+    # The executions that were running ran again as new ones.
+    reruns = {int(e): k for e, k in final["reruns"].items()}
+    assert {e for e, k in reruns.items() if k >= 1} >= running
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["counters"]["redispatched"] == len(running)
+    s0, s1 = saved["scheduler"], final["scheduler"]
+    assert s1["d"] >= s0["d"] + len(running) and s1["f"] >= s0["f"] + len(running)
+    assert s1["d"] - s0["d"] - len(running) == (len(s1["groups"]) - len(s0["groups"])) * saved["executions_per_group"]
+    log0, log1 = s0["staleness"], s1["staleness"]
+    assert all(log1[k][: len(log0[k])] == log0[k] for k in ("steps", "values", "tokens"))
+    assert (run_dir / "superseded" / before.name / "records").is_dir() or not running
