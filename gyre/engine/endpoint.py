@@ -129,6 +129,18 @@ class EngineServer:
         log.info("engine endpoint serving at %s", self.url)
         return self.url
 
+    async def kill(self) -> None:
+        """Die as a crashed process's endpoint does (fault tests): stop listening, so a new connection is refused,
+        and reset every open connection, so a stream in flight breaks off mid-way with no final chunk. The engine is
+        left as it is (its requests are aborted as their handlers see the client gone); `stop` still cleans up."""
+        if self._runner is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()
+        for handler in self._runner.server.connections:
+            if handler.transport is not None:
+                handler.transport.abort()
+
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
@@ -345,6 +357,10 @@ class ServerThread:
             return await outcome if asyncio.iscoroutine(outcome) else outcome
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout_s)
+
+    def kill(self, timeout_s: float = 30.0) -> None:
+        """`EngineServer.kill` on the endpoint's loop: it dies as a crashed process's would (fault tests)."""
+        asyncio.run_coroutine_threadsafe(self.server.kill(), self._loop).result(timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if not self._thread.is_alive():

@@ -8,7 +8,9 @@ A remote engine behaves like a local one, with three differences that follow fro
   wire) and otherwise forwards the abort and returns False.
 - `load()` is the last snapshot this client saw: refreshed by every async method, adjusted locally by
   `stop_accepting`/`resume_accepting`, and by `await refresh_load()`.
-- A connection failure raises `EngineUnavailableError` (the endpoint is gone: route elsewhere).
+- A connection failure raises `EngineUnreachable` (an `EngineUnavailableError`: the endpoint is gone, or its
+  connection broke, route elsewhere): refused or reset connections, a body cut short (also a stream that breaks off
+  mid-line or before its final chunk). An endpoint that answers with an error status raises that error instead.
 - A call whose prompt extends the last prompt this client sent for the same execution (the usual agent turn) sends
   only the new ids (`wire.PromptBase`); the endpoint splices them onto the prompt it kept, or answers 409 and the
   call is sent whole. At a 700K-token history that is a few KB instead of 2.8 MB per call.
@@ -28,6 +30,7 @@ from collections.abc import AsyncIterator, Mapping
 import aiohttp
 
 from gyre.engine import wire
+from gyre.engine.errors import EngineUnreachable
 from gyre.engine.protocol import (
     EngineLoad,
     EngineUnavailableError,
@@ -66,7 +69,7 @@ class RemoteEngine:
         session: aiohttp.ClientSession | None = None,
         connect_timeout_s: float = 10.0,
     ) -> RemoteEngine:
-        """Reach the endpoint (its load snapshot) or raise `EngineUnavailableError`."""
+        """Reach the endpoint (its load snapshot) or raise `EngineUnreachable`."""
         owns = session is None
         if session is None:
             # No total timeout: a generate may run for minutes; connecting is bounded.
@@ -121,7 +124,7 @@ class RemoteEngine:
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         await self._settle()
         submission = self._register(request)
-        finished = False
+        finished = broken = False
         try:
             for base in self._bases(request):
                 body = wire.generate_to_frame(request, stream=True, submission_id=submission, base=base)
@@ -132,6 +135,8 @@ class RemoteEngine:
                         continue  # the endpoint no longer holds the base: the whole prompt next
                     self._sent_prompt(request)
                     async for line in response.content:
+                        if not line.endswith(b"\n"):  # the last bytes before the connection went: not a chunk
+                            raise EngineUnreachable(f"{self.url}: {request.request_id!r}'s stream broke off mid-line")
                         if not line.strip():
                             continue
                         chunk = wire.chunk_from_wire(wire.loads(line))
@@ -140,10 +145,13 @@ class RemoteEngine:
                         if finished:
                             return
                 break
-            raise EngineUnavailableError(f"{self.url}: {request.request_id!r}'s stream ended without a final chunk")
+            raise EngineUnreachable(f"{self.url}: {request.request_id!r}'s stream ended without a final chunk")
+        except EngineUnreachable:
+            broken = True  # the endpoint's side of the request ended with its connection: no abort to send
+            raise
         finally:
             self._in_flight.pop(request.request_id, None)
-            if not finished:  # closed early: the server sees the connection go and aborts; say so explicitly too
+            if not finished and not broken:  # closed early: the server sees the connection go and aborts; say so too
                 self._send_later("/abort", {"request_id": request.request_id, "submission_id": submission})
 
     def _register(self, request: GenerateRequest) -> str:
@@ -234,8 +242,8 @@ class RemoteEngine:
         try:
             async with self._session.request(method, self.url + path, **kwargs) as response:
                 yield response
-        except aiohttp.ClientConnectionError as error:
-            raise EngineUnavailableError(f"{self.url}: {error}") from error
+        except _CONNECTION_ERRORS as error:
+            raise EngineUnreachable(f"{self.url}: {error}") from error
 
     def _send_later(self, path: str, body: dict) -> None:
         """Queue a call behind the ones already queued; failures are logged (the endpoint may be gone)."""
@@ -257,6 +265,12 @@ class RemoteEngine:
             await asyncio.wait([self._background])  # a cancelled caller still raises CancelledError
 
 
+# What aiohttp raises when the endpoint is not there or its connection breaks: refused, reset or closed connections
+# and connect timeouts (`ClientConnectionError`), and a body cut short mid-transfer (`ClientPayloadError`: a reset
+# in the middle of a streamed answer).
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+
+
 async def _raise_for_error(response: aiohttp.ClientResponse) -> None:
     if response.status >= 400:
         raise wire.error_from_wire(response.status, await response.read())
@@ -267,5 +281,5 @@ async def _get_json(session: aiohttp.ClientSession, url: str, *, owner: str | No
         async with session.get(url) as response:
             await _raise_for_error(response)
             return wire.loads(await response.read())
-    except aiohttp.ClientConnectionError as error:
-        raise EngineUnavailableError(f"{owner or url}: {error}") from error
+    except _CONNECTION_ERRORS as error:
+        raise EngineUnreachable(f"{owner or url}: {error}") from error

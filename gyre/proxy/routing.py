@@ -21,7 +21,13 @@ Under either policy:
   accepting engine at once. Scheduler: on the engine of an `assign` made after the call went to the engine that
   dropped it, which is what orders a KV migration (`export_kv` on the source, `import_kv` on the destination,
   then `assign`: the continuation reaches the destination only once the KV is there; docs/proxy.md "Routing");
-- when no engine accepts, the call waits (woken by `assign`, else polling) up to `wait_s`, then `NoEngineError`.
+- a call whose engine cannot be reached (`EngineUnreachable`: the endpoint died, its connection was refused or
+  reset mid-stream) continues the same way, from the tokens that reached the proxy (the engine's KV is gone: the
+  next engine re-prefills the prompt plus those tokens). First the table probes the engine once (`/load`); if that
+  fails too, the engine is lost (`mark_lost`): it leaves the table, so no call goes there again, and each
+  execution routed to it is assigned to the least-loaded live engine (or where `on_engine_lost` reassigns it);
+- when no engine accepts, the call waits (woken by `assign`, else polling) up to `wait_s`, then `NoEngineError`;
+  at once when every engine of the table is lost (nothing is left to wait for).
 
 `RoutingTable.calls_in_flight` lists the calls running through `generate_routed` with the engine each is on and
 its request id there (the handle for `export_kv` and `abort`). The engines are anything implementing
@@ -34,17 +40,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import time
 from array import array
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
+from gyre.engine.errors import EngineUnreachable, RemoteEngineError
 from gyre.engine.protocol import Engine, EngineUnavailableError, GenerateRequest
+
+log = logging.getLogger(__name__)
 
 PLACEMENTS = ("least_loaded", "scheduler")
 POLL_S = (
     0.05  # how often a waiting call looks again for an accepting engine (its execution's `assign` wakes it at once)
 )
+PROBE_TIMEOUT_S = 10.0  # an unreachable engine whose `/load` is not answered in this long is lost
 
 
 class NoEngineError(RuntimeError):
@@ -72,6 +83,7 @@ class RoutedFinish:
     first_token_s: float | None  # seconds from the call's start to its first token
     total_s: float
     continuation_cached_tokens: int = 0  # context tokens the continuations did not prefill (imported KV, prefix reuse)
+    failed_over: int = 0  # times the call's engine was unreachable (died mid-call) and the call went on elsewhere
 
     @property
     def attempts(self) -> int:
@@ -91,6 +103,16 @@ class CallInFlight:
     produced: int  # output tokens it had when this attempt started
 
 
+@dataclass(frozen=True)
+class EngineLost:
+    """An engine the table counted lost (`RoutingTable.mark_lost`), and where its executions went."""
+
+    engine: str
+    reason: str  # what failed: the call's connection error and the probe's
+    moved: Mapping[str, str]  # execution -> the live engine the table assigned it to (least loaded)
+    unplaced: tuple[str, ...]  # executions routed to it for which no live engine accepted (their route is removed)
+
+
 @dataclass(eq=False)
 class _Waiters:
     """Calls of one execution waiting for its next `assign`."""
@@ -104,9 +126,20 @@ class RoutingTable:
 
     `placement="least_loaded"` (the default, `gyre.serve`) places an execution nobody assigned, or whose engine does
     not accept, on the least-occupied accepting engine; `placement="scheduler"` (the training runtime) only ever
-    routes to the engine `assign` named, and calls wait for it (module docstring, docs/proxy.md "Routing")."""
+    routes to the engine `assign` named, and calls wait for it (module docstring, docs/proxy.md "Routing").
 
-    def __init__(self, engines: Mapping[str, Engine] | None = None, *, placement: str = "least_loaded"):
+    `on_engine_lost(event)` is called once per engine the table counts lost (`EngineLost`), on the table's loop,
+    after the table moved that engine's executions to the least-loaded live engines (`event.moved`): the owner
+    mirrors the moves into its own placement (the scheduler's ledger) or reassigns them with `assign` before it
+    returns, which every waiting call then follows (they resume only after it returned). It must not raise."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, Engine] | None = None,
+        *,
+        placement: str = "least_loaded",
+        on_engine_lost: Callable[[EngineLost], None] | None = None,
+    ):
         if placement not in PLACEMENTS:
             raise ValueError(
                 f"placement={placement!r} is not allowed: expected one of {list(PLACEMENTS)} (least_loaded: the table "
@@ -120,12 +153,23 @@ class RoutingTable:
         self._waiters: dict[str, _Waiters] = {}
         self._calls: dict[str, dict[int, CallInFlight]] = {}  # execution -> call serial -> the call, oldest first
         self._call_serials = itertools.count()
+        self.on_engine_lost = on_engine_lost
+        self._lost: dict[str, EngineLost] = {}  # engines counted lost, in order, until added again
+        self._probes: dict[str, asyncio.Task] = {}  # engine name -> its running probe (one per engine at a time)
 
     @property
     def engines(self) -> dict[str, Engine]:
+        """The live engines (a lost one is not among them)."""
         return dict(self._engines)
 
+    @property
+    def lost_engines(self) -> dict[str, EngineLost]:
+        """The engines counted lost (`mark_lost`) and not added again since, oldest first."""
+        return dict(self._lost)
+
     def add_engine(self, name: str, engine: Engine) -> None:
+        """Add (or replace) an engine; a lost engine's name added again is live again."""
+        self._lost.pop(name, None)
         self._engines[name] = engine
 
     def drop_engine(self, name: str) -> None:
@@ -136,7 +180,17 @@ class RoutingTable:
             del self._routes[execution]
 
     def assign(self, execution: str, name: str) -> None:
-        """The scheduler's placement (`Start`) or reroute (`Reroute`) of an execution; wakes its waiting calls."""
+        """The scheduler's placement (`Start`) or reroute (`Reroute`) of an execution; wakes its waiting calls.
+
+        An engine counted lost is never assigned: the execution goes to the least-loaded live engine instead (a
+        warning: the owner's placement still names the dead engine), or, with none, its route is removed."""
+        if name in self._lost:
+            live = self._least_loaded({})
+            log.warning("assign(%r, %r): that engine is lost; assigned to %s instead", execution, name, live)
+            if live is None:
+                self._routes.pop(execution, None)
+                return
+            name = live
         if name not in self._engines:
             raise KeyError(f"assign({execution!r}): unknown engine {name!r}; known: {sorted(self._engines)}")
         self._routes[execution] = name
@@ -144,6 +198,65 @@ class RoutingTable:
         waiters = self._waiters.pop(execution, None)
         if waiters is not None:
             waiters.assigned.set()
+
+    def mark_lost(self, name: str, reason: str) -> EngineLost | None:
+        """Count engine `name` lost (its endpoint died): it leaves the table (no call goes there again), each
+        execution routed to it is assigned to the least-loaded live accepting engine (their waiting calls wake),
+        then `on_engine_lost` hears of it. None if `name` is not a live engine of the table."""
+        if name not in self._engines:
+            return None
+        del self._engines[name]
+        moved: dict[str, str] = {}
+        unplaced: list[str] = []
+        added: dict[str, int] = {}  # executions this loss put on each engine, so they spread across equal engines
+        for execution in [e for e, n in self._routes.items() if n == name]:
+            destination = self._least_loaded(added)
+            if destination is None:
+                del self._routes[execution]
+                unplaced.append(execution)
+                continue
+            added[destination] = added.get(destination, 0) + 1
+            moved[execution] = destination
+            self.assign(execution, destination)
+        event = self._lost[name] = EngineLost(name, reason, moved, tuple(unplaced))
+        log.warning(
+            "engine %s lost (%s): %d executions moved, %d with no live engine", name, reason, len(moved), len(unplaced)
+        )
+        if self.on_engine_lost is not None:
+            self.on_engine_lost(event)
+        return event
+
+    async def check_unreachable(self, name: str, engine: Engine, error: BaseException) -> bool:
+        """A call could not reach `engine` (`EngineUnreachable`): probe it once (its `refresh_load`, bounded by
+        `PROBE_TIMEOUT_S`; calls that fail on it meanwhile share the probe) and `mark_lost` it if that fails too.
+        True if the engine is lost now. An engine that left the table or was replaced meanwhile is not probed."""
+        if name in self._lost:
+            return True
+        if self._engines.get(name) is not engine:
+            return False
+        probe = self._probes.get(name)
+        if probe is None:
+            probe = self._probes[name] = asyncio.ensure_future(self._probe(name, engine, str(error)))
+        await asyncio.shield(probe)  # a cancelled call (the harness left) leaves the probe to finish
+        return name in self._lost
+
+    async def _probe(self, name: str, engine: Engine, reason: str) -> None:
+        try:
+            refresh = getattr(engine, "refresh_load", None)  # an in-process engine has nothing to probe
+            if refresh is not None:
+                try:
+                    await asyncio.wait_for(refresh(), PROBE_TIMEOUT_S)
+                    return  # it answered: alive (the connection broke, not the engine)
+                except EngineUnreachable as answer:
+                    reason = f"{reason}; probe: {answer}"
+                except TimeoutError:
+                    reason = f"{reason}; probe: no answer to /load in {PROBE_TIMEOUT_S} s"
+                except (EngineUnavailableError, RemoteEngineError, ValueError):
+                    return  # it answered, with an error status: alive
+            if self._engines.get(name) is engine:
+                self.mark_lost(name, reason)
+        finally:
+            self._probes.pop(name, None)
 
     def route_of(self, execution: str) -> str | None:
         return self._routes.get(execution)
@@ -189,6 +302,11 @@ class RoutingTable:
             )
             if found is not None:
                 return found
+            if self._lost and not self._engines:
+                raise NoEngineError(
+                    f"no engine left for a call of execution {execution!r}: every engine of the table is lost "
+                    f"(unreachable: {', '.join(self._lost)})"
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise NoEngineError(self._no_engine_message(execution, wait_s))
@@ -230,6 +348,19 @@ class RoutingTable:
             waiters.count -= 1
             if waiters.count == 0 and self._waiters.get(execution) is waiters:
                 del self._waiters[execution]
+
+    def _least_loaded(self, added: Mapping[str, int]) -> str | None:
+        """The live accepting engine of the least occupancy, counting `added` more executions on each; ties by
+        name. None if none accepts."""
+        candidates = [(n, e) for n, e in self._engines.items() if _accepting(e)]
+        if not candidates:
+            return None
+
+        def occupancy(item: tuple[str, Engine]) -> tuple[float, str]:
+            load = item[1].load()
+            return (load.running + load.queued + added.get(item[0], 0)) / max(1, load.capacity), item[0]
+
+        return min(candidates, key=occupancy)[0]
 
     def _no_engine_message(self, execution: str, wait_s: float) -> str:
         message = f"no engine accepted a call of execution {execution!r} within {wait_s} s"
@@ -301,6 +432,7 @@ async def generate_routed(
     dropped_at = -1  # scheduler placement: the assignment the call was on when its engine dropped it
     cached = 0  # prompt tokens whose KV the first engine reused (its final chunk says)
     continuation_cached = 0
+    failed_over = 0  # times its engine was unreachable
     first_token_s = None
     serial = table._open_call(request)
     try:
@@ -313,7 +445,7 @@ async def generate_routed(
             table._track(
                 serial, CallInFlight(request.request_id, execution, name, sub.request_id, attempt, len(produced))
             )
-            before, finish = len(produced), None
+            before, finish, unreachable = len(produced), None, None
             try:
                 async for chunk in engine.generate_stream(sub):
                     if chunk.token_ids:
@@ -327,9 +459,16 @@ async def generate_routed(
                             cached = chunk.cached_tokens or 0
                         else:
                             continuation_cached += chunk.cached_tokens or 0
+            except EngineUnreachable as error:
+                finish, unreachable = None, error  # its endpoint died, or the connection to it broke
             except EngineUnavailableError:
-                finish = None  # refused the call, or its endpoint went away mid-stream
+                finish = None  # refused the call (draining, memory released)
             table._track(serial, CallInFlight(request.request_id, execution, None, None, attempt, len(produced)))
+            if unreachable is not None:
+                # the engine is lost unless a probe reaches it; the call goes on from the tokens received, on the
+                # engine its execution is assigned to now (the loss assigned it to a live one)
+                failed_over += 1
+                await table.check_unreachable(name, engine, unreachable)
             if len(produced) > before and name not in engines:
                 engines.append(name)
             if finish is None or (finish == "abort" and len(produced) < budget):
@@ -349,6 +488,7 @@ async def generate_routed(
                 first_token_s=first_token_s,
                 total_s=time.monotonic() - started,
                 continuation_cached_tokens=continuation_cached,
+                failed_over=failed_over,
             )
             return
         raise NoEngineError(f"call {request.request_id!r} was dropped by engines {max_attempts} times; giving up")

@@ -146,7 +146,7 @@ class ProxyServer:
     def stats(self) -> dict[str, Any]:
         """The counters of the calls served so far, JSON-able (`gyre.proxy.stats`, docs/proxy.md "Counters").
         Read on the proxy's event loop: the handlers update the counters there."""
-        return self.counters.snapshot(self.registry.calls_recorded())
+        return self.counters.snapshot(self.registry.calls_recorded(), self.table.lost_engines)
 
     async def start(self) -> str:
         # handler_cancellation: a harness that hangs up cancels its call, which aborts it on the engine.
@@ -416,7 +416,7 @@ class _Call:
                 yield self.decoder.feed(item.token_ids)
             else:
                 self.finish = item
-                self.counters.finished(item.attempts, item.continuation_cached_tokens)
+                self.counters.finished(item.attempts, item.continuation_cached_tokens, item.failed_over)
         events, self.output = self.decoder.finish(self.finish.finish_reason)
         yield events
 

@@ -13,9 +13,11 @@ Contract, per route (each model-call and token-counting route of each dialect):
   `hung_up` (the client went away, or the proxy stopped, before the call was answered). So `requests` minus the sum
   of the outcomes is the number of requests still running.
 - `rerouted`: admitted calls that ran on more than one engine (`RoutedFinish.attempts > 1`); `kv_migrated`: those
-  whose continuations reused imported KV (`RoutedFinish.continuation_cached_tokens > 0`).
+  whose continuations reused imported KV (`RoutedFinish.continuation_cached_tokens > 0`); `failed_over`: those
+  whose engine became unreachable mid-call and that went on on another engine (`RoutedFinish.failed_over > 0`).
 - `recorded`: calls written to their execution's tree and record file (once each, hung-up calls included).
 Per execution (`SessionRegistry.calls_recorded`, open and closed executions of the run): the calls recorded.
+Per engine the routing table counted lost (`RoutingTable.lost_engines`): why, and how many executions it moved.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from gyre.proxy.conversation import ApiError
 
 # The integer counters of a route, in the order `as_dict` writes them.
-COUNTS = ("requests", "admitted", "answered", "hung_up", "rerouted", "kv_migrated", "recorded")
+COUNTS = ("requests", "admitted", "answered", "hung_up", "rerouted", "kv_migrated", "failed_over", "recorded")
 
 
 class RouteCounters:
@@ -37,7 +39,7 @@ class RouteCounters:
     def __init__(self, route: str, dialect: str):
         self.route, self.dialect = route, dialect
         self.requests = self.admitted = self.answered = self.hung_up = 0
-        self.rerouted = self.kv_migrated = self.recorded = 0
+        self.rerouted = self.kv_migrated = self.failed_over = self.recorded = 0
         self.refused: dict[str, int] = {}  # ApiError kind -> 4xx answers
         self.failed: dict[str, int] = {}  # ApiError kind (or "unhandled") -> 5xx answers and in-stream errors
 
@@ -49,12 +51,14 @@ class RouteCounters:
     def ended_unhandled(self) -> None:
         self.failed["unhandled"] = self.failed.get("unhandled", 0) + 1
 
-    def finished(self, attempts: int, continuation_cached_tokens: int) -> None:
-        """An admitted call's routed run ended (`RoutedFinish`): count a reroute and a KV migration."""
+    def finished(self, attempts: int, continuation_cached_tokens: int, failed_over: int = 0) -> None:
+        """An admitted call's routed run ended (`RoutedFinish`): count a reroute, a KV migration, a failover."""
         if attempts > 1:
             self.rerouted += 1
         if continuation_cached_tokens > 0:
             self.kv_migrated += 1
+        if failed_over > 0:
+            self.failed_over += 1
 
     def as_dict(self) -> dict[str, Any]:
         counts: dict[str, Any] = {name: getattr(self, name) for name in COUNTS}
@@ -88,9 +92,13 @@ class ProxyStats:
         counters = self.routes[route] = RouteCounters(route, dialect)
         return counters
 
-    def snapshot(self, calls_recorded: Mapping[str, int]) -> dict[str, Any]:
+    def snapshot(
+        self, calls_recorded: Mapping[str, int], engines_lost: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """`{"routes": {route: counts}, "dialects": {dialect: counts}, "total": counts, "executions": {execution:
-        {"recorded": n}}}`, counts as in `RouteCounters.as_dict`, from `calls_recorded` (execution -> calls)."""
+        {"recorded": n}}, "engines_lost": {engine: {"reason", "moved", "unplaced"}}}`, counts as in
+        `RouteCounters.as_dict`, from `calls_recorded` (execution -> calls) and `engines_lost` (engine name ->
+        `gyre.proxy.routing.EngineLost`, or anything with its `reason`, `moved` and `unplaced`)."""
         routes = {route: counters.as_dict() for route, counters in self.routes.items()}
         dialects: dict[str, dict[str, Any]] = {}
         total = _empty()
@@ -99,7 +107,11 @@ class ProxyStats:
             _add(dialects.setdefault(counters.dialect, _empty()), counts)
             _add(total, counts)
         executions = {execution: {"recorded": n} for execution, n in calls_recorded.items()}
-        return {"routes": routes, "dialects": dialects, "total": total, "executions": executions}
+        lost = {
+            name: {"reason": event.reason, "moved": len(event.moved), "unplaced": len(event.unplaced)}
+            for name, event in (engines_lost or {}).items()
+        }
+        return {"routes": routes, "dialects": dialects, "total": total, "executions": executions, "engines_lost": lost}
 
 
 def outcomes(counts: Mapping[str, Any]) -> int:

@@ -98,7 +98,7 @@ def test_after_valid_refused_and_hung_up_calls_the_counters_are_exact_and_match_
     assert load_tree(served.stack.registry.records_dir / "fuzz.jsonl").calls[-1].response.finish_reason == "abort"
 
     stats = served.stack.proxy.stats()
-    empty = {"rerouted": 0, "kv_migrated": 0, "refused": {}, "failed": {}}
+    empty = {"rerouted": 0, "kv_migrated": 0, "failed_over": 0, "refused": {}, "failed": {}}
     hang_ups = finished_first + 1
     assert stats["routes"][MESSAGES] == {
         **empty,
