@@ -18,3 +18,8 @@ class PromptBaseUnknown(LookupError):
 
 class RemoteEngineError(RuntimeError):
     """The endpoint failed in a way the protocol does not name (HTTP 500 or a foreign status)."""
+
+
+class EngineAuthError(RemoteEngineError):
+    """The endpoint refused the call: it requires the job's secret and the call carried none (HTTP 401) or another
+    one (HTTP 403). A configuration error of the caller, not a failure of the engine."""

@@ -2,9 +2,10 @@
 cell of TP ranks), moved by the controller's decisions (docs/runtime.md, "The process model").
 
 Every rank of the job but rank 0 runs `run_cell`. At start a cell leader (a satellite's first rank) serves the
-native engine on the starting checkpoint behind an endpoint and writes the address under `gyre/engine/<cell>`; the
-controller reaches it with a `RemoteEngine` and drives the engine side of every transition itself (stop accepting,
-reroutes, drain, release; resume, load the published version, accept: `gyre.runtime.transitions`). A cell's other
+native engine on the starting checkpoint behind an endpoint (bound to `job.host`, requiring `job.secret`) and
+writes the address under `gyre/engine/<cell>`; the controller reaches it with a `RemoteEngine` and drives the engine
+side of every transition itself (stop accepting, reroutes, drain, release; resume, load the published version,
+accept: `gyre.runtime.transitions`). A cell's other
 ranks serve nothing: in the rollout role they wait. The rank reads the control log (`gyre.distributed.control`) on a
 listener thread and applies, in order:
 
@@ -64,7 +65,7 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
     cell, is_core = job.groups.cell, job.groups.cell == 0
     model_config = read_config(model_dir)
     store = job.store()
-    server, url = _serve_engine(cfg, model_dir) if job.groups.is_cell_leader else (None, None)
+    server, url = _serve_engine(cfg, model_dir, job) if job.groups.is_cell_leader else (None, None)
     try:
         if server is not None:
             store.set(engine_key(cell), url)
@@ -159,9 +160,10 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, model_dir: Path) -> dict
     return done
 
 
-def _serve_engine(cfg: TrainConfig, model_dir: Path):
-    """The cell leader's native engine on the starting checkpoint behind an endpoint: the started `ServerThread`
-    and its address."""
+def _serve_engine(cfg: TrainConfig, model_dir: Path, job: Job):
+    """The cell leader's native engine on the starting checkpoint behind an endpoint on this rank's address
+    (`job.host`: rank 0 reaches it from another host; not every interface), refusing calls without the job's
+    secret: the started `ServerThread` and its address."""
     import torch
 
     from gyre.engine.endpoint import ServerThread
@@ -169,5 +171,9 @@ def _serve_engine(cfg: TrainConfig, model_dir: Path):
     from gyre.models.hf_weights import load_pretrained
 
     engine_model = load_pretrained(model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device)
-    server = ServerThread(lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0))
+    server = ServerThread(
+        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0),
+        host=job.host,
+        secret=job.secret or None,
+    )
     return server, server.start()

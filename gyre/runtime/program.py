@@ -340,7 +340,11 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
 
     dtype = getattr(torch, cfg.engine.dtype)
     engine_model = await asyncio.to_thread(load_pretrained, model_dir, dtype, cfg.engine.device)
-    server = ServerThread(lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0))
+    # Rank 0's own engine listens on the loopback: only this process's proxy reaches it.
+    server = ServerThread(
+        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=0),
+        secret=job.secret or None,
+    )
     url = await asyncio.to_thread(server.start)
     store = job.store()
     store.set(engine_key(0), url)
@@ -350,7 +354,7 @@ async def _controller(cfg: TrainConfig, run_dir: Path, prepared: Prepared, job, 
         table = RoutingTable(placement="scheduler")
         for cell in range(cfg.cluster.num_cells):
             address = (await asyncio.to_thread(_wait_get, job, engine_key(cell))).decode()
-            engines[cell] = await RemoteEngine.connect(address)
+            engines[cell] = await RemoteEngine.connect(address, secret=job.secret or None)
             table.add_engine(engine_name(cell), engines[cell])
         proxy, registry = await start_proxy(
             cfg.proxy, model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
