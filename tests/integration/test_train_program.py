@@ -5,7 +5,9 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
   metrics.jsonl (one line per step, strict JSON), held_out.jsonl (before the first step and after the last),
   summary.json with the simulator's keys, role_timeline.png, policy/ that loads as a checkpoint with its chat
   template, W&B offline, the record files; every model call the proxy admitted is recorded exactly once (its
-  counters vs the record files), none failed or was refused; no process of the run is left.
+  counters vs the record files), none failed or was refused; no process of the run is left. Every cell's engine
+  endpoint answers a call without the job's secret with 401 while the run goes, and the secret (set by the test as
+  $GYRE_JOB_SECRET) is written to no file of the run directory.
 - Ctrl-C mid-run (SIGINT to the foreground process group, as a terminal sends it) exits 130 within 10 s with
   metrics, timeline and summary written, and no process left.
 - Megatron cells: 2 cells x TP 2 on 4 processes run 2 steps of a burst with the satellite cell training beside
@@ -21,11 +23,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -112,6 +118,38 @@ def finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
+class EndpointProbe(threading.Thread):
+    """While a run goes, calls every engine endpoint its train.log names ("engine endpoint serving at <url>")
+    without the job's secret, once each: `answers` maps the URL to the HTTP statuses of GET /load and POST
+    /update_weights (an endpoint that is gone by then: no entry)."""
+
+    def __init__(self, log_path: Path):
+        super().__init__(daemon=True)
+        self.log_path, self.answers, self.done = log_path, {}, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            for url in re.findall(r"engine endpoint serving at (http://\S+)", text):
+                if url not in self.answers:
+                    self.answers[url] = [self.status(url + "/load", None), self.status(url + "/update_weights", b"")]
+
+    @staticmethod
+    def status(url: str, body: bytes | None) -> int | None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+        except OSError:
+            return None
+
+    def stop(self) -> dict[str, list]:
+        self.done.set()
+        self.join(30)
+        return {url: statuses for url, statuses in self.answers.items() if None not in statuses}
+
+
 def wait_until_gone(process: subprocess.Popen, timeout_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while (left := left_of(process)) and time.monotonic() < deadline:
@@ -129,10 +167,22 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     from gyre.traj.store import load_tree
 
     run_dir = tmp_path / "run"
-    process = train([*SMALL, "steps=2", "tasks.eval_every=5", "proxy.sampling.seed=7"], run_dir)
-    code, out, err = finish(process, 900)
+    secret = "job-secret-" + uuid.uuid4().hex
+    process = train(
+        [*SMALL, "steps=2", "tasks.eval_every=5", "proxy.sampling.seed=7"], run_dir, env={"GYRE_JOB_SECRET": secret}
+    )
+    probe = EndpointProbe(run_dir / "train.log")
+    probe.start()
+    try:
+        code, out, err = finish(process, 900)
+    finally:
+        refused = probe.stop()
     assert code == 0, err[-3000:]
     assert wait_until_gone(process) == []
+    # Every cell's engine endpoint refused a call without the job's secret (401), and the secret is in no output.
+    assert len(refused) == 4 and all(statuses == [401, 401] for statuses in refused.values()), refused
+    leaks = [str(path) for path in run_dir.rglob("*") if path.is_file() and secret.encode() in path.read_bytes()]
+    assert leaks == [] and secret not in out + err, leaks
     end = json.loads(out.strip().splitlines()[-1])
     assert end["end"] == "completed" and end["steps"] == 2 and end["run_dir"] == str(run_dir)
 
