@@ -179,10 +179,16 @@ def _sandbox(cfg: TrainConfig, run_dir: Path):
 
 def run_training(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = print) -> RunResult:
     """One run (module docstring); returns rank 0's `RunResult`. `ProgramError` before anything runs."""
+    from gyre.runtime.job import job_secret
+
     run_dir = Path(run_dir)
     launched = job_env(os.environ)
     world_size = launched.world_size if launched else cfg.world_size
     check_supported(cfg, world_size)
+    try:
+        job_secret(os.environ)  # a $GYRE_JOB_SECRET that cannot be sent is one line here, not a failed worker
+    except ValueError as error:
+        raise ProgramError(str(error)) from None
     if launched is None and world_size > 1:
         prepare(cfg, run_dir, echo)  # one line for a mistake, and the warm start once, before any worker
         cells = (

@@ -16,7 +16,8 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
   it imports (`trainer.weight_transport=auto`), else over the store.
 - A user's mistakes exit 2 with one line naming the field: a world size that does not fit the cells (under
   torchrun's variables), a layout not driven yet (pipeline stages), a model a Megatron cell cannot shard, a model
-  directory without a checkpoint, a bad value, a held-out task directory, a busy proxy port.
+  directory without a checkpoint, a bad value, a held-out task directory, a `$GYRE_JOB_SECRET` that cannot be sent
+  (named, its value not shown), a busy proxy port.
 """
 
 from __future__ import annotations
@@ -344,6 +345,7 @@ TORCHRUN_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": 
         (["packing.group_size=3"], None, "packing.group_size"),
         (["harness.isolate_user=maybe"], None, "harness.isolate_user"),
         (["tasks.held_out_dir=/tmp"], None, "tasks.held_out_dir"),
+        ([], {"GYRE_JOB_SECRET": "two words"}, "GYRE_JOB_SECRET"),  # the line names it, never shows its value
     ],
 )
 def test_a_user_mistake_exits_2_with_one_line_naming_it(tmp_path, args, env, names):
@@ -351,7 +353,7 @@ def test_a_user_mistake_exits_2_with_one_line_naming_it(tmp_path, args, env, nam
     lines = [line for line in err.splitlines() if line.startswith("gyre.train:")]
     assert code == 2, err[-2000:]
     assert len(lines) == 1 and names in lines[0], err[-2000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "two words" not in err
 
 
 @pytest.mark.slow
