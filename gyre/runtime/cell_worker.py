@@ -5,9 +5,8 @@ Every rank of the job but rank 0 runs `run_cell`. At start a cell leader (a sate
 native engine on the starting checkpoint behind an endpoint (bound to `job.host`, requiring `job.secret`) and
 writes the address under `gyre/engine/<cell>`; the controller reaches it with a `RemoteEngine` and drives the engine
 side of every transition itself (stop accepting, reroutes, drain, release; resume, load the published version,
-accept: `gyre.runtime.transitions`). A cell's other
-ranks serve nothing: in the rollout role they wait. The rank reads the control log (`gyre.distributed.control`) on a
-listener thread and applies, in order:
+accept: `gyre.runtime.transitions`). A cell's other ranks serve nothing: in the rollout role they wait. The rank
+reads the control log (`gyre.distributed.control`) on a listener thread and applies, in order:
 
 - `role` (cell, to="training") for its cell: build this rank's trainer once (`gyre.runtime.trainers`: the starting
   checkpoint, this rank's shard of it in a Megatron cell; a satellite pulls the core's weights when it joins a

@@ -12,10 +12,10 @@
    pipeline-parallel groups right after them, so that Megatron's groups are exactly the cells (docs/distributed.md,
    "Megatron's groups");
 3. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
-   engine addresses, acks), listening on its `rank_address` only (a socket gyre binds and hands to the store:
-   torch's own would listen on every interface), makes the job's secret (`$GYRE_JOB_SECRET` if the launcher set
-   one, else `secrets.token_urlsafe(32)`) and broadcasts both over the control group; `Job.store()` makes a client
-   (one per thread: a TCPStore client is used by one thread at a time).
+   engine addresses, acks), listening on rank 0's address only (`store_host`; a socket gyre binds and hands to
+   the store: torch's own would listen on every interface), makes the job's secret (`$GYRE_JOB_SECRET` if the
+   launcher set one, else `secrets.token_urlsafe(32)`) and broadcasts both over the control group; `Job.store()`
+   makes a client (one per thread: a TCPStore client is used by one thread at a time).
 
 The secret guards the engine endpoints (`gyre.engine.endpoint`, `Authorization: Bearer`): every rank has it in
 `Job.secret`, and nothing writes it to a log, the metrics, the run's config or a harness's environment.
@@ -83,10 +83,20 @@ def rank_address(env: Mapping[str, str]) -> str:
 
 def store_host(env: Mapping[str, str], world_size: int) -> str:
     """Where rank 0 serves the runtime store, the address it binds and every rank connects to: the loopback for a
-    job of one rank; else rank 0's `rank_address`. ValueError when that is a loopback address but the job spans
-    hosts (the host name resolves to 127.0.1.1 and MASTER_ADDR names this host): $GYRE_RANK_ADDR says which."""
+    job of one rank; $GYRE_RANK_ADDR if set; MASTER_ADDR's address when it is one of this host's and not a loopback
+    one (the address the launcher's rendezvous already reached); else rank 0's `rank_address`. ValueError when that
+    is a loopback address but the job spans hosts (the host name resolves to 127.0.1.1 and MASTER_ADDR names this
+    host): $GYRE_RANK_ADDR says which."""
     if world_size == 1:
         return HOST
+    master = env.get("MASTER_ADDR", "")
+    if not env.get(RANK_ADDR_ENV) and master not in LOOPBACK:
+        try:
+            resolved = socket.gethostbyname(master)
+        except OSError:
+            resolved = None
+        if resolved is not None and not resolved.startswith("127.") and _is_local(resolved):
+            return resolved
     address = rank_address(env)
     if address.startswith("127.") and env.get("MASTER_ADDR", "") not in LOOPBACK and not _one_host(env, world_size):
         raise ValueError(
@@ -94,6 +104,16 @@ def store_host(env: Mapping[str, str], world_size: int) -> str:
             f"hosts: set {RANK_ADDR_ENV} to the address the other hosts reach rank 0 at"
         )
     return address
+
+
+def _is_local(address: str) -> bool:
+    """An IPv4 address of one of this host's interfaces (one a socket can bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
 
 
 def _one_host(env: Mapping[str, str], world_size: int) -> bool:

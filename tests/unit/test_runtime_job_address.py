@@ -37,6 +37,15 @@ def test_the_runtime_store_listens_on_rank_0s_address():
     assert store_host({"MASTER_ADDR": "10.0.0.5"}, world_size=1) == "127.0.0.1"  # a job of one rank
     assert store_host({"MASTER_ADDR": "127.0.0.1"}, world_size=4) == "127.0.0.1"  # every rank local
     assert store_host({"GYRE_RANK_ADDR": "10.0.0.5", "MASTER_ADDR": "node0"}, world_size=4) == "10.0.0.5"
+    # MASTER_ADDR is one of this host's addresses: the store listens there (the rendezvous reached it already)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 1))  # TEST-NET-1: nothing is sent, the route names this host's address
+            own = probe.getsockname()[0]
+    except OSError:
+        own = None
+    if own is not None and not own.startswith("127."):
+        assert store_host({"MASTER_ADDR": own}, world_size=4) == own
     # the host name resolves to a loopback address (Debian's 127.0.1.1): fine when every rank is on this host ...
     debian = {"GYRE_RANK_ADDR": "127.0.1.1", "MASTER_ADDR": "node0"}
     assert store_host({**debian, "LOCAL_WORLD_SIZE": "4"}, world_size=4) == "127.0.1.1"
