@@ -18,6 +18,12 @@ chunk). Every route maps to one `Engine` method; the wire format is `gyre.engine
 | `POST /import_kv` | `import_kv` | KV frame |
 | `POST /release_export` | `release_export` | `{"request_id"}` -> `{"released": bool}` |
 
+With a `secret` (the job's, `gyre.runtime.job.Job.secret`), every route but `GET /health` requires
+`Authorization: Bearer <secret>`: without that header (or with another scheme) the answer is 401 `unauthorized`,
+with another token 403 `forbidden`, both `{"error": {"type", "message"}}` before the body is read. `/health` stays
+open: it says only that the server is up, which a TCP connect says too, and a liveness probe needs no key. Without
+a secret (the default: library uses, tests, `python -m gyre.engine serve`) every route is open.
+
 Errors come back in the engine's own terms (400 bad input, 404 unknown request, 409 busy, 503 unavailable,
 501 not implemented; see `gyre.engine.wire.error_status`) and never stop the server. A client that disconnects
 cancels its handler, which aborts the request (the protocol's "cancelling the awaiting task aborts it").
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -45,6 +52,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 36  # weight publications of large models travel in one body
 _TOMBSTONES = 4096  # aborts remembered for submissions that have not arrived yet
+OPEN_PATHS = frozenset({"/health"})  # served without the secret (module docstring)
 
 
 def _json(payload, status: int = 200) -> web.Response:
@@ -56,6 +64,33 @@ def _error(error: BaseException) -> web.Response:
     if status == 500:
         log.exception("engine endpoint: unexpected error", exc_info=error)
     return _json(body, status)
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header's value; None for none, another scheme, no token."""
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def _secret_middleware(secret: str):
+    """Refuses every request but `OPEN_PATHS` whose bearer token is not `secret`: 401 without one, 403 for another."""
+    expected = secret.encode()
+
+    @web.middleware
+    async def require_secret(http: web.Request, handler):
+        if http.path in OPEN_PATHS:
+            return await handler(http)
+        token = bearer_token(http.headers.get("Authorization", ""))
+        if token is None:
+            message = "this endpoint requires the job's secret: Authorization: Bearer <secret>"
+            return _json({"error": {"type": "unauthorized", "message": message}}, 401)
+        # bytes (not str): compare_digest refuses non-ASCII str, and a header may carry anything
+        if not secrets.compare_digest(token.encode("utf-8", "replace"), expected):
+            return _json({"error": {"type": "forbidden", "message": "the bearer token is not the job's secret"}}, 403)
+        return await handler(http)
+
+    return require_secret
 
 
 def _aborted_on_arrival(request: GenerateRequest, policy_version: int) -> GenerateResult:
@@ -75,7 +110,8 @@ def _aborted_on_arrival(request: GenerateRequest, policy_version: int) -> Genera
 
 
 class EngineServer:
-    """Serves one engine on `host:port` from the event loop the engine runs on (port 0 picks a free one)."""
+    """Serves one engine on `host:port` from the event loop the engine runs on (port 0 picks a free one); with a
+    `secret`, only to callers that send it (module docstring)."""
 
     def __init__(
         self,
@@ -84,7 +120,10 @@ class EngineServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        secret: str | None = None,
     ):
+        if secret is not None and (not isinstance(secret, str) or not secret.strip()):
+            raise ValueError("EngineServer secret='': expected None (every route open) or a non-empty string")
         self.engine = engine
         self.host = host
         self.port = port
@@ -93,7 +132,8 @@ class EngineServer:
         self._tombstones: OrderedDict[str, None] = OrderedDict()  # aborts of submissions not seen yet
         self._prompts = wire.PromptStore()  # each execution's latest prompt, which frames may extend
         self._runner: web.AppRunner | None = None
-        self.app = web.Application(client_max_size=max_body_bytes)
+        middlewares = [] if secret is None else [_secret_middleware(secret)]
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -317,12 +357,20 @@ class ServerThread:
     """An engine and its endpoint on their own event loop in a daemon thread (a cell leader's layout; tests).
 
     `engine_factory` runs on that loop, so the engine's asyncio state belongs to it. `call(fn)` runs
-    `fn(engine)` (a coroutine function or a plain one) on the loop and returns its result.
+    `fn(engine)` (a coroutine function or a plain one) on the loop and returns its result. `secret`: the
+    `EngineServer`'s.
     """
 
-    def __init__(self, engine_factory: Callable[[], Engine], *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | None = None,
+    ):
         self._factory = engine_factory
-        self._host, self._port = host, port
+        self._host, self._port, self._secret = host, port, secret
         self._loop = eventloop.new_event_loop()
         self._ready = threading.Event()
         self._failure: BaseException | None = None
@@ -342,7 +390,7 @@ class ServerThread:
         asyncio.set_event_loop(self._loop)
         try:
             self.engine = self._factory()
-            self.server = EngineServer(self.engine, host=self._host, port=self._port)
+            self.server = EngineServer(self.engine, host=self._host, port=self._port, secret=self._secret)
             self._loop.run_until_complete(self.server.start())
         except BaseException as error:
             self._failure = error

@@ -30,3 +30,8 @@ class EngineUnreachable(EngineUnavailableError):
     `/load` once before it counts the engine lost: docs/proxy.md "An engine that dies"). Unlike a plain
     `EngineUnavailableError` (an endpoint that answered "not now": draining, memory released), nothing was heard
     from the engine; what it streamed before is all the client has of that request."""
+
+
+class EngineAuthError(RemoteEngineError):
+    """The endpoint refused the call: it requires the job's secret and the call carried none (HTTP 401) or another
+    one (HTTP 403). A configuration error of the caller, not a failure of the engine."""

@@ -15,7 +15,9 @@ A remote engine behaves like a local one, with three differences that follow fro
   only the new ids (`wire.PromptBase`); the endpoint splices them onto the prompt it kept, or answers 409 and the
   call is sent whole. At a 700K-token history that is a few KB instead of 2.8 MB per call.
 
-Create with `await RemoteEngine.connect(url)`; `await close()` when done. Must be used from one event loop.
+Create with `await RemoteEngine.connect(url, secret=...)` (the endpoint's secret, sent as `Authorization: Bearer` on
+every request; an endpoint that refuses it raises `gyre.engine.errors.EngineAuthError` from `connect`); `await
+close()` when done. Must be used from one event loop.
 """
 
 from __future__ import annotations
@@ -51,9 +53,18 @@ MAX_REMEMBERED_PROMPT_BYTES = 1 << 30  # 4 bytes per id: 1 GiB holds ~380 histor
 class RemoteEngine:
     """An engine served by `gyre.engine.endpoint.EngineServer` at `url`; implements `gyre.engine.protocol.Engine`."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, load: EngineLoad, *, owns_session: bool):
+    def __init__(
+        self,
+        url: str,
+        session: aiohttp.ClientSession,
+        load: EngineLoad,
+        *,
+        owns_session: bool,
+        secret: str | None = None,
+    ):
         self.url = url.rstrip("/")
         self._session = session
+        self._headers = _auth_headers(secret)  # on every request (a shared session may serve other endpoints)
         self._owns_session = owns_session
         self._load = load
         self._in_flight: dict[str, str] = {}  # request id -> submission id
@@ -68,20 +79,22 @@ class RemoteEngine:
         *,
         session: aiohttp.ClientSession | None = None,
         connect_timeout_s: float = 10.0,
+        secret: str | None = None,
     ) -> RemoteEngine:
-        """Reach the endpoint (its load snapshot) or raise `EngineUnreachable`."""
+        """Reach the endpoint (its load snapshot) or raise `EngineUnreachable`; `EngineAuthError` when it requires a
+        secret and `secret` is not it."""
         owns = session is None
         if session is None:
             # No total timeout: a generate may run for minutes; connecting is bounded.
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
             session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         try:
-            load = wire.load_from_wire(await _get_json(session, url.rstrip("/") + "/load"))
+            load = wire.load_from_wire(await _get_json(session, url.rstrip("/") + "/load", _auth_headers(secret)))
         except BaseException:
             if owns:
                 await session.close()
             raise
-        return cls(url, session, load, owns_session=owns)
+        return cls(url, session, load, owns_session=owns, secret=secret)
 
     async def close(self) -> None:
         await self._settle()
@@ -221,7 +234,9 @@ class RemoteEngine:
         return self._load
 
     async def refresh_load(self) -> EngineLoad:
-        self._load = wire.load_from_wire(await _get_json(self._session, self.url + "/load", owner=self.url))
+        self._load = wire.load_from_wire(
+            await _get_json(self._session, self.url + "/load", self._headers, owner=self.url)
+        )
         return self._load
 
     # ----------------------------------------------------------------- plumbing
@@ -240,7 +255,7 @@ class RemoteEngine:
     @contextlib.asynccontextmanager
     async def _request(self, method: str, path: str, **kwargs):
         try:
-            async with self._session.request(method, self.url + path, **kwargs) as response:
+            async with self._session.request(method, self.url + path, headers=self._headers, **kwargs) as response:
                 yield response
         except _CONNECTION_ERRORS as error:
             raise EngineUnreachable(f"{self.url}: {error}") from error
@@ -276,9 +291,13 @@ async def _raise_for_error(response: aiohttp.ClientResponse) -> None:
         raise wire.error_from_wire(response.status, await response.read())
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str, *, owner: str | None = None):
+def _auth_headers(secret: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"} if secret else {}
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, headers: dict[str, str], *, owner: str | None = None):
     try:
-        async with session.get(url) as response:
+        async with session.get(url, headers=headers) as response:
             await _raise_for_error(response)
             return wire.loads(await response.read())
     except _CONNECTION_ERRORS as error:

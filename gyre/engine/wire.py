@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import orjson
 import torch
 
-from gyre.engine.errors import PromptBaseUnknown, RemoteEngineError, WireError
+from gyre.engine.errors import EngineAuthError, PromptBaseUnknown, RemoteEngineError, WireError
 from gyre.engine.protocol import (
     EngineBusyError,
     EngineLoad,
@@ -295,6 +295,8 @@ _ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (KeyError, 404, "not_found"),
     (ValueError, 400, "invalid_request"),
     (TypeError, 400, "invalid_request"),
+    (EngineAuthError, 401, "unauthorized"),  # the endpoint's own answers (`EngineServer`, secret): no engine raises
+    (EngineAuthError, 403, "forbidden"),
 )
 
 

@@ -13,7 +13,8 @@ retry (`gyre.proxy.routing`), turn output ids into the dialect's structures as t
 remember our exact output for the payload cache. A client error is answered and nothing is recorded; an engine
 failure after the stream started ends the stream with the dialect's error event.
 
-Admin routes (for `gyre.serve` and the runtime; they need the admin key as a Bearer token):
+Admin routes (for `gyre.serve` and the runtime; they need the admin key as a Bearer token or `x-api-key`: without a
+key 401 `authentication_error`, with another key 403 `permission_error`):
 `POST /gyre/executions` `{"execution"?}` -> `{"execution", "key"}`; `POST /gyre/executions/{execution}/close`;
 `GET /gyre/stats` -> `ProxyServer.stats()`, the counters of the calls served (`gyre.proxy.stats`).
 """
@@ -190,8 +191,8 @@ class ProxyServer:
         return _json(dialect.models_body(self.config.model_names, int(time.time())))
 
     async def _issue(self, http: web.Request) -> web.Response:
-        if not self._is_admin(http):
-            return _json({"error": {"type": "authentication_error", "message": "admin key required"}}, 401)
+        if (refusal := self._admin_refusal(http)) is not None:
+            return refusal
         try:
             raw = await self._read_body(http)
             body = orjson.loads(raw) if raw else {}
@@ -207,8 +208,8 @@ class ProxyServer:
         return _json({"execution": session.execution, "key": session.key})
 
     async def _close(self, http: web.Request) -> web.Response:
-        if not self._is_admin(http):
-            return _json({"error": {"type": "authentication_error", "message": "admin key required"}}, 401)
+        if (refusal := self._admin_refusal(http)) is not None:
+            return refusal
         execution = http.match_info["execution"]
         if self.registry.by_execution(execution) is None:
             return _json({"error": {"type": "not_found_error", "message": f"no open execution {execution!r}"}}, 404)
@@ -216,13 +217,20 @@ class ProxyServer:
         return _json({"closed": execution, "calls_in_flight": in_flight})
 
     async def _stats(self, http: web.Request) -> web.Response:
-        if not self._is_admin(http):
-            return _json({"error": {"type": "authentication_error", "message": "admin key required"}}, 401)
+        if (refusal := self._admin_refusal(http)) is not None:
+            return refusal
         return _json(self.stats())
 
-    def _is_admin(self, http: web.Request) -> bool:
+    def _admin_refusal(self, http: web.Request) -> web.Response | None:
+        """None for the admin key; else the answer: 401 without a key, 403 with another one (an execution's key
+        among them), the engine endpoint's rule (docs/endpoint.md)."""
         key = key_from_headers({k.lower(): v for k, v in http.headers.items()})
-        return key is not None and secrets.compare_digest(key, self.admin_key)
+        if key is None:
+            return _json({"error": {"type": "authentication_error", "message": "admin key required"}}, 401)
+        # bytes (not str): compare_digest refuses non-ASCII str, and a header may carry anything
+        if not secrets.compare_digest(key.encode("utf-8", "replace"), self.admin_key.encode()):
+            return _json({"error": {"type": "permission_error", "message": "this key is not the admin key"}}, 403)
+        return None
 
     # ------------------------------------------------------------------ the dialect routes
 

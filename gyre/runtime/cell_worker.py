@@ -2,11 +2,11 @@
 cell of TP ranks), moved by the controller's decisions (docs/runtime.md, "The process model").
 
 Every rank of the job but rank 0 runs `run_cell`. At start a cell leader (a satellite's first rank) serves the
-native engine on the starting checkpoint behind an endpoint and writes the address under `gyre/engine/<cell>`; the
-controller reaches it with a `RemoteEngine` and drives the engine side of every transition itself (stop accepting,
-reroutes, drain, release; resume, load the published version, accept: `gyre.runtime.transitions`). A cell's other
-ranks serve nothing: in the rollout role they wait. The rank reads the control log (`gyre.distributed.control`) on a
-listener thread and applies, in order:
+native engine on the starting checkpoint behind an endpoint (bound to `job.host`, requiring `job.secret`) and
+writes the address under `gyre/engine/<cell>`; the controller reaches it with a `RemoteEngine` and drives the engine
+side of every transition itself (stop accepting, reroutes, drain, release; resume, load the published version,
+accept: `gyre.runtime.transitions`). A cell's other ranks serve nothing: in the rollout role they wait. The rank
+reads the control log (`gyre.distributed.control`) on a listener thread and applies, in order:
 
 - `role` (cell, to="training") for its cell: build this rank's trainer once (`gyre.runtime.trainers`: the starting
   checkpoint, this rank's shard of it in a Megatron cell; a satellite pulls the core's weights when it joins a
@@ -67,7 +67,7 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) ->
     model_config = read_config(start.trainer_dir)
     store = job.store()
     leader = job.groups.is_cell_leader
-    server, url = _serve_engine(cfg, start.engine_dir, start.engine_version) if leader else (None, None)
+    server, url = _serve_engine(cfg, start.engine_dir, start.engine_version, job) if leader else (None, None)
     try:
         if server is not None:
             store.set(engine_key(cell), url)
@@ -162,9 +162,10 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) ->
     return done
 
 
-def _serve_engine(cfg: TrainConfig, model_dir: Path, version: int):
+def _serve_engine(cfg: TrainConfig, model_dir: Path, version: int, job: Job):
     """The cell leader's native engine on `model_dir` (the starting checkpoint, or a resumed run's published policy
-    `version`) behind an endpoint: the started `ServerThread` and its address."""
+    `version`) behind an endpoint on this rank's address (`job.host`: rank 0 reaches it from another host; not every
+    interface), refusing calls without the job's secret: the started `ServerThread` and its address."""
     import torch
 
     from gyre.engine.endpoint import ServerThread
@@ -173,6 +174,8 @@ def _serve_engine(cfg: TrainConfig, model_dir: Path, version: int):
 
     engine_model = load_pretrained(model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device)
     server = ServerThread(
-        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=version)
+        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=version),
+        host=job.host,
+        secret=job.secret or None,
     )
     return server, server.start()

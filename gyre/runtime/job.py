@@ -12,8 +12,13 @@
    pipeline-parallel groups right after them, so that Megatron's groups are exactly the cells (docs/distributed.md,
    "Megatron's groups");
 3. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
-   engine addresses, acks) and broadcasts its address over the control group; `Job.store()` makes a client (one
-   per thread: a TCPStore client is used by one thread at a time).
+   engine addresses, acks), listening on rank 0's address only (`store_host`; a socket gyre binds and hands to
+   the store: torch's own would listen on every interface), makes the job's secret (`$GYRE_JOB_SECRET` if the
+   launcher set one, else `secrets.token_urlsafe(32)`) and broadcasts both over the control group; `Job.store()`
+   makes a client (one per thread: a TCPStore client is used by one thread at a time).
+
+The secret guards the engine endpoints (`gyre.engine.endpoint`, `Authorization: Bearer`): every rank has it in
+`Job.secret`, and nothing writes it to a log, the metrics, the run's config or a harness's environment.
 
 `Job.done()` on a satellite and `Job.close(wait_s=)` on rank 0: rank 0 waits for every other rank's `done` (the
 store lives on rank 0 and must outlive every client), then each rank destroys its process group. Keys:
@@ -27,10 +32,11 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -43,7 +49,7 @@ from gyre.runtime.launch import job_env
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Job", "ack_key", "engine_key", "open_job", "step_stats_key"]
+__all__ = ["JOB_SECRET_ENV", "Job", "ack_key", "engine_key", "job_secret", "open_job", "step_stats_key", "store_host"]
 
 STORE_TIMEOUT = datetime.timedelta(seconds=300)  # a store call that waits longer fails (the job is broken)
 PG_TIMEOUT = datetime.timedelta(seconds=1800)  # a collective waits this long at most (the warm start is minutes)
@@ -51,6 +57,7 @@ PG_TIMEOUT = datetime.timedelta(seconds=1800)  # a collective waits this long at
 
 LOOPBACK = ("", "localhost", "127.0.0.1", "::1")
 RANK_ADDR_ENV = "GYRE_RANK_ADDR"  # the address other ranks reach this one at, when the default guess is wrong
+JOB_SECRET_ENV = "GYRE_JOB_SECRET"  # the job's secret, when the launcher sets one (rank 0 reads it)
 
 
 def rank_address(env: Mapping[str, str]) -> str:
@@ -74,6 +81,72 @@ def rank_address(env: Mapping[str, str]) -> str:
     return address
 
 
+def store_host(env: Mapping[str, str], world_size: int) -> str:
+    """Where rank 0 serves the runtime store, the address it binds and every rank connects to: the loopback for a
+    job of one rank; $GYRE_RANK_ADDR if set; MASTER_ADDR's address when it is one of this host's and not a loopback
+    one (the address the launcher's rendezvous already reached); else rank 0's `rank_address`. ValueError when that
+    is a loopback address but the job spans hosts (the host name resolves to 127.0.1.1 and MASTER_ADDR names this
+    host): $GYRE_RANK_ADDR says which."""
+    if world_size == 1:
+        return HOST
+    master = env.get("MASTER_ADDR", "")
+    if not env.get(RANK_ADDR_ENV) and master not in LOOPBACK:
+        try:
+            resolved = socket.gethostbyname(master)
+        except OSError:
+            resolved = None
+        if resolved is not None and not resolved.startswith("127.") and _is_local(resolved):
+            return resolved
+    address = rank_address(env)
+    if address.startswith("127.") and env.get("MASTER_ADDR", "") not in LOOPBACK and not _one_host(env, world_size):
+        raise ValueError(
+            f"rank 0's address resolves to {address} while MASTER_ADDR={env.get('MASTER_ADDR')!r} and the job spans "
+            f"hosts: set {RANK_ADDR_ENV} to the address the other hosts reach rank 0 at"
+        )
+    return address
+
+
+def _is_local(address: str) -> bool:
+    """An IPv4 address of one of this host's interfaces (one a socket can bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _one_host(env: Mapping[str, str], world_size: int) -> bool:
+    """Every rank runs on this host, as torchrun's LOCAL_WORLD_SIZE or srun's SLURM_NNODES say."""
+    return env.get("LOCAL_WORLD_SIZE") == str(world_size) or env.get("SLURM_NNODES") == "1"
+
+
+def job_secret(env: Mapping[str, str]) -> str:
+    """Rank 0's choice of the job's secret: $GYRE_JOB_SECRET when set, else 32 random bytes (URL-safe base64).
+    ValueError (which does not show the value) when the variable cannot travel in an HTTP header."""
+    given = env.get(JOB_SECRET_ENV)
+    if not given:
+        return secrets.token_urlsafe(32)
+    if not (given.isascii() and given.isprintable()) or " " in given:
+        raise ValueError(
+            f"{JOB_SECRET_ENV} (value not shown): expected printable ASCII without spaces, it is sent as a bearer token"
+        )
+    return given
+
+
+def _listening_socket(host: str) -> socket.socket:
+    """A TCP socket bound to `host` on a free port and listening (the runtime store's server takes it over)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def engine_key(cell: int) -> str:
     return f"gyre/engine/{cell}"
 
@@ -89,7 +162,7 @@ def step_stats_key(step: int, cell: int) -> str:
 
 @dataclass
 class Job:
-    """This rank's place in the job, its groups and the runtime store's address."""
+    """This rank's place in the job, its groups, the runtime store's address and the job's secret."""
 
     rank: int
     world_size: int
@@ -98,6 +171,7 @@ class Job:
     store_port: int
     server: dist.TCPStore | None = None  # rank 0: the runtime store's server
     host: str = HOST  # the address other ranks reach this one at (`rank_address`)
+    secret: str = field(default="", repr=False)  # the engine endpoints' bearer token (module docstring); never logged
 
     @property
     def layout(self) -> Layout:
@@ -151,20 +225,31 @@ def open_job(cfg: TrainConfig) -> Job:
     else:
         groups = build_process_groups(layout)
     server = None
-    address: list = [None, None]
+    shared: list = [None, None, None]  # the store's host and port, the job's secret
     if rank == 0:
-        host = os.environ.get("MASTER_ADDR", HOST) if world_size > 1 else HOST
-        server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
-        address = [host, server.port]
+        host = store_host(os.environ, world_size)
+        listening = _listening_socket(host)
+        port = listening.getsockname()[1]
+        server = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=STORE_TIMEOUT,
+            master_listen_fd=listening.detach(),  # the store's server owns the socket from here
+        )
+        shared = [host, server.port, job_secret(os.environ)]
     if world_size > 1:
-        dist.broadcast_object_list(address, src=0, group=groups.control_group)
-    log.info("job ready: %s; runtime store at %s:%s", layout.describe(rank), *address)
+        dist.broadcast_object_list(shared, src=0, group=groups.control_group)
+    store_address, store_port, secret = shared
+    log.info("job ready: %s; runtime store at %s:%s", layout.describe(rank), store_address, store_port)
     return Job(
         rank=rank,
         world_size=world_size,
         groups=groups,
-        store_host=address[0],
-        store_port=address[1],
+        store_host=store_address,
+        store_port=store_port,
         server=server,
         host=rank_address(os.environ),
+        secret=secret,
     )

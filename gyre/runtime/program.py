@@ -223,10 +223,16 @@ def _sandbox(cfg: TrainConfig, run_dir: Path):
 
 def run_training(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = print) -> RunResult:
     """One run (module docstring); returns rank 0's `RunResult`. `ProgramError` before anything runs."""
+    from gyre.runtime.job import job_secret
+
     run_dir = Path(run_dir)
     launched = job_env(os.environ)
     world_size = launched.world_size if launched else cfg.world_size
     check_supported(cfg, world_size)
+    try:
+        job_secret(os.environ)  # a $GYRE_JOB_SECRET that cannot be sent is one line here, not a failed worker
+    except ValueError as error:
+        raise ProgramError(str(error)) from None
     if launched is None and world_size > 1:
         prepare(cfg, run_dir, echo)  # one line for a mistake, and the warm start once, before any worker
         cells = (
@@ -398,8 +404,10 @@ async def _controller(
     dtype = getattr(torch, cfg.engine.dtype)
     engine_model = await asyncio.to_thread(load_pretrained, start.engine_dir, dtype, cfg.engine.device)
     version = start.engine_version
+    # Rank 0's own engine listens on the loopback: only this process's proxy reaches it.
     server = ServerThread(
-        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=version)
+        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=version),
+        secret=job.secret or None,
     )
     url = await asyncio.to_thread(server.start)
     store = job.store()
@@ -410,7 +418,7 @@ async def _controller(
         table = RoutingTable(placement="scheduler")
         for cell in range(cfg.cluster.num_cells):
             address = (await asyncio.to_thread(_wait_get, job, engine_key(cell))).decode()
-            engines[cell] = await RemoteEngine.connect(address)
+            engines[cell] = await RemoteEngine.connect(address, secret=job.secret or None)
             table.add_engine(engine_name(cell), engines[cell])
         proxy, registry = await start_proxy(
             cfg.proxy, model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template

@@ -134,9 +134,11 @@ def test_after_valid_refused_and_hung_up_calls_the_counters_are_exact_and_match_
     # the admin route: the same counters, only with the admin key; a closed execution keeps its count
     code, closed = post("/gyre/executions/second/close", b"", key=admin)
     assert code == 200, closed
-    for key in (None, "gyre-wrong", served.session.key):
-        code, reply = get(served, "/gyre/stats", key)
-        assert code == 401 and reply == {"error": {"type": "authentication_error", "message": "admin key required"}}
+    code, reply = get(served, "/gyre/stats", None)
+    assert code == 401 and reply == {"error": {"type": "authentication_error", "message": "admin key required"}}
+    wrong_key = {"error": {"type": "permission_error", "message": "this key is not the admin key"}}
+    for key in ("gyre-wrong", served.session.key):  # another key, an execution's among them
+        assert get(served, "/gyre/stats", key) == (403, wrong_key)
     code, reply = get(served, "/gyre/stats", admin)
     assert code == 200 and reply == served.stack.proxy.stats() == stats
 

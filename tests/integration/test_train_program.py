@@ -5,7 +5,9 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
   metrics.jsonl (one line per step, strict JSON), held_out.jsonl (before the first step and after the last),
   summary.json with the simulator's keys, role_timeline.png, policy/ that loads as a checkpoint with its chat
   template, W&B offline, the record files; every model call the proxy admitted is recorded exactly once (its
-  counters vs the record files), none failed or was refused; no process of the run is left.
+  counters vs the record files), none failed or was refused; no process of the run is left. Every cell's engine
+  endpoint answers a call without the job's secret with 401 while the run goes, and the secret (set by the test as
+  $GYRE_JOB_SECRET) is written to no file of the run directory.
 - Ctrl-C mid-run (SIGINT to the foreground process group, as a terminal sends it) exits 130 within 10 s with
   metrics, timeline and summary written, and no process left.
 - Megatron cells: 2 cells x TP 2 on 4 processes run 2 steps of a burst with the satellite cell training beside
@@ -14,18 +16,23 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
   it imports (`trainer.weight_transport=auto`), else over the store.
 - A user's mistakes exit 2 with one line naming the field: a world size that does not fit the cells (under
   torchrun's variables), a layout not driven yet (pipeline stages), a model a Megatron cell cannot shard, a model
-  directory without a checkpoint, a bad value, a held-out task directory, a busy proxy port.
+  directory without a checkpoint, a bad value, a held-out task directory, a `$GYRE_JOB_SECRET` that cannot be sent
+  (named, its value not shown), a busy proxy port.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -112,6 +119,38 @@ def finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
+class EndpointProbe(threading.Thread):
+    """While a run goes, calls every engine endpoint its train.log names ("engine endpoint serving at <url>")
+    without the job's secret, once each: `answers` maps the URL to the HTTP statuses of GET /load and POST
+    /update_weights (an endpoint that is gone by then: no entry)."""
+
+    def __init__(self, log_path: Path):
+        super().__init__(daemon=True)
+        self.log_path, self.answers, self.done = log_path, {}, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            for url in re.findall(r"engine endpoint serving at (http://\S+)", text):
+                if url not in self.answers:
+                    self.answers[url] = [self.status(url + "/load", None), self.status(url + "/update_weights", b"")]
+
+    @staticmethod
+    def status(url: str, body: bytes | None) -> int | None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+        except OSError:
+            return None
+
+    def stop(self) -> dict[str, list]:
+        self.done.set()
+        self.join(30)
+        return {url: statuses for url, statuses in self.answers.items() if None not in statuses}
+
+
 def wait_until_gone(process: subprocess.Popen, timeout_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while (left := left_of(process)) and time.monotonic() < deadline:
@@ -129,10 +168,22 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     from gyre.traj.store import load_tree
 
     run_dir = tmp_path / "run"
-    process = train([*SMALL, "steps=2", "tasks.eval_every=5", "proxy.sampling.seed=7"], run_dir)
-    code, out, err = finish(process, 900)
+    secret = "job-secret-" + uuid.uuid4().hex
+    process = train(
+        [*SMALL, "steps=2", "tasks.eval_every=5", "proxy.sampling.seed=7"], run_dir, env={"GYRE_JOB_SECRET": secret}
+    )
+    probe = EndpointProbe(run_dir / "train.log")
+    probe.start()
+    try:
+        code, out, err = finish(process, 900)
+    finally:
+        refused = probe.stop()
     assert code == 0, err[-3000:]
     assert wait_until_gone(process) == []
+    # Every cell's engine endpoint refused a call without the job's secret (401), and the secret is in no output.
+    assert len(refused) == 4 and all(statuses == [401, 401] for statuses in refused.values()), refused
+    leaks = [str(path) for path in run_dir.rglob("*") if path.is_file() and secret.encode() in path.read_bytes()]
+    assert leaks == [] and secret not in out + err, leaks
     end = json.loads(out.strip().splitlines()[-1])
     assert end["end"] == "completed" and end["steps"] == 2 and end["run_dir"] == str(run_dir)
 
@@ -294,6 +345,7 @@ TORCHRUN_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": 
         (["packing.group_size=3"], None, "packing.group_size"),
         (["harness.isolate_user=maybe"], None, "harness.isolate_user"),
         (["tasks.held_out_dir=/tmp"], None, "tasks.held_out_dir"),
+        ([], {"GYRE_JOB_SECRET": "two words"}, "GYRE_JOB_SECRET"),  # the line names it, never shows its value
     ],
 )
 def test_a_user_mistake_exits_2_with_one_line_naming_it(tmp_path, args, env, names):
@@ -301,7 +353,7 @@ def test_a_user_mistake_exits_2_with_one_line_naming_it(tmp_path, args, env, nam
     lines = [line for line in err.splitlines() if line.startswith("gyre.train:")]
     assert code == 2, err[-2000:]
     assert len(lines) == 1 and names in lines[0], err[-2000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "two words" not in err
 
 
 @pytest.mark.slow
