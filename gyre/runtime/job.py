@@ -3,17 +3,22 @@
 
 `open_job(cfg)` runs on every rank, right after the process starts:
 
-1. `torch.distributed.init_process_group("gloo")`: from the launcher's environment under torchrun or
+1. on GPUs (`engine.device` or `trainer.device` `cuda`), the rank's own GPU made the current CUDA device
+   (`local_gpu`: its LOCAL_RANK when it sees the node's GPUs, as under torchrun; the one it sees under
+   `srun --gpus-per-task=1`), so that `cuda` in the config names it;
+2. `torch.distributed.init_process_group("gloo")`: from the launcher's environment under torchrun or
    `launch_workers`; over `tcp://MASTER_ADDR:MASTER_PORT` with SLURM's rank and task count under srun; in process
    for a job of one rank run plainly (a HashStore: nothing listens);
-2. `build_process_groups(Layout(**layout_fields(cfg, world_size)))`: the control group, the cell groups and the
+3. `build_process_groups(Layout(**layout_fields(cfg, world_size)))`: the control group, the cell groups and the
    prefix groups, created in the same order on every rank before anything else makes a group; with
    `trainer.backend=megatron`, `build_process_groups_and_model_parallel`, which makes Megatron's tensor- and
    pipeline-parallel groups right after them, so that Megatron's groups are exactly the cells (docs/distributed.md,
    "Megatron's groups");
-3. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
+4. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
    engine addresses, acks) and broadcasts its address over the control group; `Job.store()` makes a client (one
-   per thread: a TCPStore client is used by one thread at a time).
+   per thread: a TCPStore client is used by one thread at a time);
+5. every other rank connects its lifeline to rank 0 (`gyre.runtime.lifeline`): rank 0's controller ends the run
+   with `RankLost` naming a rank whose process ended while the run went on.
 
 `Job.done()` on a satellite and `Job.close(wait_s=)` on rank 0: rank 0 waits for every other rank's `done` (the
 store lives on rank 0 and must outlive every client), then each rank destroys its process group. Keys:
@@ -30,20 +35,22 @@ import os
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from gyre.config import TrainConfig
 from gyre.config.train import layout_fields
+from gyre.config.trainer import device_kind
 from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.distributed.local import HOST
-from gyre.runtime.launch import job_env
+from gyre.runtime.launch import LaunchError, job_env
+from gyre.runtime.lifeline import LifelineServer, connect_lifeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Job", "ack_key", "engine_key", "open_job", "step_stats_key"]
+__all__ = ["Job", "ack_key", "engine_key", "local_gpu", "open_job", "step_stats_key"]
 
 STORE_TIMEOUT = datetime.timedelta(seconds=300)  # a store call that waits longer fails (the job is broken)
 PG_TIMEOUT = datetime.timedelta(seconds=1800)  # a collective waits this long at most (the warm start is minutes)
@@ -74,6 +81,20 @@ def rank_address(env: Mapping[str, str]) -> str:
     return address
 
 
+def local_gpu(local_rank: int, visible: int) -> int:
+    """The CUDA device index of the rank with `local_rank` on its node, where it sees `visible` GPUs: 0 when it sees
+    one (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank), else its local rank (torchrun: every rank
+    sees the node's GPUs). LaunchError when it sees none or fewer than its local rank needs."""
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    raise LaunchError(
+        f"LOCAL_RANK={local_rank}: this rank sees {visible} GPU{'s' if visible != 1 else ''}; run one rank per GPU "
+        "(torchrun --nproc-per-node at most the node's GPUs; srun --gpus-per-task=1)"
+    )
+
+
 def engine_key(cell: int) -> str:
     return f"gyre/engine/{cell}"
 
@@ -98,6 +119,8 @@ class Job:
     store_port: int
     server: dist.TCPStore | None = None  # rank 0: the runtime store's server
     host: str = HOST  # the address other ranks reach this one at (`rank_address`)
+    lifelines: dict[int, socket.socket] = field(default_factory=dict)  # rank 0: every other rank's (`lifeline`)
+    lifeline: socket.socket | None = None  # another rank: its own to rank 0, open until the process ends
 
     @property
     def layout(self) -> Layout:
@@ -125,8 +148,12 @@ class Job:
 
 def open_job(cfg: TrainConfig) -> Job:
     """Initialize this rank's part of the job (module docstring). ConfigError when the job does not fit the cells."""
+    launched = job_env(os.environ)
+    if launched is not None and "cuda" in (device_kind(cfg.engine.device), device_kind(cfg.trainer.device)):
+        import torch
+
+        torch.cuda.set_device(local_gpu(launched.local_rank, torch.cuda.device_count()))
     if not dist.is_initialized():
-        launched = job_env(os.environ)
         if launched is None:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         elif launched.launcher == "srun":  # no launcher store: rank 0 serves the rendezvous at MASTER_ADDR:PORT
@@ -151,15 +178,16 @@ def open_job(cfg: TrainConfig) -> Job:
     else:
         groups = build_process_groups(layout)
     server = None
-    address: list = [None, None]
+    lifelines = None
+    address: list = [None, None, None]
     if rank == 0:
         host = os.environ.get("MASTER_ADDR", HOST) if world_size > 1 else HOST
         server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
-        address = [host, server.port]
+        lifelines = LifelineServer(host) if world_size > 1 else None
+        address = [host, server.port, lifelines.port if lifelines else None]
     if world_size > 1:
         dist.broadcast_object_list(address, src=0, group=groups.control_group)
-    log.info("job ready: %s; runtime store at %s:%s", layout.describe(rank), *address)
-    return Job(
+    job = Job(
         rank=rank,
         world_size=world_size,
         groups=groups,
@@ -168,3 +196,9 @@ def open_job(cfg: TrainConfig) -> Job:
         server=server,
         host=rank_address(os.environ),
     )
+    if lifelines is not None:
+        job.lifelines = lifelines.accept(world_size, timeout_s=STORE_TIMEOUT.total_seconds())
+    elif rank > 0:
+        job.lifeline = connect_lifeline(address[0], address[2], rank)
+    log.info("job ready: %s; runtime store at %s:%s; pid %d", layout.describe(rank), *address[:2], os.getpid())
+    return job
