@@ -9,6 +9,8 @@ machine, and a rank that dies ends the job, under torchrun and in a plainly laun
 - A rank SIGKILLed mid-run (rank 2, a satellite) ends the job within 30 s, and the output names the rank and the
   signal: under two torchrun nodes, and in a plainly launched run (`python -m gyre.train`, one line
   `gyre.train: run error: rank 2 failed: Signal 9 (SIGKILL) ...`, exit 3).
+- `launch/slurm.sbatch` with stand-ins for srun and scontrol runs a 2-task job through gyre's srun path, in the
+  run directory of the job's id.
 
 Processes are real and started in sessions of their own; torchrun's workers start sessions of their own too, so
 every process that carries the test's marker (or runs in its run directory) is killed by PID at the end.
@@ -200,11 +202,11 @@ def test_a_restarted_torchrun_job_comes_back_to_its_run_directory(tmp_path):
     finally:
         left = nodes.close()
     assert codes[0] != 0 and left == [], err[-3000:]
-    assert "1/1 attempts left; will restart worker group" in err, err[-3000:]  # torchrun restarted the workers
     runs = list((tmp_path / "outputs" / "train").iterdir())
     assert [run.name for run in runs] == [nodes.rdzv_id], runs  # one directory, named by RDZV_ID
     log = (runs[0] / "train.log").read_text()
     starts = [line for line in log.splitlines() if "training -> " in line]
+    # two attempts (torchrun restarted the worker), both in the one directory
     assert len(starts) == 2 and all(line.endswith(f"outputs/train/{nodes.rdzv_id}") for line in starts), log
 
 
@@ -274,3 +276,67 @@ def wait_gone(process, timeout_s: float = 10.0) -> list[str]:
     while (left := left_of(process)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun on one machine, for the test: SLURM_NTASKS copies of the command, task i with SLURM_PROCID=i
+while [[ "$1" == -* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+    SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_ID=0 "$@" &
+    pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit $rc
+"""
+FAKE_SCONTROL = '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && echo 127.0.0.1\n'
+
+
+@pytest.mark.slow
+def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
+    """launch/slurm.sbatch with stand-ins for srun and scontrol: 2 tasks, gyre's srun path (SLURM_PROCID, the
+    process group over tcp://MASTER_ADDR:MASTER_PORT), the run directory of the job's id."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    marker = uuid.uuid4().hex
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+        "PYTHONUNBUFFERED": "1",
+        "GYRE_TEST_RUN": marker,
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NTASKS": "2",
+        "MASTER_PORT": str(free_port()),
+    }
+    args = [*SMALL, "cluster.num_cells=2", "steps=1", "tasks.eval_every=0", "logging.wandb=disabled"]
+    run_dir = tmp_path / "outputs" / "train" / "slurm-4242"
+    process = subprocess.Popen(
+        ["bash", str(ROOT / "launch" / "slurm.sbatch"), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        left = left_of(SimpleNamespace(marker=marker, run_dir=run_dir))
+        kill_by_pid(left)
+    assert process.returncode == 0, out[-3000:]
+    assert "gyre: job 4242 (restart 0): 2 tasks, rendezvous 127.0.0.1:" in out, out[-3000:]
+    ends = [json.loads(line) for line in out.splitlines() if line.startswith('{"end"')]
+    assert len(ends) == 1 and ends[0]["end"] == "completed", out[-3000:]
+    assert Path(ends[0]["run_dir"]) == run_dir.resolve()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    assert left == []
