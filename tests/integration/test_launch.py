@@ -211,8 +211,9 @@ def test_a_restarted_torchrun_job_comes_back_to_its_run_directory(tmp_path):
 
 
 def assert_names_rank_2_killed(text: str) -> None:
-    assert "rank 2" in text or "rank      : 2" in text, text[-3000:]
-    assert "Signal 9 (SIGKILL)" in text, text[-3000:]
+    """torchrun's summary of the failure: `rank : 2 (local_rank: 0)` ... `Signal 9 (SIGKILL) received by PID n`."""
+    assert re.search(r"rank\s+: 2 \(local_rank: \d+\)", text), text[-3000:]
+    assert "Signal 9 (SIGKILL) received by PID" in text, text[-3000:]
 
 
 @pytest.mark.slow
@@ -236,7 +237,9 @@ def test_a_rank_killed_under_torchrun_ends_the_job_naming_it(tmp_path):
     for out, err in outputs:
         print("---", (out + err).strip().splitlines()[-12:])
     assert ended_s < DEATH_BOUND_S and all(code not in (None, 0) for code in codes), (codes, ended_s, text[-3000:])
-    assert_names_rank_2_killed(text)
+    assert_names_rank_2_killed(text)  # torchrun's summary on rank 2's node
+    lines = [line for line in text.splitlines() if line.startswith("gyre.train:")]
+    assert len(lines) == 1 and "run error: RankLost: rank 2 ended during the run" in lines[0], lines  # rank 0's
     assert left == []
 
 
