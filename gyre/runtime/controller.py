@@ -63,6 +63,7 @@ from gyre.runtime.execution_log import EXECUTIONS_FILE, ExecutionLine, Execution
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.ids import ExecutionIds, engine_name
 from gyre.runtime.job import Job, ack_key, step_stats_key
+from gyre.runtime.lifeline import watch_lifelines
 from gyre.runtime.local_claims import claim_and_pull
 from gyre.runtime.policy_dir import write_policy
 from gyre.runtime.trace import RoleTrace
@@ -229,10 +230,14 @@ class Controller:
         self.t0 = time.monotonic()
         self.spawn(self._begin())
         progress = self.spawn(self._progress_loop())
+        # A rank whose process ends while the run goes on ends the run (RankLost names it); cancelled before the
+        # program tells the ranks to stop, so their ends after that are no loss.
+        watch = self.spawn(watch_lifelines(self.parts.job.lifelines))
         try:
             reason, error = await self.end
         finally:
             progress.cancel()
+            watch.cancel()
             self.stopping = True
             if self.pump is not None and not self.pump.closed:
                 self.pump.board.abandon()  # the cells finish the unit they hold; the update is never published

@@ -3,19 +3,24 @@
 
 `open_job(cfg)` runs on every rank, right after the process starts:
 
-1. `torch.distributed.init_process_group("gloo")`: from the launcher's environment under torchrun or
+1. on GPUs (`engine.device` or `trainer.device` `cuda`), the rank's own GPU made the current CUDA device
+   (`local_gpu`: its LOCAL_RANK when it sees the node's GPUs, as under torchrun; the one it sees under
+   `srun --gpus-per-task=1`), so that `cuda` in the config names it;
+2. `torch.distributed.init_process_group("gloo")`: from the launcher's environment under torchrun or
    `launch_workers`; over `tcp://MASTER_ADDR:MASTER_PORT` with SLURM's rank and task count under srun; in process
    for a job of one rank run plainly (a HashStore: nothing listens);
-2. `build_process_groups(Layout(**layout_fields(cfg, world_size)))`: the control group, the cell groups and the
+3. `build_process_groups(Layout(**layout_fields(cfg, world_size)))`: the control group, the cell groups and the
    prefix groups, created in the same order on every rank before anything else makes a group; with
    `trainer.backend=megatron`, `build_process_groups_and_model_parallel`, which makes Megatron's tensor- and
    pipeline-parallel groups right after them, so that Megatron's groups are exactly the cells (docs/distributed.md,
    "Megatron's groups");
-3. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
+4. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
    engine addresses, acks), listening on rank 0's address only (`store_host`; a socket gyre binds and hands to
    the store: torch's own would listen on every interface), makes the job's secret (`$GYRE_JOB_SECRET` if the
    launcher set one, else `secrets.token_urlsafe(32)`) and broadcasts both over the control group; `Job.store()`
-   makes a client (one per thread: a TCPStore client is used by one thread at a time).
+   makes a client (one per thread: a TCPStore client is used by one thread at a time);
+5. every other rank connects its lifeline to rank 0 (`gyre.runtime.lifeline`): rank 0's controller ends the run
+   with `RankLost` naming a rank whose process ended while the run went on.
 
 The secret guards the engine endpoints (`gyre.engine.endpoint`, `Authorization: Bearer`): every rank has it in
 `Job.secret`, and nothing writes it to a log, the metrics, the run's config or a harness's environment.
@@ -42,14 +47,26 @@ import torch.distributed as dist
 
 from gyre.config import TrainConfig
 from gyre.config.train import layout_fields
+from gyre.config.trainer import device_kind
 from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.distributed.local import HOST
-from gyre.runtime.launch import job_env
+from gyre.runtime.launch import LaunchError, job_env
+from gyre.runtime.lifeline import LifelineServer, connect_lifeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JOB_SECRET_ENV", "Job", "ack_key", "engine_key", "job_secret", "open_job", "step_stats_key", "store_host"]
+__all__ = [
+    "JOB_SECRET_ENV",
+    "Job",
+    "ack_key",
+    "engine_key",
+    "job_secret",
+    "local_gpu",
+    "open_job",
+    "step_stats_key",
+    "store_host",
+]
 
 STORE_TIMEOUT = datetime.timedelta(seconds=300)  # a store call that waits longer fails (the job is broken)
 PG_TIMEOUT = datetime.timedelta(seconds=1800)  # a collective waits this long at most (the warm start is minutes)
@@ -147,6 +164,20 @@ def _listening_socket(host: str) -> socket.socket:
     return sock
 
 
+def local_gpu(local_rank: int, visible: int) -> int:
+    """The CUDA device index of the rank with `local_rank` on its node, where it sees `visible` GPUs: 0 when it sees
+    one (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank), else its local rank (torchrun: every rank
+    sees the node's GPUs). LaunchError when it sees none or fewer than its local rank needs."""
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    raise LaunchError(
+        f"LOCAL_RANK={local_rank}: this rank sees {visible} GPU{'s' if visible != 1 else ''}; run one rank per GPU "
+        "(torchrun --nproc-per-node at most the node's GPUs; srun --gpus-per-task=1)"
+    )
+
+
 def engine_key(cell: int) -> str:
     return f"gyre/engine/{cell}"
 
@@ -172,6 +203,8 @@ class Job:
     server: dist.TCPStore | None = None  # rank 0: the runtime store's server
     host: str = HOST  # the address other ranks reach this one at (`rank_address`)
     secret: str = field(default="", repr=False)  # the engine endpoints' bearer token (module docstring); never logged
+    lifelines: dict[int, socket.socket] = field(default_factory=dict)  # rank 0: every other rank's (`lifeline`)
+    lifeline: socket.socket | None = None  # another rank: its own to rank 0, open until the process ends
 
     @property
     def layout(self) -> Layout:
@@ -199,8 +232,12 @@ class Job:
 
 def open_job(cfg: TrainConfig) -> Job:
     """Initialize this rank's part of the job (module docstring). ConfigError when the job does not fit the cells."""
+    launched = job_env(os.environ)
+    if launched is not None and "cuda" in (device_kind(cfg.engine.device), device_kind(cfg.trainer.device)):
+        import torch
+
+        torch.cuda.set_device(local_gpu(launched.local_rank, torch.cuda.device_count()))
     if not dist.is_initialized():
-        launched = job_env(os.environ)
         if launched is None:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         elif launched.launcher == "srun":  # no launcher store: rank 0 serves the rendezvous at MASTER_ADDR:PORT
@@ -225,7 +262,8 @@ def open_job(cfg: TrainConfig) -> Job:
     else:
         groups = build_process_groups(layout)
     server = None
-    shared: list = [None, None, None]  # the store's host and port, the job's secret
+    lifelines = None
+    shared: list = [None, None, None, None]  # the store's host and port, the lifelines' port, the job's secret
     if rank == 0:
         host = store_host(os.environ, world_size)
         listening = _listening_socket(host)
@@ -238,12 +276,12 @@ def open_job(cfg: TrainConfig) -> Job:
             timeout=STORE_TIMEOUT,
             master_listen_fd=listening.detach(),  # the store's server owns the socket from here
         )
-        shared = [host, server.port, job_secret(os.environ)]
+        lifelines = LifelineServer(host) if world_size > 1 else None
+        shared = [host, server.port, lifelines.port if lifelines else None, job_secret(os.environ)]
     if world_size > 1:
         dist.broadcast_object_list(shared, src=0, group=groups.control_group)
-    store_address, store_port, secret = shared
-    log.info("job ready: %s; runtime store at %s:%s", layout.describe(rank), store_address, store_port)
-    return Job(
+    store_address, store_port, lifeline_port, secret = shared
+    job = Job(
         rank=rank,
         world_size=world_size,
         groups=groups,
@@ -253,3 +291,11 @@ def open_job(cfg: TrainConfig) -> Job:
         host=rank_address(os.environ),
         secret=secret,
     )
+    if lifelines is not None:
+        job.lifelines = lifelines.accept(world_size, timeout_s=STORE_TIMEOUT.total_seconds())
+    elif rank > 0:
+        job.lifeline = connect_lifeline(store_address, lifeline_port, rank)
+    log.info(
+        "job ready: %s; runtime store at %s:%s; pid %d", layout.describe(rank), store_address, store_port, os.getpid()
+    )
+    return job

@@ -1,4 +1,5 @@
-"""How the job reads its launcher (gyre.runtime.launch): torchrun's and srun's variables, the fixed run directory."""
+"""How the job reads its launcher (gyre.runtime.launch): torchrun's and srun's variables, the fixed run directory
+(the same after torchrun restarts the workers), and which GPU a rank takes (gyre.runtime.job.local_gpu)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,20 @@ def test_the_run_dir_is_fixed_for_every_rank_unless_the_user_fixed_it():
     assert fixed_run_dir_overrides(["steps=3"], None, root="outputs/train") == ["steps=3"]
     job_ids = {fixed_run_dir_overrides([], job_env({**TORCHRUN, "RANK": str(r)}), root="o")[0] for r in range(4)}
     assert job_ids == {"hydra.run.dir=o/abc-123"}  # the same directory on every rank
+    restarted = job_env({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "1"})  # torchrun keeps the run id on a restart
+    assert fixed_run_dir_overrides([], restarted, root="o") == ["hydra.run.dir=o/abc-123"]
 
 
 def test_a_sweep_under_a_launcher_is_refused():
     with pytest.raises(LaunchError, match="cannot run under srun"):
         fixed_run_dir_overrides(["-m", "algo.phi=0,1"], job_env(SRUN), root="o")
+
+
+def test_a_rank_takes_its_local_gpu_or_the_one_it_sees():
+    from gyre.runtime.job import local_gpu
+
+    assert [local_gpu(r, 8) for r in range(8)] == list(range(8))  # torchrun: every rank sees the node's GPUs
+    assert local_gpu(5, 1) == 0  # srun --gpus-per-task=1: each task sees its own as device 0
+    for local_rank, visible in ((4, 4), (0, 0)):
+        with pytest.raises(LaunchError, match=f"LOCAL_RANK={local_rank}: this rank sees {visible} GPUs"):
+            local_gpu(local_rank, visible)

@@ -1,0 +1,345 @@
+"""The launchers of `launch/` run the real program (docs/cluster.md): `launch/torchrun.sh` as two nodes on this
+machine, and a rank that dies ends the job, under torchrun and in a plainly launched run.
+
+- Two torchrun "nodes" (`launch/torchrun.sh` twice: NNODES=2, NPROC_PER_NODE=2, NODE_RANK 0 and 1, c10d
+  rendezvous on 127.0.0.1) run the 2-step smoke of the default 4 cells: both exit 0, the run directory has 2 lines
+  of metrics and the summary, one of them printed the run's end, no process is left.
+- A torchrun job restarted by torchrun (MAX_RESTARTS=1) comes back to the same run directory, named by its
+  RDZV_ID (each attempt here stops at once: 1 rank for 4 cells is a config error, logged in train.log).
+- A rank SIGKILLed mid-run (rank 2, a satellite) ends the job within 30 s, and the output names the rank and the
+  signal: under two torchrun nodes, and in a plainly launched run (`python -m gyre.train`, one line
+  `gyre.train: run error: rank 2 failed: Signal 9 (SIGKILL) ...`, exit 3).
+- `launch/slurm.sbatch` with stand-ins for srun and scontrol runs a 2-task job through gyre's srun path, in the
+  run directory of the job's id.
+
+Processes are real and started in sessions of their own; torchrun's workers start sessions of their own too, so
+every process that carries the test's marker (or runs in its run directory) is killed by PID at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_train_program import SMALL, left_of, train
+
+from gyre.distributed.local import HOST
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
+SMOKE = [*SMALL, "steps=2", "tasks.eval_every=5", "logging.wandb=disabled"]
+DEATH_BOUND_S = 30.0  # a rank's death ends the job within this
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+class Nodes:
+    """`launch/torchrun.sh` started once per node of one job on this machine, with the same RDZV_ID."""
+
+    def __init__(self, tmp_path: Path, args: list[str], *, nnodes: int, nproc: int, env: dict | None = None):
+        self.marker, self.run_dir = uuid.uuid4().hex, tmp_path / "run"
+        self.rdzv_id = f"test-{self.marker[:8]}"
+        base = {
+            **os.environ,
+            "PYTHON": sys.executable,
+            "PYTHONUNBUFFERED": "1",
+            "GYRE_TEST_RUN": self.marker,
+            "NNODES": str(nnodes),
+            "NPROC_PER_NODE": str(nproc),
+            "MASTER_ADDR": HOST,
+            "MASTER_PORT": str(free_port()),
+            "RDZV_ID": self.rdzv_id,
+            **(env or {}),
+        }
+        self.cwd = tmp_path
+        self.processes, self.files = [], []
+        for node in range(nnodes):
+            out, err = (open(tmp_path / f"node{node}.{kind}", "w+") for kind in ("out", "err"))  # noqa: SIM115
+            self.files += [out, err]
+            process = subprocess.Popen(
+                ["bash", str(TORCHRUN_SH), *args],
+                cwd=tmp_path,
+                env={**base, "NODE_RANK": str(node)},
+                stdout=out,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
+            process.out, process.err = out, err
+            self.processes.append(process)
+            if node == 0:
+                time.sleep(1.0)  # node 0 hosts the rendezvous store (is_host=true): let it bind first
+
+    def wait(self, timeout_s: float) -> list[int]:
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return [process.poll() for process in self.processes]
+
+    def output(self, node: int) -> tuple[str, str]:
+        process = self.processes[node]
+        process.out.seek(0)
+        process.err.seek(0)
+        return process.out.read(), process.err.read()
+
+    def left(self) -> list[str]:
+        return left_of(SimpleNamespace(marker=self.marker, run_dir=self.run_dir))
+
+    def close(self) -> list[str]:
+        """Kill what is still alive (torchrun by its process group, its workers and harnesses by PID); what was
+        left before that."""
+        left = self.left()
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        kill_by_pid(self.left())
+        for file in self.files:
+            file.close()
+        return left
+
+
+def end_line(out: str) -> dict | None:
+    """The run's last stdout line (`{"end", "steps", ...}`), printed by rank 0's node only."""
+    lines = out.strip().splitlines()
+    try:
+        end = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+    return end if isinstance(end, dict) and "end" in end else None
+
+
+def kill_by_pid(entries: list[str]) -> None:
+    for entry in entries:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
+
+
+def pid_of_rank(marker: str, rank: int, run_dir: Path, timeout_s: float = 60.0) -> int:
+    """The PID of the job's worker of `rank`: the process with RANK=`rank` and `marker` in its environment (torchrun's
+    workers), else the one train.log names (`job ready: rank 2: ...; pid N`; workers that `launch_workers` spawned
+    set their RANK after they started, so their /proc environ lacks it)."""
+    deadline = time.monotonic() + timeout_s
+    log = run_dir / "train.log"
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                items = (entry / "environ").read_text(errors="replace").split("\0")
+            except OSError:
+                continue
+            env = dict(item.split("=", 1) for item in items if "=" in item)
+            if env.get("GYRE_TEST_RUN") == marker and env.get("RANK") == str(rank):
+                return int(entry.name)
+        named = re.findall(
+            rf"\[rank {rank}\] gyre\.runtime\.job: job ready: .*; pid (\d+)$",
+            log.read_text() if log.is_file() else "",
+            re.M,
+        )
+        if named:
+            return int(named[-1])
+        time.sleep(0.5)
+    raise AssertionError(f"no worker with RANK={rank} found")
+
+
+def wait_for_first_step(run_dir: Path, alive, timeout_s: float) -> None:
+    """Until metrics.jsonl has its first line (the job is mid-run: a step done, rollouts of the next going on)."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        if metrics.is_file() and metrics.read_text().count("\n") >= 1:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no step finished in {timeout_s} s (alive: {alive()})")
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_on_one_machine_run_the_smoke(tmp_path):
+    started = time.monotonic()
+    nodes = Nodes(tmp_path, SMOKE, nnodes=2, nproc=2, env={"RUN_DIR": str(tmp_path / "run")})
+    try:
+        codes = nodes.wait(900)
+        wall_s = time.monotonic() - started
+        outputs = [nodes.output(node) for node in (0, 1)]
+        assert codes == [0, 0], [err[-3000:] for _, err in outputs]
+        left = nodes.close()
+    finally:
+        nodes.close()
+    assert left == []
+    ends = [end for end in (end_line(out) for out, _ in outputs) if end is not None]
+    assert len(ends) == 1 and ends[0]["end"] == "completed" and ends[0]["steps"] == 2, outputs  # rank 0's node
+    run_dir = tmp_path / "run"
+    assert ends[0]["run_dir"] == str(run_dir)
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    print(f"2 torchrun nodes x 2 ranks: rc {codes}, {wall_s:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_restarted_torchrun_job_comes_back_to_its_run_directory(tmp_path):
+    # One rank for the default 4 cells: each attempt writes its run directory's train.log, then exits 2.
+    nodes = Nodes(tmp_path, ["logging.wandb=disabled"], nnodes=1, nproc=1, env={"MAX_RESTARTS": "1"})
+    try:
+        codes = nodes.wait(300)
+        _, err = nodes.output(0)
+    finally:
+        left = nodes.close()
+    assert codes[0] != 0 and left == [], err[-3000:]
+    runs = list((tmp_path / "outputs" / "train").iterdir())
+    assert [run.name for run in runs] == [nodes.rdzv_id], runs  # one directory, named by RDZV_ID
+    log = (runs[0] / "train.log").read_text()
+    starts = [line for line in log.splitlines() if "training -> " in line]
+    # two attempts (torchrun restarted the worker), both in the one directory
+    assert len(starts) == 2 and all(line.endswith(f"outputs/train/{nodes.rdzv_id}") for line in starts), log
+
+
+def assert_names_rank_2_killed(text: str) -> None:
+    """torchrun's summary of the failure: `rank : 2 (local_rank: 0)` ... `Signal 9 (SIGKILL) received by PID n`."""
+    assert re.search(r"rank\s+: 2 \(local_rank: \d+\)", text), text[-3000:]
+    assert "Signal 9 (SIGKILL) received by PID" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_under_torchrun_ends_the_job_naming_it(tmp_path):
+    nodes = Nodes(
+        tmp_path, [*SMALL, "steps=50", "tasks.eval_every=0"], nnodes=2, nproc=2, env={"RUN_DIR": str(tmp_path / "run")}
+    )
+    try:
+        wait_for_first_step(nodes.run_dir, lambda: all(p.poll() is None for p in nodes.processes), 600)
+        time.sleep(1.0)
+        os.kill(pid_of_rank(nodes.marker, 2, nodes.run_dir), signal.SIGKILL)
+        killed = time.monotonic()
+        codes = nodes.wait(DEATH_BOUND_S + 30)
+        ended_s = time.monotonic() - killed
+        outputs = [nodes.output(node) for node in (0, 1)]
+        left = nodes.close()
+    finally:
+        nodes.close()
+    text = "\n".join(out + err for out, err in outputs)
+    print(f"torchrun, rank 2 SIGKILLed: rc {codes} after {ended_s:.1f} s")
+    for out, err in outputs:
+        print("---", (out + err).strip().splitlines()[-12:])
+    assert ended_s < DEATH_BOUND_S and all(code not in (None, 0) for code in codes), (codes, ended_s, text[-3000:])
+    assert_names_rank_2_killed(text)  # torchrun's summary on rank 2's node
+    lines = [line for line in text.splitlines() if line.startswith("gyre.train:")]
+    assert len(lines) == 1 and "run error: RankLost: rank 2 ended during the run" in lines[0], lines  # rank 0's
+    assert left == []
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_a_plainly_launched_run_ends_it_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    process = train([*SMALL, "steps=50", "tasks.eval_every=0", "logging.wandb=disabled"], run_dir)
+    try:
+        wait_for_first_step(run_dir, lambda: process.poll() is None, 600)
+        time.sleep(1.0)
+        os.kill(pid_of_rank(process.marker, 2, run_dir), signal.SIGKILL)
+        killed = time.monotonic()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.communicate(timeout=DEATH_BOUND_S + 30)
+        ended_s = time.monotonic() - killed
+        code = process.poll()
+        process.stderr_file.seek(0)
+        err = process.stderr_file.read()
+        left = left_of(process)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        kill_by_pid(left_of(process))
+        process.stderr_file.close()
+    lines = [line for line in err.splitlines() if line.startswith("gyre.train:")]
+    print(f"plain run, rank 2 SIGKILLed: exit {code} after {ended_s:.1f} s: {lines}")
+    assert code == 3 and ended_s < DEATH_BOUND_S, (code, ended_s, err[-3000:])
+    assert len(lines) == 1 and "run error: rank 2 failed" in lines[0] and "Signal 9 (SIGKILL)" in lines[0], lines
+    # Torch's agent logs the worker's exit with its own traceback (its ProcessExitedException); gyre prints none.
+    assert [line for line in err.splitlines() if "Traceback" in line and "torch/distributed/elastic" not in line] == []
+    assert left == [] or wait_gone(process) == []
+
+
+def wait_gone(process, timeout_s: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := left_of(process)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun on one machine, for the test: SLURM_NTASKS copies of the command, task i with SLURM_PROCID=i
+while [[ "$1" == -* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+    SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_ID=0 "$@" &
+    pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit $rc
+"""
+FAKE_SCONTROL = '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && echo 127.0.0.1\n'
+
+
+@pytest.mark.slow
+def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
+    """launch/slurm.sbatch with stand-ins for srun and scontrol: 2 tasks, gyre's srun path (SLURM_PROCID, the
+    process group over tcp://MASTER_ADDR:MASTER_PORT), the run directory of the job's id."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    marker = uuid.uuid4().hex
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+        "PYTHONUNBUFFERED": "1",
+        "GYRE_TEST_RUN": marker,
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NTASKS": "2",
+        "MASTER_PORT": str(free_port()),
+    }
+    args = [*SMALL, "cluster.num_cells=2", "steps=1", "tasks.eval_every=0", "logging.wandb=disabled"]
+    run_dir = tmp_path / "outputs" / "train" / "slurm-4242"
+    process = subprocess.Popen(
+        ["bash", str(ROOT / "launch" / "slurm.sbatch"), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        left = left_of(SimpleNamespace(marker=marker, run_dir=run_dir))
+        kill_by_pid(left)
+    assert process.returncode == 0, out[-3000:]
+    assert "gyre: job 4242 (restart 0): 2 tasks, rendezvous 127.0.0.1:" in out, out[-3000:]
+    ends = [json.loads(line) for line in out.splitlines() if line.startswith('{"end"')]
+    assert len(ends) == 1 and ends[0]["end"] == "completed", out[-3000:]
+    assert Path(ends[0]["run_dir"]) == run_dir.resolve()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    assert left == []

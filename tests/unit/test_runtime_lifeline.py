@@ -1,0 +1,53 @@
+"""gyre.runtime.lifeline: rank 0 takes one lifeline per other rank and names the first whose lifeline ends (what
+the kernel does to a dead process's sockets: they close), and nothing ends while every rank lives."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from gyre.distributed.local import HOST
+from gyre.runtime.lifeline import LifelineServer, RankLost, connect_lifeline, watch_lifelines
+
+
+def connected(world_size: int):
+    server = LifelineServer(HOST)
+    ends = {}
+
+    def connect(rank: int) -> None:
+        ends[rank] = connect_lifeline(HOST, server.port, rank)
+
+    threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(world_size - 1, 0, -1)]
+    for thread in threads:
+        thread.start()
+    lines = server.accept(world_size, timeout_s=10)
+    for thread in threads:
+        thread.join()
+    return lines, ends
+
+
+def test_the_first_rank_whose_lifeline_ends_is_named():
+    lines, ends = connected(4)
+    assert sorted(lines) == [1, 2, 3]
+
+    async def main() -> None:
+        watch = asyncio.ensure_future(watch_lifelines(lines))
+        await asyncio.sleep(0.2)
+        assert not watch.done()  # every rank alive: nothing to say
+        ends[2].close()
+        with pytest.raises(RankLost, match=r"^rank 2 ended during the run \(its connection to rank 0 closed\)"):
+            await asyncio.wait_for(watch, 5)
+
+    asyncio.run(main())
+    for sock in (*lines.values(), *ends.values()):
+        sock.close()
+
+
+def test_a_rank_that_never_connects_is_named_after_the_timeout():
+    server = LifelineServer(HOST)
+    first = connect_lifeline(HOST, server.port, 1)
+    with pytest.raises(TimeoutError, match=r"ranks \[2\] did not connect their lifeline"):
+        server.accept(3, timeout_s=0.3)
+    first.close()
