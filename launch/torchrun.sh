@@ -21,7 +21,9 @@
 #                   run directory (outputs/train/<RDZV_ID>, gyre.runtime.launch.fixed_run_dir_overrides); it stays
 #                   the same when torchrun restarts the workers, so a restarted job comes back to its directory.
 #   MAX_RESTARTS    how often torchrun restarts every worker of the job after one fails [0]. The restarted run
-#                   starts in the same run directory.
+#                   starts in the same run directory and resumes from its latest complete checkpoint (RESUME).
+#   RESUME          gyre's resume= [auto: the latest complete checkpoint of the run directory, afresh when there is
+#                   none; docs/runtime.md, "Checkpoints and resume"]. A resume= override among the arguments wins.
 #   RUN_DIR         the run directory of every rank (hydra.run.dir) [outputs/train/<RDZV_ID> under the current
 #                   directory]. Multi-node: a path on a file system every node shares, where every rank's
 #                   train.log lines go. A hydra.run.dir= override among the arguments wins.
@@ -57,6 +59,9 @@ if [[ -n "${RUN_DIR:-}" ]]; then
     for arg in "$@"; do [[ "$arg" == hydra.run.dir=* || "$arg" == +hydra.run.dir=* ]] && pinned=true; done
     $pinned || overrides+=("hydra.run.dir=$RUN_DIR")
 fi
+given_resume=false
+for arg in "$@"; do [[ "$arg" == resume=* || "$arg" == +resume=* ]] && given_resume=true; done
+$given_resume || overrides+=("resume=${RESUME:-auto}")
 read -r -a extra <<< "${TORCHRUN_ARGS:-}"
 
 exec "$PYTHON" -m torch.distributed.run \

@@ -16,7 +16,8 @@ It is written as `checkpoints/.step-<n>.tmp/`, every file fsynced, `complete.jso
 crash leaves a `.tmp` directory, never a `step-<n>/` without `complete.json`. A reader (`latest_checkpoint`) takes
 the highest `step-<n>/` whose `complete.json` reads and whose files have the sizes it lists, and skips any other with
 a warning. A write that fails (a full disk) removes its `.tmp` directory and raises `CheckpointError`; the previous
-checkpoints are untouched. Once a checkpoint is complete, all but the newest `keep` are removed.
+checkpoints are untouched. Once a checkpoint is complete, all but the newest `keep` are removed (and the one the run
+resumed from, which its ranks read their weights from, is kept until the run ends).
 """
 
 from __future__ import annotations
@@ -119,9 +120,12 @@ def write_checkpoint(
     engine_model=None,
     source_dir: Path,
     keep: int,
+    protect: Path | None = None,
 ) -> Path:
     """Write checkpoint `step` (module docstring): `trainer_model` and `engine_model` are `DecoderLM`s (`engine_model`
-    None: the engines serve `trainer_model`'s weights or the starting checkpoint's, as `state` says). Its path."""
+    None: the engines serve `trainer_model`'s weights or the starting checkpoint's, as `state` says). `protect`: a
+    checkpoint the pruning keeps (the one the run resumed from: its ranks may still load their trainers from it).
+    Its path."""
     import torch
 
     from gyre.models.hf_weights import save_pretrained
@@ -156,14 +160,15 @@ def write_checkpoint(
             f"checkpoint of step {step} not written under {root}: {error.strerror or error} (the earlier checkpoints "
             "are kept; free space or fix the run directory's permissions, then resume=auto)"
         ) from error
-    _prune(root, keep)
+    _prune(root, keep, protect)
     return target
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, protect: Path | None = None) -> None:
     complete = [c for c in _candidates(root) if _complete(c[1]) is None]
     for _, path in complete[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
+        if protect is None or path.resolve() != Path(protect).resolve():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _candidates(root: Path) -> list[tuple[int, Path]]:

@@ -690,6 +690,7 @@ class Controller:
             engine_model=engine_model,
             source_dir=self.parts.model_dir,
             keep=self.cfg.checkpoint.keep,
+            protect=self.resumed_from.path if self.resumed_from else None,
         )
         log.info("checkpoint %s written in %.2fs", path, self.now() - begun)
 

@@ -245,6 +245,20 @@ def open_job(cfg: TrainConfig) -> Job:
             dist.init_process_group(
                 "gloo", init_method=address, rank=launched.rank, world_size=launched.world_size, timeout=PG_TIMEOUT
             )
+        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            # torchrun restarted the job's workers: the group's keys of this attempt under a prefix of their own, so
+            # that no rank reads an address of the attempt that failed
+            attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+            store = dist.TCPStore(
+                launched.master_addr, launched.master_port, launched.world_size, is_master=False, timeout=PG_TIMEOUT
+            )
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(f"gyre/attempt-{attempt}", store),
+                rank=launched.rank,
+                world_size=launched.world_size,
+                timeout=PG_TIMEOUT,
+            )
         else:  # torchrun, or launch_workers: the launcher's store, from the environment
             dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     rank, world_size = dist.get_rank(), dist.get_world_size()

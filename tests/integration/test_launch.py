@@ -343,3 +343,56 @@ def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
     assert Path(ends[0]["run_dir"]) == run_dir.resolve()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
     assert left == []
+
+
+def wait_for_a_join(run_dir: Path, alive, timeout_s: float) -> tuple[int, int]:
+    """Until a satellite joins a step in flight after the first checkpoint (rank 0's train.log line `step s: cell c
+    joins after n units`); its (cell, step): the satellite is mid-step then."""
+    log, deadline = run_dir / "train.log", time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        text = log.read_text() if log.is_file() else ""
+        checkpointed = (run_dir / "checkpoints" / "step-000001" / "complete.json").is_file()
+        joins = re.findall(r"step (\d+): cell (\d+) joins after \d+ units", text)
+        late = [(int(c), int(s)) for s, c in joins if int(s) >= 1]
+        if checkpointed and late:
+            return late[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no satellite joined a step after the first checkpoint in {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_a_satellite_killed_mid_step_under_torchrun_max_restarts_resumes_and_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "steps=6", "tasks.eval_every=0", "logging.wandb=disabled", "checkpoint.every_steps=1"]
+    nodes = Nodes(tmp_path, args, nnodes=1, nproc=4, env={"RUN_DIR": str(run_dir), "MAX_RESTARTS": "1"})
+    try:
+        alive = lambda: nodes.processes[0].poll() is None  # noqa: E731
+        cell, step = wait_for_a_join(run_dir, alive, 600)
+        os.kill(pid_of_rank(nodes.marker, cell, run_dir), signal.SIGKILL)  # native cells: cell c is rank c
+        killed = time.monotonic()
+        log = run_dir / "train.log"
+        lost_s = restarted_s = None
+        named = re.compile(rf"failed \(exitcode: -9\) local_rank: {cell} |RankLost: rank {cell} ended")
+        while restarted_s is None and time.monotonic() < killed + 120:
+            text = log.read_text()
+            if lost_s is None and named.search(text + nodes.output(0)[1]):
+                lost_s = time.monotonic() - killed  # the first attempt ends, naming the rank: torchrun or rank 0
+            if "resuming from" in nodes.output(0)[0]:
+                restarted_s = time.monotonic() - killed  # torchrun's second attempt resumes (rank 0's stdout)
+            time.sleep(0.1)
+        codes = nodes.wait(600)
+        out, err = nodes.output(0)
+        left = nodes.close()
+    finally:
+        nodes.close()
+    text = log.read_text()
+    print(f"cell {cell} SIGKILLed in step {step}: named after {lost_s} s, resumed after {restarted_s} s; rc {codes}")
+    assert lost_s is not None and lost_s < DEATH_BOUND_S, (lost_s, err[-3000:])
+    assert restarted_s is not None, text[-3000:]
+    assert codes == [0], (codes, out[-2000:], err[-3000:])
+    assert end_line(out)["steps"] == 6
+    resumed = re.findall(r"resuming from \S+/step-(\d+) \(step (\d+) of 6\)", out)
+    assert resumed and int(resumed[-1][1]) >= 1, resumed
+    metrics = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == list(range(6)), metrics
+    assert left == []
