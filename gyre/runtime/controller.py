@@ -633,6 +633,19 @@ class Controller:
         self.trace.publication(begun, self.now() - begun, version, phases)
         self.apply(self.sched.publish_finished(self.now()))
 
+    def engine_lost(self, event) -> None:
+        """The proxy counted a cell's engine lost (its endpoint gone: docs/proxy.md, "An engine that dies"): its
+        calls went on on live engines and the table moved its executions. Said once; the scheduler still counts the
+        cell (a dead endpoint is almost always a dead rank, whose lifeline ends the run: docs/runtime.md,
+        "An engine endpoint that dies")."""
+        log.error(
+            "engine %s lost (%s): %d executions moved to live engines, %d had none; the scheduler still counts it",
+            event.engine,
+            event.reason,
+            len(event.moved),
+            len(event.unplaced),
+        )
+
     # -- checkpoints -------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
         """The controller's state at a step's end, before `step_finished` (docs/runtime.md, "Checkpoints and

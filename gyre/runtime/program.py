@@ -454,6 +454,7 @@ async def _controller(
             echo=echo,
             checkpoint=checkpoint,
         )
+        table.on_engine_lost = controller.engine_lost
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _stop_once(controller, echo))
