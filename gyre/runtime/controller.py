@@ -27,7 +27,14 @@ back through the scheduler's events; nothing moves without an action:
 
 The run ends after `steps` optimizer steps, at `request_stop()` (Ctrl-C, SIGTERM) or at the first error of any
 of its tasks; `run()` then closes a step in flight (its update is never published), cancels the executions still
-running (their harness and evaluator processes are stopped by `run_episode`) and returns a `RunEnd`.
+running (their harness and evaluator processes are stopped by `run_episode`) and returns a `RunEnd`. A rank whose
+lifeline closes (`gyre.runtime.lifeline`) ends it with `RankLost`.
+
+Checkpoints (docs/runtime.md, "Checkpoints and resume"): at a step's end, before `step_finished`, every
+`checkpoint.every_steps` steps and after the last, `write_checkpoint` saves `checkpoint_state()` with the core's
+weights and optimizer state; a controller made with `checkpoint=` restores from one (`_restore`): the scheduler via
+`gyre.sched.checkpoint`, the groups' outcomes and buffer entries, the executions it dispatches again under their
+next rerun's id.
 """
 
 from __future__ import annotations
@@ -672,6 +679,7 @@ class Controller:
             "wall_time_s": self.now(),
             "seed": self.cfg.seed,
             "executions_per_group": self.ids.executions_per_group,
+            "shape": run_shape(self.cfg),
         }
 
     async def write_checkpoint(self) -> None:
@@ -910,6 +918,24 @@ class Controller:
             update_s=result.update_s,
             weight_pulls_s=pulls_s,
         )
+
+
+def run_shape(cfg: TrainConfig) -> dict:
+    """What a checkpoint's state depends on: a run resumes from it only with the same (`gyre.runtime.program.
+    resolve_checkpoint` compares them)."""
+    cl, algo = cfg.cluster, cfg.algo
+    return {
+        "algo.mode": algo.mode,
+        "cluster.num_cells": cl.num_cells,
+        "cluster.cell_capacity": cl.cell_capacity,
+        "algo.group_size": algo.group_size,
+        "algo.oversample": algo.oversample,
+        "algo.batch_groups": algo.batch_groups,
+        "algo.mu": algo.mu,
+        "algo.extra_groups": algo.extra_groups,
+        "algo.dispatch": algo.dispatch,
+        "seed": cfg.seed,
+    }
 
 
 def _seconds(seconds: float):

@@ -179,6 +179,14 @@ def resolve_checkpoint(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], No
         if cfg.resume == "auto":
             echo("resume=auto: no complete checkpoint in the run directory, starting afresh")
         return None
+    from gyre.runtime.controller import run_shape
+
+    saved = checkpoint.state.get("shape", {})
+    changed = [f"{k}={v!r} (the checkpoint's: {saved[k]!r})" for k, v in run_shape(cfg).items() if saved.get(k, v) != v]
+    if changed:
+        raise ProgramError(
+            f"resume: {', '.join(changed)}: a run resumes with the schedule of its checkpoint ({checkpoint.path})"
+        )
     if checkpoint.step >= cfg.steps:
         raise ProgramError(
             f"steps={cfg.steps}: the checkpoint {checkpoint.path} has {checkpoint.step} steps done already; raise "

@@ -13,6 +13,9 @@ naming rank 0. The same command with `resume=auto` then finishes the run, and it
 - the executions that were running were dispatched again as new ones (`-r1` ids): the counters are the
   checkpoint's plus one dispatch, start and finish each, the summary's `redispatched` is their number, and the
   staleness log goes on from the checkpoint's.
+
+A user's mistakes with `resume` exit 2 with one line: another schedule than the checkpoint's, a checkpoint with the
+run's `steps` done, and a directory holding checkpoints under the default `resume=never`.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from pathlib import Path
 
 import pytest
 from test_train_program import SMALL, finish, left_of, train, wait_until_gone
-
-pytestmark = pytest.mark.slow
 
 # Slow executions (docs/tasks.md, "Slow executions"): steps end while executions still run.
 ARGS = [
@@ -79,6 +80,7 @@ def rank_pid(process, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_the_controller_killed_mid_burst_resumes_from_its_checkpoint_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -163,3 +165,35 @@ def test_the_controller_killed_mid_burst_resumes_from_its_checkpoint_and_finishe
     log0, log1 = s0["staleness"], s1["staleness"]
     assert all(log1[k][: len(log0[k])] == log0[k] for k in ("steps", "values", "tokens"))
     assert (run_dir / "superseded" / before.name / "records").is_dir() or not running
+
+
+def test_resuming_with_another_schedule_or_nothing_left_to_do_exits_2_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    from gyre.config import TrainConfig
+    from gyre.models.decoder import DecoderLM
+    from gyre.models.decoder_config import DecoderConfig
+    from gyre.runtime.checkpoint import write_checkpoint
+    from gyre.runtime.controller import run_shape
+
+    run_dir = tmp_path / "run"
+    (tmp_path / "source").mkdir()
+    state = {"scheduler": {"trainer_version": 3, "published_version": 3}, "shape": run_shape(TrainConfig())}
+    shape = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "head_dim": 8}
+    model = DecoderLM(DecoderConfig(model_type="qwen3", num_attention_heads=2, num_key_value_heads=1, **shape))
+    write_checkpoint(
+        run_dir, 3, state, trainer_model=model, optimizer_state=None, source_dir=tmp_path / "source", keep=2
+    )
+
+    def run(*args: str) -> tuple[int, str]:
+        command = [sys.executable, "-m", "gyre.train", *args, f"hydra.run.dir={run_dir}", "logging.wandb=disabled"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+        return done.returncode, done.stderr.strip()
+
+    rc, err = run("resume=auto", "algo.mu=2")
+    assert rc == 2 and err.splitlines()[-1].startswith("gyre.train: config error: resume: algo.mu=2"), err
+    rc, err = run("resume=auto", "steps=3")
+    assert rc == 2 and "has 3 steps done already; raise steps" in err.splitlines()[-1], err
+    rc, err = run()  # resume=never: an earlier run's checkpoints are never overwritten
+    assert rc == 2 and "resume=auto continues it" in err.splitlines()[-1], err
