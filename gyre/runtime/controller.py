@@ -748,7 +748,8 @@ class Controller:
             names = self.names(group)
             self.task_of[group] = tasks[saved["task"]]
             self.outcomes[group] = restored_group_outcomes(saved["outcomes"], names)
-            self.on_disk.update(e["execution"] for e in saved["outcomes"]["executions"] if e["close_kind"])
+            closed = set(state["scheduler"]["closed"])
+            self.on_disk.update(name for e, name in zip(self.ids.executions(group), names, strict=True) if e in closed)
             entry = self.sched.groups[group]
             self.buffer.add_group(group, entry.version, names, self.cfg.algo.group_size)
             if entry.state is GroupState.READY:

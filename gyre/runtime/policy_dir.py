@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gyre.models.hf_weights import save_pretrained
 
-__all__ = ["POLICY_DIR", "POLICY_META", "copy_side_files", "fsync_dir", "write_policy"]
+__all__ = ["POLICY_DIR", "POLICY_META", "copy_side_files", "write_policy"]
 
 POLICY_DIR = "policy"
 POLICY_META = "policy.json"
@@ -45,7 +45,7 @@ def copy_side_files(source_dir: Path, target: Path) -> None:
             shutil.copy2(path, target / path.name)
 
 
-def fsync_dir(directory: Path) -> None:
+def _fsync_dir(directory: Path) -> None:
     for path in directory.iterdir():
         with open(path, "rb") as handle:
             os.fsync(handle.fileno())
@@ -68,7 +68,7 @@ def write_policy(model, *, source_dir: Path, run_dir: Path, version: int) -> Pat
         copy_side_files(Path(source_dir), staging)
         meta = {"version": version, "source": str(Path(source_dir).resolve())}
         (staging / POLICY_META).write_text(json.dumps(meta) + "\n")
-        fsync_dir(staging)
+        _fsync_dir(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
