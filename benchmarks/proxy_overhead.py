@@ -800,20 +800,20 @@ async def run(args, setup: dict, engine: Child, proxy: Child, passthrough: Child
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=CALL_TIMEOUT) as http:
         started = time.perf_counter()
-        a = await one_session(http, engine, proxy, setup, calls=60 if quick else 400, warmup=10 if quick else 40)
-        c = await saturation(http, engine, proxy, passthrough, setup, duration_s=3.0 if quick else 8.0)
+        a = await one_session(http, engine, proxy, setup, calls=40 if quick else 400, warmup=5 if quick else 40)
+        c = await saturation(http, engine, proxy, passthrough, setup, duration_s=1.5 if quick else 8.0)
         b = await agents(
             http,
             engine,
             proxy,
             setup,
             sessions=512,
-            duration_s=8.0 if quick else 45.0,
+            duration_s=3.0 if quick else 45.0,
             saturation_rps=c["proxy_requests_per_s"],
         )
-        d = await long_history_path(http, engine, proxy, setup, reps=3 if quick else 12)
-    d["breakdown"] = breakdown(setup, reps=3 if quick else 12, history_tokens=700_000)
-    c["breakdown_small_request"] = breakdown(setup, reps=5 if quick else 30, history_tokens=2_000)
+        d = await long_history_path(http, engine, proxy, setup, reps=1 if quick else 12)
+    d["breakdown"] = breakdown(setup, reps=1 if quick else 12, history_tokens=700_000)
+    c["breakdown_small_request"] = breakdown(setup, reps=2 if quick else 30, history_tokens=2_000)
     return {
         "a_one_session": a,
         "b_agent_sessions": b,
@@ -825,7 +825,11 @@ async def run(args, setup: dict, engine: Child, proxy: Child, passthrough: Child
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short run for a smoke test (< 60 s)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (~30 s on 2 cores): each section, too few samples to mean much",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--role", choices=("engine", "proxy", "passthrough"), help=argparse.SUPPRESS)
     parser.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)

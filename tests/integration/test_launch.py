@@ -36,6 +36,7 @@ from test_train_program import SMALL, left_of, train
 
 from gyre.distributed.local import HOST
 
+pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
 SMOKE = [*SMALL, "steps=2", "tasks.eval_every=5", "logging.wandb=disabled"]

@@ -77,6 +77,7 @@ from gyre.traj.roles import classifier_for
 from gyre.traj.store import load_tree
 
 N, B, MU = 4, 2, 1  # groups of 4 executions, steps of 2 groups, one step per burst
+pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
 TIMEOUT_S = 600.0
 LOGPROB_TOLERANCE = 1e-4  # fp32, temperature 1 on both sides (docs/engine.md, "Behavior log-probs")
 

@@ -40,6 +40,7 @@ import pytest
 
 from gyre.distributed.local import HOST
 
+pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [  # 4 cells x C_e 8 (the default cluster), groups of 4, steps of 2 groups, 2 steps per burst
     "algo.mu=2",

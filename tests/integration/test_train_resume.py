@@ -29,10 +29,13 @@ from pathlib import Path
 import pytest
 from test_train_program import SMALL, finish, left_of, train, wait_until_gone
 
-# Slow executions (docs/tasks.md, "Slow executions"): steps end while executions still run.
+pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
+# Slow executions (docs/tasks.md, "Slow executions"): steps end while executions still run. 4 steps: a checkpoint
+# with executions running and a group waiting comes at step 1 or 2, and the resumed run still trains after it.
+STEPS = 4
 ARGS = [
     *SMALL,
-    "steps=6",
+    f"steps={STEPS}",
     "tasks.eval_every=0",
     "tasks.demo.work.enabled=true",
     "algo.phi=1.0",  # 2 groups beyond the burst: finished groups wait while the steps run
@@ -91,7 +94,7 @@ def test_the_controller_killed_mid_burst_resumes_from_its_checkpoint_and_finishe
         while chosen is None and process.poll() is None and time.monotonic() < deadline:
             for path in checkpoints(run_dir):
                 running, ready = in_flight(state_of(path))
-                if running and ready and state_of(path)["scheduler"]["trainer_version"] < 6:
+                if running and ready and state_of(path)["scheduler"]["trainer_version"] < STEPS:
                     chosen = path
             time.sleep(0.05)
         assert chosen is not None, "no checkpoint with executions running and a group waiting before the run ended"
@@ -117,17 +120,17 @@ def test_the_controller_killed_mid_burst_resumes_from_its_checkpoint_and_finishe
     resumed = train([*ARGS, "resume=auto"], run_dir)
     rc, out, err = finish(resumed, 600)
     assert rc == 0, (out[-3000:], err[-3000:])
-    assert f"resuming from {before} (step {step} of 6)" in out
-    assert json.loads(out.strip().splitlines()[-1])["steps"] == 6
+    assert f"resuming from {before} (step {step} of {STEPS})" in out
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == STEPS
     assert not wait_until_gone(resumed), left_of(resumed)
 
     final = state_of(checkpoints(run_dir)[-1])
-    assert final["scheduler"]["trainer_version"] == 6
+    assert final["scheduler"]["trainer_version"] == STEPS
     steps = [r["step"] for r in final["records"]]
-    assert steps == list(range(6)), steps
+    assert steps == list(range(STEPS)), steps
     assert final["records"][:step] == saved["records"]  # the killed run's own records, then the resumed ones
     metrics = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert metrics == list(range(6)), metrics
+    assert metrics == list(range(STEPS)), metrics
 
     # Every execution finished before the checkpoint: trained, or in the buffer with its outcome, never again.
     groups_after = final["scheduler"]["groups"]

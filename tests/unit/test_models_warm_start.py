@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -254,3 +255,55 @@ def test_a_run_cut_by_its_budget_is_reused_only_by_budgets_no_larger(tmp_path):
     assert warm_start(tmp_path / "ws", cut, seed=0)[1] == meta  # same budget: reused
     _, meta_full = warm_start(tmp_path / "ws", TINY, seed=0)  # larger budget: trained again, in place
     assert meta_full["complete"] and meta_full["steps_done"] == 2 and meta_full["key"] == meta["key"]
+
+
+WAITER = """
+import sys, time
+from dataclasses import replace
+from gyre.tasks.demo.warm_start import WarmStartConfig, warm_start_dir
+config = WarmStartConfig(num_demos=16, steps=2, batch_size=4, warmup_steps=1, tool_fraction=0.5)
+started = time.monotonic()
+print(warm_start_dir(sys.argv[1], config, seed=0), round(time.monotonic() - started, 2), flush=True)
+"""
+
+
+def holds(pid: int, path: str) -> bool:
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any(os.readlink(fd) == path for fd in fds.iterdir())
+    except OSError:
+        return False
+
+
+def test_a_process_asking_while_another_trains_waits_and_reuses_its_warm_start(tmp_path):
+    """warm_start_dir's lock: while the lock is held (here by the test, standing in for a process training), another
+    process asking for the same warm start makes no staging directory of its own; once the holder has put a
+    finished warm start in place and let go, the waiter returns it without training."""
+    import fcntl
+    import subprocess
+    import sys
+
+    from gyre.tasks.demo.warm_start import CACHE_PREFIX, read_meta
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    target = root / f"{CACHE_PREFIX}{warm_start_key(TINY, 0)}"
+    with open(root / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", WAITER, str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            deadline = time.monotonic() + 60  # until the waiter has the lock file open: it is in (or at) flock
+            while time.monotonic() < deadline and waiter.poll() is None and not holds(waiter.pid, lock.name):
+                time.sleep(0.1)
+            time.sleep(0.5)
+            assert waiter.poll() is None, waiter.communicate()
+            assert [p.name for p in root.iterdir() if "staging" in p.name] == []  # it waits, it does not train
+            _, meta = warm_start(target, TINY, seed=0)  # the holder's finished warm start
+        except BaseException:
+            waiter.kill()
+            raise
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0, err[-2000:]
+    assert Path(out.split()[0]) == target and read_meta(target) == meta  # the holder's, not trained again

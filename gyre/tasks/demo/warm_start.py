@@ -30,6 +30,7 @@ Torch is imported inside the functions that need it. CLI: `python -m gyre.tasks.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import logging
@@ -421,13 +422,25 @@ def warm_start(
 
 def warm_start_dir(cache_root: str | Path | None = None, config: WarmStartConfig | None = None, seed: int = 0) -> Path:
     """`<cache_root>/warm-<key>` (default root: `$GYRE_CACHE` or ~/.cache/gyre), trained on first use. Built in a
-    staging directory and renamed into place, so readers never see a partial checkpoint."""
+    staging directory and renamed into place, so readers never see a partial checkpoint; one process trains it at a
+    time (a lock file beside it), so processes that ask at once wait for it instead of each training their own."""
     config = config or WarmStartConfig()
     root = default_cache_root() if cache_root is None else Path(cache_root)
     target = root / f"{CACHE_PREFIX}{warm_start_key(config, seed)}"
-    if _reusable(target, target.name.removeprefix(CACHE_PREFIX), config.max_minutes) is not None:
+    key = target.name.removeprefix(CACHE_PREFIX)
+    if _reusable(target, key, config.max_minutes) is not None:
         return target
     root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        if _reusable(target, key, config.max_minutes) is not None:
+            return target  # another process trained it while this one waited
+        _build(target, config, seed)
+    return target
+
+
+def _build(target: Path, config: WarmStartConfig, seed: int) -> None:
+    root = target.parent
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-{os.getpid()}-", dir=root))
     try:
         warm_start(staging, config, seed)
@@ -440,7 +453,6 @@ def warm_start_dir(cache_root: str | Path | None = None, config: WarmStartConfig
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 # ----------------------------------------------------------------------------- greedy evaluation

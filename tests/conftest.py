@@ -1,0 +1,76 @@
+"""How the suite is ordered and what it starts ahead of time (docs/testing.md, "Running the suite").
+
+- `warm_start` marks the modules that need the default warm start of the tiny model (cached under $GYRE_CACHE or
+  ~/.cache/gyre; ~3.5 CPU minutes when it is not there yet). When the suite runs on several workers
+  (`pytest -n 2`, the README's command) and the warm start is not cached, the controller trains it in a
+  background process at a lower priority from the start (its output: warm-start-for-pytest.log in the cache); the
+  tests that need it wait on its lock (`warm_start_dir`), the others run meanwhile; at the session's end it is
+  stopped if no test needed it. A single-process run trains it in the first test that needs it.
+- Order: the integration modules first (`--dist loadfile` hands whole modules to the workers in this order, so
+  the long ones start early and the many short unit modules fill the end), those needing the warm start after the
+  others, so that it has had time to finish before they ask for it.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+WARM_START = """
+from gyre.config import WarmStartConfig
+from gyre.tasks.demo.warm_start import warm_start_dir
+print(warm_start_dir(config=WarmStartConfig(max_minutes=60)), flush=True)
+"""
+BACKGROUND_NICENESS = 10  # it takes what the workers leave; when they wait for it, it has both cores
+_background: subprocess.Popen | None = None
+
+
+def _warm_start_cached() -> bool:
+    from gyre.config import WarmStartConfig
+    from gyre.models.tiny import default_cache_root
+    from gyre.tasks.demo.warm_start import CACHE_PREFIX, read_meta, warm_start_key
+
+    meta = read_meta(default_cache_root() / f"{CACHE_PREFIX}{warm_start_key(WarmStartConfig(), 0)}")
+    return meta is not None and bool(meta.get("complete"))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _background
+    config = session.config
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not workers or _warm_start_cached():
+        return  # an xdist worker, a single-process run, or nothing to train
+    from gyre.models.tiny import default_cache_root
+
+    root = default_cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    log = open(root / "warm-start-for-pytest.log", "w")  # noqa: SIM115 (closed at the session's end)
+    _background = subprocess.Popen(
+        ["nice", "-n", str(BACKGROUND_NICENESS), sys.executable, "-c", WARM_START], stdout=log, stderr=log
+    )
+    _background.log = log
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _background is None:
+        return
+    if _background.poll() is None:  # no test needed it (a subset of the suite): stop it, its staging dir removed
+        _background.send_signal(signal.SIGINT)
+        try:
+            _background.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _background.kill()
+            _background.wait()
+    _background.log.close()
+
+
+def _order(item: pytest.Item) -> tuple[int, int]:
+    integration = "integration" in item.path.parts
+    return (0 if integration else 1, 1 if item.get_closest_marker("warm_start") else 0)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_order)  # stable: within each part, the usual order
