@@ -3,9 +3,10 @@
 - `warm_start` marks the modules that need the default warm start of the tiny model (cached under $GYRE_CACHE or
   ~/.cache/gyre; ~3.5 CPU minutes when it is not there yet). When the suite runs on several workers
   (`pytest -n 2`, the README's command) and the warm start is not cached, the controller trains it in a
-  background process at a lower priority from the start (its output: warm-start-for-pytest.log in the cache); the
-  tests that need it wait on its lock (`warm_start_dir`), the others run meanwhile; at the session's end it is
-  stopped if no test needed it. A single-process run trains it in the first test that needs it.
+  background process from the start (its log: warm-start-for-pytest.log in the cache), ahead of the workers: they
+  run at a lower priority (`nice 5`). The tests that need it wait on its lock (`warm_start_dir`), the others run
+  meanwhile; at the session's end it is stopped if no test needed it. A single-process run trains it in the first
+  test that needs it.
 - Order: the integration modules first (`--dist loadfile` hands whole modules to the workers in this order, so
   the long ones start early and the many short unit modules fill the end), those needing the warm start after the
   others, so that it has had time to finish before they ask for it.
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -20,12 +22,19 @@ import sys
 import pytest
 
 WARM_START = """
+import logging
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 from gyre.config import WarmStartConfig
 from gyre.tasks.demo.warm_start import warm_start_dir
 print(warm_start_dir(config=WarmStartConfig(max_minutes=60)), flush=True)
 """
-BACKGROUND_NICENESS = 10  # it takes what the workers leave; when they wait for it, it has both cores
+WORKER_NICENESS = 5  # the workers yield to the background warm start: the tests that need it come soon enough
 _background: subprocess.Popen | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        os.nice(WORKER_NICENESS)  # the worker and what its tests start; among themselves, as before
 
 
 def _warm_start_cached() -> bool:
@@ -48,9 +57,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     root = default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
     log = open(root / "warm-start-for-pytest.log", "w")  # noqa: SIM115 (closed at the session's end)
-    _background = subprocess.Popen(
-        ["nice", "-n", str(BACKGROUND_NICENESS), sys.executable, "-c", WARM_START], stdout=log, stderr=log
-    )
+    _background = subprocess.Popen([sys.executable, "-c", WARM_START], stdout=log, stderr=log)
     _background.log = log
 
 

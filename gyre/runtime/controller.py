@@ -834,8 +834,8 @@ class Controller:
             pulls_s=tuple(s["pull_s"] for s in shares if s["pull_s"] > 0),
         )
         self.records.append(record)
+        self.trace.step_end(record.wall_time_s)  # the record's time: its sinks (W&B) may take a while to write
         self.metrics.write(record)
-        self.trace.step_end(self.now())
         self.echo(format_progress(record, self.cfg.steps, elapsed_s=self.now()))
         self.last_progress = self.now()
         done = len(self.records) >= self.cfg.steps

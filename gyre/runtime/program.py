@@ -39,6 +39,7 @@ from gyre.runtime.checkpoint import Checkpoint, StartingPoint
 from gyre.runtime.controller import Controller, ControllerParts, RunEnd
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.launch import job_env, launch_workers
+from gyre.runtime.lifeline import RankLost
 from gyre.runtime.task_sets import TaskSetError, TaskSets, load_task_sets
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,10 @@ def run_worker(cfg: TrainConfig, run_dir: str) -> RunResult | dict:
         # The run failed (its outputs are written): rank 0 fails as a worker, so the launcher names its error
         # (satellites cut off in a collective may fail after it; the first failure is what the user reads).
         error = result.end.error
-        log.error("the run failed:\n%s", "".join(traceback.format_exception(error)))
+        if isinstance(error, RankLost):  # its message says all there is (which rank, how it was seen to end)
+            log.error("the run failed: %s", error)
+        else:
+            log.error("the run failed:\n%s", "".join(traceback.format_exception(error)))
         raise RuntimeError(f"{type(error).__name__}: {error}") from None
     return result
 

@@ -39,7 +39,7 @@ from gyre.distributed.local import HOST
 pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
-SMOKE = [*SMALL, "steps=2", "tasks.eval_every=5", "logging.wandb=disabled"]
+SMOKE = [*SMALL, "steps=2", "tasks.eval_every=0", "logging.wandb=disabled"]  # held-out evals: the plain 2-step run
 DEATH_BOUND_S = 30.0  # a rank's death ends the job within this
 
 
@@ -160,15 +160,17 @@ def pid_of_rank(marker: str, rank: int, run_dir: Path, timeout_s: float = 60.0) 
     raise AssertionError(f"no worker with RANK={rank} found")
 
 
-def wait_for_first_step(run_dir: Path, alive, timeout_s: float) -> None:
-    """Until metrics.jsonl has its first line (the job is mid-run: a step done, rollouts of the next going on)."""
-    metrics = run_dir / "metrics.jsonl"
+def wait_for_rollouts(run_dir: Path, alive, timeout_s: float) -> None:
+    """Until the proxy has recorded a model call (the job is mid-run: every rank up, harnesses calling the cells'
+    engines). Earlier than the first step, which only adds a step's worth of waiting: what dies is a rank of a
+    running job either way."""
+    records = run_dir / "records"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive():
-        if metrics.is_file() and metrics.read_text().count("\n") >= 1:
+        if records.is_dir() and any(path.stat().st_size > 0 for path in records.glob("*.jsonl")):
             return
-        time.sleep(0.5)
-    raise AssertionError(f"no step finished in {timeout_s} s (alive: {alive()})")
+        time.sleep(0.2)
+    raise AssertionError(f"no model call recorded in {timeout_s} s (alive: {alive()})")
 
 
 @pytest.mark.slow
@@ -223,7 +225,7 @@ def test_a_rank_killed_under_torchrun_ends_the_job_naming_it(tmp_path):
         tmp_path, [*SMALL, "steps=50", "tasks.eval_every=0"], nnodes=2, nproc=2, env={"RUN_DIR": str(tmp_path / "run")}
     )
     try:
-        wait_for_first_step(nodes.run_dir, lambda: all(p.poll() is None for p in nodes.processes), 600)
+        wait_for_rollouts(nodes.run_dir, lambda: all(p.poll() is None for p in nodes.processes), 600)
         time.sleep(1.0)
         os.kill(pid_of_rank(nodes.marker, 2, nodes.run_dir), signal.SIGKILL)
         killed = time.monotonic()
@@ -249,7 +251,7 @@ def test_a_rank_killed_in_a_plainly_launched_run_ends_it_naming_it(tmp_path):
     run_dir = tmp_path / "run"
     process = train([*SMALL, "steps=50", "tasks.eval_every=0", "logging.wandb=disabled"], run_dir)
     try:
-        wait_for_first_step(run_dir, lambda: process.poll() is None, 600)
+        wait_for_rollouts(run_dir, lambda: process.poll() is None, 600)
         time.sleep(1.0)
         os.kill(pid_of_rank(process.marker, 2, run_dir), signal.SIGKILL)
         killed = time.monotonic()
@@ -346,19 +348,22 @@ def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
     assert left == []
 
 
-def wait_for_a_join(run_dir: Path, alive, timeout_s: float) -> tuple[int, int]:
-    """Until a satellite joins a step in flight after the first checkpoint (rank 0's train.log line `step s: cell c
-    joins after n units`); its (cell, step): the satellite is mid-step then."""
+def wait_for_a_satellite_training(run_dir: Path, alive, timeout_s: float) -> tuple[int, int]:
+    """Until, after the first checkpoint, a satellite joins a step in flight (rank 0's train.log line `step s: cell c
+    joins after n units`) or goes to training for the burst in flight (`cell c to training: ...`, c > 0); its cell
+    and the number of steps done then. Which of the two comes first depends on timing (on a loaded machine a
+    satellite's trainer may be ready only after the steps it could have joined): either way it is a satellite
+    of the burst in flight, mid-step or about to claim its micro-steps."""
     log, deadline = run_dir / "train.log", time.monotonic() + timeout_s
+    first = re.compile(r"checkpoint \S+/step-000001 written")
+    event = re.compile(r"step \d+: cell (\d+) joins after \d+ units|cell ([1-9]\d*) to training:")
     while time.monotonic() < deadline and alive():
         text = log.read_text() if log.is_file() else ""
-        checkpointed = (run_dir / "checkpoints" / "step-000001" / "complete.json").is_file()
-        joins = re.findall(r"step (\d+): cell (\d+) joins after \d+ units", text)
-        late = [(int(c), int(s)) for s, c in joins if int(s) >= 1]
-        if checkpointed and late:
-            return late[-1]
+        checkpointed = first.search(text)
+        if checkpointed and (match := event.search(text, checkpointed.end())):
+            return int(match.group(1) or match.group(2)), len(re.findall(r"checkpoint \S+/step-\d+ written", text))
         time.sleep(0.05)
-    raise AssertionError(f"no satellite joined a step after the first checkpoint in {timeout_s} s")
+    raise AssertionError(f"no satellite trained after the first checkpoint (alive: {alive()}, {timeout_s} s)")
 
 
 @pytest.mark.slow
@@ -368,7 +373,7 @@ def test_a_satellite_killed_mid_step_under_torchrun_max_restarts_resumes_and_fin
     nodes = Nodes(tmp_path, args, nnodes=1, nproc=4, env={"RUN_DIR": str(run_dir), "MAX_RESTARTS": "1"})
     try:
         alive = lambda: nodes.processes[0].poll() is None  # noqa: E731
-        cell, step = wait_for_a_join(run_dir, alive, 600)
+        cell, step = wait_for_a_satellite_training(run_dir, alive, 600)
         os.kill(pid_of_rank(nodes.marker, cell, run_dir), signal.SIGKILL)  # native cells: cell c is rank c
         killed = time.monotonic()
         log = run_dir / "train.log"

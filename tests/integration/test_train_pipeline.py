@@ -224,15 +224,32 @@ def relative_difference(grads: dict, reference: dict) -> tuple[float, float]:
     return whole, worst
 
 
+@pytest.fixture(scope="module")
+def pp1_reference(tmp_path_factory):
+    """The PP = 1 run for (seed, tied), made once per module: it depends on nothing else, and each is a process
+    importing Megatron. Returns (losses, the path prefix of its gradient files)."""
+    made: dict[tuple[int, bool], tuple[dict, str]] = {}
+
+    def reference(seed: int, tied: bool) -> tuple[dict, str]:
+        if (seed, tied) not in made:
+            out = str(tmp_path_factory.mktemp("reference") / f"seed{seed}-tied{tied}")
+            kwargs = {"seed": seed, "tied": tied, "out": out}
+            losses = run_local(f"{__file__}:reference_worker", 1, kwargs=kwargs, timeout_s=TIMEOUT_S, env=ENV)[0]
+            made[seed, tied] = (losses, out)
+        return made[seed, tied]
+
+    return reference
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("pipeline_parallel", "tied", "tensor_parallel"), [(2, False, 1), (2, True, 1), (3, False, 1), (2, True, 2)]
 )
-def test_streaming_1f1b_gives_the_pp1_gradients(tmp_path, pipeline_parallel, tied, tensor_parallel):
+def test_streaming_1f1b_gives_the_pp1_gradients(tmp_path, pp1_reference, pipeline_parallel, tied, tensor_parallel):
     """PP = 2 (untied and tied embeddings), PP = 3 (a middle stage) and TP 2 x PP 2 (4 processes) against one
-    process at PP = 1 on the same claim units."""
+    process at PP = 1 on the same claim units (one such process per (seed, tied), shared by the cases)."""
     seed = 5
-    out, reference_out = tmp_path / "pipeline", tmp_path / "reference"
+    out = tmp_path / "pipeline"
     started = time.perf_counter()
     results = run_local(
         f"{__file__}:pipeline_worker",
@@ -241,13 +258,7 @@ def test_streaming_1f1b_gives_the_pp1_gradients(tmp_path, pipeline_parallel, tie
         timeout_s=TIMEOUT_S,
         env=ENV,
     )
-    reference_losses = run_local(
-        f"{__file__}:reference_worker",
-        1,
-        kwargs={"seed": seed, "tied": tied, "out": str(reference_out)},
-        timeout_s=TIMEOUT_S,
-        env=ENV,
-    )[0]
+    reference_losses, reference_out = pp1_reference(seed, tied)
     print(
         f"PP={pipeline_parallel} TP={tensor_parallel} tied={tied}: both worlds in {time.perf_counter() - started:.1f} s"
     )
