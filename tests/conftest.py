@@ -2,14 +2,14 @@
 
 - `warm_start` marks the modules that need the default warm start of the tiny model (cached under $GYRE_CACHE or
   ~/.cache/gyre; ~3.5 CPU minutes when it is not there yet). When the suite runs on several workers
-  (`pytest -n 2`, the README's command) and the warm start is not cached, the controller trains it in a
-  background process from the start (its log: warm-start-for-pytest.log in the cache), ahead of the workers: they
-  run at a lower priority (`nice 5`). The tests that need it wait on its lock (`warm_start_dir`), the others run
-  meanwhile; at the session's end it is stopped if no test needed it. A single-process run trains it in the first
-  test that needs it.
-- Order: the integration modules first (`--dist loadfile` hands whole modules to the workers in this order, so
-  the long ones start early and the many short unit modules fill the end), those needing the warm start after the
-  others, so that it has had time to finish before they ask for it.
+  (`pytest -n 2 --dist loadfile --no-loadscope-reorder`; the README's command uses one process) and the warm start
+  is not cached, the controller trains it in a background process from the start (its log:
+  warm-start-for-pytest.log in the cache), ahead of the workers: they run at a lower priority (`nice 5`). The tests
+  that need it wait on its lock (`warm_start_dir`), the others run meanwhile; at the session's end it is stopped if
+  no test needed it. A single-process run trains it in the first test that needs it.
+- Order: the integration modules first (with `--dist loadfile` the workers get whole modules in this order, so the
+  long ones start early and the many short unit modules fill the end), those needing the warm start after the
+  others, so that a background warm start has had time to finish before they ask for it.
 """
 
 from __future__ import annotations
