@@ -29,7 +29,8 @@ from gyre.tasks.demo.warm_start import warm_start_dir
 print(warm_start_dir(config=WarmStartConfig(max_minutes=60)), flush=True)
 """
 WORKER_NICENESS = 5  # the workers yield to the background warm start: the tests that need it come soon enough
-_background: subprocess.Popen | None = None
+_background: subprocess.Popen | None = None  # the background warm start, and the file its output goes to
+_background_log = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -47,7 +48,7 @@ def _warm_start_cached() -> bool:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    global _background
+    global _background, _background_log
     config = session.config
     workers = getattr(config.option, "numprocesses", None)
     if hasattr(config, "workerinput") or not workers or _warm_start_cached():
@@ -56,9 +57,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     root = default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    log = open(root / "warm-start-for-pytest.log", "w")  # noqa: SIM115 (closed at the session's end)
-    _background = subprocess.Popen([sys.executable, "-c", WARM_START], stdout=log, stderr=log)
-    _background.log = log
+    _background_log = open(root / "warm-start-for-pytest.log", "w")  # noqa: SIM115 (closed at the session's end)
+    _background = subprocess.Popen([sys.executable, "-c", WARM_START], stdout=_background_log, stderr=subprocess.STDOUT)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -71,7 +71,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         except subprocess.TimeoutExpired:
             _background.kill()
             _background.wait()
-    _background.log.close()
+    _background_log.close()
 
 
 def _order(item: pytest.Item) -> tuple[int, int]:

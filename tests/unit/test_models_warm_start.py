@@ -14,7 +14,7 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -258,12 +258,9 @@ def test_a_run_cut_by_its_budget_is_reused_only_by_budgets_no_larger(tmp_path):
 
 
 WAITER = """
-import sys, time
-from dataclasses import replace
+import json, sys
 from gyre.tasks.demo.warm_start import WarmStartConfig, warm_start_dir
-config = WarmStartConfig(num_demos=16, steps=2, batch_size=4, warmup_steps=1, tool_fraction=0.5)
-started = time.monotonic()
-print(warm_start_dir(sys.argv[1], config, seed=0), round(time.monotonic() - started, 2), flush=True)
+print(warm_start_dir(sys.argv[1], WarmStartConfig(**json.loads(sys.argv[2])), seed=0), flush=True)
 """
 
 
@@ -291,7 +288,10 @@ def test_a_process_asking_while_another_trains_waits_and_reuses_its_warm_start(t
     with open(root / f".{target.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         waiter = subprocess.Popen(
-            [sys.executable, "-c", WAITER, str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-c", WAITER, str(root), json.dumps(asdict(TINY))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         try:
             deadline = time.monotonic() + 60  # until the waiter has the lock file open: it is in (or at) flock
@@ -306,4 +306,4 @@ def test_a_process_asking_while_another_trains_waits_and_reuses_its_warm_start(t
             raise
     out, err = waiter.communicate(timeout=60)
     assert waiter.returncode == 0, err[-2000:]
-    assert Path(out.split()[0]) == target and read_meta(target) == meta  # the holder's, not trained again
+    assert Path(out.strip()) == target and read_meta(target) == meta  # the holder's, not trained again
