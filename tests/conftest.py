@@ -1,34 +1,43 @@
 """How the suite is ordered and what it starts ahead of time (docs/testing.md, "Running the suite").
 
 - `warm_start` marks the modules that need the default warm start of the tiny model (cached under $GYRE_CACHE or
-  ~/.cache/gyre; ~3.5 CPU minutes when it is not there yet). When the suite runs on several workers
-  (`pytest -n 2 --dist loadfile --no-loadscope-reorder`; the README's command uses one process) and the warm start
-  is not cached, the controller trains it in a background process from the start (its log:
-  warm-start-for-pytest.log in the cache), ahead of the workers: they run at a lower priority (`nice 5`). The tests
-  that need it wait on its lock (`warm_start_dir`), the others run meanwhile; at the session's end it is stopped if
-  no test needed it. A single-process run trains it in the first test that needs it.
+  ~/.cache/gyre; ~5.5 CPU minutes on one thread when it is not there yet). When it is not cached, it is trained in a
+  background process from the start of the session (one torch thread: two finish it 1.6x sooner for 1.3x the CPU,
+  measured; its log: warm-start-for-pytest.log in the cache), beside the tests, which run at a lower priority
+  (`nice 5`): the tests that need it wait on its lock (`warm_start_dir`), the others run meanwhile. One process: it
+  starts once the collected tests are known to need it. Several workers (`pytest -n 2 ...`): the controller starts
+  it at once (it collects nothing) and stops it at the session's end if no test needed it.
 - Order: the integration modules first (with `--dist loadfile` the workers get whole modules in this order, so the
   long ones start early and the many short unit modules fill the end), those needing the warm start after the
-  others, so that a background warm start has had time to finish before they ask for it.
+  others, so that the background warm start has had time to finish before they ask for it.
+- `$GYRE_TEST_CPU_LOG`: each test's wall and CPU seconds, one JSON line each, appended to that file.
 """
 
 from __future__ import annotations
 
+import compileall
+import json
 import os
+import resource
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 WARM_START = """
 import logging
+import torch
+torch.set_num_threads(1)
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 from gyre.config import WarmStartConfig
 from gyre.tasks.demo.warm_start import warm_start_dir
 print(warm_start_dir(config=WarmStartConfig(max_minutes=60)), flush=True)
 """
-WORKER_NICENESS = 5  # the workers yield to the background warm start: the tests that need it come soon enough
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_NICENESS = 5  # the tests yield to the background warm start: the tests that need it come soon enough
 _background: subprocess.Popen | None = None  # the background warm start, and the file its output goes to
 _background_log = None
 
@@ -48,11 +57,23 @@ def _warm_start_cached() -> bool:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    global _background, _background_log
     config = session.config
-    workers = getattr(config.option, "numprocesses", None)
-    if hasattr(config, "workerinput") or not workers or _warm_start_cached():
-        return  # an xdist worker, a single-process run, or nothing to train
+    if hasattr(config, "workerinput"):
+        return
+    # The suite starts hundreds of Python processes (workers, harnesses, servers) that import gyre and the tests'
+    # worker functions; where $PYTHONDONTWRITEBYTECODE is set (as on the machines CI runs on) none of them caches
+    # the bytecode it compiles, and each compiles the same modules again (~0.3 CPU s a process, measured).
+    # Compiled once here instead.
+    for directory in (ROOT / "gyre", ROOT / "tests"):
+        compileall.compile_dir(directory, quiet=1)
+    if getattr(config.option, "numprocesses", None):
+        _start_background_warm_start()  # the controller of several workers collects nothing: start it now
+
+
+def _start_background_warm_start() -> None:
+    global _background, _background_log
+    if _background is not None or _warm_start_cached():
+        return
     from gyre.models.tiny import default_cache_root
 
     root = default_cache_root()
@@ -74,6 +95,32 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     _background_log.close()
 
 
+CPU_LOG = os.environ.get("GYRE_TEST_CPU_LOG")  # a file: one JSON line a test with its wall and CPU seconds
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With $GYRE_TEST_CPU_LOG set: each test's wall and CPU seconds (set-up, call and tear-down; its processes'
+    CPU counted once they are reaped), appended to that file. How docs/testing.md ranks the suite by CPU."""
+    if not CPU_LOG:
+        yield
+        return
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    yield
+    line = {
+        "test": item.nodeid,
+        "wall_s": round(time.perf_counter() - wall, 2),
+        "cpu_s": round(_cpu_seconds() - cpu, 2),
+    }
+    with open(CPU_LOG, "a") as log:
+        log.write(json.dumps(line) + "\n")
+
+
 def _order(item: pytest.Item) -> tuple[int, int]:
     integration = "integration" in item.path.parts
     return (0 if integration else 1, 1 if item.get_closest_marker("warm_start") else 0)
@@ -81,3 +128,8 @@ def _order(item: pytest.Item) -> tuple[int, int]:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_order)  # stable: within each part, the usual order
+    if hasattr(config, "workerinput") or not any(item.get_closest_marker("warm_start") for item in items):
+        return
+    _start_background_warm_start()
+    if _background is not None:
+        os.nice(WORKER_NICENESS)  # this process and what its tests start (a worker's is set in pytest_configure)

@@ -188,6 +188,16 @@ def _draw_lanes(
     return [t for r in bars.values() for x, w in r[0] for t in (x, x + w)]
 
 
+def preload_plotting() -> None:
+    """Import matplotlib with its Agg canvas now (~1 CPU s, measured): a run calls it from a thread when it starts,
+    so that writing its timeline at the end (Ctrl-C included) does not pay the import (docs/runtime.md)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.backends.backend_agg  # what savefig renders PNGs with
+    import matplotlib.figure
+
+
 def write_stacked_timelines(
     path: str | os.PathLike,
     panels: Sequence[tuple[str, Sequence[Segment], Sequence[str], Sequence[float]]],

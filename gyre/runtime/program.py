@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from typing import Any
 
 from gyre.config import ConfigError, TrainConfig
 from gyre.config.train import check_context_limit, layout_fields
+from gyre.obs.timeline import preload_plotting
 from gyre.runtime.checkpoint import Checkpoint, StartingPoint
 from gyre.runtime.controller import Controller, ControllerParts, RunEnd
 from gyre.runtime.held_out import HeldOutEvaluator
@@ -401,6 +403,8 @@ async def _controller(
     from gyre.runtime.trainers import optimizer_state
     from gyre.serve.stack import start_proxy
 
+    if cfg.logging.timeline:  # off the event loop, while the run starts: its end (Ctrl-C too) writes the PNG sooner
+        threading.Thread(target=preload_plotting, name="preload-plotting", daemon=True).start()
     model_dir, task_sets, checkpoint = prepared.model_dir, prepared.task_sets, prepared.checkpoint
     echo(f"tasks: {len(task_sets.train)} training tasks, {len(task_sets.held_out)} held-out problems")
     template = ChatTemplate.from_pretrained(model_dir)

@@ -1,4 +1,5 @@
-"""Make megatron-core 0.16.1 run on a CPU-only torch (gloo): four patches, applied by `apply_cpu_patches()`.
+"""Make megatron-core 0.16.1 run on a CPU-only torch (gloo): four patches, applied by `apply_cpu_patches()`, and
+a fifth, installed when this module is imported (before megatron is).
 
 megatron-core assumes a CUDA device in a few places the forward, backward, optimizer and schedules go through
 (docs/training.md, "CPU patches"). On a CPU-only torch `apply_cpu_patches()` installs, once
@@ -27,6 +28,12 @@ megatron-core assumes a CUDA device in a few places the forward, backward, optim
    `torch.cuda.FloatTensor` (or Half/BFloat16), and `clip_grads` asserts it. Inside `cpu_device_mode()` a CPU
    tensor's `type()` (no arguments) answers the `torch.cuda.*` name of its dtype.
 
+5. Installed on import of this module (so of `gyre.train`), before megatron is imported: `megatron.core.jit`
+   loads with `jit_fuser` the no-op decorator (`disable_jit_fuser()`, megatron's own switch). Megatron decorates
+   its fusion functions with `torch.compile` when its modules load, which imports torch's compiler stack (dynamo,
+   inductor: ~2 of the ~7 CPU seconds of `import megatron.core`, measured); on CPU the fusion flags are off, so
+   nothing of it is used (docs/training.md, "CPU patches").
+
 Not patched (not needed here): the fused kernels and `torch.compile` paths (leave the fusion flags off) and the
 default causal mask built on "cuda" in `fused_softmax` / `transformer.utils` (always pass an attention mask on
 CPU, as `gyre.train.logprobs` does).
@@ -36,7 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 logger = logging.getLogger(__name__)
 
 _applied = False
+JIT_MODULE = "megatron.core.jit"
 
 
 def _is_cuda(device: Any) -> bool:
@@ -187,3 +198,38 @@ def apply_cpu_patches() -> bool:
     _applied = True
     logger.debug("megatron-core CPU patches installed")
     return True
+
+
+class _NoJitFuserFinder(importlib.abc.MetaPathFinder):
+    """Patch 5: finds `megatron.core.jit` as usual and runs `disable_jit_fuser()` right after it loads, before the
+    fusion modules read `jit_fuser`."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != JIT_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            load(module)
+            module.disable_jit_fuser()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install_jit_fuser_patch() -> bool:
+    """Patch 5 on a CPU-only torch (idempotent); returns whether it is installed. Megatron imported already: its
+    fusion functions are decorated already, the switch is turned for what comes after."""
+    if torch.cuda.is_available():
+        return False
+    if JIT_MODULE in sys.modules:
+        sys.modules[JIT_MODULE].disable_jit_fuser()
+    elif not any(isinstance(finder, _NoJitFuserFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _NoJitFuserFinder())
+    return True
+
+
+install_jit_fuser_patch()

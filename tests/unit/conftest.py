@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory):
-    from megatron.core import parallel_state
+    from gyre.train.model import init_model_parallel  # before megatron: gyre.train's import patch (cpu_patch)
 
-    from gyre.train.model import init_model_parallel
+    from megatron.core import parallel_state  # isort: skip
 
     created = not dist.is_initialized()
     if created:
