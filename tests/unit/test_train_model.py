@@ -201,3 +201,19 @@ def test_cpu_patches_allow_a_training_step(model_parallel):
     with cpu_patch.cpu_device_mode():
         assert torch.zeros(1, device="cuda").device.type == "cpu"
         assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+
+
+def test_megatron_imported_after_gyre_train_loads_no_compiler_stack():
+    """Patch 5 (gyre/train/cpu_patch.py): on a CPU-only torch, megatron's fusion functions are not wrapped in
+    `torch.compile` at import, so torch's compiler stack (dynamo, inductor) is not imported. A fresh process: this
+    one may have imported them for other tests."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gyre.train, megatron.core, megatron.core.jit as jit; "
+        "print(jit.jit_fuser is jit.noop_decorator, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "False"], out.stdout
