@@ -8,11 +8,15 @@ the process has ended or been killed: it reaps anything the harness left behind 
 the controller; the workspace itself is always preserved (its work is what gets scored).
 
 Implementations (what each isolates is measured in tests/integration/test_harness_sandbox.py, docs/harness.md):
-- `LocalSandbox`: plain processes. Resource limits via `setrlimit` in the child. When the controller runs as root
-  it gives every execution its OWN uid (allocated round robin from `uid_range`, no passwd entry needed) and chowns the
-  execution's workspace and home to it with mode 0700: other executions' workspaces, the run directory (made
-  private with `protected_paths`) and anything else not world-readable are then closed to the harness. Without
-  root it isolates processes and environment only.
+- `LocalSandbox`: plain processes. Resource limits (and the execution's own uid, below) are set by util-linux's
+  `prlimit` and `setpriv`, which exec the harness: the controller then starts it without a Python `preexec_fn`,
+  which would make CPython fork the whole controller (torch, engines, GBs of pages) and wait, on the event loop,
+  until the child has run Python code and exec'd (measured from a 1.6 GB process: 146 ms a start; on a full
+  machine 0.5-5 s, while every call on that loop waited). Where either tool is missing, a `preexec_fn` does it.
+  When the controller runs as root it gives every execution its OWN uid (allocated round robin from `uid_range`,
+  no passwd entry needed) and chowns the execution's workspace and home to it with mode 0700: other executions'
+  workspaces, the run directory (made private with `protected_paths`) and anything else not world-readable are
+  then closed to the harness. Without root it isolates processes and environment only.
 - `BubblewrapSandbox`: `bwrap` (a mount namespace) on top of `LocalSandbox`: only system directories (read-only),
   the harness's install prefix (read-only), `ro_binds` and the execution's own workspace and home (read-write)
   exist inside; a private /tmp, /proc of its own pid namespace.
@@ -73,17 +77,53 @@ def rlimit_pairs(limits: ResourceLimits, *, own_uid: bool) -> list[tuple[int, in
     return [(res, value) for res, value in pairs if value is not None]
 
 
+def _capped(limits: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each value no higher than the hard limit this process has (which its children inherit)."""
+    capped = []
+    for res, value in limits:
+        _soft, hard = resource.getrlimit(res)
+        capped.append((res, value if hard == resource.RLIM_INFINITY else min(value, hard)))
+    return capped
+
+
+PRLIMIT_OPTIONS = {
+    resource.RLIMIT_AS: "--as",
+    resource.RLIMIT_CPU: "--cpu",
+    resource.RLIMIT_FSIZE: "--fsize",
+    resource.RLIMIT_NOFILE: "--nofile",
+    resource.RLIMIT_NPROC: "--nproc",
+}
+
+
+def exec_wrapper(limits: list[tuple[int, int]], uid: int | None) -> list[str] | None:
+    """The argv prefix that sets `limits` (soft = hard) and, as root, drops to `uid` before it execs the harness
+    (same pid: the session leader is the harness): util-linux's `prlimit`, then `setpriv` (groups cleared, real,
+    effective and saved uid and gid set). [] when there is nothing to set; None where a tool is missing."""
+    argv: list[str] = []
+    if limits:
+        prlimit = shutil.which("prlimit")
+        if prlimit is None:
+            return None
+        argv += [prlimit, *(f"{PRLIMIT_OPTIONS[res]}={cap}:{cap}" for res, cap in _capped(limits)), "--"]
+    if uid is not None:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            return None
+        argv += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return argv
+
+
 def _child_setup(limits: list[tuple[int, int]], uid: int | None) -> Callable[[], None]:
-    """The child's preexec, between fork and exec: set the rlimits, then (as root) drop to the execution's uid.
+    """The child's preexec, between fork and exec, where `exec_wrapper`'s tools are missing: set the rlimits, then
+    (as root) drop to the execution's uid.
 
     Done here rather than with Popen's `user=`/`group=`, which uvloop's subprocess_exec (the controller's loop,
     gyre.eventloop) refuses. Only `setrlimit`/`set*id` calls: no imports, no logging, no locks of other threads.
     """
+    capped = _capped(limits)
 
     def setup() -> None:
-        for res, value in limits:
-            _soft, hard = resource.getrlimit(res)
-            cap = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        for res, cap in capped:
             resource.setrlimit(res, (cap, cap))
         if uid is not None:  # groups first: after setuid there is no privilege left to change them
             os.setgroups([])
@@ -311,7 +351,10 @@ class LocalSandbox:
             # becomes the execution's to change.
             for path in (context.workspace, context.home):
                 chown_tree(path, uid, uid)
+        limits = rlimit_pairs(self.limits, own_uid=uid is not None)
+        wrapper = exec_wrapper(limits, uid)
         return await asyncio.create_subprocess_exec(
+            *(wrapper or ()),
             *self.command(spec, context),
             cwd=context.workspace,
             env=self._environment(spec, context),
@@ -319,7 +362,7 @@ class LocalSandbox:
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,
-            preexec_fn=_child_setup(rlimit_pairs(self.limits, own_uid=uid is not None), uid),
+            preexec_fn=_child_setup(limits, uid) if wrapper is None else None,  # no preexec: no fork of us all
         )
 
     # -- release ------------------------------------------------------------------------------------

@@ -248,7 +248,10 @@ class Controller:
             self.stopping = True
             if self.pump is not None and not self.pump.closed:
                 self.pump.board.abandon()  # the cells finish the unit they hold; the update is never published
+            stopping = time.monotonic()
             await self._cancel_executions()
+            if (elapsed := time.monotonic() - stopping) >= 1.0:  # a slow exit after Ctrl-C names its step
+                log.info("stopping: the executions still running took %.1fs to stop", elapsed)
             self.executions.close()
             self.trainer_thread.submit(self.parts.core_step.close)  # its transport, after the last step
             self.trainer_thread.close()

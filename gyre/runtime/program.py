@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ TRACE_FILE = "timeline.json"  # what role_timeline.png is drawn from, and every 
 DONE_WAIT_S = 30.0  # rank 0 waits this long for the satellites to finish before the runtime store goes
 STOPPED_EXIT = 130  # a worker of a run stopped by Ctrl-C or SIGTERM
 STOP_WAIT_S = 5.0  # after a stop, the satellites get this long (they may finish the unit they hold first)
+SLOW_CLOSE_S = 1.0  # a cleanup step that takes this long is logged with its time
 
 
 class ProgramError(ValueError):
@@ -475,7 +477,10 @@ async def _controller(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _stop_once(controller, echo))
         end = await controller.run()
+        writing = time.monotonic()
         summary = _write_outputs(cfg, controller, run_dir, end)
+        if (elapsed := time.monotonic() - writing) >= SLOW_CLOSE_S:
+            log.info("writing the run's outputs took %.1fs", elapsed)
         return RunResult(end=end, summary=summary, held_out=held_out.results if held_out else [], run_dir=run_dir)
     finally:
         loop = asyncio.get_running_loop()
@@ -533,11 +538,15 @@ def _policy_of_the_checkpoint(run_dir: Path, start: StartingPoint, model_dir: Pa
 
 @contextlib.asynccontextmanager
 async def _closing_step(what: str):
-    """One step of the program's cleanup: its error is logged, and the next steps still run."""
+    """One step of the program's cleanup: its error is logged, and the next steps still run; one that takes a
+    second or more says how long (a slow exit after Ctrl-C names its step in train.log)."""
+    started = time.monotonic()
     try:
         yield
     except Exception as error:
         log.error("closing %s failed: %r", what, error)
+    if (elapsed := time.monotonic() - started) >= SLOW_CLOSE_S:
+        log.info("closing %s took %.1fs", what, elapsed)
 
 
 def _wait_get(job, key: str) -> bytes:
@@ -562,6 +571,7 @@ def _stop_once(controller: Controller, echo) -> Callable[[], None]:
     def stop() -> None:  # a terminal's Ctrl-C reaches rank 0 twice: itself, then passed on by the launcher
         if not said:
             said.append(True)
+            log.info("stop requested (Ctrl-C or SIGTERM)")  # train.log: the time each slow step after it is taken from
             echo("stopping: the step in flight is not published, executions are cancelled, outputs are written ...")
         controller.request_stop()
 

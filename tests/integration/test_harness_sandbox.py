@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from gyre.config import ResourceLimits
+from gyre.harness import sandbox as sandbox_module
 from gyre.harness.execution import run_harness
 from gyre.harness.protocol import ExecutionContext
 from gyre.harness.runners import CodexRunner, CommandRunner
@@ -50,6 +51,17 @@ def base():
     os.chmod(path, 0o711)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(params=["exec-wrapper", "preexec"])
+def spawn(request, monkeypatch) -> str:
+    """How a sandbox sets the limits and the own uid: util-linux's prlimit/setpriv exec'ing the harness (where they
+    are installed), or the `preexec_fn` fallback (forced here as where they are missing)."""
+    if request.param == "preexec":
+        monkeypatch.setattr(sandbox_module, "exec_wrapper", lambda limits, uid: None)
+    elif sandbox_module.exec_wrapper([(sandbox_module.resource.RLIMIT_NOFILE, 64)], 1) is None:
+        pytest.skip("prlimit or setpriv (util-linux) is not installed: the preexec_fn path is the one used")
+    return request.param
 
 
 @pytest.fixture
@@ -94,7 +106,7 @@ def probe_script(paths: list[Path]) -> str:
 
 
 @needs_root
-def test_own_uid_closes_other_workspaces_and_the_run_directory(base, run_dir):
+def test_own_uid_closes_other_workspaces_and_the_run_directory(base, run_dir, spawn):
     sandbox = LocalSandbox(root=base / "executions", protected_paths=[run_dir])
     victim = context_of(sandbox, "victim")
     (victim.workspace / "secret.txt").write_text("VICTIM-WORK")
@@ -182,7 +194,7 @@ def test_without_an_own_uid_a_process_that_left_the_group_survives(base):
 
 
 @needs_root
-def test_max_processes_and_a_private_binary(base):
+def test_max_processes_and_a_private_binary(base, spawn):
     sandbox = LocalSandbox(root=base / "executions", limits=ResourceLimits(max_processes=8))
     context = context_of(sandbox, "forker")
     script = "for i in 1 2 3 4 5 6 7 8 9 10 11 12; do sleep 30 & done; wait"
@@ -198,7 +210,7 @@ def test_max_processes_and_a_private_binary(base):
     assert failed.close_kind is CloseKind.FAILED and str(private) in failed.reason and "own uid" in failed.reason
 
 
-def test_address_space_and_file_size_limits(base):
+def test_address_space_and_file_size_limits(base, spawn):
     limits = ResourceLimits(address_space_bytes=1024 * MiB, file_size_bytes=1 * MiB)
     sandbox = LocalSandbox(root=base / "executions", limits=limits, isolate_user=False)
     alloc = (
