@@ -189,8 +189,9 @@ def _draw_lanes(
 
 
 def preload_plotting() -> None:
-    """Import matplotlib with its Agg canvas now (~1 CPU s, measured): a run calls it from a thread when it starts,
-    so that writing its timeline at the end (Ctrl-C included) does not pay the import (docs/runtime.md)."""
+    """Import matplotlib with its Agg canvas now (~1 CPU s, measured): a run calls it when it starts, before it
+    serves anything, so that writing its timeline at the end (Ctrl-C included) does not pay the import
+    (docs/runtime.md). Not from a thread: two threads importing modules that import each other can deadlock."""
     import matplotlib
 
     matplotlib.use("Agg")

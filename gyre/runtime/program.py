@@ -27,7 +27,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -405,8 +404,8 @@ async def _controller(
     from gyre.runtime.trainers import optimizer_state
     from gyre.serve.stack import start_proxy
 
-    if cfg.logging.timeline:  # off the event loop, while the run starts: its end (Ctrl-C too) writes the PNG sooner
-        threading.Thread(target=preload_plotting, name="preload-plotting", daemon=True).start()
+    if cfg.logging.timeline:  # now, before anything is served: the run's end (Ctrl-C too) writes the PNG sooner
+        preload_plotting()
     model_dir, task_sets, checkpoint = prepared.model_dir, prepared.task_sets, prepared.checkpoint
     echo(f"tasks: {len(task_sets.train)} training tasks, {len(task_sets.held_out)} held-out problems")
     template = ChatTemplate.from_pretrained(model_dir)

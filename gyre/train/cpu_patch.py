@@ -28,11 +28,11 @@ megatron-core assumes a CUDA device in a few places the forward, backward, optim
    `torch.cuda.FloatTensor` (or Half/BFloat16), and `clip_grads` asserts it. Inside `cpu_device_mode()` a CPU
    tensor's `type()` (no arguments) answers the `torch.cuda.*` name of its dtype.
 
-5. Installed on import of this module (so of `gyre.train`), before megatron is imported: `megatron.core.jit`
-   loads with `jit_fuser` the no-op decorator (`disable_jit_fuser()`, megatron's own switch). Megatron decorates
-   its fusion functions with `torch.compile` when its modules load, which imports torch's compiler stack (dynamo,
-   inductor: ~2 of the ~7 CPU seconds of `import megatron.core`, measured); on CPU the fusion flags are off, so
-   nothing of it is used (docs/training.md, "CPU patches").
+5. Installed on import of this module (so of `gyre.train`), before megatron is imported, on a CPU-only torch
+   build: `megatron.core.jit` loads with `jit_fuser` the no-op decorator (`disable_jit_fuser()`, megatron's own
+   switch). Megatron decorates its fusion functions with `torch.compile` when its modules load, which imports
+   torch's compiler stack (dynamo, inductor: ~2.7 of the ~7.5 CPU seconds of `import megatron.core`, measured);
+   on CPU the fusion flags are off, so nothing of it is used (docs/training.md, "CPU patches").
 
 Not patched (not needed here): the fused kernels and `torch.compile` paths (leave the fusion flags off) and the
 default causal mask built on "cuda" in `fused_softmax` / `transformer.utils` (always pass an attention mask on
@@ -221,9 +221,11 @@ class _NoJitFuserFinder(importlib.abc.MetaPathFinder):
 
 
 def install_jit_fuser_patch() -> bool:
-    """Patch 5 on a CPU-only torch (idempotent); returns whether it is installed. Megatron imported already: its
-    fusion functions are decorated already, the switch is turned for what comes after."""
-    if torch.cuda.is_available():
+    """Patch 5 on a CPU-only torch build (idempotent); returns whether it is installed. The build, not
+    `torch.cuda.is_available()`: asking the driver at import would initialize CUDA in every process importing
+    `gyre.train`. Megatron imported already: its fusion functions are decorated already, the switch is turned for
+    what comes after."""
+    if torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None:
         return False
     if JIT_MODULE in sys.modules:
         sys.modules[JIT_MODULE].disable_jit_fuser()
