@@ -111,7 +111,7 @@ class StopRun(Exception):
 DRAIN_S = 30.0  # a cell leaving rollout aborts what is still in flight after this (the aborted calls are recorded)
 ACK_TIMEOUT_S = 300.0  # a satellite applies a role decision within this (it loads its trainer the first time)
 STATS_TIMEOUT_S = 60.0  # the satellites of a step report their share within this after the core's step returned
-CANCEL_WAIT_S = 8.0  # at the end, how long the cancelled executions get to stop their processes and close
+CANCEL_WAIT_S = 4.0  # at the end, how long the cancelled executions get to stop their processes and close
 PUMP_POLL_S = 0.005  # the step pump's pass interval while a step is in flight
 PASS_REWARD = 1.0  # an execution passed when its reward reaches this (the demo check's full score)
 

@@ -91,11 +91,14 @@ def _usage_error(message: str) -> int:
 
 
 def _stop_on_sigterm(signum: int, frame: object) -> None:
-    """The sandbox stops the harness (timeout, cancel): end the shell commands' own process groups first."""
-    from gyre.harness.builtin.tools import kill_running_commands
-
-    kill_running_commands()
-    sys.exit(128 + signum)
+    """The sandbox stops the harness (timeout, cancel): end the shell commands' own process groups, then exit at
+    once. Not `sys.exit`: its SystemExit is raised wherever the main thread is, and a bare `except:` there (in a
+    library being imported, say) would swallow it and the harness would run on; nor an import here, which may meet
+    the same module half-imported. The transcript is flushed line by line, so nothing written is lost."""
+    tools = sys.modules.get("gyre.harness.builtin.tools")  # not imported yet: no command can be running
+    if tools is not None and hasattr(tools, "kill_running_commands"):
+        tools.kill_running_commands()
+    os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
