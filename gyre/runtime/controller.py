@@ -112,6 +112,7 @@ DRAIN_S = 30.0  # a cell leaving rollout aborts what is still in flight after th
 ACK_TIMEOUT_S = 300.0  # a satellite applies a role decision within this (it loads its trainer the first time)
 STATS_TIMEOUT_S = 60.0  # the satellites of a step report their share within this after the core's step returned
 CANCEL_WAIT_S = 4.0  # at the end, how long the cancelled executions get to stop their processes and close
+SLOW_STOP_S = 1.0  # a step of the stop that takes this long is logged with its time (train.log)
 PUMP_POLL_S = 0.005  # the step pump's pass interval while a step is in flight
 PASS_REWARD = 1.0  # an execution passed when its reward reaches this (the demo check's full score)
 
@@ -250,7 +251,7 @@ class Controller:
                 self.pump.board.abandon()  # the cells finish the unit they hold; the update is never published
             stopping = time.monotonic()
             await self._cancel_executions()
-            if (elapsed := time.monotonic() - stopping) >= 1.0:  # a slow exit after Ctrl-C names its step
+            if (elapsed := time.monotonic() - stopping) >= SLOW_STOP_S:  # a slow exit after Ctrl-C names its step
                 log.info("stopping: the executions still running took %.1fs to stop", elapsed)
             self.executions.close()
             self.trainer_thread.submit(self.parts.core_step.close)  # its transport, after the last step

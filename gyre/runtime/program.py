@@ -38,7 +38,7 @@ from gyre.config import ConfigError, TrainConfig
 from gyre.config.train import check_context_limit, layout_fields
 from gyre.obs.timeline import preload_plotting
 from gyre.runtime.checkpoint import Checkpoint, StartingPoint
-from gyre.runtime.controller import Controller, ControllerParts, RunEnd
+from gyre.runtime.controller import SLOW_STOP_S, Controller, ControllerParts, RunEnd
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.launch import job_env, launch_workers
 from gyre.runtime.lifeline import RankLost
@@ -56,7 +56,6 @@ TRACE_FILE = "timeline.json"  # what role_timeline.png is drawn from, and every 
 DONE_WAIT_S = 30.0  # rank 0 waits this long for the satellites to finish before the runtime store goes
 STOPPED_EXIT = 130  # a worker of a run stopped by Ctrl-C or SIGTERM
 STOP_WAIT_S = 5.0  # after a stop, the satellites get this long (they may finish the unit they hold first)
-SLOW_CLOSE_S = 1.0  # a cleanup step that takes this long is logged with its time
 
 
 class ProgramError(ValueError):
@@ -478,7 +477,7 @@ async def _controller(
         end = await controller.run()
         writing = time.monotonic()
         summary = _write_outputs(cfg, controller, run_dir, end)
-        if (elapsed := time.monotonic() - writing) >= SLOW_CLOSE_S:
+        if (elapsed := time.monotonic() - writing) >= SLOW_STOP_S:
             log.info("writing the run's outputs took %.1fs", elapsed)
         return RunResult(end=end, summary=summary, held_out=held_out.results if held_out else [], run_dir=run_dir)
     finally:
@@ -544,7 +543,7 @@ async def _closing_step(what: str):
         yield
     except Exception as error:
         log.error("closing %s failed: %r", what, error)
-    if (elapsed := time.monotonic() - started) >= SLOW_CLOSE_S:
+    if (elapsed := time.monotonic() - started) >= SLOW_STOP_S:
         log.info("closing %s took %.1fs", what, elapsed)
 
 
