@@ -13,10 +13,11 @@ Implementations (what each isolates is measured in tests/integration/test_harnes
   which would make CPython fork the whole controller (torch, engines, GBs of pages) and wait, on the event loop,
   until the child has run Python code and exec'd (measured from a 1.6 GB process: 146 ms a start; on a full
   machine 0.5-5 s, while every call on that loop waited). Where either tool is missing, a `preexec_fn` does it.
-  When the controller runs as root it gives every execution its OWN uid (allocated round robin from `uid_range`,
-  no passwd entry needed) and chowns the execution's workspace and home to it with mode 0700: other executions'
-  workspaces, the run directory (made private with `protected_paths`) and anything else not world-readable are
-  then closed to the harness. Without root it isolates processes and environment only.
+  When the controller runs as root it gives every execution its OWN uid (leased round robin from `uid_range`,
+  exclusive across every controller on the machine: `gyre.harness.uid_leases`; no passwd entry needed) and
+  chowns the execution's workspace and home to it with mode 0700: other executions' workspaces, the run
+  directory (made private with `protected_paths`) and anything else not world-readable are then closed to the
+  harness. Without root it isolates processes and environment only.
 - `BubblewrapSandbox`: `bwrap` (a mount namespace) on top of `LocalSandbox`: only system directories (read-only),
   the harness's install prefix (read-only), `ro_binds` and the execution's own workspace and home (read-write)
   exist inside; a private /tmp, /proc of its own pid namespace.
@@ -30,7 +31,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import pwd
 import resource
 import shutil
 import signal
@@ -43,6 +43,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from gyre.config.harness import ResourceLimits
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
+from gyre.harness.uid_leases import DEFAULT_LEASE_DIR, UidLeaseError, UidLeases, leases_for
 
 __all__ = [
     "BubblewrapSandbox",
@@ -219,6 +220,7 @@ class LocalSandbox:
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     isolate_user: bool | None = None  # None: an own uid per execution exactly when the controller runs as root
     uid_range: tuple[int, int] = (6_100_000, 6_199_999)  # inclusive; uids with a passwd entry are skipped
+    lease_dir: Path = DEFAULT_LEASE_DIR  # where uids are leased: controllers sharing it never share a uid
     protected_paths: Sequence[Path] = ()  # made private (chmod go-rwx) at check(); e.g. the run dir, checkpoints
     name: str = "local"
 
@@ -238,7 +240,7 @@ class LocalSandbox:
                 )
         self._uids: dict[str, int] = {}  # execution id -> uid, while prepared and not released
         self._uids_lock = threading.Lock()  # prepare and release run in worker threads, several at once
-        self._next_uid = self.uid_range[0]  # round robin: a released uid is not handed out again soon
+        self._leases: UidLeases | None = None  # set by check() when isolating users
         self._checked = False
 
     # -- setup --------------------------------------------------------------------------------------
@@ -253,6 +255,10 @@ class LocalSandbox:
                         f"execution's own uid cannot reach its workspace under {self.root}; choose another root or "
                         "chmod o+x it"
                     )
+            try:
+                self._leases = leases_for(self.lease_dir)
+            except UidLeaseError as exc:
+                raise SandboxError(f"LocalSandbox.lease_dir: {exc}") from exc
         for path in self.protected_paths:
             if path.exists():
                 os.chmod(path, path.stat().st_mode & ~0o077)
@@ -273,13 +279,13 @@ class LocalSandbox:
         for path in (dirs.workspace, dirs.home):
             os.chmod(path, PRIVATE_DIR_MODE)
         if self.isolate_user:
-            with self._uids_lock:  # allocated and recorded at once: two executions never share a uid
+            with self._uids_lock:  # leased and recorded at once: two executions never share a uid
                 uid = self._uids.get(execution_id)
                 fresh = uid is None
                 if uid is None:
-                    uid = self._uids[execution_id] = self._allocate_uid()
+                    uid = self._uids[execution_id] = self._lease_uid()
             if fresh:
-                self._reap(uid)  # a previous controller's leftovers under this uid
+                self._reap(uid)  # the leftovers of a controller that held this uid and died
             for path in (dirs.workspace, dirs.home):
                 chown_tree(path, uid, uid)
         return dirs
@@ -288,22 +294,15 @@ class LocalSandbox:
         """The uid an execution runs as (None: the controller's own)."""
         return self._uids.get(execution_id)
 
-    def _allocate_uid(self) -> int:
-        """The next uid of `uid_range` after the last one handed out that is neither in use nor a passwd user
-        (round robin: files a released uid left in a shared /tmp do not pass to the next execution). Call with
-        `_uids_lock` held."""
-        in_use = set(self._uids.values())
-        low, high = self.uid_range
-        for offset in range(high - low + 1):
-            uid = low + (self._next_uid - low + offset) % (high - low + 1)
-            if uid in in_use:
-                continue
-            try:
-                pwd.getpwuid(uid)
-            except KeyError:
-                self._next_uid = uid + 1 if uid < high else low
-                return uid
-        raise SandboxError(f"no free uid in LocalSandbox.uid_range {self.uid_range} ({len(in_use)} in use)")
+    def _lease_uid(self) -> int:
+        """The next uid of `uid_range` no controller on this machine holds (`gyre.harness.uid_leases`: round robin
+        across controllers, so files a released uid left in a shared /tmp do not pass to the next execution soon).
+        Call with `_uids_lock` held."""
+        assert self._leases is not None  # check() ran (prepare calls it)
+        try:
+            return self._leases.lease(self.uid_range)
+        except UidLeaseError as exc:
+            raise SandboxError(f"LocalSandbox.uid_range: {exc}") from exc
 
     # -- start --------------------------------------------------------------------------------------
     def _write_files(self, spec: LaunchSpec, context: ExecutionContext) -> None:
@@ -367,7 +366,9 @@ class LocalSandbox:
 
     # -- release ------------------------------------------------------------------------------------
     def _reap(self, uid: int) -> None:
-        """Kill every process of `uid`: a helper that becomes `uid` sends SIGKILL to -1 (all it may signal)."""
+        """Kill every process of `uid`: a helper that becomes `uid` sends SIGKILL to -1 (everything it may signal
+        but itself). Through `setpriv` where it exists (no fork of the controller, as at start); else a preexec."""
+        wrapper = exec_wrapper([], uid)
 
         def kill_all() -> None:
             with contextlib.suppress(ProcessLookupError):  # nothing of uid left to kill
@@ -375,14 +376,14 @@ class LocalSandbox:
 
         try:
             subprocess.run(
-                ["/bin/sh", "-c", ":"],
-                user=uid,
-                group=uid,
-                extra_groups=[],
-                preexec_fn=kill_all,
+                [*wrapper, "/bin/sh", "-c", "kill -s KILL -- -1"] if wrapper else ["/bin/sh", "-c", ":"],
+                user=None if wrapper else uid,
+                group=None if wrapper else uid,
+                extra_groups=None if wrapper else [],
+                preexec_fn=None if wrapper else kill_all,
                 env={},
                 timeout=REAP_TIMEOUT_S,
-                check=False,
+                check=False,  # kill exits 1 when nothing of uid was left
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -403,6 +404,8 @@ class LocalSandbox:
         finally:
             with self._uids_lock:  # free only now: no process of the uid is left, nothing of it is its own
                 self._uids.pop(context.execution_id, None)
+            if self._leases is not None:
+                self._leases.release(uid)
 
 
 SYSTEM_RO_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")

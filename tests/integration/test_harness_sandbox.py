@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -164,15 +165,7 @@ def escapee_left(sandbox: LocalSandbox, execution_id: str) -> list[int]:
     result = asyncio.run(sh(sandbox, context, f"setsid sleep {token} & sleep 0.2"))
     assert result.close_kind is CloseKind.COMPLETED
     time.sleep(0.3)
-    left = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if token.encode() in (proc / "cmdline").read_bytes():
-                    left.append(int(proc.name))
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-    return left
+    return pids_with(token)
 
 
 @needs_root
@@ -191,6 +184,68 @@ def test_without_an_own_uid_a_process_that_left_the_group_survives(base):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert len(left) == 1
+
+
+OTHER_CONTROLLER = """
+import asyncio
+import sys
+from pathlib import Path
+
+from gyre.harness.protocol import ExecutionContext, LaunchSpec
+from gyre.harness.sandbox import LocalSandbox
+
+base, low, token = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+sandbox = LocalSandbox(root=base / "other", lease_dir=base / "leases", uid_range=(low, low + 1))
+dirs = sandbox.prepare("theirs")
+context = ExecutionContext(
+    execution_id="theirs", task_prompt="", workspace=dirs.workspace, home=dirs.home, log_dir=dirs.log_dir,
+    anthropic_base_url="", openai_base_url="", api_key="", model="",
+)
+asyncio.run(sandbox.start(LaunchSpec(argv=("sleep", token), env={}), context, stdout=1, stderr=2))
+print(sandbox.uid_of("theirs"), flush=True)
+sys.stdin.read()  # its harness runs on until the test kills this controller
+"""
+
+
+@needs_root
+def test_two_controllers_on_one_machine_never_share_a_uid(base):
+    """Seen in CI (two pytest workers): both controllers handed out the same uid, and one's `release` (which kills
+    every process of the uid) killed the other's harness mid-run. With leases the second skips the first's uid."""
+    low = 6_190_000 + random.randrange(5_000) * 2
+    token = f"{1000 + random.randrange(10**6)}.{os.getpid()}"
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_CONTROLLER, str(base), str(low), token],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        theirs = int(other.stdout.readline())
+        sandbox = LocalSandbox(root=base / "mine", lease_dir=base / "leases", uid_range=(low, low + 1))
+        mine = []
+        for i in range(3):  # each prepare and release reaps its uid: the other's, were it handed out here
+            context = context_of(sandbox, f"mine-{i}")
+            mine.append(sandbox.uid_of(context.execution_id))
+            sandbox.release(context)
+        assert theirs not in mine and set(mine) == {low, low + 1} - {theirs}
+        assert pids_with(token), "the other controller's harness was killed"
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+        for pid in pids_with(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+def pids_with(token: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if token.encode() in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+    return found
 
 
 @needs_root
