@@ -75,12 +75,11 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig, run_dir: Path) -> int:
     """Check `cfg`, run it, print the end; the exit status (0, 2, 3 or 130)."""
-    from gyre.runtime.program import ProgramError, RunResult, run_training
-
     try:
         train_cfg = to_config(cfg, TrainConfig)
     except ConfigError as exc:
-        _exit("config error", str(exc), EXIT_CONFIG_ERROR)
+        _exit("config error", str(exc), EXIT_CONFIG_ERROR)  # before torch is imported: at once
+    from gyre.runtime.program import ProgramError, RunResult, run_training
     job = job_env(os.environ)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

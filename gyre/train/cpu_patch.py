@@ -28,11 +28,12 @@ megatron-core assumes a CUDA device in a few places the forward, backward, optim
    `torch.cuda.FloatTensor` (or Half/BFloat16), and `clip_grads` asserts it. Inside `cpu_device_mode()` a CPU
    tensor's `type()` (no arguments) answers the `torch.cuda.*` name of its dtype.
 
-5. Installed on import of this module (so of `gyre.train`), before megatron is imported, on a CPU-only torch
+5. Installed on import of `gyre.train` (and of this module), before megatron is imported, on a CPU-only torch
    build: `megatron.core.jit` loads with `jit_fuser` the no-op decorator (`disable_jit_fuser()`, megatron's own
    switch). Megatron decorates its fusion functions with `torch.compile` when its modules load, which imports
    torch's compiler stack (dynamo, inductor: ~2.7 of the ~7.5 CPU seconds of `import megatron.core`, measured);
-   on CPU the fusion flags are off, so nothing of it is used (docs/training.md, "CPU patches").
+   on CPU the fusion flags are off, so nothing of it is used (`gyre.train.jit_patch`, free of torch;
+   docs/training.md, "CPU patches").
 
 Not patched (not needed here): the fused kernels and `torch.compile` paths (leave the fusion flags off) and the
 default causal mask built on "cuda" in `fused_softmax` / `transformer.utils` (always pass an attention mask on
@@ -43,20 +44,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from gyre.train.jit_patch import install_jit_fuser_patch
+
 logger = logging.getLogger(__name__)
 
 _applied = False
-JIT_MODULE = "megatron.core.jit"
 
 
 def _is_cuda(device: Any) -> bool:
@@ -200,38 +199,4 @@ def apply_cpu_patches() -> bool:
     return True
 
 
-class _NoJitFuserFinder(importlib.abc.MetaPathFinder):
-    """Patch 5: finds `megatron.core.jit` as usual and runs `disable_jit_fuser()` right after it loads, before the
-    fusion modules read `jit_fuser`."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != JIT_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module) -> None:
-            load(module)
-            module.disable_jit_fuser()
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def install_jit_fuser_patch() -> bool:
-    """Patch 5 on a CPU-only torch build (idempotent); returns whether it is installed. The build, not
-    `torch.cuda.is_available()`: asking the driver at import would initialize CUDA in every process importing
-    `gyre.train`. Megatron imported already: its fusion functions are decorated already, the switch is turned for
-    what comes after."""
-    if torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None:
-        return False
-    if JIT_MODULE in sys.modules:
-        sys.modules[JIT_MODULE].disable_jit_fuser()
-    elif not any(isinstance(finder, _NoJitFuserFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _NoJitFuserFinder())
-    return True
-
-
-install_jit_fuser_patch()
+install_jit_fuser_patch()  # patch 5 (gyre.train.jit_patch); the package installs it too, before this module

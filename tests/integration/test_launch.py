@@ -32,14 +32,20 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_train_program import SMALL, left_of, train
+from test_train_program import PAIRS, SMALL, left_of, train
 
 from gyre.distributed.local import HOST
 
 pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
-SMOKE = [*SMALL, "steps=2", "tasks.eval_every=0", "logging.wandb=disabled"]  # held-out evals: the plain 2-step run
+SMOKE = [
+    *SMALL,
+    *PAIRS,
+    "steps=2",
+    "tasks.eval_every=0",
+    "logging.wandb=disabled",
+]  # held-out evals: the plain 2-step run
 DEATH_BOUND_S = 30.0  # a rank's death ends the job within this
 
 
@@ -222,7 +228,11 @@ def assert_names_rank_2_killed(text: str) -> None:
 @pytest.mark.slow
 def test_a_rank_killed_under_torchrun_ends_the_job_naming_it(tmp_path):
     nodes = Nodes(
-        tmp_path, [*SMALL, "steps=50", "tasks.eval_every=0"], nnodes=2, nproc=2, env={"RUN_DIR": str(tmp_path / "run")}
+        tmp_path,
+        [*SMALL, *PAIRS, "steps=50", "tasks.eval_every=0"],
+        nnodes=2,
+        nproc=2,
+        env={"RUN_DIR": str(tmp_path / "run")},
     )
     try:
         wait_for_rollouts(nodes.run_dir, lambda: all(p.poll() is None for p in nodes.processes), 600)
@@ -249,7 +259,7 @@ def test_a_rank_killed_under_torchrun_ends_the_job_naming_it(tmp_path):
 @pytest.mark.slow
 def test_a_rank_killed_in_a_plainly_launched_run_ends_it_naming_it(tmp_path):
     run_dir = tmp_path / "run"
-    process = train([*SMALL, "steps=50", "tasks.eval_every=0", "logging.wandb=disabled"], run_dir)
+    process = train([*SMALL, *PAIRS, "steps=50", "tasks.eval_every=0", "logging.wandb=disabled"], run_dir)
     try:
         wait_for_rollouts(run_dir, lambda: process.poll() is None, 600)
         time.sleep(1.0)
@@ -320,7 +330,7 @@ def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
         "SLURM_NTASKS": "2",
         "MASTER_PORT": str(free_port()),
     }
-    args = [*SMALL, "cluster.num_cells=2", "steps=1", "tasks.eval_every=0", "logging.wandb=disabled"]
+    args = [*SMALL, *PAIRS, "cluster.num_cells=2", "steps=1", "tasks.eval_every=0", "logging.wandb=disabled"]
     run_dir = tmp_path / "outputs" / "train" / "slurm-4242"
     process = subprocess.Popen(
         ["bash", str(ROOT / "launch" / "slurm.sbatch"), *args],
