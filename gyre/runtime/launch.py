@@ -20,9 +20,14 @@ fixed it, and refuses a `-m` sweep, which under a launcher would rerun the sweep
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gyre.config.checks import is_int
@@ -137,9 +142,15 @@ def launch_workers(
     run_id: str | None = None,
     monitor_interval_s: float = 0.1,
 ) -> dict[int, Any]:
-    """Run `target(*args)` on `nprocs` local worker processes (spawned, torch.distributed's environment set in
-    each), wait for all, and return their results by rank. `target` is `"package.module:function"` (spawned workers
-    import it; see `gyre.distributed.local.resolve`)."""
+    """Run `target(*args)` on `nprocs` local worker processes (torch.distributed's environment set in each), wait
+    for all, and return their results by rank. `target` is `"package.module:function"` (see
+    `gyre.distributed.local.resolve`).
+
+    The workers fork from a forkserver that imported torch and `target`'s module once (multiprocessing's
+    "forkserver" start method; nothing else of this process is inherited, as with "spawn"): a spawned worker
+    imported them itself, ~2.5 CPU s each, so a 4-rank job paid them four times before its first step."""
+    import multiprocessing
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -155,9 +166,10 @@ def launch_workers(
         run_id=run_id or uuid.uuid4().hex,
         max_restarts=0,
         monitor_interval=monitor_interval_s,
-        start_method="spawn",
+        start_method="forkserver",
         local_addr=HOST,
     )
+    multiprocessing.set_forkserver_preload(["torch", target.partition(":")[0]])
     try:
         return elastic_launch(config, _recorded_worker)(target, list(args))
     except SignalException as signalled:  # Ctrl-C or SIGTERM: the agent passed it to the workers and waited
@@ -167,7 +179,31 @@ def launch_workers(
         message = failure.message
         if isinstance(message, dict):  # the worker's error file: {"message": "...", "extraInfo": {...}}
             message = message.get("message", str(message))
+        rank, message = _earliest_failure(Path(failure.error_file), rank, message)
         raise WorkerFailed(rank, message or f"exit code {failure.exitcode}") from None
+
+
+FAILED_AT_FILE = "failed_at_ns"  # beside a worker's error file: when it failed, in ns
+
+
+def _earliest_failure(error_file: Path, rank: int, message: str | None) -> tuple[int, str | None]:
+    """The rank that failed first, and its message. Torch's agent reports the first worker whose exit it saw; a
+    rank that raised makes its peers fail too (gloo: "Connection closed by peer"), and a peer's exit can be seen
+    first (with the forkserver, whose exit notices pass through its loop, seen in a test). Every worker that
+    raised stamped its failure (`_recorded_worker`); the earliest stamp names the cause."""
+    stamped = []
+    with contextlib.suppress(OSError):
+        for rank_dir in error_file.parent.parent.iterdir():  # .../attempt_N/<local rank>/error.json
+            try:
+                at = int((rank_dir / FAILED_AT_FILE).read_text())
+                data = json.loads((rank_dir / "error.json").read_text())
+                stamped.append((at, int(rank_dir.name), str(data["message"]["message"])))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    if not stamped:
+        return rank, message
+    _, earliest, text = min(stamped)
+    return earliest, text
 
 
 def _recorded_worker(target: str, args: list[Any]) -> Any:
@@ -183,4 +219,8 @@ def _recorded_worker(target: str, args: list[Any]) -> Any:
         return resolve(target)(*args)
     except Exception as error:
         handler.record_exception(error)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:  # torch's timestamp has whole seconds: peers failing in the same second need finer
+            with contextlib.suppress(OSError):
+                Path(error_file).with_name(FAILED_AT_FILE).write_text(str(time.time_ns()))
         raise

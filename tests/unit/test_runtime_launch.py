@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from gyre.runtime.launch import JobEnv, LaunchError, fixed_run_dir_overrides, job_env
+from gyre.runtime.launch import FAILED_AT_FILE, JobEnv, LaunchError, _earliest_failure, fixed_run_dir_overrides, job_env
 
 TORCHRUN = {
     "RANK": "2",
@@ -85,3 +88,21 @@ def test_a_rank_takes_its_local_gpu_or_the_one_it_sees():
     for local_rank, visible in ((4, 4), (0, 0)):
         with pytest.raises(LaunchError, match=f"LOCAL_RANK={local_rank}: this rank sees {visible} GPUs"):
             local_gpu(local_rank, visible)
+
+
+def test_the_earliest_stamped_failure_names_the_rank(tmp_path):
+    """Torch's agent names the first exit it saw; a peer that failed because of the cause can be seen first."""
+
+    def failed(rank: int, at_ns: int | None, message: str) -> Path:
+        rank_dir = tmp_path / "attempt_0" / str(rank)
+        rank_dir.mkdir(parents=True)
+        (rank_dir / "error.json").write_text(json.dumps({"message": {"message": message, "extraInfo": {}}}))
+        if at_ns is not None:
+            (rank_dir / FAILED_AT_FILE).write_text(str(at_ns))
+        return rank_dir / "error.json"
+
+    peer = failed(0, 2_000, "RuntimeError: Connection closed by peer")
+    failed(1, 1_000, "ValueError: the cause")
+    failed(2, None, "unstamped")  # a worker that could not stamp is not preferred over stamped ones
+    assert _earliest_failure(peer, 0, "RuntimeError: Connection closed by peer") == (1, "ValueError: the cause")
+    assert _earliest_failure(tmp_path / "elsewhere" / "0" / "error.json", 3, "as torch said") == (3, "as torch said")
