@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import resource
@@ -99,29 +100,37 @@ PRLIMIT_OPTIONS = {
 def exec_wrapper(limits: list[tuple[int, int]], uid: int | None) -> list[str] | None:
     """The argv prefix that sets `limits` (soft = hard) and, as root, drops to `uid` before it execs the harness
     (same pid: the session leader is the harness): util-linux's `prlimit`, then `setpriv` (groups cleared, real,
-    effective and saved uid and gid set). [] when there is nothing to set; None where a tool is missing."""
+    effective and saved uid and gid set, and SIGKILL as the parent-death signal, set after the uid: a harness dies
+    with the controller that started it, even a SIGKILLed one). [] where setpriv is missing and there is nothing
+    else to set; None where a tool needed for the limits or the uid is missing (the preexec fallback)."""
     argv: list[str] = []
     if limits:
         prlimit = shutil.which("prlimit")
         if prlimit is None:
             return None
         argv += [prlimit, *(f"{PRLIMIT_OPTIONS[res]}={cap}:{cap}" for res, cap in _capped(limits)), "--"]
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None if uid is not None or argv else []
+    argv.append(setpriv)
     if uid is not None:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            return None
-        argv += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-    return argv
+        argv += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    return [*argv, "--pdeathsig=KILL", "--"]
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def _child_setup(limits: list[tuple[int, int]], uid: int | None) -> Callable[[], None]:
     """The child's preexec, between fork and exec, where `exec_wrapper`'s tools are missing: set the rlimits, then
-    (as root) drop to the execution's uid.
+    (as root) drop to the execution's uid, then SIGKILL as the parent-death signal (a uid change clears it).
 
     Done here rather than with Popen's `user=`/`group=`, which uvloop's subprocess_exec (the controller's loop,
-    gyre.eventloop) refuses. Only `setrlimit`/`set*id` calls: no imports, no logging, no locks of other threads.
+    gyre.eventloop) refuses. Only `setrlimit`/`set*id`/`prctl` calls: no imports, no logging, no locks of other
+    threads (libc is loaded before the fork).
     """
     capped = _capped(limits)
+    libc = ctypes.CDLL(None, use_errno=True)
 
     def setup() -> None:
         for res, cap in capped:
@@ -130,6 +139,7 @@ def _child_setup(limits: list[tuple[int, int]], uid: int | None) -> Callable[[],
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
     return setup
 

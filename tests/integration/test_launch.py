@@ -32,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_train_program import PAIRS, SMALL, left_of, train
+from test_train_program import PAIRS, SMALL, left_of, pid_of_rank, train
 
 from gyre.distributed.local import HOST
 
@@ -136,34 +136,6 @@ def kill_by_pid(entries: list[str]) -> None:
     for entry in entries:
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
-
-
-def pid_of_rank(marker: str, rank: int, run_dir: Path, timeout_s: float = 60.0) -> int:
-    """The PID of the job's worker of `rank`: the process with RANK=`rank` and `marker` in its environment (torchrun's
-    workers), else the one train.log names (`job ready: rank 2: ...; pid N`; workers that `launch_workers` spawned
-    set their RANK after they started, so their /proc environ lacks it)."""
-    deadline = time.monotonic() + timeout_s
-    log = run_dir / "train.log"
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                items = (entry / "environ").read_text(errors="replace").split("\0")
-            except OSError:
-                continue
-            env = dict(item.split("=", 1) for item in items if "=" in item)
-            if env.get("GYRE_TEST_RUN") == marker and env.get("RANK") == str(rank):
-                return int(entry.name)
-        named = re.findall(
-            rf"\[rank {rank}\] gyre\.runtime\.job: job ready: .*; pid (\d+)$",
-            log.read_text() if log.is_file() else "",
-            re.M,
-        )
-        if named:
-            return int(named[-1])
-        time.sleep(0.5)
-    raise AssertionError(f"no worker with RANK={rank} found")
 
 
 def wait_for_rollouts(run_dir: Path, alive, timeout_s: float) -> None:
@@ -379,7 +351,7 @@ def wait_for_a_satellite_training(run_dir: Path, alive, timeout_s: float) -> tup
 @pytest.mark.slow
 def test_a_satellite_killed_mid_step_under_torchrun_max_restarts_resumes_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*SMALL, "steps=6", "tasks.eval_every=0", "logging.wandb=disabled", "checkpoint.every_steps=1"]
+    args = [*SMALL, *PAIRS, "steps=6", "tasks.eval_every=0", "logging.wandb=disabled", "checkpoint.every_steps=1"]
     nodes = Nodes(tmp_path, args, nnodes=1, nproc=4, env={"RUN_DIR": str(run_dir), "MAX_RESTARTS": "1"})
     try:
         alive = lambda: nodes.processes[0].poll() is None  # noqa: E731

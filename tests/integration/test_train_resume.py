@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_program import SMALL, finish, left_of, train, wait_until_gone
+from test_train_program import SMALL, finish, left_of, pid_of_rank, train, wait_until_gone
 
 pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
 # Slow executions (docs/tasks.md, "Slow executions"): steps end while executions still run. 4 steps: a checkpoint
@@ -69,20 +69,6 @@ def in_flight(state: dict) -> tuple[set[int], list[int]]:
     return running, finished
 
 
-def rank_pid(process, rank: int) -> int | None:
-    """The worker process of `rank` (torch's launcher sets RANK in each worker's environment)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = set((entry / "environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if {f"GYRE_TEST_RUN={process.marker}".encode(), f"RANK={rank}".encode()} <= environ:
-            return int(entry.name)
-    return None
-
-
 @pytest.mark.slow
 def test_the_controller_killed_mid_burst_resumes_from_its_checkpoint_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
@@ -98,9 +84,7 @@ def test_the_controller_killed_mid_burst_resumes_from_its_checkpoint_and_finishe
                     chosen = path
             time.sleep(0.05)
         assert chosen is not None, "no checkpoint with executions running and a group waiting before the run ended"
-        pid = rank_pid(process, 0)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid_of_rank(process.marker, 0, run_dir), signal.SIGKILL)  # the controller's own process
         killed_at = time.monotonic()
         rc, out, err = finish(process, 120)
     finally:
