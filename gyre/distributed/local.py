@@ -1,11 +1,20 @@
 """Run a function on N local processes joined by a gloo process group on 127.0.0.1 (tests and benchmarks).
 
-`run_local(target, world_size, kwargs=..., timeout_s=...)` starts `world_size` subprocesses of
-`python -m gyre.distributed.local`, each of which calls `torch.distributed.init_process_group("gloo")` on a free port of
-127.0.0.1, runs `target(rank, world_size, **kwargs)`, destroys the group, writes the JSON-able return value to a
-file and leaves without interpreter finalization (see `_child`). The parent returns the values by rank. Every wait
-is bounded: past `timeout_s`, or as soon as one rank fails, the remaining processes are killed by PID and a
-`LocalRunError` carries each failed rank's stderr tail.
+`run_local(target, world_size, kwargs=..., timeout_s=..., env=...)` starts `world_size` processes, each of which calls
+`torch.distributed.init_process_group("gloo")` on a free port of 127.0.0.1, runs `target(rank, world_size,
+**kwargs)`, destroys the group, writes the JSON-able return value to a file and leaves without interpreter
+finalization (see `_rank_main`). The parent returns the values by rank. Every wait is bounded: past `timeout_s`,
+or as soon as one rank fails, the remaining processes are killed by PID and a `LocalRunError` carries each failed
+rank's output tail.
+
+The ranks fork from multiprocessing's forkserver, which imports torch, gyre.train (its megatron patch) and
+megatron-core once, the first time this process runs anything on it (`PRELOAD`): a rank started as
+`python -m ...` paid those imports itself, ~2 CPU s for torch and ~5 more for megatron, on every rank of every
+call (docs/testing.md). A rank is a clean process nonetheless: nothing of the caller is inherited but its
+environment (passed at each call, so a variable set since the forkserver started counts) and the
+`PRELOAD` modules, none of which holds state a rank uses. Two environment variables read when the interpreter or
+torch starts are applied in the rank: `PYTHONWARNINGS` (warning filters) and `OMP_NUM_THREADS`
+(`torch.set_num_threads`).
 
 `target` is `"package.module:function"` or `"/path/to/file.py:function"` (a test module need not be importable;
 the file's directory goes on `sys.path`, as when it runs as a script).
@@ -14,15 +23,18 @@ the file's directory goes on `sys.path`, as when it runs as a script).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib
 import importlib.util
 import json
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,6 +73,9 @@ def resolve(target: str) -> Callable[..., Any]:
     return getattr(module, name)
 
 
+PRELOAD = ["torch", "gyre.train", "megatron.core"]  # in this order: gyre.train installs the patch megatron needs
+
+
 def run_local(
     target: str,
     world_size: int,
@@ -70,42 +85,35 @@ def run_local(
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Return values of `target(rank, world_size, **kwargs)` on ranks 0..world_size-1 (see the module docstring)."""
+    context = multiprocessing.get_context("forkserver")
+    multiprocessing.set_forkserver_preload(PRELOAD)  # used when the forkserver starts (once per calling process)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="gyre-dist-") as tmp:
         workdir = Path(tmp)
+        rank_env = {**os.environ, **(env or {})}
         processes = []
-        child_env = {**os.environ, **(env or {})}
         for rank in range(world_size):
-            command = [
-                sys.executable,
-                "-m",
-                "gyre.distributed.local",
-                target,
-                str(rank),
-                str(world_size),
-                str(port),
-                json.dumps(dict(kwargs or {})),
-                str(workdir / f"result{rank}.json"),
-                str(timeout_s),
-            ]
-            stderr = open(workdir / f"stderr{rank}.txt", "wb")  # noqa: SIM115 (closed below)
-            process = subprocess.Popen(command, stdout=stderr, stderr=subprocess.STDOUT, env=child_env)
-            processes.append((process, stderr))
+            process = context.Process(
+                target=_rank_main,
+                args=(target, rank, world_size, port, json.dumps(dict(kwargs or {})), str(workdir), timeout_s),
+                kwargs={"env": rank_env},
+                name=f"gyre-local-rank{rank}",
+            )
+            process.start()
+            processes.append(process)
         try:
             failed = _wait(processes, timeout_s)
         finally:
-            for process, stream in processes:
-                if process.poll() is None:
+            for process in processes:
+                if process.exitcode is None:
                     process.kill()  # by PID: only the processes this call started
-                process.wait()
-                stream.close()
+                process.join()
         if failed is not None:
             tails = []
-            for rank in range(world_size):
-                code = processes[rank][0].returncode
-                if code != 0:
-                    text = (workdir / f"stderr{rank}.txt").read_text(errors="replace")[-3000:]
-                    tails.append(f"--- rank {rank} (exit {code}):\n{text}")
+            for rank, process in enumerate(processes):
+                if process.exitcode != 0:
+                    text = (workdir / f"output{rank}.txt").read_text(errors="replace")[-3000:]
+                    tails.append(f"--- rank {rank} (exit {process.exitcode}):\n{text}")
             raise LocalRunError(f"{target} on {world_size} ranks: {failed}\n" + "\n".join(tails))
         return [json.loads((workdir / f"result{rank}.json").read_text()) for rank in range(world_size)]
 
@@ -114,7 +122,7 @@ def _wait(processes: list, timeout_s: float) -> str | None:
     """None when every process exited 0; otherwise why the run failed (the caller kills the rest)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        codes = [process.poll() for process, _ in processes]
+        codes = [process.exitcode for process in processes]
         bad = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
         if bad:
             return f"ranks {bad} failed"
@@ -124,34 +132,55 @@ def _wait(processes: list, timeout_s: float) -> str | None:
     return f"timed out after {timeout_s:.0f} s"
 
 
-def _child(argv: list[str]) -> None:
-    import faulthandler
-
-    import torch.distributed as dist
-
-    faulthandler.enable()  # an abort in C++ (gloo, torch) still shows the Python stack in the stderr tail
-
-    target, rank, world_size, port, kwargs, out, timeout_s = argv
-    rank, world_size = int(rank), int(world_size)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{HOST}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=float(timeout_s)),
-    )
+def _rank_main(
+    target: str, rank: int, world_size: int, port: int, kwargs: str, workdir: str, timeout_s: float, *, env: dict
+) -> None:
+    """One rank, in a process forked from the forkserver: its output to `output<rank>.txt`, the caller's
+    environment, the group, the target, the result to `result<rank>.json`, then `os._exit` (never finalization)."""
+    output = os.open(Path(workdir, f"output{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    code = 1
     try:
-        result = resolve(target)(rank, world_size, **json.loads(kwargs))
+        os.environ.clear()
+        os.environ.update(env)
+        _apply_startup_variables(env)
+        faulthandler.enable()  # an abort in C++ (gloo, torch) still shows the Python stack in the output tail
+
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{HOST}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=float(timeout_s)),
+        )
+        try:
+            result = resolve(target)(rank, world_size, **json.loads(kwargs))
+        finally:
+            dist.destroy_process_group()
+        Path(workdir, f"result{rank}.json").write_text(json.dumps(result))
+        code = 0
+    except BaseException:
+        traceback.print_exc()
     finally:
-        dist.destroy_process_group()
-    Path(out).write_text(json.dumps(result))
-    # Skip interpreter finalization: groups that megatron's parallel_state still references keep their gloo worker
-    # threads, and one that releases a finished collective's Python-owned tensors while the interpreter finalizes
-    # cannot take the GIL and aborts the process (std::terminate; seen about once in 12 runs of the PP tests).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        # Skip interpreter finalization: groups that megatron's parallel_state still references keep their gloo
+        # worker threads, and one that releases a finished collective's Python-owned tensors while the interpreter
+        # finalizes cannot take the GIL and aborts the process (std::terminate; seen about once in 12 runs of the
+        # PP tests).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
-if __name__ == "__main__":
-    _child(sys.argv[1:])
+def _apply_startup_variables(env: Mapping[str, str]) -> None:
+    """What the interpreter and torch read from the environment when they start, which a forked rank did not."""
+    entries = [entry for entry in env.get("PYTHONWARNINGS", "").split(",") if entry.strip()]
+    if entries:
+        warnings._processoptions(entries)  # how the interpreter applies -W and PYTHONWARNINGS at its start
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))

@@ -95,9 +95,13 @@ def test_streaming_clients_follow_the_controllers_reroute_with_their_kv_and_neve
             for session in sessions:
                 table.assign(session.execution, "external-0")  # the scheduler's Start
 
+            ready, go = asyncio.Semaphore(0), asyncio.Event()
+
             async def client(session, index):
                 sdk = anthropic.AsyncAnthropic(base_url=stack.proxy.url, api_key=session.key, max_retries=0)
                 prompt = [{"role": "user", "content": f"Client {index}: count to twenty."}]
+                ready.release()
+                await go.wait()  # every client set up first: on a loaded machine setting up took longer than a call
                 async with sdk.messages.stream(model="gyre", max_tokens=MAX_NEW, messages=prompt) as stream:
                     deltas = [event.text async for event in stream if event.type == "text"]
                     final = await stream.get_final_message()
@@ -105,9 +109,15 @@ def test_streaming_clients_follow_the_controllers_reroute_with_their_kv_and_neve
                 return "".join(deltas), final
 
             calls = [asyncio.ensure_future(client(session, i)) for i, session in enumerate(sessions)]
+            for _ in calls:
+                await ready.acquire()
+            go.set()
 
             async def all_running():
-                return (await source.refresh_load()).running >= CLIENTS
+                """Every call running on the source, or (a random-init model may sample its end early) every call
+                that is not running done. A failed client raises here instead of the wait running out."""
+                done = [call.result() for call in calls if call.done()]
+                return (await source.refresh_load()).running + len(done) >= CLIENTS
 
             await wait_until(all_running)
             source.stop_accepting()  # BeginTransition: the cell leaves rollout
