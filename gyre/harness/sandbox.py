@@ -100,9 +100,11 @@ PRLIMIT_OPTIONS = {
 def exec_wrapper(limits: list[tuple[int, int]], uid: int | None) -> list[str] | None:
     """The argv prefix that sets `limits` (soft = hard) and, as root, drops to `uid` before it execs the harness
     (same pid: the session leader is the harness): util-linux's `prlimit`, then `setpriv` (groups cleared, real,
-    effective and saved uid and gid set, and SIGKILL as the parent-death signal, set after the uid: a harness dies
-    with the controller that started it, even a SIGKILLed one). [] where setpriv is missing and there is nothing
-    else to set; None where a tool needed for the limits or the uid is missing (the preexec fallback)."""
+    effective and saved uid and gid set, and SIGTERM as the parent-death signal, set after the uid: a harness gets
+    the stop's SIGTERM from the kernel when the controller that started it dies, even by SIGKILL, and can end what
+    it started, as at a stop; the SIGKILL that follows a stop's grace period cannot come, its sender is gone).
+    [] where setpriv is missing and there is nothing else to set; None where a tool needed for the limits or the
+    uid is missing (the preexec fallback)."""
     argv: list[str] = []
     if limits:
         prlimit = shutil.which("prlimit")
@@ -115,7 +117,7 @@ def exec_wrapper(limits: list[tuple[int, int]], uid: int | None) -> list[str] | 
     argv.append(setpriv)
     if uid is not None:
         argv += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    return [*argv, "--pdeathsig=KILL", "--"]
+    return [*argv, "--pdeathsig=TERM", "--"]
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -123,7 +125,7 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 
 def _child_setup(limits: list[tuple[int, int]], uid: int | None) -> Callable[[], None]:
     """The child's preexec, between fork and exec, where `exec_wrapper`'s tools are missing: set the rlimits, then
-    (as root) drop to the execution's uid, then SIGKILL as the parent-death signal (a uid change clears it).
+    (as root) drop to the execution's uid, then SIGTERM as the parent-death signal (a uid change clears it).
 
     Done here rather than with Popen's `user=`/`group=`, which uvloop's subprocess_exec (the controller's loop,
     gyre.eventloop) refuses. Only `setrlimit`/`set*id`/`prctl` calls: no imports, no logging, no locks of other
@@ -139,7 +141,7 @@ def _child_setup(limits: list[tuple[int, int]], uid: int | None) -> Callable[[],
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
     return setup
 

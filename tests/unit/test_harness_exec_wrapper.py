@@ -1,6 +1,6 @@
 """`exec_wrapper` (gyre/harness/sandbox.py): the argv prefix that sets a harness's rlimits and own uid with
-util-linux's prlimit and setpriv, so that the controller starts the harness without a `preexec_fn`; and SIGKILL as
-the harness's parent-death signal (it dies with its controller)."""
+util-linux's prlimit and setpriv, so that the controller starts the harness without a `preexec_fn`; and SIGTERM as
+the harness's parent-death signal (it is stopped when its controller dies)."""
 
 from __future__ import annotations
 
@@ -36,15 +36,15 @@ def test_the_limits_then_the_uid_then_the_harness():
         "--reuid=40001",
         "--regid=40001",
         "--clear-groups",
-        "--pdeathsig=KILL",  # after the uid: a uid change clears it
+        "--pdeathsig=TERM",  # after the uid: a uid change clears it
         "--",
     ]
-    assert exec_wrapper(limits, None) == [*argv[:5], "--pdeathsig=KILL", "--"]  # no uid to drop to
+    assert exec_wrapper(limits, None) == [*argv[:5], "--pdeathsig=TERM", "--"]  # no uid to drop to
 
 
 @needs_util_linux
 def test_with_nothing_else_to_set_the_harness_still_dies_with_its_parent():
-    assert exec_wrapper([], None) == [shutil.which("setpriv"), "--pdeathsig=KILL", "--"]
+    assert exec_wrapper([], None) == [shutil.which("setpriv"), "--pdeathsig=TERM", "--"]
 
 
 def test_a_limit_above_the_hard_one_is_capped_to_it():
