@@ -116,6 +116,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         "test": item.nodeid,
         "wall_s": round(time.perf_counter() - wall, 2),
         "cpu_s": round(_cpu_seconds() - cpu, 2),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "end_unix_s": round(time.time(), 1),  # with the worker: when each worker was busy, and how the end was shared
     }
     with open(CPU_LOG, "a") as log:
         log.write(json.dumps(line) + "\n")
