@@ -14,8 +14,9 @@ Contract
       file, the step and the OS error, and the sink refuses further writes (the line may be partial on disk).
     * `WandbSink`: `wandb.init(mode=, dir=<run dir>, project=, entity=, name=)` at construction; each record is
       logged at `step=record.step` with its numbers only (None dropped; roles as per-role counts, transitions as
-      count, total and max duration); `close()` calls `run.finish()`. Offline mode needs no network and writes
-      under `<run dir>/wandb`. Without the wandb package it raises `MetricsSinkError` saying how to fix it.
+      count, total and max duration); `close()` calls `run.finish()` and `wandb.teardown()` (the service process
+      ends with the run, not at interpreter exit). Offline mode needs no network and writes under
+      `<run dir>/wandb`. Without the wandb package it raises `MetricsSinkError` saying how to fix it.
     * `MemorySink`: keeps the records in a list (tests, and the summary at the end of a run).
     * `MetricsLogger(sinks)`: writes each record to every sink in order; `close()` closes every sink even when one
       fails, then raises the first failure. `build_metrics_logger(config, run_dir)` makes the sinks a
@@ -202,6 +203,12 @@ class WandbSink:
         if self._run is not None:
             run, self._run = self._run, None
             run.finish()
+            # And its service process (wandb-core), now rather than at interpreter exit: a worker forked from a
+            # forkserver leaves by os._exit (no atexit), and wandb-core, which holds the job's stdout, then lived
+            # until it noticed its parent gone (15 s under load: a Ctrl-C whose exit took 16 s, measured).
+            import wandb
+
+            wandb.teardown()
 
 
 class MetricsLogger:

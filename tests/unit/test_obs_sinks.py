@@ -146,7 +146,7 @@ class FakeWandb(types.ModuleType):
 
     def __init__(self):
         super().__init__("wandb")
-        self.inits, self.logged, self.finished = [], [], 0
+        self.inits, self.logged, self.finished, self.torn_down = [], [], 0, 0
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
@@ -160,6 +160,9 @@ class FakeWandb(types.ModuleType):
                 fake.finished += 1
 
         return Run()
+
+    def teardown(self):
+        self.torn_down += 1
 
 
 def test_wandb_sink_calls_init_log_finish(tmp_path, monkeypatch):
@@ -175,6 +178,7 @@ def test_wandb_sink_calls_init_log_finish(tmp_path, monkeypatch):
          "config": {"seed": 1}}
     ]  # fmt: skip
     assert fake.logged == [(0, wandb_numbers(record(0)))] and fake.finished == 1
+    assert fake.torn_down == 1  # its service process ends with the run (a forked worker runs no atexit)
 
 
 def test_wandb_sink_without_the_package_says_how_to_fix(monkeypatch, tmp_path):
