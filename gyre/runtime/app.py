@@ -80,6 +80,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
     except ConfigError as exc:
         _exit("config error", str(exc), EXIT_CONFIG_ERROR)  # before torch is imported: at once
     from gyre.runtime.program import ProgramError, RunResult, run_training
+
     job = job_env(os.environ)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
