@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_harness_execution import marker, running
 
 from gyre.config import ResourceLimits
 from gyre.harness import sandbox as sandbox_module
@@ -160,12 +161,12 @@ def test_own_uid_hides_a_running_executions_environment(base):
 
 def escapee_left(sandbox: LocalSandbox, execution_id: str) -> list[int]:
     """Run a harness that starts a `setsid` child (out of its process group) and exits; the host pids left."""
-    token = f"{1000 + random.randrange(10**6)}.{os.getpid()}"
+    token = marker()
     context = context_of(sandbox, execution_id)
     result = asyncio.run(sh(sandbox, context, f"setsid sleep {token} & sleep 0.2"))
     assert result.close_kind is CloseKind.COMPLETED
     time.sleep(0.3)
-    return pids_with(token)
+    return running(token)
 
 
 @needs_root
@@ -212,7 +213,7 @@ def test_two_controllers_on_one_machine_never_share_a_uid(base):
     """Seen in CI (two pytest workers): both controllers handed out the same uid, and one's `release` (which kills
     every process of the uid) killed the other's harness mid-run. With leases the second skips the first's uid."""
     low = 6_190_000 + random.randrange(5_000) * 2
-    token = f"{1000 + random.randrange(10**6)}.{os.getpid()}"
+    token = marker()
     other = subprocess.Popen(
         [sys.executable, "-c", OTHER_CONTROLLER, str(base), str(low), token],
         stdin=subprocess.PIPE,
@@ -228,24 +229,12 @@ def test_two_controllers_on_one_machine_never_share_a_uid(base):
             mine.append(sandbox.uid_of(context.execution_id))
             sandbox.release(context)
         assert theirs not in mine and set(mine) == {low, low + 1} - {theirs}
-        assert pids_with(token), "the other controller's harness was killed"
+        assert running(token), "the other controller's harness was killed"
     finally:
         other.kill()
         other.wait(timeout=10)
-        for pid in pids_with(token):
+        for pid in running(token):
             os.kill(pid, signal.SIGKILL)
-
-
-def pids_with(token: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if token.encode() in (proc / "cmdline").read_bytes():
-                    found.append(int(proc.name))
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-    return found
 
 
 @needs_root
