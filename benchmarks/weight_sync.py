@@ -20,13 +20,13 @@ from pathlib import Path
 
 from report import emit
 
-from gyre.distributed.local import free_port, run_local
+from gyre.distributed.local import run_local, shared_store
 
 TRANSPORTS = ("mooncake_tcp", "torch_gloo")
 
 
 def bench_worker(
-    rank: int, world_size: int, *, transport: str, sizes_mib: list[int], repeats: int, store_port: int, model_dir: str
+    rank: int, world_size: int, *, transport: str, sizes_mib: list[int], repeats: int, model_dir: str
 ) -> dict:
     import torch
     import torch.distributed as dist
@@ -38,7 +38,7 @@ def bench_worker(
     if transport == "mooncake_tcp":
         from gyre.distributed.transport_mooncake import MooncakeWeightTransport
 
-        store = dist.TCPStore("127.0.0.1", store_port, world_size, rank == 0)
+        store, _ = shared_store()
         mover = MooncakeWeightTransport(store=store, host="127.0.0.1")
     else:
         from gyre.distributed.transport_torch import TorchWeightTransport
@@ -102,7 +102,6 @@ def main(sizes_mib: list[int], repeats: int, out: Path | None) -> None:
                 "transport": transport,
                 "sizes_mib": sizes_mib,
                 "repeats": repeats,
-                "store_port": free_port(),
                 "model_dir": model_dir,
             }
             core = run_local(f"{__file__}:bench_worker", 1 + receivers, kwargs=kwargs, timeout_s=600)[0]

@@ -1,11 +1,16 @@
 """Run a function on N local processes joined by a gloo process group on 127.0.0.1 (tests and benchmarks).
 
 `run_local(target, world_size, kwargs=..., timeout_s=..., env=...)` starts `world_size` processes, each of which calls
-`torch.distributed.init_process_group("gloo")` on a free port of 127.0.0.1, runs `target(rank, world_size,
+`torch.distributed.init_process_group("gloo")` through a file store in the call's temporary directory (no TCP port
+to choose: one chosen free could be taken by another process before rank 0 binds it), runs `target(rank, world_size,
 **kwargs)`, destroys the group, writes the JSON-able return value to a file and leaves without interpreter
 finalization (see `_rank_main`). The parent returns the values by rank. Every wait is bounded: past `timeout_s`,
 or as soon as one rank fails, the remaining processes are killed by PID and a `LocalRunError` carries each failed
 rank's output tail.
+
+A target that needs a TCPStore of its own (what the program's control plane and claim queue run on) gets one from
+`shared_store()`: rank 0 hosts it on a port the kernel picks when it binds, and the port reaches the other ranks
+through the group.
 
 The ranks fork from multiprocessing's forkserver, which imports torch, gyre.train (its megatron patch) and
 megatron-core once, the first time this process runs anything on it (`PRELOAD`): a rank started as
@@ -73,7 +78,9 @@ def resolve(target: str) -> Callable[..., Any]:
     return getattr(module, name)
 
 
-PRELOAD = ["torch", "gyre.train", "megatron.core"]  # in this order: gyre.train installs the patch megatron needs
+# In this order: gyre.train installs the patch megatron needs. torch._dynamo: what a torch optimizer's first
+# construction imports (torch._compile's disable wrapper), 2-5 CPU s a rank paid at its first step otherwise.
+PRELOAD = ["torch", "torch._dynamo", "gyre.train", "megatron.core"]
 
 
 def run_local(
@@ -87,7 +94,6 @@ def run_local(
     """Return values of `target(rank, world_size, **kwargs)` on ranks 0..world_size-1 (see the module docstring)."""
     context = multiprocessing.get_context("forkserver")
     multiprocessing.set_forkserver_preload(PRELOAD)  # used when the forkserver starts (once per calling process)
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="gyre-dist-") as tmp:
         workdir = Path(tmp)
         rank_env = {**os.environ, **(env or {})}
@@ -95,7 +101,7 @@ def run_local(
         for rank in range(world_size):
             process = context.Process(
                 target=_rank_main,
-                args=(target, rank, world_size, port, json.dumps(dict(kwargs or {})), str(workdir), timeout_s),
+                args=(target, rank, world_size, json.dumps(dict(kwargs or {})), str(workdir), timeout_s),
                 kwargs={"env": rank_env},
                 name=f"gyre-local-rank{rank}",
             )
@@ -112,10 +118,33 @@ def run_local(
             tails = []
             for rank, process in enumerate(processes):
                 if process.exitcode != 0:
-                    text = (workdir / f"output{rank}.txt").read_text(errors="replace")[-3000:]
-                    tails.append(f"--- rank {rank} (exit {process.exitcode}):\n{text}")
+                    tails.append(f"--- rank {rank} (exit {process.exitcode}):\n{_output_tail(workdir, rank)}")
             raise LocalRunError(f"{target} on {world_size} ranks: {failed}\n" + "\n".join(tails))
         return [json.loads((workdir / f"result{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _output_tail(workdir: Path, rank: int) -> str:
+    try:
+        return (workdir / f"output{rank}.txt").read_text(errors="replace")[-3000:]
+    except FileNotFoundError:  # killed (another rank failed first) before it opened its output
+        return "(no output: the rank stopped before it began)"
+
+
+def shared_store(timeout_s: float = 60.0) -> tuple[Any, int]:
+    """In a rank of `run_local` (its group initialized): `(store, port)`, a TCPStore on 127.0.0.1 that rank 0 hosts
+    on a port the kernel picked as it bound (`store` is rank 0's server, another rank's client) and its port, for
+    more clients. Every rank must call it (it broadcasts the port)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    world_size = dist.get_world_size()
+    server = None
+    if dist.get_rank() == 0:
+        server = dist.TCPStore(HOST, 0, world_size, True, timeout=timeout, wait_for_workers=False)
+    port = [server.port if server is not None else None]
+    dist.broadcast_object_list(port, src=0)
+    store = server if server is not None else dist.TCPStore(HOST, port[0], world_size, False, timeout=timeout)
+    return store, port[0]
 
 
 def _wait(processes: list, timeout_s: float) -> str | None:
@@ -133,7 +162,7 @@ def _wait(processes: list, timeout_s: float) -> str | None:
 
 
 def _rank_main(
-    target: str, rank: int, world_size: int, port: int, kwargs: str, workdir: str, timeout_s: float, *, env: dict
+    target: str, rank: int, world_size: int, kwargs: str, workdir: str, timeout_s: float, *, env: dict
 ) -> None:
     """One rank, in a process forked from the forkserver: its output to `output<rank>.txt`, the caller's
     environment, the group, the target, the result to `result<rank>.json`, then `os._exit` (never finalization)."""
@@ -151,7 +180,7 @@ def _rank_main(
 
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://{HOST}:{port}",
+            init_method=f"file://{Path(workdir, 'group-store')}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=float(timeout_s)),

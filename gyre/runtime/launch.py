@@ -148,7 +148,10 @@ def launch_workers(
 
     The workers fork from a forkserver that imported torch and `target`'s module once (multiprocessing's
     "forkserver" start method; nothing else of this process is inherited, as with "spawn"): a spawned worker
-    imported them itself, ~2.5 CPU s each, so a 4-rank job paid them four times before its first step."""
+    imported them itself, ~2.5 CPU s each, so a 4-rank job paid them four times before its first step. The
+    forkserver imports torch._dynamo too: a torch optimizer's first construction imports it (torch._compile's
+    disable wrapper), 2-5 CPU s a rank paid as its cell first went to training, in which time the rank answered no
+    control decision (a Ctrl-C then waited for it)."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -169,7 +172,7 @@ def launch_workers(
         start_method="forkserver",
         local_addr=HOST,
     )
-    multiprocessing.set_forkserver_preload(["torch", target.partition(":")[0]])
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", target.partition(":")[0]])
     try:
         return elastic_launch(config, _recorded_worker)(target, list(args))
     except SignalException as signalled:  # Ctrl-C or SIGTERM: the agent passed it to the workers and waited

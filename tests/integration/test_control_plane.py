@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gyre.distributed.local import free_port, run_local
+from gyre.distributed.local import run_local, shared_store
 
 HERE = Path(__file__).resolve()
 DECISIONS = 12
 
 
-def control_worker(rank: int, world_size: int, *, store_port: int) -> dict:
+def control_worker(rank: int, world_size: int) -> dict:
     import datetime
 
     import torch.distributed as dist
@@ -25,7 +25,7 @@ def control_worker(rank: int, world_size: int, *, store_port: int) -> dict:
     def make_store():
         return dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
 
-    server = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False) if rank == 0 else None
+    server, store_port = shared_store()  # rank 0's server (kept alive below), a client elsewhere
     listener = ControlListener(make_store)
     dist.barrier()  # everyone is listening
     if rank == 0:
@@ -45,6 +45,6 @@ def control_worker(rank: int, world_size: int, *, store_port: int) -> dict:
 
 
 def test_every_rank_gets_every_decision_while_the_others_wait_in_a_collective():
-    results = run_local(f"{HERE}:control_worker", 4, kwargs={"store_port": free_port()}, timeout_s=120)
+    results = run_local(f"{HERE}:control_worker", 4, timeout_s=120)
     expected = [[i, "role"] for i in range(DECISIONS - 1)] + [[DECISIONS - 1, "stop"]]
     assert results == [{"finished_during_the_barrier": True, "decisions": expected}] * 4

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gyre.distributed.local import free_port, run_local
+from gyre.distributed.local import run_local, shared_store
 
 NUM_MICRO_STEPS = 12
 
@@ -66,7 +66,7 @@ def pump_step(store) -> None:
     pump.run(poll_s=0.002, between=admit_cell_1)
 
 
-def cell_worker(rank: int, world_size: int, *, port: int) -> dict:
+def cell_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from gyre.distributed.claims import StepClaimer, claim_in_cell
@@ -75,7 +75,7 @@ def cell_worker(rank: int, world_size: int, *, port: int) -> dict:
 
     groups = build_process_groups(Layout(world_size=world_size, num_cells=2, cell_size=2))
     timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    store, port = shared_store(timeout.total_seconds())
     dist.barrier(group=groups.control_group)
     controller = None
     if rank == 0:
@@ -96,7 +96,7 @@ def cell_worker(rank: int, world_size: int, *, port: int) -> dict:
 
 @pytest.mark.slow  # 4 processes: ~10 s on 2 cores
 def test_the_ranks_of_a_cell_claim_together_from_the_pumped_board():
-    results = run_local(f"{__file__}:cell_worker", 4, kwargs={"port": free_port()}, timeout_s=120)
+    results = run_local(f"{__file__}:cell_worker", 4, timeout_s=120)
     assert [r["admitted"] for r in results] == [True] * 4 and [r["cells"] for r in results] == [2] * 4
     assert results[0]["units"] == results[1]["units"] and results[2]["units"] == results[3]["units"]
     core, satellite = results[0]["units"], results[2]["units"]

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.distributed.local import free_port, run_local
+from gyre.distributed.local import run_local, shared_store
 
 TIMEOUT_S = 150.0
 VOCAB = 64
@@ -208,7 +208,6 @@ def stream_worker(
     rank: int,
     world_size: int,
     *,
-    port: int,
     seed: int,
     mu: int,
     joins: list[list[int]],
@@ -227,7 +226,7 @@ def stream_worker(
     num_cells = world_size // cell_size
     groups = build_process_groups(Layout(world_size=world_size, num_cells=num_cells, cell_size=cell_size))
     timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    store, port = shared_store(timeout.total_seconds())
     trainable = make_trainable(backend, cell_size)
     dist.barrier(group=groups.control_group)  # every rank is up before the stream starts
     feeder = None
@@ -298,7 +297,7 @@ def test_satellites_joining_mid_batch_give_the_one_process_update(tmp_path, worl
     """Joiners pull over the store snapshot in one case, over Mooncake where it imports (else the store) in one."""
     joins = join_plan(seed, mu, world_size)
     out = tmp_path / "core.pt"
-    kwargs = {"port": free_port(), "seed": seed, "mu": mu, "joins": joins, "out": str(out)}
+    kwargs = {"seed": seed, "mu": mu, "joins": joins, "out": str(out)}
     results = run_local(
         f"{__file__}:stream_worker",
         world_size,
@@ -323,7 +322,7 @@ def test_megatron_cells_of_two_tensor_parallel_ranks(tmp_path, mu, seed):
     results = run_local(
         f"{__file__}:stream_worker",
         4,
-        kwargs={**common, "port": free_port(), "joins": joins, "out": str(out), "backend": "megatron", "cell_size": 2},
+        kwargs={**common, "joins": joins, "out": str(out), "backend": "megatron", "cell_size": 2},
         timeout_s=TIMEOUT_S,
         env={"PYTHONWARNINGS": "ignore"},
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.distributed.local import free_port, run_local
+from gyre.distributed.local import run_local, shared_store
 from gyre.distributed.transport import WeightTransport, check_manifest, flatten_state_dict, unflatten
 from gyre.models.flat_weights import FlatWeights, TensorSpec
 
@@ -87,14 +87,14 @@ def torch_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-def pull_worker(rank: int, world_size: int, *, store_port: int, kind: str) -> dict:
+def pull_worker(rank: int, world_size: int, *, kind: str) -> dict:
     """Pull-based sequence: v1, v2 (a stale ask for v1 fails), a malformed manifest (v2 stays), a pull that waits
     for v3 before it is published."""
     import time
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", store_port, world_size, rank == 0, use_libuv=True)
+    store, _ = shared_store()
     if kind == "mooncake":
         from gyre.distributed.transport_mooncake import MooncakeWeightTransport
 
@@ -173,9 +173,7 @@ def _mooncake_missing() -> str | None:
     ],
 )
 def test_pull_transport_three_processes(kind):
-    core, *receivers = run_local(
-        f"{__file__}:pull_worker", 3, kwargs={"store_port": free_port(), "kind": kind}, timeout_s=TIMEOUT_S
-    )
+    core, *receivers = run_local(f"{__file__}:pull_worker", 3, kwargs={"kind": kind}, timeout_s=TIMEOUT_S)
     assert [out["is_protocol"] for out in (core, *receivers)] == [True] * 3
     for out in receivers:
         assert out["v1"] == [1, []]

@@ -34,9 +34,6 @@ def model_parallel(tmp_path_factory):
 def store_port():
     from local_store import store_server
 
-    from gyre.distributed.local import free_port
-
-    port = free_port()
-    server = store_server(port)
-    yield port
+    server = store_server(0)  # the port the kernel picks as it binds: no other process can take it first
+    yield server.port
     del server

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import TokenRow, build_microstep
 from gyre.distributed.claims import StepBoard, StepClaimer, decode_unit, encode_unit
-from gyre.distributed.local import free_port
 
 
 def row(execution: str, slot: int, length: int = 5, num_targets: int | None = None) -> TokenRow:
@@ -80,8 +79,7 @@ def test_a_run_sharing_a_split_execution_is_one_unit():
 
 @pytest.fixture
 def store():
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     yield store
 
 
