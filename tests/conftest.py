@@ -45,6 +45,10 @@ _background_log = None
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
         os.nice(WORKER_NICENESS)  # the worker and what its tests start; among themselves, as before
+    # Inductor compiles in a pool of worker processes, one per core, started at the first compilation: on the two
+    # cores the suite's workers share, the pool cost more than it saved (test_engine_compile.py on a cold cache: 72
+    # -> 62 CPU s, the same wall; docs/testing.md). Read when torch._inductor.config first imports.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def _warm_start_cached() -> bool:

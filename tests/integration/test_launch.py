@@ -1,14 +1,16 @@
 """The launchers of `launch/` run the real program (docs/cluster.md): `launch/torchrun.sh` as two nodes on this
 machine, and a rank that dies ends the job, under torchrun and in a plainly launched run.
 
-- Two torchrun "nodes" (`launch/torchrun.sh` twice: NNODES=2, NPROC_PER_NODE=2, NODE_RANK 0 and 1, c10d
-  rendezvous on 127.0.0.1) run the 2-step smoke of the default 4 cells: both exit 0, the run directory has 2 lines
-  of metrics and the summary, one of them printed the run's end, no process is left.
+- Two torchrun "nodes" (`launch/torchrun.sh` twice: NNODES=2, NPROC_PER_NODE=1, NODE_RANK 0 and 1, c10d
+  rendezvous on 127.0.0.1) run the 2-step smoke of 2 cells: both exit 0, the run directory has 2 lines of metrics
+  and the summary, one of them printed the run's end, no process is left. One rank a node: the rendezvous, the
+  ranks' groups and the run across nodes are the same with two (they were, measured), and each rank under
+  torchrun is a fresh interpreter (~5 CPU s of imports).
 - A torchrun job restarted by torchrun (MAX_RESTARTS=1) comes back to the same run directory, named by its
   RDZV_ID (each attempt here stops at once: 1 rank for 4 cells is a config error, logged in train.log).
-- A rank SIGKILLed mid-run (rank 2, a satellite) ends the job within 30 s, and the output names the rank and the
-  signal: under two torchrun nodes, and in a plainly launched run (`python -m gyre.train`, one line
-  `gyre.train: run error: rank 2 failed: Signal 9 (SIGKILL) ...`, exit 3).
+- A rank SIGKILLed mid-run (a satellite) ends the job within 30 s, and the output names the rank and the signal:
+  under two torchrun nodes (rank 1, the other node's), and in a plainly launched run (rank 2; `python -m
+  gyre.train`, one line `gyre.train: run error: rank 2 failed: Signal 9 (SIGKILL) ...`, exit 3).
 - `launch/slurm.sbatch` with stand-ins for srun and scontrol runs a 2-task job through gyre's srun path, in the
   run directory of the job's id.
 
@@ -154,7 +156,7 @@ def wait_for_rollouts(run_dir: Path, alive, timeout_s: float) -> None:
 @pytest.mark.slow
 def test_two_torchrun_nodes_on_one_machine_run_the_smoke(tmp_path):
     started = time.monotonic()
-    nodes = Nodes(tmp_path, SMOKE, nnodes=2, nproc=2, env={"RUN_DIR": str(tmp_path / "run")})
+    nodes = Nodes(tmp_path, [*SMOKE, "cluster.num_cells=2"], nnodes=2, nproc=1, env={"RUN_DIR": str(tmp_path / "run")})
     try:
         codes = nodes.wait(900)
         wall_s = time.monotonic() - started
@@ -170,7 +172,7 @@ def test_two_torchrun_nodes_on_one_machine_run_the_smoke(tmp_path):
     assert ends[0]["run_dir"] == str(run_dir)
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
-    print(f"2 torchrun nodes x 2 ranks: rc {codes}, {wall_s:.1f} s")
+    print(f"2 torchrun nodes x 1 rank: rc {codes}, {wall_s:.1f} s")
 
 
 @pytest.mark.slow
@@ -191,9 +193,9 @@ def test_a_restarted_torchrun_job_comes_back_to_its_run_directory(tmp_path):
     assert len(starts) == 2 and all(line.endswith(f"outputs/train/{nodes.rdzv_id}") for line in starts), log
 
 
-def assert_names_rank_2_killed(text: str) -> None:
-    """torchrun's summary of the failure: `rank : 2 (local_rank: 0)` ... `Signal 9 (SIGKILL) received by PID n`."""
-    assert re.search(r"rank\s+: 2 \(local_rank: \d+\)", text), text[-3000:]
+def assert_names_rank_killed(text: str, rank: int) -> None:
+    """torchrun's summary of the failure: `rank : 1 (local_rank: 0)` ... `Signal 9 (SIGKILL) received by PID n`."""
+    assert re.search(rf"rank\s+: {rank} \(local_rank: \d+\)", text), text[-3000:]
     assert "Signal 9 (SIGKILL) received by PID" in text, text[-3000:]
 
 
@@ -201,15 +203,15 @@ def assert_names_rank_2_killed(text: str) -> None:
 def test_a_rank_killed_under_torchrun_ends_the_job_naming_it(tmp_path):
     nodes = Nodes(
         tmp_path,
-        [*SMALL, *PAIRS, "steps=50", "tasks.eval_every=0"],
+        [*SMALL, *PAIRS, "cluster.num_cells=2", "steps=50", "tasks.eval_every=0"],
         nnodes=2,
-        nproc=2,
+        nproc=1,
         env={"RUN_DIR": str(tmp_path / "run")},
     )
     try:
         wait_for_rollouts(nodes.run_dir, lambda: all(p.poll() is None for p in nodes.processes), 600)
         time.sleep(1.0)
-        os.kill(pid_of_rank(nodes.marker, 2, nodes.run_dir), signal.SIGKILL)
+        os.kill(pid_of_rank(nodes.marker, 1, nodes.run_dir), signal.SIGKILL)  # the other node's rank
         killed = time.monotonic()
         codes = nodes.wait(DEATH_BOUND_S + 30)
         ended_s = time.monotonic() - killed
@@ -218,13 +220,13 @@ def test_a_rank_killed_under_torchrun_ends_the_job_naming_it(tmp_path):
     finally:
         nodes.close()
     text = "\n".join(out + err for out, err in outputs)
-    print(f"torchrun, rank 2 SIGKILLed: rc {codes} after {ended_s:.1f} s")
+    print(f"torchrun, rank 1 SIGKILLed: rc {codes} after {ended_s:.1f} s")
     for out, err in outputs:
         print("---", (out + err).strip().splitlines()[-12:])
     assert ended_s < DEATH_BOUND_S and all(code not in (None, 0) for code in codes), (codes, ended_s, text[-3000:])
-    assert_names_rank_2_killed(text)  # torchrun's summary on rank 2's node
+    assert_names_rank_killed(text, 1)  # torchrun's summary on rank 1's node
     lines = [line for line in text.splitlines() if line.startswith("gyre.train:")]
-    assert len(lines) == 1 and "run error: RankLost: rank 2 ended during the run" in lines[0], lines  # rank 0's
+    assert len(lines) == 1 and "run error: RankLost: rank 1 ended during the run" in lines[0], lines  # rank 0's
     assert left == []
 
 
@@ -351,8 +353,9 @@ def wait_for_a_satellite_training(run_dir: Path, alive, timeout_s: float) -> tup
 @pytest.mark.slow
 def test_a_satellite_killed_mid_step_under_torchrun_max_restarts_resumes_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*SMALL, *PAIRS, "steps=6", "tasks.eval_every=0", "logging.wandb=disabled", "checkpoint.every_steps=1"]
-    nodes = Nodes(tmp_path, args, nnodes=1, nproc=4, env={"RUN_DIR": str(run_dir), "MAX_RESTARTS": "1"})
+    args = [*SMALL, *PAIRS, "cluster.num_cells=2", "steps=6", "tasks.eval_every=0", "logging.wandb=disabled"]
+    args.append("checkpoint.every_steps=1")  # the core and one satellite: each torchrun attempt starts 2 interpreters
+    nodes = Nodes(tmp_path, args, nnodes=1, nproc=2, env={"RUN_DIR": str(run_dir), "MAX_RESTARTS": "1"})
     try:
         alive = lambda: nodes.processes[0].poll() is None  # noqa: E731
         cell, step = wait_for_a_satellite_training(run_dir, alive, 600)

@@ -24,12 +24,15 @@ The transcript (one JSON object per line) records every model turn, tool result 
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Literal, TextIO
 
 from gyre.config.harness import AgentConfig
@@ -138,6 +141,21 @@ def _map_error(sdk: Any, err: Exception) -> Exception:
     return err
 
 
+def import_sdk(name: str) -> ModuleType:
+    """The `openai` or `anthropic` SDK, imported without aiohttp: both import it eagerly when it is installed (for
+    their optional async transport; gyre's proxy installs it), 0.15-0.3 CPU s of every harness process, and the
+    agent uses their sync clients only. While the SDK imports, `import aiohttp` fails (an ImportError, which the
+    SDKs catch: their async aiohttp client then says it is missing); afterwards it imports as usual."""
+    if "aiohttp" in sys.modules:
+        return importlib.import_module(name)
+    sys.modules["aiohttp"] = None  # type: ignore[assignment]  # Python's way to make an import fail
+    try:
+        return importlib.import_module(name)
+    finally:
+        if sys.modules.get("aiohttp", 0) is None:
+            del sys.modules["aiohttp"]
+
+
 def prompt_tokens(usage: Any) -> int:
     """The whole prompt of an Anthropic Messages call: `input_tokens` counts only what was not read from or
     written to the prompt cache, so the cached parts are added back (gyre's proxy reports the reused prefix as
@@ -150,8 +168,7 @@ def prompt_tokens(usage: Any) -> int:
 
 class AnthropicBackend(Backend):
     def __init__(self, *, model: str, max_tokens: int, timeout_s: float, base_url: str | None, api_key: str | None):
-        import anthropic
-
+        anthropic = import_sdk("anthropic")
         self.sdk = anthropic
         # max_retries=0: retries are ours (bounded, logged). An explicit timeout also disables the SDK's refusal
         # of large non-streaming max_tokens.
@@ -206,8 +223,7 @@ class AnthropicBackend(Backend):
 
 class OpenAIChatBackend(Backend):
     def __init__(self, *, model: str, max_tokens: int, timeout_s: float, base_url: str | None, api_key: str | None):
-        import openai
-
+        openai = import_sdk("openai")
         self.sdk = openai
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
         self.model, self.max_tokens = model, max_tokens
