@@ -17,6 +17,7 @@ from gyre.config.checks import require, require_choice, require_int, require_num
 TRAINER_BACKENDS = ("native", "megatron")
 TRAINER_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")
+RECOMPUTE_CHOICES = ("none", "selective", "full")  # gyre.models.decoder.RECOMPUTE, gyre.train.model.RECOMPUTE
 WEIGHT_TRANSPORTS = ("store", "mooncake", "auto")  # gyre.distributed.transport.ONE_SIDED_KINDS (config imports no
 # other gyre package; tests/unit/test_config_train.py holds them equal)
 
@@ -32,6 +33,9 @@ class TrainerConfig:
     """TP ranks per model replica (megatron only; native: 1)."""
     pipeline_parallel_size: int = 1
     """PP stages per model replica (megatron only; native: 1). cluster.cell_size must be TP x PP."""
+    context_parallel_size: int = 1
+    """Ranks one row's tokens are split over (megatron's context parallelism, megatron only). Needs
+    TransformerEngine's attention (CUDA): refused at start where it is absent (docs/training.md, "Long rows")."""
     lr: float = 1e-4
     """AdamW learning rate (> 0). The demo's tiny model learns at 5e-5..1e-4 and collapses at >= 2e-4."""
     weight_decay: float = 0.0
@@ -44,6 +48,15 @@ class TrainerConfig:
     """cpu or cuda (each rank then trains on its local GPU, LOCAL_RANK); the same kind as engine.device, since a
     cell swaps between its engine and its trainer in one process."""
 
+    recompute: str = "none"
+    """Activation recompute in the backward: none (keep every activation), selective (recompute the attention: in
+    megatron its core attention, in the native trainer each layer's attention block), full (recompute each whole
+    layer from its input: the least memory, ~1/3 more compute). Long rows want full (docs/training.md, "Long
+    rows")."""
+    logprob_chunk_tokens: int = 1024
+    """Log-probs are taken from the final hidden states this many tokens at a time, so the [tokens, vocab] logits
+    never exist whole; peak extra memory ~3 x chunk x vocab / TP x 4 bytes (docs/training.md, "Long rows")."""
+
     weight_transport: str = "store"
     """How a satellite joining a step in flight pulls the core's weights (one-sided reads, docs/distributed.md):
     store (the snapshot in the job's store: anywhere, no extra package), mooncake (the Mooncake Transfer Engine:
@@ -55,10 +68,13 @@ class TrainerConfig:
         require_choice("trainer.weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
         require_int("trainer.tensor_parallel_size", self.tensor_parallel_size, ge=1)
         require_int("trainer.pipeline_parallel_size", self.pipeline_parallel_size, ge=1)
+        require_int("trainer.context_parallel_size", self.context_parallel_size, ge=1)
         require_number("trainer.lr", self.lr, gt=0)
         require_number("trainer.weight_decay", self.weight_decay, ge=0)
         require_number("trainer.max_grad_norm", self.max_grad_norm, ge=0, note="0 = no clipping")
         require_choice("trainer.dtype", self.dtype, TRAINER_DTYPES)
+        require_choice("trainer.recompute", self.recompute, RECOMPUTE_CHOICES)
+        require_int("trainer.logprob_chunk_tokens", self.logprob_chunk_tokens, ge=1)
         require(
             device_kind(self.device) in DEVICE_KINDS,
             "trainer.device",
@@ -66,7 +82,7 @@ class TrainerConfig:
             "cpu or cuda (cuda:N names one GPU)",
         )
         if self.backend == "native":
-            for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
                 value = getattr(self, name)
                 require(value == 1, f"trainer.{name}", value, "1 with trainer.backend=native (no model parallelism)")
 

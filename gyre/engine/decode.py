@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gyre.models.decoder import DecoderLM, apply_rope, rms_norm, rms_normalize
+from gyre.models.decoder import DecoderLM, apply_rope, rms_norm, rms_normalize, rope_cos_sin
 
 
 class StackedLinear:
@@ -104,6 +104,7 @@ class DecodeWeights:
     output: torch.Tensor
     inv_freq_D: torch.Tensor
     sign_D: torch.Tensor
+    rope_scale: float  # RopeScaling.attention_scaling(): 1.0 but for YaRN
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -164,6 +165,7 @@ def decode_weights(model: DecoderLM, device: torch.device) -> DecodeWeights:
         output=model.output_weight,
         inv_freq_D=inv_freq_D,
         sign_D=sign_D,
+        rope_scale=config.rope_scaling.attention_scaling(),
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
@@ -189,8 +191,7 @@ def decode_forward(
     """
     H, K, D, eps = weights.num_heads, weights.num_kv_heads, weights.head_dim, weights.eps
     x_B1C = F.embedding(ids_B1, weights.embed)
-    emb_B11D = positions_B1.float()[:, :, None, None] * weights.inv_freq_D
-    cos, signed_sin = emb_B11D.cos().to(x_B1C.dtype), (emb_B11D.sin() * weights.sign_D).to(x_B1C.dtype)
+    cos, signed_sin = rope_cos_sin(positions_B1, weights.inv_freq_D, weights.sign_D, weights.rope_scale, x_B1C.dtype)
     B = x_B1C.shape[0]
     S = keys_LBKSD.shape[3]
     bias_B11S = torch.zeros(mask_BS.shape, dtype=torch.float32, device=mask_BS.device)

@@ -22,6 +22,11 @@ Contract
   replace them per instance by one matmul over stacked weights (`gyre.engine.decode.stack_projections`, whose
   stack becomes the storage of the named parameters: copy them before writing them to safetensors); the model
   itself carries no inference trick.
+- Training: `DecoderLM.final_hidden(input_ids_BT, positions_BT, recompute=)` is the causal forward without a
+  cache up to the final norm (`[B, T, hidden]`; `output_weight` projects it to logits), so a trainer can take
+  log-probs a chunk of tokens at a time (`gyre.train.chunked`). `recompute` (`RECOMPUTE`): none; selective (each
+  layer's attention block runs under `torch.utils.checkpoint`: its activations are recomputed in the backward);
+  full (each whole layer).
 - Device-agnostic: everything follows the device of the parameters and inputs; no CUDA calls. Token ids are
   not range-checked here (that costs a device sync); the engine validates requests.
 """
@@ -34,8 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from gyre.models.decoder_config import DecoderConfig
+from gyre.models.decoder_config import DecoderConfig, RopeScaling
+
+RECOMPUTE = ("none", "selective", "full")  # activation recompute in `DecoderLM.final_hidden`
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,43 @@ def rope_inv_freq(config: DecoderConfig, device: torch.device | None = None) -> 
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif scaling.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(config.rope_theta, dim, scaling, device)
     return inv_freq
+
+
+def _yarn_inv_freq(theta: float, dim: int, scaling: RopeScaling, device: torch.device | None) -> torch.Tensor:
+    """YaRN (transformers `_compute_yarn_parameters`): frequencies that turn more than `beta_fast` times over the
+    original context are kept, those under `beta_slow` divided by `factor`, a linear ramp over the dimensions
+    between; cos and sin are then multiplied by `scaling.attention_scaling()` (`DecoderLM.rope_tables`)."""
+
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: extrapolated (frequency kept), 0: interpolated (divided by factor)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
+def rope_cos_sin(
+    positions_BT: torch.Tensor, inv_freq_D: torch.Tensor, sign_D: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin `[B, T, 1, head_dim]` in `dtype` for `apply_rope`, from `DecoderLM.rope_tables`; both
+    multiplied by `scale` in fp32 first (YaRN's attention factor, `RopeScaling.attention_scaling`; 1.0 otherwise)."""
+    emb_BT1D = positions_BT.float()[:, :, None, None] * inv_freq_D
+    cos, signed_sin = emb_BT1D.cos(), emb_BT1D.sin() * sign_D
+    if scale != 1.0:
+        cos, signed_sin = cos * scale, signed_sin * scale
+    return cos.to(dtype), signed_sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -255,6 +299,24 @@ class DecoderLayer(nn.Module):
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
+    def attention_block(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`attn(norm(x))`, causal, without a cache (training)."""
+        return self.self_attn(self.input_layernorm(x), cos, signed_sin, None, None)[0]
+
+    def train_forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, recompute: str):
+        """The layer's causal forward without a cache (training), with `recompute` (`RECOMPUTE`)."""
+        if recompute == "full":
+            return checkpoint(self._train_forward, x, cos, signed_sin, use_reentrant=False)
+        if recompute == "selective":
+            x = x + checkpoint(self.attention_block, x, cos, signed_sin, use_reentrant=False)
+        else:
+            x = x + self.attention_block(x, cos, signed_sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _train_forward(self, x, cos, signed_sin):
+        x = x + self.attention_block(x, cos, signed_sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DecoderStack(nn.Module):
     """Embedding, layers and final norm; named `model` inside `DecoderLM` so parameter names equal HF's."""
@@ -302,8 +364,24 @@ class DecoderLM(nn.Module):
         The same fp32 products as HF's cos/sin; with the kept `rope_tables` a forward costs a multiply, cos and sin.
         """
         inv_freq_D, sign_D = self.rope_tables(positions_BT.device)
-        emb_BT1D = positions_BT.float()[:, :, None, None] * inv_freq_D
-        return emb_BT1D.cos().to(dtype), (emb_BT1D.sin() * sign_D).to(dtype)
+        return rope_cos_sin(positions_BT, inv_freq_D, sign_D, self.config.rope_scaling.attention_scaling(), dtype)
+
+    def final_hidden(
+        self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor, *, recompute: str = "none"
+    ) -> torch.Tensor:
+        """`[B, T, hidden]`: the causal forward without a cache, up to the final norm (what `forward` projects
+        to logits with `output_weight`). `recompute`: `RECOMPUTE` (module docstring); it acts only while
+        gradients are recorded."""
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r} is not supported: expected one of {', '.join(RECOMPUTE)}")
+        self._check_inputs(input_ids_BT, positions_BT, None, None)
+        if not torch.is_grad_enabled():
+            recompute = "none"
+        x_BTC = self.model.embed_tokens(input_ids_BT)
+        cos, signed_sin = self._rope(positions_BT.to(x_BTC.device), x_BTC.dtype)
+        for layer in self.model.layers:
+            x_BTC = layer.train_forward(x_BTC, cos, signed_sin, recompute)
+        return self.model.norm(x_BTC)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -21,19 +21,41 @@ DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
 QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config(head_dim=128): not hidden_size // num_attention_heads
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4", "olmoe")
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """RoPE frequency scaling; `rope_type="default"` is plain RoPE."""
+    """RoPE frequency scaling; `rope_type="default"` is plain RoPE. Each type as transformers computes it
+    (`transformers.modeling_rope_utils`): gyre's engine and both trainers use `gyre.models.decoder.rope_inv_freq`
+    and `attention_scaling`, so all three rotate alike."""
 
-    rope_type: str = "default"  # default | linear | llama3
-    factor: float = 1.0  # linear: positions divided by factor; llama3: low frequencies divided by factor
+    rope_type: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0  # linear: positions divided by factor; llama3, yarn: low frequencies divided by factor
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only: the pre-extension context length
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the pre-extension context length
+    beta_fast: float = 32.0  # yarn: rotations above which a frequency is kept (extrapolated)
+    beta_slow: float = 1.0  # yarn: rotations below which a frequency is divided by factor (interpolated)
+    attention_factor: float | None = None  # yarn: cos and sin multiplied by it; None: 0.1 ln(factor) + 1
+    mscale: float | None = None  # yarn (DeepSeek): with mscale_all_dim, the attention factor's ratio form
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: the correction range's bounds rounded to whole dimensions
+
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by (transformers' `attention_scaling`): 1.0 but for yarn."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
+        return get_mscale(self.factor)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +209,17 @@ class DecoderConfig:
             scaling = asdict(self.rope_scaling)
             if self.rope_scaling.rope_type == "linear":
                 scaling = {"rope_type": "linear", "factor": self.rope_scaling.factor}
+            elif self.rope_scaling.rope_type == "yarn":
+                names = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
+                optional = ("attention_factor", "mscale", "mscale_all_dim")
+                scaling = {"rope_type": "yarn", **{name: scaling[name] for name in names}}
+                scaling |= {
+                    name: scaling_value
+                    for name in optional
+                    if (scaling_value := getattr(self.rope_scaling, name)) is not None
+                }
+            else:
+                scaling = {name: value for name, value in scaling.items() if name in ("rope_type", *LLAMA3_ROPE_FIELDS)}
             config["rope_scaling"] = scaling
         if self.model_type == "qwen2":
             config["use_sliding_window"] = False
@@ -216,10 +249,12 @@ def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling]:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported: expected one of {SUPPORTED_ROPE_TYPES} "
-            "(yarn, dynamic, longrope and others change attention in ways the native decoder does not implement)"
+            "(dynamic, longrope and others change attention in ways the native decoder does not implement)"
         )
     if rope_type == "default":
         return float(theta), RopeScaling()
+    if rope_type == "yarn":
+        return float(theta), _read_yarn(merged, config.get("max_position_embeddings", 32768))
     factor = merged.get("factor")
     _require(isinstance(factor, (int, float)) and factor >= 1.0, "rope_scaling.factor", factor, "a number >= 1")
     if rope_type == "linear":
@@ -233,6 +268,40 @@ def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling]:
         low_freq_factor=float(merged["low_freq_factor"]),
         high_freq_factor=float(merged["high_freq_factor"]),
         original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+    )
+
+
+def _read_yarn(fields: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+    """YaRN's fields as transformers reads them: the original length defaults to `max_position_embeddings`, and a
+    missing factor is max_position_embeddings / original (DeepSeek-V3's convention)."""
+    original = fields.get("original_max_position_embeddings") or max_position_embeddings
+    _require(
+        isinstance(original, int) and original > 0,
+        "rope_scaling.original_max_position_embeddings",
+        original,
+        "a positive integer",
+    )
+    factor = fields.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    _require(isinstance(factor, (int, float)) and factor >= 1.0, "rope_scaling.factor", factor, "a number >= 1")
+    numbers = {}
+    for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        value = fields.get(name)
+        if value is not None:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            _require(ok, f"rope_scaling.{name}", value, "a positive number")
+            numbers[name] = float(value)
+    truncate = fields.get("truncate", True)
+    _require(isinstance(truncate, bool), "rope_scaling.truncate", truncate, "true or false")
+    return RopeScaling(
+        rope_type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        truncate=truncate,
+        beta_fast=numbers.pop("beta_fast", 32.0),
+        beta_slow=numbers.pop("beta_slow", 1.0),
+        **numbers,
     )
 
 

@@ -91,6 +91,21 @@ def check_supported(cfg: TrainConfig, world_size: int) -> None:
             "without pipeline stages and no separate rollout pool so far (trainer.pipeline_parallel_size=1, "
             "cluster.separate_size=0; docs/runtime.md, 'State')"
         )
+    if cfg.trainer.context_parallel_size != 1:
+        import importlib.util
+
+        import torch
+
+        has_te = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+        why = (
+            "this runtime does not split rows over ranks yet"
+            if has_te
+            else "context parallelism needs TransformerEngine's attention on CUDA, absent here"
+        )
+        raise ProgramError(
+            f"trainer.context_parallel_size={cfg.trainer.context_parallel_size}: {why} (expected 1; long rows train "
+            "with trainer.recompute=full and chunked log-probs instead: docs/training.md, 'Long rows')"
+        )
 
 
 def check_model_layout(cfg: TrainConfig, config) -> None:

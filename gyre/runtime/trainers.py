@@ -45,18 +45,27 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
     if not uses_megatron(cfg):
         from gyre.train.native_trainable import NativeTrainable
 
-        return NativeTrainable(native, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+        return NativeTrainable(
+            native,
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            chunk_tokens=t.logprob_chunk_tokens,
+            recompute=t.recompute,
+        )
     from gyre.train.convert import load_hf_state_dict
     from gyre.train.megatron_trainable import MegatronTrainable
     from gyre.train.model import build_gpt_model
 
     config = read_config(model_dir)
-    model = build_gpt_model(config)
+    model = build_gpt_model(config, recompute=t.recompute)
     load_hf_state_dict(model, native.state_dict(), config)
     del native
     if t.device != "cpu":
         model = model.to(t.device)
-    return MegatronTrainable(model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+    return MegatronTrainable(
+        model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, chunk_tokens=t.logprob_chunk_tokens
+    )
 
 
 def optimizer_state(trainer) -> dict | None:

@@ -2,33 +2,36 @@
 
 Contract (the conventions of `gyre.data.microstep`)
 - Input: one packed row of U tokens `ids_U` holding R rows back to back, `row_offsets_R1` (R + 1 offsets, first 0,
-  last U). Positions restart at 0 at every row (they set the RoPE angles), and no token attends across rows. Each
-  row runs its own forward with a causal mask (megatron's local attention is dense: one forward over the packed
-  tokens under a block-diagonal mask costs U^2 instead of the sum of the rows' squared lengths). The mask is
-  always passed explicitly (megatron's default causal mask is built on "cuda"; on CPU it must come from the
-  caller). Megatron's mask convention is True = masked out.
-- Output: `logp_U[u] = log p(ids_U[u] | the tokens of its row before u)`, from the logits at u - 1, in fp32;
+  last U). Positions restart at 0 at every row (they set the RoPE angles), and no token attends across rows.
+- One forward per micro-step over the packed tokens in THD form: `PackedSeqParams(qkv_format="thd")` with
+  `cu_seqlens` = the row offsets, no attention mask. Megatron rotates each token by its own position (the model's
+  RoPE table has one entry per packed token: megatron's offset-based THD mapping) and the core attention is
+  causal within each row: TransformerEngine's varlen kernels under its layer spec, gyre's
+  `SDPACoreAttention` (`gyre.train.attention`) under the local one. Nothing is `U x U`: no mask is built, and
+  attention memory is linear in each row's length.
+- Log-probs from the final hidden states a chunk of tokens at a time (`gyre.train.chunked`): the `[U, vocab]`
+  logits never exist whole (`chunk_tokens` per chunk, fp32 inside it, recomputed chunk by chunk in the backward).
+- Output: `logp_U[u] = log p(ids_U[u] | the tokens of its row before u)`, from the hidden state at u - 1, in fp32;
   0.0 at each row's first token (it has no context in its row). With `temperature != 1` the logits are divided by
   it first (the distribution a sampler at that temperature drew from; no top-k/top-p).
 - Tensor parallel: the logits stay vocab-parallel and the log-prob is minus megatron's
   `vocab_parallel_cross_entropy` (an autograd function: gradients flow to the model). Every TP rank gets the
-  same `logp_U`. Pipeline parallel forwards go through megatron's schedules, not this function (ValueError).
-- Verified with megatron's local layer spec (CPU). Under TransformerEngine's spec the packed tokens should go in
-  one forward as THD with `cu_seqlens = row_offsets_R1` (varlen attention, no U^2 term): not done or run here (no
-  GPU). The pipeline path (`gyre.train.pipeline`) still sends one packed forward with the block mask per stage.
+  same `logp_U`. Pipeline parallel forwards go through `gyre.train.pipeline` (the same THD forward per stage and
+  `logprobs_from_hidden` on the last), not this function (ValueError).
+- `block_causal_mask` builds the dense mask the old path used; tests compare against it on short rows.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from gyre.data.microstep import MicroStep
+from gyre.train.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 from gyre.train.cpu_patch import apply_cpu_patches
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
@@ -57,17 +60,38 @@ def block_causal_mask(positions_U: torch.Tensor) -> torch.Tensor:
     return ~(same_UU & causal_UU)[None, None]
 
 
+def gpt_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The `PositionIdGPTModel` inside megatron's wrappers (`DistributedDataParallel`, `Float16Module`: each holds
+    it as `.module`). Its parameters are the wrapper's, so gradient hooks still fire."""
+    inner = model
+    while not hasattr(inner, "final_hidden") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    if not hasattr(inner, "final_hidden"):
+        raise TypeError(f"{type(model).__name__}: expected gyre.train.model.PositionIdGPTModel (or a wrapper of it)")
+    return inner
+
+
+def thd_params(row_offsets: Sequence[int], device: torch.device | str) -> PackedSeqParams:
+    """Megatron's THD description of packed rows: `cu_seqlens` (int32) = the row offsets, for queries and keys."""
+    cu_R1 = torch.tensor(list(row_offsets), dtype=torch.int32, device=device)
+    longest = int(cu_R1.diff().max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_R1, cu_seqlens_kv=cu_R1, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     ids_U: Sequence[int] | np.ndarray | torch.Tensor,
     row_offsets_R1: Sequence[int] | np.ndarray | torch.Tensor,
     *,
     temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """fp32 `[U]`: log-prob of every token given its row before it (0.0 at row starts); see the module docstring."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(
-            "pipeline_model_parallel_size > 1: run the forward through megatron's get_forward_backward_func; "
+            "pipeline_model_parallel_size > 1: run the forward through gyre.train.pipeline; "
             "packed_logprobs handles PP = 1 only"
         )
     if not temperature > 0:
@@ -77,35 +101,42 @@ def packed_logprobs(
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"ids_U must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}")
     U = ids.numel()
-    positions_U = packed_positions(row_offsets_R1, U)  # checks the offsets
+    positions_U = packed_positions(row_offsets_R1, U).to(device)  # checks the offsets
     offsets = torch.as_tensor(np.asarray(row_offsets_R1), dtype=torch.int64).tolist()
-    # One forward per row: the local spec computes attention densely, so one forward of the packed U tokens under a
-    # block mask would cost U^2 per layer instead of sum L_r^2 (4.2x slower at 4096-token micro-steps of ~400-token
-    # rows, benchmarks/train_throughput.py). Rows never attend across each other, so the result is the same.
-    parts = []
-    for start, end in itertools.pairwise(offsets):
-        if end - start == 1:  # a one-token row has no target
-            parts.append(torch.zeros(1, dtype=torch.float32, device=device))
-            continue
-        row_positions = positions_U[start:end].to(device)
-        ids_1L = ids[start:end].to(device)[None]
-        logits_1LV = model(ids_1L, row_positions[None], block_causal_mask(row_positions))  # [1, L, V / tp]
-        parts.append(logprobs_from_logits(logits_1LV, ids_1L, row_positions, temperature=temperature))
-    return torch.cat(parts)
+    ids = ids.to(device)
+    model = gpt_model_of(model)
+    hidden_U1C = model.final_hidden(ids[None], positions_U[None], packed_seq_params=thd_params(offsets, device))
+    return logprobs_from_hidden(
+        model, hidden_U1C[:, 0], ids, positions_U, temperature=temperature, chunk_tokens=chunk_tokens
+    )
 
 
-def logprobs_from_logits(
-    logits_1UV: torch.Tensor, ids_1U: torch.Tensor, positions_U: torch.Tensor, *, temperature: float = 1.0
+def logprobs_from_hidden(
+    model: torch.nn.Module,
+    hidden_UC: torch.Tensor,
+    ids_U: torch.Tensor,
+    positions_U: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor:
-    """fp32 `[U]` from the (vocab-parallel) logits of a packed row: token u's log-prob from the logits at u - 1,
-    0.0 where a row starts (`positions_U == 0`). Also the last pipeline stage's step (`gyre.train.pipeline`)."""
-    # Megatron's CE is [S, B]-shaped and subtracts the max in place: give it its own fp32 tensor.
-    logits_S1V = (logits_1UV[:, :-1].float() / temperature).transpose(0, 1).contiguous()
-    nll_S1 = vocab_parallel_cross_entropy(logits_S1V, ids_1U[:, 1:].transpose(0, 1).contiguous())
-    logp_U = torch.cat((torch.zeros(1, dtype=torch.float32, device=logits_1UV.device), -nll_S1[:, 0]))
-    return torch.where(positions_U == 0, torch.zeros_like(logp_U), logp_U)
+    """fp32 `[U]` from the final hidden states of a packed row (`model.final_hidden`, the last pipeline stage's
+    too): token u's log-prob from the hidden state at u - 1, 0.0 where a row starts (`positions_U == 0`); the
+    logits through `model.output_logits`, vocab-parallel, a chunk at a time."""
+    targets_N = torch.nonzero(positions_U != 0)[:, 0]  # never 0: a packed row starts at position 0
+    logp_N = chunked_token_logprobs(
+        hidden_UC[targets_N - 1],
+        ids_U[targets_N],
+        gpt_model_of(model).output_logits,
+        chunk_tokens=chunk_tokens,
+        temperature=temperature,
+        vocab_parallel=True,
+    )
+    return torch.zeros(ids_U.shape[0], dtype=torch.float32, device=logp_N.device).index_put((targets_N,), logp_N)
 
 
-def microstep_logprobs(model: torch.nn.Module, step: MicroStep, *, temperature: float = 1.0) -> torch.Tensor:
+def microstep_logprobs(
+    model: torch.nn.Module, step: MicroStep, *, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> torch.Tensor:
     """`packed_logprobs` of a `MicroStep`'s packed rows: `logp_U[step.target_U]` feeds `gyre.rl.policy_loss`."""
-    return packed_logprobs(model, step.ids_U, step.row_offsets_R1, temperature=temperature)
+    return packed_logprobs(model, step.ids_U, step.row_offsets_R1, temperature=temperature, chunk_tokens=chunk_tokens)

@@ -20,6 +20,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from torch import Tensor
 
 from gyre.data.microstep import MicroStep
+from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
 from gyre.train.logprobs import microstep_logprobs
 
 __all__ = ["MegatronTrainable", "global_grad_norm"]
@@ -40,16 +41,26 @@ def global_grad_norm(params: list[Tensor]) -> Tensor:
 
 
 class MegatronTrainable:
-    """AdamW on a (TP-sharded) GPTModel; `update` clips the global gradient norm to `max_grad_norm` (0: off)."""
+    """AdamW on a (TP-sharded) GPTModel; `update` clips the global gradient norm to `max_grad_norm` (0: off).
+    `chunk_tokens`: log-probs a chunk of tokens at a time (`gyre.train.logprobs`)."""
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ):
         self.model = model
+        self.chunk_tokens = chunk_tokens
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, step: MicroStep) -> Tensor:
-        return microstep_logprobs(self.model, step)
+        return microstep_logprobs(self.model, step, chunk_tokens=self.chunk_tokens)
 
     def parameters(self) -> list[Tensor]:
         return self._params

@@ -4,7 +4,14 @@ Contract
 - `build_gpt_model(config)` builds the model for this rank's tensor- and pipeline-parallel coordinate.
   Megatron's `parallel_state` must already be initialized by the caller (`init_model_parallel` does it on an
   existing torch.distributed group, e.g. a one-process gloo group in tests). Layer spec: megatron's local
-  modules; TransformerEngine's when `transformer_engine` imports and CUDA is present (`layer_spec="auto"`).
+  modules with gyre's `SDPACoreAttention` in the core-attention slot (memory linear in a row's length, packed
+  rows in THD form; `gyre.train.attention`); TransformerEngine's when `transformer_engine` imports and CUDA is
+  present (`layer_spec="auto"`).
+- `model.final_hidden(ids, positions, packed_seq_params=)`: the forward up to the final norm, `[S, 1, hidden]`
+  (any pipeline stage); `model.output_logits(h_NC)`: the vocab-parallel logits `[N, V / tp]` of some of them.
+  `gyre.train.logprobs` takes log-probs through these a chunk at a time instead of the model's full logits.
+- `recompute` (`RECOMPUTE`): none, selective (megatron recomputes the core attention in the backward) or full
+  (every layer's activations recomputed: megatron's "full" granularity, uniform, one layer per checkpoint).
 - Megatron's groups agree with gyre's (docs/distributed.md, Megatron's groups): every rank calls
   `build_process_groups_and_model_parallel(layout, tensor_parallel_size=, pipeline_parallel_size=)` once, which
   checks `cell_size == TP x PP` and the world (one ValueError on every rank, before any group exists), creates
@@ -14,7 +21,8 @@ Contract
   only; a rollout-pool rank makes the same `new_group` calls but holds no Megatron group.
 - Mapping of `DecoderConfig` fields: RMSNorm (`rms_norm_eps`), SwiGLU (`gated_linear_unit`, SiLU), RoPE with
   `rope_theta`; `rope_scaling` linear -> `seq_len_interpolation_factor`, llama3 -> megatron's `rope_scaling`
-  (only with megatron's fixed low/high frequency factors 1/4 and original length 8192), GQA
+  (only with megatron's fixed low/high frequency factors 1/4 and original length 8192), yarn -> gyre's own
+  frequencies (`gyre.models.decoder.rope_inv_freq`) with its attention factor squared in `softmax_scale`, GQA
   (`num_query_groups`), `qk_norm` -> `qk_layernorm`, `attention_qkv_bias` -> `add_qkv_bias`,
   `tie_word_embeddings` -> `share_embeddings_and_output_weights`. Biases on o_proj or the MLP are rejected.
 - `validate_layout(config, tp, pp)` raises a `ValueError` naming field, got and expected before anything is
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +53,9 @@ from megatron.core.transformer import TransformerConfig
 from gyre.config.checks import is_int
 from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
+from gyre.models.decoder import rope_inv_freq
 from gyre.models.decoder_config import DecoderConfig
+from gyre.train.attention import SDPACoreAttention
 from gyre.train.cpu_patch import apply_cpu_patches
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
@@ -135,8 +146,27 @@ def transformer_config(
         "gradient_accumulation_fusion": False,
         "apply_rope_fusion": False,
     }
+    attention_scaling = config.rope_scaling.attention_scaling()
+    if attention_scaling != 1.0:
+        # YaRN multiplies cos and sin by s, so every score q.k by s^2: megatron's GPT attention applies no such factor
+        # (only its MLA reads one), so it goes into the softmax scale instead (docs/training.md, Long rows).
+        kwargs["softmax_scale"] = attention_scaling**2 / math.sqrt(config.head_dim)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_overrides(recompute: str) -> dict[str, Any]:
+    """Megatron's `TransformerConfig` fields for activation recompute `recompute` (one of `RECOMPUTE`)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not supported: expected one of {', '.join(RECOMPUTE)}")
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {}
 
 
 def use_transformer_engine(layer_spec: str = "auto") -> bool:
@@ -151,7 +181,33 @@ def use_transformer_engine(layer_spec: str = "auto") -> bool:
 
 class PositionIdGPTModel(GPTModel):
     """`GPTModel` whose RoPE angles are `position_ids * inv_freq` (megatron's inv_freq and scaling) instead of
-    0..S-1: positions restart per packed row. `position_ids` is `[B, S]`; every pipeline stage needs it."""
+    0..S-1: positions restart per packed row. `position_ids` is `[B, S]`; every pipeline stage needs it. Under
+    THD packing megatron reads this table by token offset (one entry per packed token), so each row still
+    rotates from 0.
+
+    `final_hidden` and `output_logits` split the forward at the output layer (module docstring)."""
+
+    _hidden_only = False
+
+    def final_hidden(self, input_ids, position_ids, *, packed_seq_params=None, attention_mask=None) -> torch.Tensor:
+        """`[S, 1, hidden]`: the decoder's output, after the final norm on the last pipeline stage (what the output
+        layer would read), the activation to send on elsewhere."""
+        self._hidden_only = True
+        try:
+            return self(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+        finally:
+            self._hidden_only = False
+
+    def output_logits(self, hidden_NC: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits `[N, V / tp]` of final hidden states `[N, hidden]` (last pipeline stage)."""
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits_N1V, _ = self.output_layer(hidden_NC[:, None], weight=weight)
+        return logits_N1V[:, 0]
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if self._hidden_only:
+            return hidden_states
+        return super()._postprocess(hidden_states, *args, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
@@ -171,10 +227,11 @@ def build_gpt_model(
     *,
     dtype: torch.dtype = torch.float32,
     layer_spec: str = "auto",
+    recompute: str = "none",
     **config_overrides: Any,
 ) -> PositionIdGPTModel:
     """The Megatron model of `config` for this rank (TP shard, PP stage), in eval mode. Weights are megatron's
-    random init: load real ones with `gyre.train.convert.load_hf_state_dict`."""
+    random init: load real ones with `gyre.train.convert.load_hf_state_dict`. `recompute`: `RECOMPUTE`."""
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "megatron parallel_state is not initialized: call gyre.train.model.init_model_parallel(...) (or "
@@ -183,7 +240,11 @@ def build_gpt_model(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     megatron_config = transformer_config(
-        config, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype, **config_overrides
+        config,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        dtype=dtype,
+        **{**recompute_overrides(recompute), **config_overrides},
     )
     if use_transformer_engine(layer_spec):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -191,6 +252,7 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     scaling = config.rope_scaling
     model = PositionIdGPTModel(
         config=megatron_config,
@@ -207,6 +269,11 @@ def build_gpt_model(
         rope_scaling_factor=scaling.factor if scaling.rope_type == "llama3" else 8.0,
         seq_len_interpolation_factor=scaling.factor if scaling.rope_type == "linear" else None,
     )
+    if scaling.rope_type == "yarn" and getattr(model, "rotary_pos_emb", None) is not None:
+        # Megatron's GPT RoPE has no YaRN frequencies (its yarn embedding belongs to MLA): gyre's own, which the
+        # engine and the native trainer use too (`_preprocess` rotates by them).
+        rope = model.rotary_pos_emb
+        rope.inv_freq = rope_inv_freq(config, device=rope.inv_freq.device)
     return model.eval()
 
 

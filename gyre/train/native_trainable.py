@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -15,35 +16,57 @@ from torch import Tensor
 
 from gyre.data.microstep import MicroStep
 from gyre.models.decoder import DecoderLM
+from gyre.train.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 
 __all__ = ["NativeTrainable", "packed_logprobs"]
 
 
-def packed_logprobs(model: DecoderLM, step: MicroStep) -> Tensor:
+def packed_logprobs(
+    model: DecoderLM, step: MicroStep, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, recompute: str = "none"
+) -> Tensor:
     """`[U]` log-probs of every token given the tokens before it in its row (0 at each row's first token).
-    One forward per row (dense attention over the packed tokens would cost U^2, see gyre.train.logprobs)."""
+    One causal forward per row (SDPA's fused kernel: memory linear in the row's length; a dense mask over the
+    packed tokens would cost U^2), log-probs from its final hidden states a chunk of tokens at a time
+    (`gyre.train.chunked`: the row's `[L, vocab]` logits never exist whole)."""
     device = model.output_weight.device
     parts = []
     for start, end in itertools.pairwise(step.row_offsets_R1.tolist()):
         ids_1L = torch.from_numpy(step.ids_U[start:end]).to(device)[None]
+        parts.append(torch.zeros(1, dtype=torch.float32, device=device))  # a row's first token has no context
+        if end - start == 1:
+            continue
         positions_1L = torch.arange(end - start, device=device)[None]
-        logits_1LV, _ = model(ids_1L, positions_1L)  # causal within the row
-        logp_LV = F.log_softmax(logits_1LV[0, :-1].float(), dim=-1)
-        parts += [logp_LV.new_zeros(1), logp_LV.gather(1, ids_1L[0, 1:, None])[:, 0]]
+        hidden_LC = model.final_hidden(ids_1L, positions_1L, recompute=recompute)[0]
+        parts.append(
+            chunked_token_logprobs(
+                hidden_LC[:-1], ids_1L[0, 1:], partial(F.linear, weight=model.output_weight), chunk_tokens=chunk_tokens
+            )
+        )
     return torch.cat(parts)
 
 
 class NativeTrainable:
-    """AdamW on the native decoder; `update` clips the gradient norm to `max_grad_norm` (0 disables clipping)."""
+    """AdamW on the native decoder; `update` clips the gradient norm to `max_grad_norm` (0 disables clipping).
+    `chunk_tokens`: log-probs a chunk of tokens at a time; `recompute`: `gyre.models.decoder.RECOMPUTE`."""
 
-    def __init__(self, model: DecoderLM, *, lr: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0):
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        recompute: str = "none",
+    ):
         self.model = model
+        self.chunk_tokens, self.recompute = chunk_tokens, recompute
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self._params, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, step: MicroStep) -> Tensor:
-        return packed_logprobs(self.model, step)
+        return packed_logprobs(self.model, step, chunk_tokens=self.chunk_tokens, recompute=self.recompute)
 
     def parameters(self) -> list[Tensor]:
         return self._params

@@ -57,8 +57,9 @@ from gyre.config.loss import LossConfig
 from gyre.data.microstep import MicroStep
 from gyre.distributed.claims import decode_unit, encode_unit
 from gyre.rl import finalize_sequence_ratio, policy_loss
+from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
 from gyre.train.cpu_patch import apply_cpu_patches
-from gyre.train.logprobs import block_causal_mask, logprobs_from_logits, packed_positions
+from gyre.train.logprobs import logprobs_from_hidden, packed_positions, thd_params
 from gyre.train.streaming import StepResult, add_sequence_sums, loss_inputs_on
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
@@ -107,9 +108,17 @@ class StreamingPipeline:
     """The streaming 1F1B schedule of one pipeline stage; `run(claim)` accumulates one batch's gradients.
 
     model: this rank's stage of a megatron `GPTModel` (`gyre.train.model.build_gpt_model`, `parallel_state`
-    initialized with PP > 1). config: the loss. temperature: logits are divided by it before the log-softmax."""
+    initialized with PP > 1). config: the loss. temperature: logits are divided by it before the log-softmax.
+    chunk_tokens: the last stage's log-probs a chunk of tokens at a time (`gyre.train.chunked`)."""
 
-    def __init__(self, model: torch.nn.Module, *, config: LossConfig, temperature: float = 1.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        config: LossConfig,
+        temperature: float = 1.0,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ):
         if not temperature > 0:
             raise ValueError(f"temperature={temperature!r} is not supported: expected > 0")
         megatron_config = model.config
@@ -118,6 +127,7 @@ class StreamingPipeline:
         self.model = model
         self.config = config
         self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
         self.counters = PipelineCounters()
         self.rank = parallel_state.get_pipeline_model_parallel_rank()
         self.size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -208,20 +218,28 @@ class StreamingPipeline:
     # --- compute ------------------------------------------------------------------------------------------------
 
     def _stage_forward(self, step: MicroStep, input_BSH: Tensor | None) -> Tensor:
-        """This stage's forward: hidden states `[U, 1, hidden]`, or logits `[1, U, V / tp]` on the last stage."""
+        """This stage's forward over the packed rows in THD form (as `gyre.train.logprobs.packed_logprobs`):
+        hidden states `[U, 1, hidden]`, the final-normed ones on the last stage."""
         U = step.num_tokens
         positions_U = packed_positions(step.row_offsets_R1, U).to(self.device)
-        mask = block_causal_mask(positions_U)
         ids_1U = torch.from_numpy(step.ids_U).to(self.device)[None]
         if not self.first:
             self.model.set_input_tensor(input_BSH)
-        return self.model(ids_1U, positions_U[None], mask)
+        params = thd_params(step.row_offsets_R1.tolist(), self.device)
+        return self.model.final_hidden(ids_1U, positions_U[None], packed_seq_params=params)
 
-    def _logprobs(self, step: MicroStep, logits_1UV: Tensor) -> Tensor:
-        """fp32 `[U]` log-probs from the last stage's logits (the math of `gyre.train.logprobs.packed_logprobs`)."""
-        ids_1U = torch.from_numpy(step.ids_U).to(self.device)[None]
+    def _logprobs(self, step: MicroStep, hidden_U1C: Tensor) -> Tensor:
+        """fp32 `[U]` log-probs from the last stage's hidden states (`gyre.train.logprobs.logprobs_from_hidden`)."""
+        ids_U = torch.from_numpy(step.ids_U).to(self.device)
         positions_U = packed_positions(step.row_offsets_R1, step.num_tokens).to(self.device)
-        return logprobs_from_logits(logits_1UV, ids_1U, positions_U, temperature=self.temperature)
+        return logprobs_from_hidden(
+            self.model,
+            hidden_U1C[:, 0],
+            ids_U,
+            positions_U,
+            temperature=self.temperature,
+            chunk_tokens=self.chunk_tokens,
+        )
 
     def _score(self, step: MicroStep, unit: int, input_BSH: Tensor | None) -> None:
         """No-grad forward of the s_i pass; the last stage accumulates the sums of Eq. 5 by batch execution slot."""

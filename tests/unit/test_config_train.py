@@ -169,6 +169,13 @@ BAD = [
     (lambda: TrainerConfig(lr=0.0), "trainer.lr=0.0 is not allowed"),
     (lambda: TrainerConfig(max_grad_norm=-1.0), "trainer.max_grad_norm=-1.0 is not allowed"),
     (lambda: TrainerConfig(dtype="float16"), "trainer.dtype='float16' is not allowed"),
+    (lambda: TrainerConfig(recompute="partial"), "trainer.recompute='partial' is not allowed: expected one of"),
+    (lambda: TrainerConfig(logprob_chunk_tokens=0), "trainer.logprob_chunk_tokens=0 is not allowed"),
+    (lambda: TrainerConfig(context_parallel_size=0), "trainer.context_parallel_size=0 is not allowed"),
+    (
+        lambda: TrainerConfig(context_parallel_size=2),
+        "trainer.context_parallel_size=2 is not allowed: expected 1 with trainer.backend=native",
+    ),
     (lambda: TrainerConfig(weight_transport="nccl"), "trainer.weight_transport='nccl' is not allowed: expected one of"),
     (lambda: TrainerConfig(device="tpu"), "trainer.device='tpu' is not allowed"),
     (lambda: TrainerConfig(device="cuda:x"), "trainer.device='cuda:x' is not allowed"),
@@ -351,3 +358,10 @@ def test_bad_overrides_end_in_one_line(overrides, message):
     text = composed_error(overrides)
     assert text.startswith(message), text
     assert "\n" not in text
+
+
+def test_the_recompute_choices_are_the_trainers_own():
+    from gyre.config.trainer import RECOMPUTE_CHOICES
+    from gyre.models.decoder import RECOMPUTE
+
+    assert RECOMPUTE_CHOICES == RECOMPUTE  # gyre.train.model.RECOMPUTE too: tests/unit/test_train_model.py

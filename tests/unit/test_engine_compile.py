@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import random
 import shutil
 
@@ -19,7 +20,8 @@ from gyre.engine.decode import decode_forward, decode_weights
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.engine.sampling import sequence_logprobs
-from gyre.models.decoder import KVCache
+from gyre.models.decoder import DecoderLM, KVCache
+from gyre.models.decoder_config import RopeScaling
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,
@@ -58,7 +60,17 @@ def make_requests(tag: str) -> list[GenerateRequest]:
     return requests
 
 
-def test_decode_forward_equals_the_module_forward_with_a_cache(model):
+def yarn_variant(model: DecoderLM) -> DecoderLM:
+    """`model`'s weights under YaRN RoPE whose original length (8) the test's positions (10-19) pass."""
+    scaling = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=8)
+    variant = DecoderLM(dataclasses.replace(model.config, rope_scaling=scaling))
+    variant.load_state_dict(model.state_dict())
+    return variant.eval()
+
+
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+def test_decode_forward_equals_the_module_forward_with_a_cache(model, rope):
+    model = yarn_variant(model) if rope == "yarn" else model
     torch.manual_seed(0)
     config = model.config
     L, K, D, B, S = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 3, 10

@@ -376,7 +376,10 @@ def test_llama3_rope_scaling_frequencies_by_hand():
         ({"model_type": "qwen3_moe"}, "mixture-of-experts"),
         ({"num_experts": 8}, "num_experts=8"),
         ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window=True"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling type 'longrope'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 0.5}}, r"rope_scaling\.factor=0\.5"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}}, r"rope_scaling\.beta_fast=-1"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "no"}}, r"rope_scaling\.truncate='no'"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs fields"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -416,6 +419,8 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+# Qwen3's long-context setting (factor 4 over the original length), at a length the test's positions pass.
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 
 
 @pytest.mark.parametrize(
@@ -426,6 +431,10 @@ LLAMA3_ROPE = {
         ("qwen3", {}),
         ("llama", {"rope_scaling": LLAMA3_ROPE, "attention_bias": False, "mlp_bias": False}),
         ("qwen3", {"tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        ("qwen3", {"rope_scaling": YARN_ROPE, "max_position_embeddings": 64}),
+        ("qwen2", {"rope_scaling": {**YARN_ROPE, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False}}),
+        ("qwen3", {"rope_scaling": {**YARN_ROPE, "attention_factor": 1.3}}),
+        ("qwen3", {"rope_scaling": {**YARN_ROPE, "mscale": 0.707, "mscale_all_dim": 1.0}}),
     ],
 )
 def test_parity_with_transformers(model_type, overrides, tmp_path):

@@ -17,7 +17,7 @@ from gyre.models.hf_weights import read_config, read_state_dict
 from gyre.models.tiny import tiny_model_dir
 from gyre.train.convert import load_hf_state_dict
 from gyre.train.logprobs import packed_logprobs
-from gyre.train.model import build_gpt_model, validate_layout
+from gyre.train.model import build_gpt_model, transformer_config, validate_layout
 
 pytestmark = pytest.mark.slow  # megatron import and model builds: several seconds
 
@@ -47,6 +47,10 @@ VARIANTS = {
         qk_norm=False,
         rope_theta=1e6,
         rope_scaling=RopeScaling(rope_type="llama3", factor=8.0),
+    ),
+    # YaRN (Qwen3's long context): positions past 16 are past the original length; the attention factor !=1.
+    "qwen3-yarn-rope": dataclasses.replace(
+        SMALL, rope_scaling=RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
     ),
 }
 
@@ -217,3 +221,15 @@ def test_megatron_imported_after_gyre_train_loads_no_compiler_stack():
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False", "False"], out.stdout
+
+
+def test_recompute_maps_to_megatrons_own_options():
+    from gyre.config.trainer import RECOMPUTE_CHOICES
+    from gyre.train.model import RECOMPUTE, recompute_overrides
+
+    assert RECOMPUTE == RECOMPUTE_CHOICES
+    assert recompute_overrides("none") == {}
+    assert transformer_config(SMALL, **recompute_overrides("full")).recompute_granularity == "full"
+    assert transformer_config(SMALL, **recompute_overrides("selective")).recompute_modules == ["core_attn"]
+    with pytest.raises(ValueError, match="recompute='some' is not supported"):
+        recompute_overrides("some")
