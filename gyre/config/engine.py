@@ -23,6 +23,11 @@ class EngineConfig:
     external engines. `python -m gyre.engine serve` always runs one (false is refused there)."""
     max_running: int = 16
     """Requests decoded concurrently."""
+    max_total_tokens: int = 0
+    """The KV budget in tokens: admission keeps the running requests' prompt + max_new_tokens (and pinned exports)
+    within it, queues what does not fit yet and refuses a request that could never fit. 0: max_running x the
+    model's max_position_embeddings. Long-context models want it set (KV bytes a token: 2 x layers x KV heads x
+    head_dim x dtype bytes)."""
     device: str = "cpu"
     """torch device, e.g. cpu or cuda:0."""
     dtype: str = "float32"
@@ -33,6 +38,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         require_bool("engine.enabled", self.enabled)
         require_int("engine.max_running", self.max_running, ge=1)
+        require_int("engine.max_total_tokens", self.max_total_tokens, ge=0, note="0 = max_running x context length")
+        require(
+            self.max_total_tokens != 1, "engine.max_total_tokens", 1, "0 or at least 2 (a prompt token and one new)"
+        )
         require(isinstance(self.device, str) and bool(self.device), "engine.device", self.device, "a torch device")
         require_choice("engine.dtype", self.dtype, DTYPES)
         require_int("engine.policy_version", self.policy_version, ge=0)

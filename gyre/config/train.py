@@ -186,6 +186,13 @@ def check_context_limit(cfg: TrainConfig, max_position_embeddings: int) -> int:
         f"an integer >= the context limit {limit} (proxy.context_limit, 0 = the model's max_position_embeddings): "
         "a row is one call's whole context and is never split",
     )
+    kv_budget = cfg.engine.max_total_tokens
+    require(
+        kv_budget == 0 or kv_budget >= limit,
+        "engine.max_total_tokens",
+        kv_budget,
+        f"0 or an integer >= the context limit {limit}: an engine refuses a call that could never fit its KV budget",
+    )
     return limit
 
 

@@ -90,7 +90,12 @@ async def _serve(cfg: EngineServeConfig, model) -> None:
     from gyre.engine.endpoint import EngineServer
     from gyre.engine.native import NativeEngine
 
-    engine = NativeEngine(model, max_running=cfg.engine.max_running, policy_version=cfg.engine.policy_version)
+    engine = NativeEngine(
+        model,
+        max_running=cfg.engine.max_running,
+        max_tokens_in_flight=cfg.engine.max_total_tokens or None,
+        policy_version=cfg.engine.policy_version,
+    )
     server = EngineServer(engine, host=cfg.host, port=cfg.port)
     try:
         url = await server.start()

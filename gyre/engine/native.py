@@ -312,8 +312,8 @@ class NativeEngine(AcceptingLifecycle):
         )
         if request.reserved_tokens > self.max_tokens_in_flight:
             raise ValueError(
-                f"prompt + max_new_tokens = {request.reserved_tokens} exceeds "
-                f"max_tokens_in_flight={self.max_tokens_in_flight}"
+                f"prompt + max_new_tokens = {request.reserved_tokens} exceeds the engine's KV budget of "
+                f"{self.max_tokens_in_flight} tokens (engine.max_total_tokens): it could never be admitted"
             )
 
     def abort(self, request_id: str) -> bool:

@@ -174,7 +174,12 @@ def _serve_engine(cfg: TrainConfig, model_dir: Path, version: int, job: Job):
 
     engine_model = load_pretrained(model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device)
     server = ServerThread(
-        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=version),
+        lambda: NativeEngine(
+            engine_model,
+            max_running=cfg.engine.max_running,
+            max_tokens_in_flight=cfg.engine.max_total_tokens or None,
+            policy_version=version,
+        ),
         host=job.host,
         secret=job.secret or None,
     )

@@ -437,7 +437,12 @@ async def _controller(
     version = start.engine_version
     # Rank 0's own engine listens on the loopback: only this process's proxy reaches it.
     server = ServerThread(
-        lambda: NativeEngine(engine_model, max_running=cfg.engine.max_running, policy_version=version),
+        lambda: NativeEngine(
+            engine_model,
+            max_running=cfg.engine.max_running,
+            max_tokens_in_flight=cfg.engine.max_total_tokens or None,
+            policy_version=version,
+        ),
         secret=job.secret or None,
     )
     url = await asyncio.to_thread(server.start)

@@ -6,8 +6,9 @@ role, on the thread that will train (rank 0: the core's trainer thread; every ot
 
 - `trainer.backend=native`: the starting checkpoint as a `DecoderLM` in a `NativeTrainable` (one rank per cell);
 - `trainer.backend=megatron`: a Megatron-core `GPTModel` for this rank's tensor-parallel shard
-  (`gyre.train.model.build_gpt_model`; Megatron's `parallel_state` was initialized by `open_job`), the starting
-  checkpoint's HF weights loaded into it (`load_hf_state_dict`), in a `MegatronTrainable`.
+  (`gyre.train.model.build_gpt_model`; Megatron's `parallel_state` was initialized by `open_job`), this rank's
+  shard of the starting checkpoint read straight from its files (`gyre.train.shard_loading.load_hf_checkpoint`:
+  no rank holds the whole model), in a `MegatronTrainable`.
 
 The core's whole model in HF names is `gyre.train.publish.engine_weights(trainable, config)`: local for a native
 trainer, a collective over the core cell's tensor-parallel group for a Megatron one, so every rank of the core
@@ -41,26 +42,26 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
     """This rank's trainer on the starting checkpoint (module docstring), seeded with `cfg.seed`."""
     t = cfg.trainer
     torch.manual_seed(cfg.seed)
-    native = load_pretrained(model_dir, torch.float32, t.device)
+    dtype = getattr(torch, t.dtype)  # bf16: the model computes in it, the update is fp32 (gyre.train.precision)
     if not uses_megatron(cfg):
         from gyre.train.native_trainable import NativeTrainable
 
         return NativeTrainable(
-            native,
+            load_pretrained(model_dir, dtype, t.device),
             lr=t.lr,
             weight_decay=t.weight_decay,
             max_grad_norm=t.max_grad_norm,
             chunk_tokens=t.logprob_chunk_tokens,
             recompute=t.recompute,
         )
-    from gyre.train.convert import load_hf_state_dict
     from gyre.train.megatron_trainable import MegatronTrainable
     from gyre.train.model import build_gpt_model
+    from gyre.train.shard_loading import load_hf_checkpoint
 
     config = read_config(model_dir)
-    model = build_gpt_model(config, recompute=t.recompute)
-    load_hf_state_dict(model, native.state_dict(), config)
-    del native
+    # No random init: every parameter is then read from the checkpoint, this rank's shard only.
+    model = build_gpt_model(config, dtype=dtype, recompute=t.recompute, perform_initialization=False)
+    load_hf_checkpoint(model, model_dir, config)
     if t.device != "cpu":
         model = model.to(t.device)
     return MegatronTrainable(

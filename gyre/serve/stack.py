@@ -68,7 +68,12 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
         dtype = getattr(torch, cfg.engine.dtype)
         model = await asyncio.to_thread(load_pretrained, model_dir, dtype, cfg.engine.device)
         thread = ServerThread(
-            lambda: NativeEngine(model, max_running=cfg.engine.max_running, policy_version=cfg.engine.policy_version)
+            lambda: NativeEngine(
+                model,
+                max_running=cfg.engine.max_running,
+                max_tokens_in_flight=cfg.engine.max_total_tokens or None,
+                policy_version=cfg.engine.policy_version,
+            )
         )
         url = await asyncio.to_thread(thread.start)
         remotes.append(await RemoteEngine.connect(url))

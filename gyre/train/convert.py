@@ -33,7 +33,7 @@ Under TransformerEngine's layer spec the two per-layer norms live in the fused l
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,12 +71,90 @@ def _stage_layers(config: DecoderConfig, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
-def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
-    """[K, (G + 2) * D, ...]: per KV group its G query heads' rows, its key rows, its value rows."""
-    K, D = config.num_key_value_heads, config.head_dim
-    G = config.num_attention_heads // K
+def _interleave_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, config: DecoderConfig
+) -> torch.Tensor:
+    """[groups, (G + 2) * D, ...]: per KV group its G query heads' rows, its key rows, its value rows (`q`, `k`, `v`
+    hold `groups` consecutive KV groups: all of them, or one TP rank's)."""
+    D = config.head_dim
+    G = config.num_attention_heads // config.num_key_value_heads
     rest = q.shape[1:]
-    return torch.cat((q.reshape(K, G * D, *rest), k.reshape(K, D, *rest), v.reshape(K, D, *rest)), dim=1)
+    return torch.cat((q.reshape(groups, G * D, *rest), k.reshape(groups, D, *rest), v.reshape(groups, D, *rest)), 1)
+
+
+def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """`[start, stop)` of `torch.chunk(x, parts)[index]` along a dimension of `size`."""
+    step = -(-size // parts)
+    return min(index * step, size), min((index + 1) * step, size)
+
+
+class HFSource:
+    """Where `megatron_tensors` reads HF tensors: whole (`full`) or one TP rank's share by rows or by columns."""
+
+    def full(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, name: str, parts: int, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def cols(self, name: str, parts: int, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class StateDictSource(HFSource):
+    """An HF state dict in memory (checked by `check_hf_state_dict`); every tensor returned is a copy."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]):
+        self.state = state
+
+    def full(self, name: str) -> torch.Tensor:
+        return self.state[name].clone()
+
+    def rows(self, name: str, parts: int, index: int) -> torch.Tensor:
+        return self.state[name].chunk(parts, dim=0)[index].clone()
+
+    def cols(self, name: str, parts: int, index: int) -> torch.Tensor:
+        return self.state[name].chunk(parts, dim=1)[index].clone()
+
+
+def megatron_tensors(
+    source: HFSource, config: DecoderConfig, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Megatron name, tensor) of TP rank `tp_rank` and PP stage `pp_rank`, one at a time, read from `source` (the
+    module docstring's mapping). A TP rank's share of `linear_qkv` is its own KV groups: the interleaving of its
+    rows of q, k and v, equal to rows of the whole interleaving."""
+    t, r = tp_size, tp_rank
+    groups = config.num_key_value_heads // t
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    if first:
+        yield "embedding.word_embeddings.weight", source.rows("model.embed_tokens.weight", t, r)
+    for j, i in enumerate(_stage_layers(config, pp_rank, pp_size)):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{j}."
+        attn = src + "self_attn."
+        yield dst + "input_layernorm.weight", source.full(src + "input_layernorm.weight")
+        yield dst + "pre_mlp_layernorm.weight", source.full(src + "post_attention_layernorm.weight")
+        for suffix in ("weight", "bias") if config.attention_qkv_bias else ("weight",):
+            q, k, v = (source.rows(f"{attn}{p}_proj.{suffix}", t, r) for p in "qkv")
+            yield f"{dst}self_attention.linear_qkv.{suffix}", _interleave_qkv(q, k, v, groups, config).flatten(0, 1)
+        if config.qk_norm:
+            yield dst + "self_attention.q_layernorm.weight", source.full(attn + "q_norm.weight")
+            yield dst + "self_attention.k_layernorm.weight", source.full(attn + "k_norm.weight")
+        yield dst + "self_attention.linear_proj.weight", source.cols(attn + "o_proj.weight", t, r)
+        gate, up = source.rows(src + "mlp.gate_proj.weight", t, r), source.rows(src + "mlp.up_proj.weight", t, r)
+        yield dst + "mlp.linear_fc1.weight", torch.cat((gate, up))
+        yield dst + "mlp.linear_fc2.weight", source.cols(src + "mlp.down_proj.weight", t, r)
+    if last:
+        yield "decoder.final_layernorm.weight", source.full("model.norm.weight")
+        if not config.tie_word_embeddings:
+            yield "output_layer.weight", source.rows("lm_head.weight", t, r)
+        elif pp_size > 1:  # the last stage keeps its own copy of the tied embedding
+            yield "output_layer.weight", source.rows("model.embed_tokens.weight", t, r)
+
+
+def _check_ranks(config: DecoderConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> None:
+    validate_layout(config, tp_size, pp_size)
+    if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
+        raise ValueError(f"tp_rank={tp_rank}, pp_rank={pp_rank}: expected 0 <= rank < size ({tp_size}, {pp_size})")
 
 
 def hf_to_megatron(
@@ -89,44 +167,10 @@ def hf_to_megatron(
     pp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
     """The Megatron state dict of TP rank `tp_rank` and PP stage `pp_rank` (strict check of `hf_state` first)."""
-    validate_layout(config, tp_size, pp_size)
-    if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
-        raise ValueError(f"tp_rank={tp_rank}, pp_rank={pp_rank}: expected 0 <= rank < size ({tp_size}, {pp_size})")
-    hf = check_hf_state_dict(hf_state, config)
-    t, r = tp_size, tp_rank
-
-    def rows(x: torch.Tensor) -> torch.Tensor:
-        return x.chunk(t, dim=0)[r].clone()
-
-    def cols(x: torch.Tensor) -> torch.Tensor:
-        return x.chunk(t, dim=1)[r].clone()
-
-    out: dict[str, torch.Tensor] = {}
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    if first:
-        out["embedding.word_embeddings.weight"] = rows(hf["model.embed_tokens.weight"])
-    for j, i in enumerate(_stage_layers(config, pp_rank, pp_size)):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{j}."
-        attn = src + "self_attn."
-        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
-        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
-        for suffix in ("weight", "bias") if config.attention_qkv_bias else ("weight",):
-            qkv = _interleave_qkv(*(hf[f"{attn}{p}_proj.{suffix}"] for p in "qkv"), config)
-            out[f"{dst}self_attention.linear_qkv.{suffix}"] = rows(qkv).flatten(0, 1)
-        if config.qk_norm:
-            out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"].clone()
-            out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
-        out[dst + "self_attention.linear_proj.weight"] = cols(hf[attn + "o_proj.weight"])
-        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat((rows(gate), rows(up)))
-        out[dst + "mlp.linear_fc2.weight"] = cols(hf[src + "mlp.down_proj.weight"])
-    if last:
-        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-        if not config.tie_word_embeddings:
-            out["output_layer.weight"] = rows(hf["lm_head.weight"])
-        elif pp_size > 1:  # the last stage keeps its own copy of the tied embedding
-            out["output_layer.weight"] = rows(hf["model.embed_tokens.weight"])
-    return out
+    _check_ranks(config, tp_rank, tp_size, pp_rank, pp_size)
+    source = StateDictSource(check_hf_state_dict(hf_state, config))
+    ranks = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_rank, "pp_size": pp_size}
+    return dict(megatron_tensors(source, config, **ranks))
 
 
 def megatron_to_hf(

@@ -22,6 +22,7 @@ from torch import Tensor
 from gyre.data.microstep import MicroStep
 from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
 from gyre.train.logprobs import microstep_logprobs
+from gyre.train.precision import MainWeights
 
 __all__ = ["MegatronTrainable", "global_grad_norm"]
 
@@ -56,7 +57,8 @@ class MegatronTrainable:
         self.model = model
         self.chunk_tokens = chunk_tokens
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=lr, weight_decay=weight_decay)
+        self.weights = MainWeights(self._params)  # fp32 main weights when the model computes in bf16
+        self.optimizer = torch.optim.AdamW(self.weights.main, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, step: MicroStep) -> Tensor:
@@ -65,17 +67,25 @@ class MegatronTrainable:
     def parameters(self) -> list[Tensor]:
         return self._params
 
+    def gradients(self) -> list[Tensor]:
+        return self.weights.gradients()
+
+    def drop_gradients(self) -> None:
+        self.weights.drop_gradients()
+
     def update(self) -> dict[str, float]:
-        norm = float(global_grad_norm(self._params))
+        main = self.weights.main
+        norm = float(global_grad_norm(main))
         if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.weights.drop_gradients()
             raise FloatingPointError(f"gradient norm is {norm}: the step is skipped, parameters unchanged")
         if self.max_grad_norm > 0:
             scale = self.max_grad_norm / (norm + 1e-6)  # the coefficient torch.nn.utils.clip_grad_norm_ uses
             if scale < 1.0:
-                for p in self._params:
+                for p in main:
                     if p.grad is not None:
                         p.grad.mul_(scale)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.weights.copy_to_model()
+        self.weights.drop_gradients()
         return {"grad_norm": norm}

@@ -75,6 +75,7 @@ def validate_layout(config: DecoderConfig, tensor_parallel_size: int = 1, pipeli
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "vocab_size": config.vocab_size,
+        "intermediate_size": config.intermediate_size,
     }
     for name, value in divisible.items():
         if value % tp:
@@ -274,6 +275,12 @@ def build_gpt_model(
         # engine and the native trainer use too (`_preprocess` rotates by them).
         rope = model.rotary_pos_emb
         rope.inv_freq = rope_inv_freq(config, device=rope.inv_freq.device)
+    if dtype != torch.float32:
+        # The local spec's norms (torch's RMSNorm) are built in fp32 whatever params_dtype says; megatron's
+        # Float16Module casts the whole module. Parameters only: RoPE's frequencies stay fp32.
+        for param in model.parameters():
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
     return model.eval()
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from gyre.data.microstep import MicroStep
 from gyre.models.decoder import DecoderLM
 from gyre.train.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
+from gyre.train.precision import MainWeights
 
 __all__ = ["NativeTrainable", "packed_logprobs"]
 
@@ -62,7 +63,8 @@ class NativeTrainable:
         self.model = model
         self.chunk_tokens, self.recompute = chunk_tokens, recompute
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=lr, weight_decay=weight_decay)
+        self.weights = MainWeights(self._params)  # fp32 main weights when the model computes in bf16
+        self.optimizer = torch.optim.AdamW(self.weights.main, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, step: MicroStep) -> Tensor:
@@ -71,9 +73,17 @@ class NativeTrainable:
     def parameters(self) -> list[Tensor]:
         return self._params
 
+    def gradients(self) -> list[Tensor]:
+        return self.weights.gradients()
+
+    def drop_gradients(self) -> None:
+        self.weights.drop_gradients()
+
     def update(self) -> dict[str, float]:
         # max_norm=inf measures without clipping
-        norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm if self.max_grad_norm > 0 else math.inf)
+        main = self.weights.main
+        norm = torch.nn.utils.clip_grad_norm_(main, self.max_grad_norm if self.max_grad_norm > 0 else math.inf)
         self.optimizer.step()
+        self.weights.copy_to_model()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(norm)}

@@ -65,7 +65,17 @@ class Trainable(Protocol):
         ...
 
     def parameters(self) -> list[Tensor]:
-        """This rank's trainable tensors (its shards under tensor parallelism), in a fixed order."""
+        """This rank's trainable tensors (its shards under tensor parallelism), in a fixed order: the weights it
+        computes with, which a step broadcasts and satellites pull."""
+        ...
+
+    def gradients(self) -> list[Tensor]:
+        """The gradients accumulated since the last update, one dense tensor per parameter in the same order (fp32
+        main gradients under mixed precision: `gyre.train.precision`); `reduce_gradients` sums into them in place."""
+        ...
+
+    def drop_gradients(self) -> None:
+        """Forget the accumulated gradients (a satellite after its step's reduction)."""
         ...
 
     def update(self) -> dict[str, float]:
@@ -136,25 +146,20 @@ def accumulate_unit(
     return total
 
 
-def _flat_grads(params: Sequence[Tensor]) -> Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-
-
-def reduce_gradients(params: Sequence[Tensor], dst: int, group: dist.ProcessGroup | None) -> None:
-    """Sum every parameter's `.grad` over `group` onto global rank `dst` (the core's rank at this coordinate), in
-    one flat buffer; None (one cell) does nothing. Only `dst`'s gradients are meaningful afterwards."""
+def reduce_gradients(grads: Sequence[Tensor], dst: int, group: dist.ProcessGroup | None) -> None:
+    """Sum the gradient tensors `grads` (`Trainable.gradients`) over `group` onto global rank `dst` (the core's rank
+    at this coordinate), in place, through one flat buffer; None (one cell) does nothing. Only `dst`'s gradients
+    are meaningful afterwards."""
     if group is None:
         return
-    flat = _flat_grads(params)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group)
     if dist.get_rank() != dst:
         return
     offset = 0
-    for p in params:
-        n = p.numel()
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        p.grad.copy_(flat[offset : offset + n].view_as(p))
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
 
 
@@ -237,13 +242,13 @@ def train_step(
     closed = time.perf_counter()
     params = model.parameters()
     group = prefix_group(result.cells)
-    reduce_gradients(params, core_rank, group)
+    if group is not None:
+        reduce_gradients(model.gradients(), core_rank, group)
     try:
         if is_core:
             result.update = model.update()
         else:
-            for p in params:
-                p.grad = None
+            model.drop_gradients()
     finally:  # satellites wait in this broadcast: it happens even when the core's update raised (unchanged weights)
         if not final:
             broadcast_parameters(params, core_rank, group)

@@ -145,6 +145,11 @@ def long_context_model(tmp_path_factory) -> Path:
     # random-init model means no more with four layers than with one (what is tested is the CLI and the proxy).
     spec = TinyModelSpec(max_position_embeddings=CONTEXT_LIMIT, num_hidden_layers=1)
     model_dir = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-long", spec=spec)
+    # Qwen3's own 128K recipe (YaRN x4 over 32,768 positions): the CLIs' ~48K-token prompts run past the original
+    # window, so gyre.serve loads and serves a YaRN model here.
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32_768}
+    (model_dir / "config.json").write_text(json.dumps(config))
     (end_of_turn_id,) = ChatTemplate.from_pretrained(model_dir).end_of_turn_ids
     _make_turns_end_early(model_dir, end_of_turn_id)
     return model_dir

@@ -278,20 +278,27 @@ def test_a_closed_execution_id_is_refused_with_409_and_its_file_is_untouched(ser
 
 
 def test_a_prompt_the_engine_refuses_is_a_400_before_any_stream_starts(tmp_path):
-    """The proxy's context limit set above the engine's: the engine's refusal reaches the client as a 400."""
-    cfg = ServeConfig(proxy=ProxyConfig(context_limit=100_000, sampling=SamplingConfig(max_new_tokens=4)), executions=0)
+    """The proxy's context limit set above the engine's, and a KV budget (`engine.max_total_tokens`) below it: the
+    engine's refusals reach the client as a 400 that names what to change."""
+    cfg = ServeConfig(
+        engine=EngineConfig(max_total_tokens=512),
+        proxy=ProxyConfig(context_limit=100_000, sampling=SamplingConfig(max_new_tokens=4)),
+        executions=0,
+    )
     stack = StackThread(cfg, tmp_path / "records")
     try:
-        long_text = "word " * 6000  # beyond the tiny model's 4096 positions
-        for stream in (False, True):
-            body = {
-                "model": "gyre",
-                "max_tokens": 4,
-                "stream": stream,
-                "messages": [{"role": "user", "content": long_text}],
-            }
-            code, reply = stack.post("/v1/messages", json.dumps(body).encode())
-            assert code == 400 and "engine refused" in error_message("/v1/messages", reply), reply
+        beyond_context = "word " * 6000  # beyond the tiny model's 4096 positions
+        beyond_budget = "word " * 600  # within them, beyond 512 tokens of KV
+        for text, says in ((beyond_context, "engine refused"), (beyond_budget, "engine.max_total_tokens")):
+            for stream in (False, True):
+                body = {
+                    "model": "gyre",
+                    "max_tokens": 4,
+                    "stream": stream,
+                    "messages": [{"role": "user", "content": text}],
+                }
+                code, reply = stack.post("/v1/messages", json.dumps(body).encode())
+                assert code == 400 and says in error_message("/v1/messages", reply), reply
         assert calls_recorded(stack) == 0
     finally:
         stack.stop()

@@ -162,6 +162,12 @@ BAD = [
     (lambda: TrainConfig(**megatron(pp=3)), "model.tiny.num_hidden_layers=4 is not allowed"),
     # the engine a cell swaps with its trainer
     (lambda: TrainConfig(engine=EngineConfig(enabled=False)), "engine.enabled=False is not allowed"),
+    (lambda: EngineConfig(max_total_tokens=1), "engine.max_total_tokens=1 is not allowed: expected 0 or at least 2"),
+    (lambda: EngineConfig(max_total_tokens=-5), "engine.max_total_tokens=-5 is not allowed"),
+    (
+        lambda: TrainConfig(engine=EngineConfig(max_total_tokens=1000)),
+        "engine.max_total_tokens=1000 is not allowed: expected 0 or an integer >= the context limit",
+    ),
     (lambda: TrainConfig(engine=EngineConfig(device="cuda")), "engine.device='cuda' is not allowed: expected a cpu"),
     (lambda: TrainConfig(engine=EngineConfig(policy_version=3)), "engine.policy_version=3 is not allowed"),
     # sections

@@ -90,6 +90,12 @@ asyncio.run(main())
     try:
         harness = int(parent.stdout.readline())
         assert token.encode() in Path(f"/proc/{harness}/cmdline").read_bytes()
+        # Kill only once the harness runs `sleep`: until then the pid may still be setpriv (or the preexec child)
+        # before it has set the death signal, and a parent that dies first is a parent it never knew.
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{harness}/comm").read_text().strip() != "sleep" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert Path(f"/proc/{harness}/comm").read_text().strip() == "sleep"
     finally:
         parent.kill()
         parent.wait(timeout=10)

@@ -1,0 +1,80 @@
+"""Mixed precision for a trainable: the model computes in its own dtype (bf16), the update happens in fp32.
+
+`MainWeights(params)` sits between a model's parameters and the optimizer (docs/training.md, "Precision"):
+
+- fp32 parameters: nothing changes; `main` is the parameters themselves and gradients live in their `.grad`.
+- low-precision parameters (bf16): `main` holds an fp32 leaf copy of each (with the parameter's attributes, so
+  Megatron's `param_is_not_shared` and `param_is_not_tensor_parallel_duplicate` read them alike). Each
+  parameter's gradient is added into its main copy's fp32 `.grad` as soon as backward has accumulated it (a
+  post-accumulate-grad hook) and the parameter's own `.grad` dropped, so micro-steps accumulate in fp32, the
+  cross-cell reduction sums fp32 (`gradients`), the optimizer's state is fp32 (it steps `main`), and
+  `copy_to_model` rounds the updated main weights into the model once per step.
+
+The model's parameters stay what a step broadcasts and what satellites pull (`Trainable.parameters`): they are the
+weights every rank computes with, and half the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["MainWeights"]
+
+
+class MainWeights:
+    """The fp32 weights an optimizer steps for `params` (module docstring)."""
+
+    def __init__(self, params: Sequence[Tensor]):
+        self.params = list(params)
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        if not self.mixed:
+            self.main = self.params
+            return
+        self.main = []
+        for p in self.params:
+            main = p.detach().float().clone().requires_grad_(True)
+            # Megatron's tensor_model_parallel, shared, ... (not torch's own private slots, hooks among them)
+            main.__dict__.update({k: v for k, v in vars(p).items() if not k.startswith("_")})
+            p.register_post_accumulate_grad_hook(_into_main(main))
+            self.main.append(main)
+
+    def gradients(self) -> list[Tensor]:
+        """The accumulated gradient of each parameter, dense (zeros where none came), fp32 when mixed, in the order
+        of `params`: the tensors themselves, so summing into them in place is the step's reduction."""
+        for main in self.main:
+            if main.grad is None:
+                main.grad = torch.zeros_like(main)
+        return [main.grad for main in self.main]
+
+    def drop_gradients(self) -> None:
+        for tensor in (*self.main, *self.params):
+            tensor.grad = None
+
+    def copy_to_model(self) -> None:
+        """After the optimizer stepped `main`: the model's parameters become the main weights, rounded."""
+        if self.mixed:
+            with torch.no_grad():
+                for p, main in zip(self.params, self.main, strict=True):
+                    p.copy_(main)
+
+    def reload_from_model(self) -> None:
+        """The main weights become the model's parameters (after they were overwritten, e.g. by a checkpoint)."""
+        if self.mixed:
+            with torch.no_grad():
+                for p, main in zip(self.params, self.main, strict=True):
+                    main.copy_(p)
+
+
+def _into_main(main: Tensor):
+    def hook(param: Tensor) -> None:
+        grad = param.grad
+        if main.grad is None:
+            main.grad = grad.float()
+        else:
+            main.grad.add_(grad)
+        param.grad = None
+
+    return hook
