@@ -106,9 +106,10 @@ def load_worker(rank: int, world_size: int, *, loader: str, path: str) -> dict:
         load_hf_state_dict(model, native.state_dict(), config)
         del native
     elapsed = time.perf_counter() - started
-    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    peak = resident_bytes("VmHWM")  # before the checksum, which must not add to it either (no fp64 copies)
+    checksum = float(sum(p.detach().sum(dtype=torch.float64) for p in model.parameters()))
     return {
-        "peak_rss_gib": round(resident_bytes("VmHWM") / GIB, 3),
+        "peak_rss_gib": round(peak / GIB, 3),
         "rss_before_load_gib": round(before / GIB, 3),
         "rss_after_load_gib": round(resident_bytes("VmRSS") / GIB, 3),
         "parameter_gib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / GIB, 3),
