@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from gyre.config import TrainConfig
 from gyre.config.harness import ExecutionLimits
@@ -605,11 +608,13 @@ class Controller:
             await asyncio.shield(self.publishing)  # it ended without weights: its error
 
     async def core_weights(self) -> FlatWeights:
-        """The core's whole weights now, in HF names: on the trainer thread after the work submitted before; a
+        """The core's whole weights now, in HF names and the engines' dtype (`engine.dtype`: a bf16 trainer's
+        weights serve fp32 engines, cast once here): on the trainer thread after the work submitted before; a
         Megatron core gathers its shards, its other ranks told with a `gather` decision (gyre.runtime.trainers)."""
         if self.parts.job.layout.cell_size > 1:
             self.control.publish(GATHER)
-        return await self.trainer_thread.submit(engine_weights, self.trainer, self.parts.model_config)
+        gather = functools.partial(engine_weights, dtype=getattr(torch, self.cfg.engine.dtype))
+        return await self.trainer_thread.submit(gather, self.trainer, self.parts.model_config)
 
     def _as_model(self, weights: FlatWeights | None) -> DecoderLM:
         """The core's model as a `DecoderLM`: a native trainer's own module, else one made of `weights`."""

@@ -281,6 +281,8 @@ def mooncake_missing() -> str | None:
 
 @pytest.mark.slow
 def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_publish(tmp_path):
+    from safetensors import safe_open
+
     from gyre.models.hf_weights import load_pretrained
     from gyre.obs.record import record_from_dict
     from gyre.runtime.audit import audit_run
@@ -290,7 +292,11 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     # first step of a burst, its gradients are summed onto the core's ranks), each step is published (the core's
     # shards gathered into the engines' layout), both cells return to rollout. Whether an elastic satellite joins
     # a step in flight depends on timing; docs/runtime.md, "Megatron cells", has the measured runs.
+    # In bf16 (the GPU default) with the engines in fp32: fp32 main weights on both cells, the satellite's fp32
+    # gradients summed onto the core's, and the publication cast once into the engines' dtype. Megatron in fp32 is
+    # the unit and integration tests' (test_train_tp.py, test_train_streaming.py, test_train_pipeline.py).
     args = [*SMALL, *MEGATRON_TP2, "algo=colocate", "algo.mu=1", "steps=2", "tasks.eval_every=1"]
+    args.append("trainer.dtype=bfloat16")
     process = train([*args, "trainer.weight_transport=auto"], run_dir, env={"PYTHONWARNINGS": "ignore"})
     code, out, err = finish(process, 900)
     assert code == 0, err[-3000:]
@@ -313,6 +319,8 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     policy = run_dir / "policy"
     assert json.loads((policy / "policy.json").read_text())["version"] == 2
     load_pretrained(policy)
+    with safe_open(str(next(policy.glob("*.safetensors"))), framework="pt") as weights:  # the engines' dtype
+        assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"F32"}  # noqa: SIM118
     audit = audit_run(run_dir)
     assert audit["retries"] == audit["api_errors"] == audit["duplicate_request_ids"] == 0, audit
     assert audit["proxy"]["failed"] == audit["proxy"]["refused"] == 0, audit
