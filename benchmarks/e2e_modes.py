@@ -17,9 +17,15 @@ destination with their KV instead of recomputing their prefix.
 
     python benchmarks/e2e_modes.py [--steps 8] [--seed 0] [--cell-capacity 4] [--group-size 4] [--batch-groups 2]
         [--work-dir /tmp/gyre-e2e] [--modes elastic,colocate,async] [--migration-steps 8] [--reuse]
+        [--context-words 0]
         [--out benchmarks/results/e2e_modes.json] [--png benchmarks/results/e2e_modes.png]
 
 `--reuse` measures the run directories already in --work-dir instead of running them again.
+
+The long-row preset (`--context-words 1100 --migration-steps 0 --out benchmarks/results/e2e_modes_long_rows.json
+--png benchmarks/results/e2e_modes_long_rows.png`): every call of the three modes' runs carries ~3,500 tokens of
+notes (`tasks.demo.context_words`, docs/tasks.md "Long rows"), so training weighs as on real harness rows; checked:
+training's share of colocate's wall time (>= 25%) and the satellites that joined elastic's steps in flight.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ MODES = {
 }
 TARGET_SPEEDUP = 1.3  # elastic vs each baseline, total wall time (the issue's acceptance)
 SIM_TOLERANCE = 0.15  # the simulator's predicted total vs the measured one
+TINY_CONTEXT = 4096  # the tiny model's max_position_embeddings (TinyModelSpec)
+TRAINING_SHARE_TARGET = 0.25  # the long-row preset: training's share of colocate's wall time (the paper's regime)
 
 
 def run_overrides(args: argparse.Namespace, mode: str) -> list[str]:
@@ -68,6 +76,17 @@ def run_overrides(args: argparse.Namespace, mode: str) -> list[str]:
         f"seed={args.seed}",
         "tasks.eval_every=0",
         "logging.wandb=disabled",
+        *(long_row_overrides(args.context_words) if args.context_words else []),
+    ]
+
+
+def long_row_overrides(context_words: int) -> list[str]:
+    """The demo's calls with `context_words` words of notes after the system prompt (docs/tasks.md, "Long rows"):
+    the proxy and the packer take the tiny model's whole context instead of the demo's 1,024 tokens."""
+    return [
+        f"tasks.demo.context_words={context_words}",
+        "proxy.context_limit=0",  # the model's max_position_embeddings
+        f"packing.max_tokens_per_microstep={TINY_CONTEXT}",
     ]
 
 
@@ -113,10 +132,17 @@ def transitions_by_kind(records: list) -> dict[str, Any]:
     return out
 
 
+def core_training_s(trace: dict) -> float:
+    """Seconds the core cell (lane 0) spent in the training role: in colocate, when every cell trains."""
+    core = trace["lanes"][0]
+    return sum(end - start for lane, start, end, state in trace["segments"] if lane == core and state == "training")
+
+
 def measure(run_dir: Path, cell_capacity: int) -> dict[str, Any]:
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [record_from_dict(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trace = json.loads((run_dir / "timeline.json").read_text())
+    training_s = core_training_s(trace)
     audit = audit_run(run_dir)
     proxy = audit["proxy"] or {}
     groups = sum(r.staleness_groups for r in records)
@@ -126,6 +152,10 @@ def measure(run_dir: Path, cell_capacity: int) -> dict[str, Any]:
     return {
         "total_time_s": total,
         "step_times_s": steps,
+        "core_training_s": training_s,
+        "core_training_share": training_s / total if total else None,
+        "train_tokens_per_step": _median([r.train_tokens for r in records]),
+        "reward_mean": statistics.mean(r.reward_mean for r in records) if records else None,
         "cumulative_s": [r.wall_time_s for r in records],
         "utilization": summary["utilization"],
         "staleness": {k: summary["staleness"][k] for k in ("group_mean", "token_mean", "max", "warmup_steps")},
@@ -311,6 +341,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--batch-groups", type=int, default=2)
     parser.add_argument("--tau-s", type=float, default=0.5)
+    parser.add_argument(
+        "--context-words", type=int, default=0, help="tasks.demo.context_words of the three modes' runs (long rows)"
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--migration-steps", type=int, default=8, help="steps of the plain-demo run (0: none)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/gyre-e2e"))
@@ -411,6 +444,7 @@ def main() -> None:
         print(
             f"{mode:<9} {r['total_time_s']:>8.1f}s {r['simulated']['total_time_s']:>9.1f}s {r['sim_error']:>+7.1%}  "
             f"{u['rollout']:.2f}/{u['training']:.2f}/{u['idle']:.2f}    {s['group_mean']}/{s['token_mean']}/{s['max']}"
+            f"  core training {r['core_training_share']:.1%} of the wall, joins in flight {r['joins_in_flight']}"
         )
     for name, ratio in ratios.items():
         print(f"{name}: measured {ratio['measured']:.3f}x, simulated {ratio['simulated']:.3f}x")
@@ -431,6 +465,7 @@ def main() -> None:
         "group_size": args.group_size,
         "batch_groups": args.batch_groups,
         "tau_s": args.tau_s,
+        "context_words": args.context_words,
         "runs": runs,
         "migration_run": migration,
         "layouts_simulated": grid,
@@ -448,6 +483,9 @@ def main() -> None:
             + (migration["calls_moved"]["moved"] if migration else 0),
             "calls_moved_with_kv": sum(runs[m]["calls_moved"]["kv_migrated"] for m in modes)
             + (migration["calls_moved"]["kv_migrated"] if migration else 0),
+            "colocate_training_share": runs["colocate"]["core_training_share"] if "colocate" in runs else None,
+            "colocate_training_share_at_least": TRAINING_SHARE_TARGET,
+            "elastic_joins_in_flight": runs["elastic"]["joins_in_flight"] if "elastic" in runs else None,
         },
         "png": str(args.png) if args.png else None,
     }

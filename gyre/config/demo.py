@@ -13,6 +13,7 @@ from gyre.config.checks import require, require_bool, require_duration, require_
 DEMO_OPERATORS = "+-*"
 
 
+MAX_CONTEXT_WORDS = 1_000_000  # a bound on DemoConfig.context_words (a model's context is the real limit)
 WORK_TIME_SCALE = 400.0  # the nl2repo_122b workload's hours as seconds: 1.93 h -> ~17 s a mean execution
 
 
@@ -83,6 +84,10 @@ class DemoConfig:
     """Harness + evaluation budget of one demo task (>= harness_timeout_s)."""
     id_prefix: str = "demo"
     """Task ids are `<id_prefix>-<seed>-<index>`."""
+    context_words: int = 0
+    """Words of reference notes after the system prompt of every call (arithmetic facts, fixed per task): the long
+    prefix a real harness sends (Claude Code's system prompt and tools are ~48K tokens) in the demo, so rows grow
+    by ~3 tokens a word (numbers split in the tiny vocabulary) and training weighs as on real rows. 0: none."""
     work: DemoWorkConfig = field(default_factory=DemoWorkConfig)
     """Slow executions (off by default); when on, its budgets replace the two timeouts above."""
 
@@ -128,6 +133,7 @@ class DemoConfig:
             self.harness_timeout_s,
             f"a number <= overall_timeout_s ({self.overall_timeout_s:g})",
         )
+        require_int("DemoConfig.context_words", self.context_words, ge=0, le=MAX_CONTEXT_WORDS)
         require(
             isinstance(self.id_prefix, str) and bool(self.id_prefix) and "/" not in self.id_prefix,
             "DemoConfig.id_prefix",

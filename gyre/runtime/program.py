@@ -144,11 +144,34 @@ def resolve_model_dir(cfg: TrainConfig, echo: Callable[[str], None] = print) -> 
         model_dir = tiny_model_dir(spec=cfg.model.tiny)
     config = read_config(model_dir)
     try:
-        check_context_limit(cfg, config.max_position_embeddings)
+        limit = check_context_limit(cfg, config.max_position_embeddings)
     except ConfigError as error:
         raise ProgramError(str(error)) from None
     check_model_layout(cfg, config)
+    check_demo_context(cfg, model_dir, limit, config.max_position_embeddings)
     return model_dir
+
+
+def check_demo_context(cfg: TrainConfig, model_dir: Path, limit: int, max_positions: int) -> None:
+    """With `tasks.demo.context_words`, a demo episode's longest call fits the context limit: the system prompt with
+    its notes (counted with the model's tokenizer) and every turn's new tokens. Otherwise the proxy would refuse
+    every call and no step would train anything."""
+    demo = cfg.tasks.demo
+    if not (cfg.tasks.uses_demo and demo.context_words):
+        return
+    from gyre.models.tokenizer import load_tokenizer
+    from gyre.tasks.demo import DEMO_MAX_TURNS, make_demo_problems, system_prompt
+
+    (problem,) = make_demo_problems(1, cfg.seed, demo)
+    tokens = len(load_tokenizer(model_dir).encode(system_prompt(problem, demo)).ids)
+    needed = tokens + DEMO_MAX_TURNS * cfg.proxy.sampling.max_new_tokens
+    if needed > limit:
+        raise ProgramError(
+            f"tasks.demo.context_words={demo.context_words}: the system prompt with its notes is {tokens} tokens of "
+            f"this model's tokenizer, {needed} with {DEMO_MAX_TURNS} turns of proxy.sampling.max_new_tokens="
+            f"{cfg.proxy.sampling.max_new_tokens}, over the context limit {limit}: lower context_words, or raise "
+            f"proxy.context_limit and packing.max_tokens_per_microstep (at most the model's {max_positions})"
+        )
 
 
 def check_proxy_port(host: str, port: int) -> None:

@@ -331,7 +331,10 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
 @pytest.mark.slow
 def test_ctrl_c_mid_run_exits_promptly_with_its_outputs_written(tmp_path):
     run_dir = tmp_path / "run"
-    process = train([*SMALL, *PAIRS, "steps=50", "tasks.eval_every=0"], run_dir)
+    # In the Async baseline (two cells train throughout, two roll out): a stop proves the same in any mode, and so
+    # the suite also runs the third mode end to end (elastic: the two-step run; colocate: the Megatron run).
+    args = [*SMALL, *PAIRS, "algo=async", "algo.train_cells=2", "steps=50", "tasks.eval_every=0"]
+    process = train(args, run_dir)
     deadline = time.monotonic() + 600
     seen = ""
     while time.monotonic() < deadline:  # wait for the first step's progress line
@@ -352,6 +355,8 @@ def test_ctrl_c_mid_run_exits_promptly_with_its_outputs_written(tmp_path):
     assert wait_until_gone(process, 5.0) == []
     assert (run_dir / "metrics.jsonl").read_text().count("\n") >= 1
     assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["roles"] == ["training", "training", "rollout", "rollout"], first["roles"]  # async's fixed split
     assert (run_dir / "role_timeline.png").is_file()
     print(f"ctrl-c: exit {code} after {elapsed:.1f}s")
 
@@ -384,6 +389,7 @@ TORCHRUN_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": 
         (["packing.group_size=3"], None, "packing.group_size"),
         (["harness.isolate_user=maybe"], None, "harness.isolate_user"),
         (["tasks.held_out_dir=/tmp"], None, "tasks.held_out_dir"),
+        (["tasks.demo.context_words=900"], None, "tasks.demo.context_words"),  # 2,892 tokens of notes > 1,024
         ([], {"GYRE_JOB_SECRET": "two words"}, "GYRE_JOB_SECRET"),  # the line names it, never shows its value
     ],
 )

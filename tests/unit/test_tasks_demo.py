@@ -15,10 +15,12 @@ from gyre.tasks import load_tasks, prepare_workspace
 from gyre.tasks.demo import (
     CALCULATOR_TOOL,
     CALCULATOR_TOOL_SPEC,
+    SYSTEM_PROMPT,
     calculator,
     demo_episode,
     generate_demo_tasks,
     make_demo_problems,
+    reference_notes,
 )
 from gyre.tasks.demo.calculator import CalculatorError, call, evaluate_expression
 from gyre.tasks.demo.check import read_answer
@@ -176,3 +178,25 @@ def test_a_harness_loading_the_calculator_tool_imports_no_evaluator_and_no_numpy
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_context_words_put_fixed_true_notes_after_the_system_prompt(tmp_path):
+    notes = reference_notes("demo-0-00003", 400)
+    assert len(notes.split()) == 400 and notes.startswith("Notes: ")
+    assert notes == reference_notes("demo-0-00003", 400) != reference_notes("demo-0-00004", 400)
+    facts = notes.removeprefix("Notes: ").split(". ")[:-1]  # the last may be cut short
+    for fact in facts:
+        expression, value = fact.split(" = ")
+        assert evaluate_expression(expression) == int(value), fact
+    assert reference_notes("demo-0-00003", 0) == ""
+    (plain,) = generate_demo_tasks(1, 0, tmp_path / "plain")
+    (long,) = generate_demo_tasks(1, 0, tmp_path / "long", config=DemoConfig(context_words=400))
+    assert plain.metadata["system_prompt"] == SYSTEM_PROMPT  # the default is the warm start's prompt, unchanged
+    assert long.metadata["system_prompt"] == f"{SYSTEM_PROMPT}\n\n{reference_notes(long.id, 400)}"
+    assert long.prompt == plain.prompt
+
+
+@pytest.mark.parametrize("words", [-1, 1_000_001, True, 2.5])
+def test_bad_context_words_are_refused(words):
+    with pytest.raises(ValueError, match="context_words"):
+        DemoConfig(context_words=words)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre.config.demo import DemoConfig
+from gyre.config.demo import DEMO_OPERATORS, DemoConfig
 from gyre.tasks.demo.calculator import CALCULATOR_TOOL, CALCULATOR_TOOL_SPEC, calculator, evaluate_expression
 from gyre.tasks.demo.check import EXPECTED_FILE
 from gyre.tasks.demo.work import CHECK_COMMAND, WORK_FILE, task_work
@@ -39,6 +39,7 @@ __all__ = [
     "demo_episode",
     "generate_demo_tasks",
     "make_demo_problems",
+    "reference_notes",
 ]
 
 EVALUATOR = "gyre.tasks.demo.work:score_after_evaluation"  # the slow executions' evaluator
@@ -87,11 +88,31 @@ def make_demo_problems(n: int, seed: int, config: DemoConfig | None = None) -> l
     return problems
 
 
+def reference_notes(task_id: str, words: int) -> str:
+    """`words` whitespace-separated words of arithmetic facts ("Notes: 412 * 7 = 2884. ..."), the same for the same
+    task id on any machine (`random.Random(task_id)`): what `DemoConfig.context_words` puts after the system
+    prompt. The facts are true, and none is the task's own problem but by chance."""
+    if words <= 0:
+        return ""
+    rng = random.Random(task_id)
+    out = ["Notes:"]
+    while len(out) < words:
+        a, op, b = rng.randint(0, 999), rng.choice(DEMO_OPERATORS), rng.randint(0, 999)
+        out += [str(a), op, str(b), "=", f"{evaluate_expression(f'{a} {op} {b}')}."]
+    return " ".join(out[:words])
+
+
+def system_prompt(problem: DemoProblem, config: DemoConfig) -> str:
+    """The demo's system prompt, followed by the task's reference notes when `config.context_words` > 0."""
+    notes = reference_notes(problem.id, config.context_words)
+    return f"{SYSTEM_PROMPT}\n\n{notes}" if notes else SYSTEM_PROMPT
+
+
 def _metadata(problem: DemoProblem, config: DemoConfig) -> dict[str, Any]:
     return {
         "family": "demo.arithmetic",
         "expression": problem.expression,  # also in the prompt; the answer is only in hidden/
-        "system_prompt": SYSTEM_PROMPT,
+        "system_prompt": system_prompt(problem, config),
         # The builtin harness's task tools: json.dump(tools) is its --tools file, tools_impl its --tools-impl.
         "tools": [CALCULATOR_TOOL_SPEC],
         "tools_impl": "gyre.tasks.demo.calculator:call",
