@@ -5,8 +5,9 @@ Contract
   group, after `init_process_group` and before any other `new_group`; it walks `layout.creation_order()` on every
   rank, so group creation is identical everywhere (torch.distributed requires it, members or not).
 - The control group spans all ranks and is always gloo (decisions and small objects travel over it even on GPU).
-  Cell and prefix groups use `backend` (gloo on CPU, nccl on GPU) and `use_local_synchronization=True`: creating
-  a group waits only for its members, which is why the plan is largest first (docs/distributed.md).
+  Cell and prefix groups use `backend` (gloo on CPU, `cpu:gloo,cuda:nccl` on GPU: gyre.distributed.backends) and
+  `use_local_synchronization=True`: creating a group waits only for its members, which is why the plan is largest
+  first (docs/distributed.md).
 - Such a group's name hashes its ranks with the number of groups the creating rank already holds, so its
   members must hold equally many. Groups created before (Megatron's: a pipeline stage holds more than another)
   would give members different names and a hang: `build_process_groups` refuses to run when any group but the
@@ -24,11 +25,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from gyre.distributed.backends import CONTROL_BACKEND
 from gyre.distributed.layout import Layout
 
 log = logging.getLogger(__name__)
-
-CONTROL_BACKEND = "gloo"
 
 
 @dataclass(frozen=True, kw_only=True)

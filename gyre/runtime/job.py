@@ -3,14 +3,16 @@
 
 `open_job(cfg)` runs on every rank, right after the process starts:
 
-1. on GPUs (`engine.device` or `trainer.device` `cuda`), the rank's own GPU made the current CUDA device
+1. the backends (`job_backends`, gyre.distributed.backends): gloo on CPU cells; on GPUs (`engine.device` and
+   `trainer.device` `cuda`) `cpu:gloo,cuda:nccl` with the rank's own GPU made the current CUDA device
    (`local_gpu`: its LOCAL_RANK when it sees the node's GPUs, as under torchrun; the one it sees under
    `srun --gpus-per-task=1`), so that `cuda` in the config names it;
-2. `torch.distributed.init_process_group("gloo")`: from the launcher's environment under torchrun or
-   `launch_workers`; over `tcp://MASTER_ADDR:MASTER_PORT` with SLURM's rank and task count under srun; in process
-   for a job of one rank run plainly (a HashStore: nothing listens);
-3. `build_process_groups(Layout(**layout_fields(cfg, world_size)))`: the control group, the cell groups and the
-   prefix groups, created in the same order on every rank before anything else makes a group; with
+2. `torch.distributed.init_process_group(<that backend>, device_id=<the GPU, if any>)`: from the launcher's
+   environment under torchrun or `launch_workers`; over `tcp://MASTER_ADDR:MASTER_PORT` with SLURM's rank and task
+   count under srun; in process for a job of one rank run plainly (a HashStore: nothing listens);
+3. `build_process_groups(Layout(**layout_fields(cfg, world_size)), backend=)`: the control group (gloo), the cell
+   groups and the prefix groups (the data backend), created in the same order on every rank before anything else
+   makes a group; with
    `trainer.backend=megatron`, `build_process_groups_and_model_parallel`, which makes Megatron's tensor- and
    pipeline-parallel groups right after them, so that Megatron's groups are exactly the cells (docs/distributed.md,
    "Megatron's groups");
@@ -48,6 +50,7 @@ import torch.distributed as dist
 from gyre.config import TrainConfig
 from gyre.config.train import layout_fields
 from gyre.config.trainer import device_kind
+from gyre.distributed.backends import BackendError, Backends, choose_backends
 from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.distributed.local import HOST
@@ -62,7 +65,6 @@ __all__ = [
     "ack_key",
     "engine_key",
     "job_secret",
-    "local_gpu",
     "open_job",
     "step_stats_key",
     "store_host",
@@ -164,20 +166,6 @@ def _listening_socket(host: str) -> socket.socket:
     return sock
 
 
-def local_gpu(local_rank: int, visible: int) -> int:
-    """The CUDA device index of the rank with `local_rank` on its node, where it sees `visible` GPUs: 0 when it sees
-    one (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank), else its local rank (torchrun: every rank
-    sees the node's GPUs). LaunchError when it sees none or fewer than its local rank needs."""
-    if visible == 1:
-        return 0
-    if 0 <= local_rank < visible:
-        return local_rank
-    raise LaunchError(
-        f"LOCAL_RANK={local_rank}: this rank sees {visible} GPU{'s' if visible != 1 else ''}; run one rank per GPU "
-        "(torchrun --nproc-per-node at most the node's GPUs; srun --gpus-per-task=1)"
-    )
-
-
 def engine_key(cell: int) -> str:
     return f"gyre/engine/{cell}"
 
@@ -230,20 +218,42 @@ class Job:
             dist.destroy_process_group()
 
 
+def job_backends(cfg: TrainConfig, local_rank: int | None) -> Backends:
+    """This rank's group backends (gyre.distributed.backends): gloo on CPU cells; on CUDA cells NCCL for CUDA
+    tensors, with this rank's GPU (`local_rank` None: a job of one process run plainly, whose GPU is the one
+    `trainer.device` names, `cuda:N` or `cuda` for 0). LaunchError when the GPUs are not there."""
+    kinds = (device_kind(cfg.engine.device), device_kind(cfg.trainer.device))
+    visible = 0
+    if "cuda" in kinds:
+        import torch
+
+        visible = torch.cuda.device_count()
+    if local_rank is None:
+        _, _, index = str(cfg.trainer.device).partition(":")
+        local_rank = int(index) if index.isdigit() else 0
+    try:
+        return choose_backends(kinds, local_rank=local_rank, visible_gpus=visible)
+    except BackendError as error:
+        raise LaunchError(str(error)) from None
+
+
 def open_job(cfg: TrainConfig) -> Job:
     """Initialize this rank's part of the job (module docstring). ConfigError when the job does not fit the cells."""
     launched = job_env(os.environ)
-    if launched is not None and "cuda" in (device_kind(cfg.engine.device), device_kind(cfg.trainer.device)):
+    backends = job_backends(cfg, launched.local_rank if launched is not None else None)
+    init = {"backend": backends.default}
+    if backends.device_index is not None:
         import torch
 
-        torch.cuda.set_device(local_gpu(launched.local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(backends.device_index)
+        init["device_id"] = torch.device("cuda", backends.device_index)
     if not dist.is_initialized():
         if launched is None:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(**init, store=dist.HashStore(), rank=0, world_size=1)
         elif launched.launcher == "srun":  # no launcher store: rank 0 serves the rendezvous at MASTER_ADDR:PORT
             address = f"tcp://{launched.master_addr}:{launched.master_port}"
             dist.init_process_group(
-                "gloo", init_method=address, rank=launched.rank, world_size=launched.world_size, timeout=PG_TIMEOUT
+                **init, init_method=address, rank=launched.rank, world_size=launched.world_size, timeout=PG_TIMEOUT
             )
         elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
             # torchrun restarted the job's workers: the group's keys of this attempt under a prefix of their own, so
@@ -253,14 +263,14 @@ def open_job(cfg: TrainConfig) -> Job:
                 launched.master_addr, launched.master_port, launched.world_size, is_master=False, timeout=PG_TIMEOUT
             )
             dist.init_process_group(
-                "gloo",
+                **init,
                 store=dist.PrefixStore(f"gyre/attempt-{attempt}", store),
                 rank=launched.rank,
                 world_size=launched.world_size,
                 timeout=PG_TIMEOUT,
             )
         else:  # torchrun, or launch_workers: the launcher's store, from the environment
-            dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+            dist.init_process_group(**init, timeout=PG_TIMEOUT)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = Layout(**layout_fields(cfg, world_size))
     if cfg.trainer.backend == "megatron":
@@ -272,9 +282,10 @@ def open_job(cfg: TrainConfig) -> Job:
             tensor_parallel_size=t.tensor_parallel_size,
             pipeline_parallel_size=t.pipeline_parallel_size,
             seed=cfg.seed,
+            backend=backends.data,
         )
     else:
-        groups = build_process_groups(layout)
+        groups = build_process_groups(layout, backend=backends.data)
     server = None
     lifelines = None
     shared: list = [None, None, None, None]  # the store's host and port, the lifelines' port, the job's secret
