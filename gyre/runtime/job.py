@@ -12,10 +12,9 @@
    count under srun; in process for a job of one rank run plainly (a HashStore: nothing listens);
 3. `build_process_groups(Layout(**layout_fields(cfg, world_size)), backend=)`: the control group (gloo), the cell
    groups and the prefix groups (the data backend), created in the same order on every rank before anything else
-   makes a group; with
-   `trainer.backend=megatron`, `build_process_groups_and_model_parallel`, which makes Megatron's tensor- and
-   pipeline-parallel groups right after them, so that Megatron's groups are exactly the cells (docs/distributed.md,
-   "Megatron's groups");
+   makes a group; with `trainer.backend=megatron`, `build_process_groups_and_model_parallel`, which makes
+   Megatron's tensor- and pipeline-parallel groups right after them, so that Megatron's groups are exactly the
+   cells (docs/distributed.md, "Megatron's groups");
 4. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
    engine addresses, acks), listening on rank 0's address only (`store_host`; a socket gyre binds and hands to
    the store: torch's own would listen on every interface), makes the job's secret (`$GYRE_JOB_SECRET` if the

@@ -1,5 +1,5 @@
 """How the job reads its launcher (gyre.runtime.launch): torchrun's and srun's variables, the fixed run directory
-(the same after torchrun restarts the workers), and which GPU a rank takes (gyre.runtime.job.local_gpu)."""
+(the same after torchrun restarts the workers), and which GPU a rank takes (gyre.distributed.backends.local_gpu)."""
 
 from __future__ import annotations
 
@@ -81,13 +81,13 @@ def test_a_sweep_under_a_launcher_is_refused():
 
 
 def test_a_rank_takes_its_local_gpu_or_the_one_it_sees():
-    from gyre.runtime.job import local_gpu
+    from gyre.distributed.backends import BackendError, local_gpu
 
     assert [local_gpu(r, 8) for r in range(8)] == list(range(8))  # torchrun: every rank sees the node's GPUs
     assert local_gpu(5, 1) == 0  # srun --gpus-per-task=1: each task sees its own as device 0
     for local_rank, visible in ((4, 4), (0, 0)):
-        with pytest.raises(LaunchError, match=f"LOCAL_RANK={local_rank}: this rank sees {visible} GPUs"):
-            local_gpu(local_rank, visible)
+        with pytest.raises(BackendError, match=f"LOCAL_RANK={local_rank}: this rank sees {visible} GPUs"):
+            local_gpu(local_rank, visible)  # open_job says it as a LaunchError (test_distributed_backends.py)
 
 
 def test_the_earliest_stamped_failure_names_the_rank(tmp_path):
