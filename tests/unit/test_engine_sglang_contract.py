@@ -116,10 +116,11 @@ def adapter_calls(tree: ast.Module) -> list[Call]:
 
 
 def io_classes(tree: ast.Module) -> dict[str, str]:
-    """`SGLangIO` field -> the SGLang name `load_sglang_io` puts there (`io_struct.X` -> X)."""
+    """`SGLangIO` field -> what `load_sglang_io` puts there, as written (`io_struct.PauseGenerationReqInput`,
+    `MultiprocessingSerializer.serialize`)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and ast.unparse(node.func) == "SGLangIO":
-            return {k.arg: ast.unparse(k.value).split(".")[-1] for k in node.keywords if k.arg}
+            return {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
     raise AssertionError("load_sglang_io builds no SGLangIO")
 
 
@@ -165,13 +166,16 @@ def problems(adapter_source: str, sglang: SGLangSource) -> list[str]:
             elif why := _binds(method, call.positional, call.keywords):
                 out.append(f"{where}: {why}")
         elif owner == "io":
-            cls = io.get(name)
-            if cls is None:
+            source = io.get(name)
+            parts = (source or "").split(".")
+            if source is None:
                 out.append(f"{where}: SGLangIO has no field {name!r}")
-            elif cls == "MultiprocessingSerializer":
-                if sglang.method(cls, "serialize") is None:
-                    out.append(f"{where}: SGLang's MultiprocessingSerializer has no serialize")
-            elif unknown := sorted(set(call.keywords) - sglang.fields(cls)):
+            elif len(parts) >= 2 and parts[-2] in sglang.classes:  # Class.method
+                method = sglang.method(parts[-2], parts[-1])
+                if method is None:
+                    out.append(f"{where}: SGLang's {parts[-2]} has no method {parts[-1]!r}")
+            elif unknown := sorted(set(call.keywords) - sglang.fields(parts[-1])):
+                cls = parts[-1]
                 out.append(f"{where}: {cls} has no fields {unknown} (it has {sorted(sglang.fields(cls))})")
         elif owner == "ServerArgs" and (unknown := sorted(set(call.keywords) - sglang.server_args)):
             out.append(f"{where}: ServerArgs has no fields {unknown}")
@@ -217,6 +221,7 @@ def test_the_adapter_calls_only_what_the_pinned_sglang_has(sglang_source):
         ("rid=request.request_id,", "request_id=request.request_id,", "keywords ['request_id']"),
         ('"min_new_tokens": 0', '"min_new_token": 0', "SamplingParams takes no ['min_new_token']"),
         ("io.pause(mode=", "io.pause(mood=", "PauseGenerationReqInput has no fields ['mood']"),
+        ("MultiprocessingSerializer.serialize,", "MultiprocessingSerializer.serialise,", "no method 'serialise'"),
     ],
 )
 def test_a_misspelled_name_is_caught(sglang_source, original, misspelled, reported):
