@@ -317,7 +317,8 @@ class NativeEngine(AcceptingLifecycle):
             )
 
     def abort(self, request_id: str) -> bool:
-        self._pinned.pop(request_id, None)  # an abort also releases a pinned export of this id
+        if self._pinned.pop(request_id, None) is not None:  # an abort also releases a pinned export of this id
+            self._wake.set()  # a request waiting for room may fit now
         entry = self._by_id.get(request_id)  # finished requests leave _by_id
         if entry is None:
             return False
@@ -457,7 +458,10 @@ class NativeEngine(AcceptingLifecycle):
         self._prefix[export.execution_id] = _Prefix(tuple(export.token_ids), buffer)
 
     def release_export(self, request_id: str) -> bool:
-        return self._pinned.pop(request_id, None) is not None
+        released = self._pinned.pop(request_id, None) is not None
+        if released:
+            self._wake.set()  # a request waiting for room may fit now
+        return released
 
     # ----------------------------------------------------------------- load
 
@@ -505,6 +509,12 @@ class NativeEngine(AcceptingLifecycle):
                 self._by_id.clear()
                 self._idle.set()
                 return
+            if self._waiting and not self._running and self._free_tokens(evict=True) < self._waiting[0].reserved_tokens:
+                # Blocked: nothing decodes and the next request does not fit next to the pinned exports. Wait for
+                # what can change that (a release, an abort, a new request), not spin through empty steps.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             await asyncio.sleep(0)  # step boundary: other coroutines of the engine run here
 
     @torch.no_grad()

@@ -120,6 +120,36 @@ def test_update_weights_changes_outputs_to_those_of_the_new_weights_and_records_
     run(main())
 
 
+def test_a_request_blocked_by_a_pinned_export_waits_without_spinning_and_runs_once_it_is_released(model):
+    """Nothing decodes and the next request does not fit next to a pinned export: the engine waits for the release
+    (it stepped through empty steps at 100% of a core before), then serves the request."""
+
+    async def main():
+        engine = NativeEngine(copy.deepcopy(model), max_running=2, max_tokens_in_flight=64)
+        task = asyncio.ensure_future(engine.generate(request("p", [1, 2, 3], SamplingParams(max_new_tokens=40))))
+        await steps(3)
+        export = await engine.export_kv("p")
+        await task
+        calls = 0
+        step = engine._step
+
+        def counting_step():
+            nonlocal calls
+            calls += 1
+            step()
+
+        engine._step = counting_step
+        blocked = asyncio.ensure_future(engine.generate(request("b", [4, 5, 6], SamplingParams(max_new_tokens=60))))
+        await asyncio.sleep(0.3)
+        assert not blocked.done() and calls <= 2, calls  # 64 - pinned < 63 tokens: it cannot be admitted
+        assert engine.release_export("p") is True
+        result = await asyncio.wait_for(blocked, 30)
+        assert len(result.output_ids) == 60 and len(export.token_ids) > 1
+        await engine.close()
+
+    run(main())
+
+
 def test_update_weights_from_a_flat_buffer(model):
     name = "model.layers.0.mlp.up_proj.weight"
     tensor = dict(model.named_parameters())[name].detach() * 2.0
