@@ -44,6 +44,7 @@ from typing import Any
 
 from report import emit
 
+from gyre.config import TinyModelSpec
 from gyre.obs.record import record_from_dict
 from gyre.obs.timeline import Segment, write_stacked_timelines
 from gyre.runtime.audit import audit_run
@@ -60,7 +61,7 @@ MODES = {
 }
 TARGET_SPEEDUP = 1.3  # elastic vs each baseline, total wall time (the acceptance)
 SIM_TOLERANCE = 0.15  # the simulator's predicted total vs the measured one
-TINY_CONTEXT = 4096  # the tiny model's max_position_embeddings (TinyModelSpec)
+TINY_CONTEXT = TinyModelSpec().max_position_embeddings  # the default tiny model's context
 TRAINING_SHARE_TARGET = 0.25  # the long-row preset: training's share of colocate's wall time (the paper's regime)
 
 

@@ -151,7 +151,7 @@ def megatron_tensors(
             yield "output_layer.weight", source.rows("model.embed_tokens.weight", t, r)
 
 
-def _check_ranks(config: DecoderConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> None:
+def check_ranks(config: DecoderConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> None:
     validate_layout(config, tp_size, pp_size)
     if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
         raise ValueError(f"tp_rank={tp_rank}, pp_rank={pp_rank}: expected 0 <= rank < size ({tp_size}, {pp_size})")
@@ -167,7 +167,7 @@ def hf_to_megatron(
     pp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
     """The Megatron state dict of TP rank `tp_rank` and PP stage `pp_rank` (strict check of `hf_state` first)."""
-    _check_ranks(config, tp_rank, tp_size, pp_rank, pp_size)
+    check_ranks(config, tp_rank, tp_size, pp_rank, pp_size)
     source = StateDictSource(check_hf_state_dict(hf_state, config))
     ranks = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_rank, "pp_size": pp_size}
     return dict(megatron_tensors(source, config, **ranks))

@@ -60,13 +60,6 @@ class MainWeights:
                 for p, main in zip(self.params, self.main, strict=True):
                     p.copy_(main)
 
-    def reload_from_model(self) -> None:
-        """The main weights become the model's parameters (after they were overwritten, e.g. by a checkpoint)."""
-        if self.mixed:
-            with torch.no_grad():
-                for p, main in zip(self.params, self.main, strict=True):
-                    main.copy_(p)
-
 
 def _into_main(main: Tensor):
     def hook(param: Tensor) -> None:

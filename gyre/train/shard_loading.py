@@ -28,7 +28,7 @@ from gyre.train.convert import (
     EXTRA_STATE,
     HFSource,
     StateDictSource,
-    _check_ranks,
+    check_ranks,
     chunk_bounds,
     hf_shapes,
     megatron_tensors,
@@ -113,7 +113,7 @@ def _rank_layout() -> dict[str, int]:
 def read_megatron_shard(path: str | Path, config: DecoderConfig, **ranks: int) -> dict[str, torch.Tensor]:
     """The Megatron state dict of one rank (`tp_rank`, `tp_size`, `pp_rank`, `pp_size`) read from `path`'s files,
     in the files' dtype (checked as `load_hf_checkpoint` checks)."""
-    _check_ranks(config, **ranks)
+    check_ranks(config, **ranks)
     source = SafetensorsSource(path)
     source.check(config, tp_rank=ranks["tp_rank"], tp_size=ranks["tp_size"])
     return dict(megatron_tensors(source, config, **ranks))
@@ -123,17 +123,18 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str | Path, config: Decoder
     """Fill this rank's Megatron `model` from the HF checkpoint directory `path` (module docstring): everything is
     checked first, then each tensor is read, cast to its parameter's dtype and copied in, one at a time."""
     ranks = _rank_layout()
-    _check_ranks(config, **ranks)
+    check_ranks(config, **ranks)
     source = SafetensorsSource(path)
     source.check(config, tp_rank=ranks["tp_rank"], tp_size=ranks["tp_size"])
     meta = StateDictSource({name: torch.empty(shape, device="meta") for name, shape in hf_shapes(config).items()})
     expected = model_shapes(model)
-    planned = to_model_names(dict(megatron_tensors(meta, config, **ranks)), expected)
+    plan = dict(megatron_tensors(meta, config, **ranks))
+    planned = to_model_names(plan, expected)  # same order: Megatron name -> the model's name
+    model_name = dict(zip(plan, planned, strict=True))
     mismatch = state_mismatch(planned, expected)
     if mismatch:
         raise ValueError(f"converted state dict does not match the Megatron model: {mismatch}")
     targets = {name: t for name, t in model.state_dict().items() if not name.endswith(EXTRA_STATE)}
     with torch.no_grad():
         for name, tensor in megatron_tensors(source, config, **ranks):
-            (model_name,) = to_model_names({name: tensor}, expected)
-            targets[model_name].copy_(tensor)
+            targets[model_name[name]].copy_(tensor)

@@ -8,30 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_train_streaming_unit import CONFIG
+from test_train_streaming_unit import CONFIG, rows
 
-from gyre.data.microstep import TokenRow, build_microstep
+from gyre.data.microstep import build_microstep
 from gyre.models.decoder import build_model
 from gyre.train.native_trainable import NativeTrainable
 from gyre.train.precision import MainWeights
 
 
 def microstep(seed: int):
-    rng = np.random.default_rng(seed)
-    targets = np.array([False] + [True] * 7)
-    row = TokenRow(
-        group_id=0,
-        execution="e",
-        leaf=0,
-        role="main",
-        ids=rng.integers(0, CONFIG.vocab_size, 8).astype(np.int64),
-        targets=targets,
-        behavior_logprobs=np.zeros(8),
-        advantage=1.0,
-        execution_num_targets=7,
-        batch_execution=0,
-    )
-    return build_microstep(0, 0, [row], num_executions=1)
+    return build_microstep(0, 0, rows(np.random.default_rng(seed)), num_executions=2)
 
 
 def bf16_trainable(lr: float = 1e-3) -> NativeTrainable:
