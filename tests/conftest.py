@@ -36,6 +36,11 @@ from gyre.config import WarmStartConfig
 from gyre.tasks.demo.warm_start import warm_start_dir
 print(warm_start_dir(config=WarmStartConfig(max_minutes=60)), flush=True)
 """
+# OpenMP's threads sleep when a parallel region ends instead of spinning for the next one: on the suite's 2 shared
+# cores, spinning threads of one test's processes took the CPU from the others (the proxy fuzz test beside two busy
+# loops: 198 s wall and 114 CPU s spinning, 45-53 s and 20 CPU s sleeping; docs/testing.md). libgomp reads it when it
+# loads, with torch: before any test module imports torch, and inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_NICENESS = 5  # the tests yield to the background warm start: the tests that need it come soon enough
 _background: subprocess.Popen | None = None  # the background warm start, and the file its output goes to
