@@ -21,7 +21,7 @@ from gyre.config.serve import ServeConfig
 from gyre.config.sim import SimConfig, async_train_cells
 from gyre.config.tasks import TasksConfig
 from gyre.config.train import TrainConfig, check_context_limit, layout_fields
-from gyre.config.trainer import TrainerConfig
+from gyre.config.trainer import MooncakeConfig, TrainerConfig
 from gyre.config.warm_start import WarmStartConfig
 from gyre.config.workload import WorkloadConfig
 
@@ -39,6 +39,7 @@ __all__ = [
     "LoggingConfig",
     "LossConfig",
     "ModelConfig",
+    "MooncakeConfig",
     "PackingConfig",
     "ProxyConfig",
     "ResourceLimits",
@@ -86,6 +87,7 @@ def register_configs() -> None:
     cs.store(group="tiny_model", name="base_tiny_model", node=TinyModelSpec)
     cs.store(group="model", name="base_model", node=ModelConfig)
     cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
+    cs.store(group="mooncake", name="base_mooncake", node=MooncakeConfig)
     cs.store(group="harness", name="base_harness", node=HarnessConfig)
     cs.store(group="tasks", name="base_tasks", node=TasksConfig)
     cs.store(group="logging", name="base_logging", node=LoggingConfig)

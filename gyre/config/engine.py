@@ -1,23 +1,33 @@
-"""Config of the native rollout engine (`EngineConfig`) and root config of `python -m gyre.engine serve`.
+"""Config of the rollout engine (`EngineConfig`) and root config of `python -m gyre.engine serve`.
 
-`EngineConfig` is what a run sets of a native engine, wherever it runs: embedded in `python -m gyre.serve`
-(`ServeConfig.engine`) or standalone behind its HTTP endpoint (`EngineServeConfig.engine`, docs/endpoint.md).
-Pure: stdlib only.
+`EngineConfig` is what a run sets of an engine, wherever it runs: embedded in `python -m gyre.serve`
+(`ServeConfig.engine`), standalone behind its HTTP endpoint (`EngineServeConfig.engine`, docs/endpoint.md), or in
+the cells of `python -m gyre.train` (`TrainConfig.engine`, the only place `backend=sglang` is taken: docs/sglang.md,
+"In the training program"). Pure: stdlib only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gyre.config.checks import require, require_bool, require_choice, require_int
 
 DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("native", "sglang")
 
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    """The native engine: how many requests it decodes at once, where its weights live, in which dtype."""
+    """The rollout engine: which one, how many requests it decodes at once, where its weights live, in which
+    dtype."""
 
+    backend: str = "native"
+    """`native`: gyre's engine (docs/engine.md). `sglang`: one `sglang.Engine` per cell, its tensor-parallel group
+    the cell's GPUs (`python -m gyre.train` only; needs the `gpu` extra and CUDA GPUs: docs/sglang.md)."""
+    sglang_args: dict[str, Any] = field(default_factory=dict)
+    """backend=sglang: more `sglang.Engine` arguments (SGLang's `ServerArgs` fields), e.g.
+    `+engine.sglang_args.mem_fraction_static=0.7`; they win over what gyre derives (docs/sglang.md)."""
     enabled: bool = True
     """`gyre.serve` only: serve from an embedded native engine; false with `engine_urls` to serve only from
     external engines. `python -m gyre.engine serve` always runs one (false is refused there)."""
@@ -36,6 +46,19 @@ class EngineConfig:
     """Version of the served weights at start (>= 0); results report it, staleness accounting reads it."""
 
     def __post_init__(self) -> None:
+        require_choice("engine.backend", self.backend, BACKENDS)
+        require(
+            isinstance(self.sglang_args, dict) and all(isinstance(key, str) and key for key in self.sglang_args),
+            "engine.sglang_args",
+            self.sglang_args,
+            "a mapping of SGLang ServerArgs names to values",
+        )
+        require(
+            not self.sglang_args or self.backend == "sglang",
+            "engine.sglang_args",
+            self.sglang_args,
+            "empty unless engine.backend=sglang (they are SGLang's arguments)",
+        )
         require_bool("engine.enabled", self.enabled)
         require_int("engine.max_running", self.max_running, ge=1)
         require_int("engine.max_total_tokens", self.max_total_tokens, ge=0, note="0 = max_running x context length")
@@ -63,6 +86,12 @@ class EngineServeConfig:
     def __post_init__(self) -> None:
         require(isinstance(self.host, str) and bool(self.host), "host", self.host, "an address to bind")
         require_int("port", self.port, ge=0, le=65535, note="0 = any free port")
+        require(
+            self.engine.backend == "native",
+            "engine.backend",
+            self.engine.backend,
+            "native (python -m gyre.engine serve serves gyre's engine; SGLang runs in python -m gyre.train's cells)",
+        )
         require(
             self.engine.enabled,
             "engine.enabled",

@@ -29,6 +29,12 @@ class ServeConfig:
         require_int("executions", self.executions, ge=0)
         require_duration("duration_s", self.duration_s, allow_zero=True, note="0 = until a signal")
         require(
+            self.engine.backend == "native",
+            "engine.backend",
+            self.engine.backend,
+            "native (gyre.serve embeds gyre's engine; SGLang runs in python -m gyre.train's cells)",
+        )
+        require(
             self.engine.enabled or len(self.engine_urls) > 0,
             "engine.enabled",
             self.engine.enabled,

@@ -243,7 +243,7 @@ def check_cell_layout(cluster: ClusterConfig, trainer: TrainerConfig) -> None:
 
 def check_engine(engine: EngineConfig, trainer: TrainerConfig) -> None:
     """Every cell serves an embedded engine on the device its trainer uses, starting at version 0."""
-    require(engine.enabled, "engine.enabled", engine.enabled, "true (every rollout cell serves its native engine)")
+    require(engine.enabled, "engine.enabled", engine.enabled, "true (every rollout cell serves its engine)")
     kind = device_kind(engine.device)
     require(
         kind == device_kind(trainer.device),

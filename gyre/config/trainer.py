@@ -5,12 +5,14 @@ shared decoder in plain torch, one rank per cell) or `megatron` (`gyre.train.meg
 on a Megatron-core `GPTModel`, `gyre.train.model.build_gpt_model`, sharded TP x PP over the cell's ranks). Both
 take `lr`, `weight_decay` and `max_grad_norm` as given here; the log-prob temperature is the rollouts' own
 (`proxy.sampling.temperature`), so sampling and training score one distribution (docs/training.md).
-Pure: stdlib only.
+`mooncake` (`MooncakeConfig`) says which link the Mooncake weight transport uses: TCP or RDMA, and which RDMA
+devices. Pure: stdlib only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from gyre.config.checks import require, require_choice, require_int, require_number
 
@@ -20,6 +22,53 @@ DEVICE_KINDS = ("cpu", "cuda")
 RECOMPUTE_CHOICES = ("none", "selective", "full")  # gyre.models.decoder.RECOMPUTE, gyre.train.model.RECOMPUTE
 WEIGHT_TRANSPORTS = ("store", "mooncake", "auto")  # gyre.distributed.transport.ONE_SIDED_KINDS (config imports no
 # other gyre package; tests/unit/test_config_train.py holds them equal)
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")  # the links gyre.distributed.transport_mooncake starts a Transfer Engine on
+RDMA_DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a verbs device name as `ibv_devices` lists it
+
+
+def check_mooncake_link(where: str, protocol: object, device_names: object) -> None:
+    """`protocol` one of MOONCAKE_PROTOCOLS; `device_names` "" or, with rdma only, distinct RDMA device names joined
+    by commas without spaces. `where` qualifies the field names in the message (`trainer.mooncake`).
+
+    Mooncake splits the names on commas and keeps the devices whose name equals one of them exactly, so
+    "mlx5_0, mlx5_1" would silently drop mlx5_1 (its name has a space): refused here instead."""
+    require_choice(f"{where}.protocol", protocol, MOONCAKE_PROTOCOLS)
+    if protocol == "tcp":
+        require(
+            device_names == "",
+            f"{where}.device_names",
+            device_names,
+            f"'' with {where}.protocol=tcp (device names pick RDMA devices; set {where}.protocol=rdma)",
+        )
+        return
+    names = device_names.split(",") if isinstance(device_names, str) and device_names else []
+    require(
+        isinstance(device_names, str)
+        and all(RDMA_DEVICE_NAME.fullmatch(name) for name in names)
+        and len(set(names)) == len(names),
+        f"{where}.device_names",
+        device_names,
+        "'' (every RDMA device Mooncake finds) or distinct RDMA device names joined by commas without spaces, "
+        "e.g. mlx5_0,mlx5_1 (as `ibv_devices` lists them)",
+    )
+
+
+@dataclass(kw_only=True)
+class MooncakeConfig:
+    """The link of the Mooncake weight transport (`trainer.weight_transport=mooncake`, or `auto` where Mooncake
+    imports): gyre.distributed.transport_mooncake starts every rank's Transfer Engine with it."""
+
+    protocol: str = "tcp"
+    """tcp: TCP sockets, on any host, RDMA NICs or not (gyre sets Mooncake's MC_FORCE_TCP while the engine starts,
+    since Mooncake takes RDMA wherever it finds an RDMA device). rdma: RDMA verbs (InfiniBand, RoCE); a rank whose
+    engine finds no RDMA device (among device_names) fails at start rather than fall back to TCP."""
+    device_names: str = ""
+    """With rdma: the RDMA devices Mooncake may use, joined by commas without spaces (mlx5_0,mlx5_1; Mooncake's
+    device filter), or "" for every device it finds. With tcp: "". On the command line, quote a list:
+    'trainer.mooncake.device_names="mlx5_0,mlx5_1"' (Hydra reads an unquoted a,b as a sweep)."""
+
+    def __post_init__(self) -> None:
+        check_mooncake_link("trainer.mooncake", self.protocol, self.device_names)
 
 
 @dataclass(kw_only=True)
@@ -60,12 +109,22 @@ class TrainerConfig:
     weight_transport: str = "store"
     """How a satellite joining a step in flight pulls the core's weights (one-sided reads, docs/distributed.md):
     store (the snapshot in the job's store: anywhere, no extra package), mooncake (the Mooncake Transfer Engine:
-    TCP, RDMA on clusters; needs mooncake-transfer-engine and its Debian libraries), auto (Mooncake where it
-    imports, else store)."""
+    TCP or RDMA as trainer.mooncake says; needs mooncake-transfer-engine and its Debian libraries), auto (Mooncake
+    where it imports, else store)."""
+    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+    """The Mooncake transport's link: protocol (tcp, rdma) and RDMA device names."""
 
     def __post_init__(self) -> None:
         require_choice("trainer.backend", self.backend, TRAINER_BACKENDS)
         require_choice("trainer.weight_transport", self.weight_transport, WEIGHT_TRANSPORTS)
+        require(isinstance(self.mooncake, MooncakeConfig), "trainer.mooncake", self.mooncake, "a MooncakeConfig")
+        require(
+            self.weight_transport != "store" or self.mooncake.protocol == "tcp",
+            "trainer.mooncake.protocol",
+            self.mooncake.protocol,
+            "tcp with trainer.weight_transport=store (the store snapshot does not use Mooncake; set "
+            "trainer.weight_transport=mooncake)",
+        )
         require_int("trainer.tensor_parallel_size", self.tensor_parallel_size, ge=1)
         require_int("trainer.pipeline_parallel_size", self.pipeline_parallel_size, ge=1)
         require_int("trainer.context_parallel_size", self.context_parallel_size, ge=1)

@@ -20,7 +20,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CONTROL_BACKEND", "MIXED_BACKEND", "BackendError", "Backends", "choose_backends", "local_gpu"]
+__all__ = [
+    "CONTROL_BACKEND",
+    "MIXED_BACKEND",
+    "BackendError",
+    "Backends",
+    "cell_engine_gpus",
+    "choose_backends",
+    "local_gpu",
+]
 
 CONTROL_BACKEND = "gloo"
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
@@ -52,6 +60,20 @@ def local_gpu(local_rank: int, visible: int) -> int:
     raise BackendError(
         f"LOCAL_RANK={local_rank}: this rank sees {visible} GPU{'s' if visible != 1 else ''}; run one rank per GPU "
         "(torchrun --nproc-per-node at most the node's GPUs; srun --gpus-per-task=1)"
+    )
+
+
+def cell_engine_gpus(leader_gpu: int, cell_size: int, visible: int) -> int:
+    """The first GPU of a cell's SGLang engine, which its leader starts with `tp_size` = the cell's size on the
+    cell's GPUs: `cell_size` consecutive devices from the leader's own, all visible to the leader (docs/sglang.md,
+    "In the training program"). `BackendError` where the cell's GPUs are not the leader's to use."""
+    if leader_gpu + cell_size <= visible:
+        return leader_gpu
+    raise BackendError(
+        f"engine.backend=sglang with cluster.cell_size={cell_size}: the cell's leader (GPU {leader_gpu}) sees "
+        f"{visible} GPU{'s' if visible != 1 else ''}, and its SGLang engine runs on the cell's {cell_size} GPUs from "
+        "its own on; launch so that each rank sees its node's GPUs (torchrun; srun --gpus-per-node instead of "
+        "--gpus-per-task=1) and a node's GPUs hold whole cells (ranks per node a multiple of cluster.cell_size)"
     )
 
 

@@ -18,7 +18,8 @@ Contract (docs/architecture.md: the core publishes; satellites and engines pull)
   and pull meet in one call), `MooncakeWeightTransport` (`transport_mooncake`: the core registers its buffer
   with a Mooncake Transfer Engine and posts a descriptor in a store; receivers read it whenever they want) and
   `StoreWeightTransport` (`transport_store`: a snapshot in versioned chunks through the job's store, one-sided
-  like Mooncake). `one_sided_transport` picks Mooncake or the store snapshot for satellites joining mid-step.
+  like Mooncake). `one_sided_transport` picks Mooncake (on the link of `trainer.mooncake`: TCP or RDMA) or the
+  store snapshot for satellites joining mid-step.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from gyre.config.checks import is_int
+from gyre.config.trainer import MooncakeConfig
 from gyre.models.flat_weights import FlatWeights, TensorSpec, flatten_weights, unflatten_weights
 
 log = logging.getLogger(__name__)
@@ -175,16 +177,27 @@ def check_receiver(publication: Publication, into: torch.Tensor, version: int | 
 
 
 def one_sided_transport(
-    store, *, kind: str = "auto", host: str = "127.0.0.1", prefix: str = "gyre/weights", timeout_s: float = 120.0
+    store,
+    *,
+    kind: str = "auto",
+    host: str = "127.0.0.1",
+    prefix: str = "gyre/weights",
+    timeout_s: float = 120.0,
+    mooncake: MooncakeConfig | None = None,
 ) -> WeightTransport:
     """A transport receivers pull from at their own pace, for satellites that join a step in flight.
 
-    kind "mooncake": `MooncakeWeightTransport` over `store` on `host` (the address peers reach this rank at);
-    ImportError naming what to install when `mooncake` does not import. kind "store": `StoreWeightTransport`
-    through `store`. kind "auto": Mooncake where it imports, else the store snapshot. Every rank of the job makes
-    one with the same kind, prefix and store (each its own client); the core publishes, joiners pull."""
+    kind "mooncake": `MooncakeWeightTransport` over `store` on `host` (the address peers reach this rank at), on the
+    link `mooncake` says (`trainer.mooncake`: protocol tcp or rdma, RDMA device names; default TCP); ImportError
+    naming what to install when `mooncake` does not import. kind "store": `StoreWeightTransport` through `store`.
+    kind "auto": Mooncake where it imports, else the store snapshot. Every rank of the job makes one with the same
+    kind, prefix, link and store (each its own client); the core publishes, joiners pull."""
     if kind not in ONE_SIDED_KINDS:
         raise ValueError(f"kind: got {kind!r}, expected one of {', '.join(ONE_SIDED_KINDS)}")
+    if mooncake is None:
+        mooncake = MooncakeConfig()
+    if not isinstance(mooncake, MooncakeConfig):
+        raise ValueError(f"mooncake: got {type(mooncake).__name__}, expected a MooncakeConfig (trainer.mooncake)")
     if kind != "store":
         from gyre.distributed.transport_mooncake import MooncakeWeightTransport, import_transfer_engine
 
@@ -195,7 +208,14 @@ def one_sided_transport(
                 raise
             log.info("weights for joiners go through the store: %s", error)
         else:
-            return MooncakeWeightTransport(store=store, host=host, prefix=prefix, timeout_s=timeout_s)
+            return MooncakeWeightTransport(
+                store=store,
+                host=host,
+                prefix=prefix,
+                timeout_s=timeout_s,
+                protocol=mooncake.protocol,
+                device_names=mooncake.device_names,
+            )
     from gyre.distributed.transport_store import StoreWeightTransport
 
     return StoreWeightTransport(store, prefix=prefix, timeout_s=timeout_s)

@@ -1,10 +1,20 @@
-"""`WeightTransport` over the Mooncake Transfer Engine (TCP here, RDMA on clusters): receivers read the core.
+"""`WeightTransport` over the Mooncake Transfer Engine (TCP or RDMA): receivers read the core.
 
 Contract
-- Every process makes one `MooncakeWeightTransport(store=..., host=...)`: it starts a Transfer Engine with the
-  P2P handshake (no metadata server) on `host`, the address peers reach it at (127.0.0.1 in tests). Its session
-  id is `host:<rpc port>`. Mooncake's data listeners bind all interfaces (docs/distributed.md); what gyre opens itself
-  (the store) binds the configured host.
+- Every process makes one `MooncakeWeightTransport(store=..., host=..., protocol=..., device_names=...)`: it starts
+  a Transfer Engine with the P2P handshake (no metadata server) on `host`, the address peers reach it at (127.0.0.1
+  in tests). Its session id is `host:<rpc port>`. Mooncake's data listeners bind all interfaces
+  (docs/distributed.md); what gyre opens itself (the store) binds the configured host.
+- The link (`engine_start`, a pure plan): Mooncake's (0.3.13) `TransferEngine.initialize(local_hostname,
+  metadata_server, protocol, device_name)` does not pick the transport from `protocol` (which picks its memory
+  allocator): it lists the RDMA devices whose names are in `device_name` (comma-separated; "" = all), installs RDMA
+  if it found any and `MC_FORCE_TCP` is unset, else TCP. So for protocol "tcp" gyre sets `MC_FORCE_TCP=1` while
+  `initialize` runs (a host with RDMA NICs still gets TCP, and nobody needs to export the variable); for "rdma" it
+  unsets it meanwhile and first asks Mooncake's own discovery (`get_local_topology(device_name=...)`) for the
+  devices, and raises `RuntimeError` naming the filter where there are none, where Mooncake would fall back to TCP
+  silently. The environment is restored after the call.
+- Ran here: TCP on loopback (CPU, no RDMA device); rdma up to the device check, which finds none here. Not run:
+  RDMA transfers (no NIC on the machines these tests run on).
 - `publish(weights, version)` on the core registers `weights.buffer` (CPU memory) with the engine and posts a
   descriptor (session id, buffer address, byte length, manifest, version) under `<prefix>/current` and
   `<prefix>/v<version>` in `store` (a torch.distributed `Store`, e.g. the job's TCPStore). It returns at once;
@@ -24,11 +34,16 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from gyre.config.trainer import check_mooncake_link
 from gyre.distributed.transport import (
     Publication,
     WeightVersionError,
@@ -41,6 +56,85 @@ from gyre.models.flat_weights import FlatWeights
 log = logging.getLogger(__name__)
 
 DEBIAN_LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200"
+METADATA_SERVER = "P2PHANDSHAKE"  # peers exchange segment descriptors over the engines' RPC port: no etcd
+FORCE_TCP_ENV = "MC_FORCE_TCP"  # read by Mooncake (presence, not value) when an engine installs its transport
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStart:
+    """How one Transfer Engine starts on a link (module docstring, "The link"); `start_engine` carries it out."""
+
+    initialize_args: tuple[str, str, str, str]
+    """`TransferEngine.initialize(local_hostname, metadata_server, protocol, device_name)`."""
+    force_tcp: bool
+    """MC_FORCE_TCP set (True) or unset (False) while the engine starts."""
+    device_filter: str | None
+    """rdma: the filter `get_local_topology(device_name=...)` must find a device for first; tcp: None (no check)."""
+
+
+def engine_start(host: str, protocol: str = "tcp", device_names: str = "") -> EngineStart:
+    """The plan for an engine on `host` over `protocol` ("tcp" or "rdma") restricted to `device_names` ("" = every
+    RDMA device; rdma only). `ConfigError` (a ValueError) naming the argument for anything else."""
+    check_mooncake_link("MooncakeWeightTransport", protocol, device_names)
+    return EngineStart(
+        initialize_args=(host, METADATA_SERVER, protocol, device_names),
+        force_tcp=protocol == "tcp",
+        device_filter=device_names if protocol == "rdma" else None,
+    )
+
+
+def topology_devices(topology: str) -> list[str]:
+    """The RDMA device names in Mooncake's `get_local_topology()` JSON: `{"cpu:0": [[preferred...], [other...]],
+    "cuda:0": ...}`, each location's devices in one of its two lists; sorted, each once."""
+    parsed = json.loads(topology) if topology.strip() else {}
+    if not isinstance(parsed, dict):
+        raise ValueError(f"Mooncake topology: got {type(parsed).__name__}, expected a JSON object")
+    names: set[str] = set()
+    for location, lists in parsed.items():
+        if not isinstance(lists, list) or not all(isinstance(group, list) for group in lists):
+            raise ValueError(f"Mooncake topology[{location!r}]: got {lists!r}, expected lists of device names")
+        names.update(str(name) for group in lists for name in group)
+    return sorted(names)
+
+
+@contextmanager
+def _force_tcp(force: bool) -> Iterator[None]:
+    """MC_FORCE_TCP set (force) or unset meanwhile, then as it was. Process-wide: engines start one at a time."""
+    before = os.environ.get(FORCE_TCP_ENV)
+    if before is not None and not force:
+        log.warning("%s=%r ignored while the Mooncake engine starts: the config asks for rdma", FORCE_TCP_ENV, before)
+    if force:
+        os.environ[FORCE_TCP_ENV] = "1"
+    else:
+        os.environ.pop(FORCE_TCP_ENV, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FORCE_TCP_ENV, None)
+        else:
+            os.environ[FORCE_TCP_ENV] = before
+
+
+def start_engine(engine, plan: EngineStart) -> None:
+    """Carry out `plan` on a new `TransferEngine` (or a stand-in with its `initialize`/`get_local_topology`)."""
+    host, _, protocol, device_names = plan.initialize_args
+    with _force_tcp(plan.force_tcp):
+        if plan.device_filter is not None:
+            found = topology_devices(engine.get_local_topology(device_name=plan.device_filter))
+            if not found:
+                which = f"named in {plan.device_filter!r}" if plan.device_filter else "at all"
+                raise RuntimeError(
+                    f"protocol rdma: Mooncake finds no RDMA device {which} on this host (it would fall back to TCP); "
+                    "check `ibv_devices`, trainer.mooncake.device_names, or use trainer.mooncake.protocol=tcp"
+                )
+            log.info("Mooncake RDMA devices: %s", ",".join(found))
+        code = engine.initialize(*plan.initialize_args)
+    if code != 0:
+        raise RuntimeError(
+            f"Mooncake TransferEngine.initialize({host!r}, {METADATA_SERVER}, {protocol!r}, {device_names!r}) "
+            f"returned {code}"
+        )
 
 
 def import_transfer_engine():
@@ -64,8 +158,8 @@ class MooncakeWeightTransport:
         store: dist.Store,
         host: str,
         prefix: str = "gyre/weights",
-        protocol: str = "tcp",  # "rdma" on clusters
-        device_name: str = "",  # RDMA device filter ("" = all)
+        protocol: str = "tcp",  # or "rdma" (module docstring, "The link")
+        device_names: str = "",  # rdma: the RDMA devices to use, "mlx5_0,mlx5_1" ("" = every one found)
         keep_versions: int = 2,
         chunk_bytes: int = 64 << 20,
         timeout_s: float = 120.0,
@@ -74,14 +168,11 @@ class MooncakeWeightTransport:
             raise ValueError(f"keep_versions: got {keep_versions}, expected >= 1")
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes: got {chunk_bytes}, expected >= 1")
+        plan = engine_start(host, protocol, device_names)
         self.store, self.prefix, self.keep_versions = store, prefix, keep_versions
-        self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
+        self.chunk_bytes, self.timeout_s, self.protocol = chunk_bytes, timeout_s, protocol
         self._engine = import_transfer_engine()()
-        code = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
-        if code != 0:
-            raise RuntimeError(
-                f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {code}"
-            )
+        start_engine(self._engine, plan)
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
         self._published: OrderedDict[int, torch.Tensor] = OrderedDict()  # version -> buffer kept registered
         self._registered: dict[int, torch.Tensor] = {}  # address -> receiving buffer registered with the engine
@@ -95,7 +186,7 @@ class MooncakeWeightTransport:
             raise WeightVersionError(f"version: got {version}, expected > the last published {self._last_version}")
         buffer = as_bytes(weights.buffer, what="weights.buffer")
         if buffer.device.type != "cpu":
-            raise ValueError(f"weights.buffer: on {buffer.device}; the TCP transport reads CPU memory")
+            raise ValueError(f"weights.buffer: on {buffer.device}; the Mooncake transport registers CPU memory")
         if not any(kept.data_ptr() == buffer.data_ptr() for kept in self._published.values()):
             self._register(buffer)
         self._published[version] = buffer
@@ -118,7 +209,7 @@ class MooncakeWeightTransport:
         check_receiver(publication, into, version)
         data = as_bytes(into, what="into")
         if data.device.type != "cpu":
-            raise ValueError(f"into: on {data.device}; the TCP transport writes CPU memory")
+            raise ValueError(f"into: on {data.device}; the Mooncake transport registers CPU memory")
         if publication.nbytes:
             self._ensure_registered(data)
             self._read(str(descriptor["session"]), int(descriptor["address"]), data, publication.nbytes)

@@ -181,6 +181,34 @@ def new_output_tokens(meta_info: Mapping[str, Any], emitted: int) -> tuple[tuple
     return tuple(token_ids), tuple(logprobs)
 
 
+def sglang_engine_args(
+    *,
+    tp_size: int,
+    base_gpu_id: int,
+    dtype: str,
+    max_running: int,
+    max_total_tokens: int,
+    seed: int,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `sglang.Engine(model_path=..., **args)` arguments of a cell's engine (SGLang's `ServerArgs` fields; the
+    contract test checks every key): the cell's `tp_size` GPUs from `base_gpu_id` on, token ids in and out, the
+    memory saver that `release_memory_occupation` needs, gyre's slots and KV budget (0: SGLang sizes it), the
+    run's seed. `extra` (`engine.sglang_args`) wins over all of them."""
+    args: dict[str, Any] = {
+        "tp_size": tp_size,
+        "base_gpu_id": base_gpu_id,
+        "dtype": dtype,
+        "max_running_requests": max_running,
+        "random_seed": seed,
+        "skip_tokenizer_init": True,
+        "enable_memory_saver": True,
+    }
+    if max_total_tokens:
+        args["max_total_tokens"] = max_total_tokens
+    return {**args, **dict(extra or {})}
+
+
 @dataclass(frozen=True, kw_only=True)
 class SGLangLimits:
     """What the adapter knows of the SGLang engine's limits; None where it could not be read."""

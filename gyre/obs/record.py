@@ -119,6 +119,9 @@ class StepRecord:
     """Model calls that ran on more than one engine (the proxy's `rerouted` counter, this step's increase)."""
     kv_migrations: int = 0
     """Model calls whose continuation reused migrated KV (the proxy's `kv_migrated`, this step's increase)."""
+    calls_reprefilled: int = 0
+    """Calls in flight on a rerouted execution's old engine whose KV did not move (an engine without per-request KV
+    export, SGLang's; or the call was not running): aborted there and re-prefilled on the destination."""
     training_cells: int | None = None
     """Cells whose gradients the step summed (the prefix 0..k-1 at the step's close)."""
     joined_cells: tuple[int, ...] = ()
@@ -154,8 +157,8 @@ class StepRecord:
         for name, value in self.loss.items():
             _require(name in LOSS_METRICS, "loss", name, f"a key among {LOSS_METRICS}")
             _require(_number(value), f"loss.{name}", value, "a number")
-        for name in ("staleness_groups", "reroutes", "calls_rerouted", "kv_migrations", "rollout_tokens",
-                     "train_tokens"):  # fmt: skip
+        for name in ("staleness_groups", "reroutes", "calls_rerouted", "kv_migrations", "calls_reprefilled",
+                     "rollout_tokens", "train_tokens"):  # fmt: skip
             _require(_count(getattr(self, name)), name, getattr(self, name), "an integer >= 0")
         _require(_number(self.staleness_tokens) and self.staleness_tokens >= 0, "staleness_tokens",
                  self.staleness_tokens, "a number >= 0")  # fmt: skip

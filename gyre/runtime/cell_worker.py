@@ -2,17 +2,19 @@
 cell of TP ranks), moved by the controller's decisions (docs/runtime.md, "The process model").
 
 Every rank of the job but rank 0 runs `run_cell`. At start a cell leader (a satellite's first rank) serves the
-native engine on the starting checkpoint behind an endpoint (bound to `job.host`, requiring `job.secret`) and
-writes the address under `gyre/engine/<cell>`; the controller reaches it with a `RemoteEngine` and drives the engine
-side of every transition itself (stop accepting, reroutes, drain, release; resume, load the published version,
-accept: `gyre.runtime.transitions`). A cell's other ranks serve nothing: in the rollout role they wait. The rank
-reads the control log (`gyre.distributed.control`) on a listener thread and applies, in order:
+cell's engine (`engine.backend`: `gyre.runtime.engines`) on the starting checkpoint behind an endpoint (bound to
+`job.host`, requiring `job.secret`) and writes the address under `gyre/engine/<cell>`; the controller reaches it
+with a `RemoteEngine` and drives the engine side of every transition itself (stop accepting, reroutes, drain,
+release; resume, load the published version, accept: `gyre.runtime.transitions`). With SGLang the leader's engine
+runs on all the cell's GPUs (its tensor-parallel group); with the native engine a cell's other ranks serve nothing
+and wait in the rollout role (docs/runtime.md, "Who serves in a cell"). The rank reads the control log
+(`gyre.distributed.control`) on a listener thread and applies, in order:
 
 - `role` (cell, to="training") for its cell: build this rank's trainer once (`gyre.runtime.trainers`: the starting
   checkpoint, this rank's shard of it in a Megatron cell; a satellite pulls the core's weights when it joins a
-  step), then ack (`gyre/ack/<seq>/<rank>`); if a step is in flight, wait to be admitted to it
-  (`train_claimed_step` with `training=False`: it pulls the step's weights and trains, or returns None when the
-  step closed without it);
+  step; a core rank of a resumed run loads its optimizer state from the checkpoint), then ack
+  (`gyre/ack/<seq>/<rank>`); if a step is in flight, wait to be admitted to it (`train_claimed_step` with
+  `training=False`: it pulls the step's weights and trains, or returns None when the step closed without it);
 - `step` (step, final, version): when training, `train_claimed_step` on this rank's main thread: the cell leader
   claims from the step's board and the cell's other ranks follow it, gradients summed over the prefix group onto
   the core, the core's broadcast after a non-final step (so the cell stays in sync for the burst's next step);
@@ -20,6 +22,8 @@ reads the control log (`gyre.distributed.control`) on a listener thread and appl
   stay the run's weights); ack;
 - `gather` (the core's ranks only): the core's whole weights gathered over its tensor-parallel group, with rank 0
   (`gyre.train.publish.engine_weights`, for a publication, the held-out evaluation or the policy directory);
+- `save_optimizer` (path; the core's ranks only): this rank's optimizer state written into the checkpoint being
+  written (`gyre.runtime.trainers.save_optimizer`), then ack: the controller completes the checkpoint after;
 - `stop`: leave the loop; the engine is stopped.
 
 Nothing is applied twice or skipped: the listener delivers the log in order, each decision once, and the rank
@@ -37,7 +41,14 @@ from gyre.distributed.control import STOP, ControlListener
 from gyre.distributed.transport import one_sided_transport
 from gyre.runtime.checkpoint import StartingPoint
 from gyre.runtime.job import Job, ack_key, engine_key, step_stats_key
-from gyre.runtime.trainers import GATHER, build_trainable
+from gyre.runtime.trainers import (
+    GATHER,
+    SAVE_OPTIMIZER,
+    build_trainable,
+    restore_optimizer,
+    save_optimizer,
+    trainer_layout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +64,18 @@ def weights_prefix(job: Job) -> str:
 
 def weights_transport(cfg: TrainConfig, job: Job, store):
     """This rank's one-sided transport of the core's weights (`trainer.weight_transport`), over `store`."""
-    return one_sided_transport(store, kind=cfg.trainer.weight_transport, host=job.host, prefix=weights_prefix(job))
+    return one_sided_transport(
+        store,
+        kind=cfg.trainer.weight_transport,
+        host=job.host,
+        prefix=weights_prefix(job),
+        mooncake=cfg.trainer.mooncake,
+    )
+
+
+def optimizer_file_of(cfg: TrainConfig, job: Job) -> dict:
+    """Which optimizer file of a checkpoint is this core rank's (`gyre.runtime.trainers.save_optimizer`)."""
+    return {"coordinate": job.groups.coordinate, "cell_size": job.layout.cell_size, "layout": trainer_layout(cfg)}
 
 
 def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) -> dict:
@@ -133,6 +155,8 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) ->
                 if fields["to"] == "training":
                     if trainer is None:
                         trainer = build_trainable(cfg, start.trainer_dir)
+                        if is_core and start.checkpoint is not None:
+                            restore_optimizer(trainer, start.trainer_dir, **optimizer_file_of(cfg, job))
                     training, synced = True, is_core  # the core's weights are the run's: always in sync
                     store.set(ack_key(decision.seq, job.rank), b"1")
                     if step is not None and not is_core:  # a step in flight: join it if the controller admits it
@@ -145,6 +169,11 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) ->
                 if trainer is None:
                     raise RuntimeError(f"control decision {decision.seq}: gather before the core's trainer exists")
                 engine_weights(trainer, model_config)  # the gather's other side: rank 0 keeps the result
+            elif kind == SAVE_OPTIMIZER and is_core:
+                if trainer is None:
+                    raise RuntimeError(f"control decision {decision.seq}: checkpoint before the core's trainer exists")
+                save_optimizer(trainer, Path(fields["path"]), **optimizer_file_of(cfg, job))
+                store.set(ack_key(decision.seq, job.rank), b"1")
             elif kind == "step_end":
                 step = None
     finally:
@@ -163,24 +192,13 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) ->
 
 
 def _serve_engine(cfg: TrainConfig, model_dir: Path, version: int, job: Job):
-    """The cell leader's native engine on `model_dir` (the starting checkpoint, or a resumed run's published policy
-    `version`) behind an endpoint on this rank's address (`job.host`: rank 0 reaches it from another host; not every
-    interface), refusing calls without the job's secret: the started `ServerThread` and its address."""
-    import torch
-
+    """The cell leader's engine (`engine.backend`: `gyre.runtime.engines`) on `model_dir` (the starting checkpoint,
+    or a resumed run's published policy `version`) behind an endpoint on this rank's address (`job.host`: rank 0
+    reaches it from another host; not every interface), refusing calls without the job's secret: the started
+    `ServerThread` and its address."""
     from gyre.engine.endpoint import ServerThread
-    from gyre.engine.native import NativeEngine
-    from gyre.models.hf_weights import load_pretrained
+    from gyre.runtime.engines import engine_factory, start_timeout_s
 
-    engine_model = load_pretrained(model_dir, getattr(torch, cfg.engine.dtype), cfg.engine.device)
-    server = ServerThread(
-        lambda: NativeEngine(
-            engine_model,
-            max_running=cfg.engine.max_running,
-            max_tokens_in_flight=cfg.engine.max_total_tokens or None,
-            policy_version=version,
-        ),
-        host=job.host,
-        secret=job.secret or None,
-    )
-    return server, server.start()
+    factory = engine_factory(cfg, model_dir, version, cell_size=job.layout.cell_size)
+    server = ServerThread(factory, host=job.host, secret=job.secret or None)
+    return server, server.start(start_timeout_s(cfg))

@@ -4,7 +4,9 @@
 A checkpoint is a directory `<run dir>/checkpoints/step-<n>/`, n the trainer version it holds (steps done):
 
 - `trainer/`: the core's weights in the HF layout (`config.json`, `model.safetensors`, the starting checkpoint's
-  tokenizer and chat template) and `optimizer.pt` (the optimizer's state, and the core's torch RNG state);
+  tokenizer and chat template) and the optimizer's state with torch's RNG state (`gyre.runtime.trainers.
+  save_optimizer`): `optimizer.pt` for a core of one rank, `optimizer-<j>.pt` per in-cell coordinate j for a core
+  of several (a Megatron cell: each rank's shard, written by that rank into the staging directory);
 - `engine/`: the weights the engines served, when they are not `trainer/`'s (a checkpoint inside a burst: the
   version published last; absent when that is the starting checkpoint, version 0);
 - `state.json`: the controller's state (the scheduler's, every group's task and outcomes, the executions' reruns,
@@ -12,12 +14,14 @@ A checkpoint is a directory `<run dir>/checkpoints/step-<n>/`, n the trainer ver
   the finished executions' calls are their record files (`<run dir>/records/`), which it names;
 - `complete.json`, written last: the size of every file above.
 
-It is written as `checkpoints/.step-<n>.tmp/`, every file fsynced, `complete.json` last, then renamed into place: a
-crash leaves a `.tmp` directory, never a `step-<n>/` without `complete.json`. A reader (`latest_checkpoint`) takes
-the highest `step-<n>/` whose `complete.json` reads and whose files have the sizes it lists, and skips any other with
-a warning. A write that fails (a full disk) removes its `.tmp` directory and raises `CheckpointError`; the previous
-checkpoints are untouched. Once a checkpoint is complete, all but the newest `keep` are removed (and the one the run
-resumed from, which its ranks read their weights from, is kept until the run ends).
+It is written as `checkpoints/.step-<n>.tmp/` (`stage_checkpoint` makes it, the core's ranks write their optimizer
+files there, then `write_checkpoint(..., staged=True)` adds the rest), every file fsynced, `complete.json` last
+(listing the ranks' files too), then renamed into place: a crash leaves a `.tmp` directory, never a `step-<n>/`
+without `complete.json`. A reader (`latest_checkpoint`) takes the highest `step-<n>/` whose `complete.json` reads
+and whose files have the sizes it lists, and skips any other with a warning. A write that fails (a full disk)
+removes its `.tmp` directory and raises `CheckpointError`; the previous checkpoints are untouched. Once a checkpoint
+is complete, all but the newest `keep` are removed (and the one the run resumed from, which its ranks read their
+weights from, is kept until the run ends).
 """
 
 from __future__ import annotations
@@ -40,15 +44,18 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "StartingPoint",
+    "discard_staging",
     "latest_checkpoint",
+    "optimizer_file",
     "read_checkpoint",
+    "stage_checkpoint",
     "write_checkpoint",
 ]
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "state.json"
 COMPLETE_FILE = "complete.json"
-OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_FILE = "optimizer.pt"  # a core of one rank's; a core of several ranks has one per rank (`optimizer_file`)
 TRAINER_DIR = "trainer"
 ENGINE_DIR = "engine"
 _NAME = re.compile(r"step-(\d{6,})")
@@ -95,6 +102,42 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
+def _staging_dir(root: Path, step: int) -> Path:
+    return root / f".step-{step:06d}.tmp"
+
+
+def optimizer_file(coordinate: int, cell_size: int) -> str:
+    """The name, in a checkpoint's `trainer/`, of the optimizer state of the core's rank at in-cell `coordinate`."""
+    return OPTIMIZER_FILE if cell_size == 1 else f"optimizer-{coordinate}.pt"
+
+
+def _not_written(root: Path, step: int, error: OSError) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint of step {step} not written under {root}: {error.strerror or error} (the earlier checkpoints "
+        "are kept; free space or fix the run directory's permissions, then resume=auto)"
+    )
+
+
+def stage_checkpoint(run_dir: Path, step: int) -> Path:
+    """The staging directory of checkpoint `step` made afresh (a crashed write's removed), with an empty `trainer/`
+    for the core's ranks' optimizer files: that `trainer/`. `discard_staging` removes it again after a failure;
+    `write_checkpoint(..., staged=True)` completes it. CheckpointError when it cannot be made."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    staging = _staging_dir(root, step)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / TRAINER_DIR).mkdir(parents=True)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _not_written(root, step, error) from error
+    return staging / TRAINER_DIR
+
+
+def discard_staging(run_dir: Path, step: int) -> None:
+    """Checkpoint `step`'s staging directory removed (its write failed or the run stopped during it)."""
+    shutil.rmtree(_staging_dir(Path(run_dir) / CHECKPOINTS_DIR, step), ignore_errors=True)
+
+
 def _fsync_path(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
@@ -116,31 +159,31 @@ def write_checkpoint(
     state: dict[str, Any],
     *,
     trainer_model,
-    optimizer_state: dict[str, Any] | None,
     engine_model=None,
     source_dir: Path,
     keep: int,
     protect: Path | None = None,
+    staged: bool = False,
 ) -> Path:
     """Write checkpoint `step` (module docstring): `trainer_model` and `engine_model` are `DecoderLM`s (`engine_model`
-    None: the engines serve `trainer_model`'s weights or the starting checkpoint's, as `state` says). `protect`: a
-    checkpoint the pruning keeps (the one the run resumed from: its ranks may still load their trainers from it).
-    Its path."""
-    import torch
-
+    None: the engines serve `trainer_model`'s weights or the starting checkpoint's, as `state` says). `staged`: into
+    the staging directory `stage_checkpoint` made, keeping the optimizer files written there (else a fresh one, with
+    no optimizer state). `protect`: a checkpoint the pruning keeps (the one the run resumed from: its ranks may still
+    load their trainers from it). Its path."""
     from gyre.models.hf_weights import save_pretrained
 
     root = Path(run_dir) / CHECKPOINTS_DIR
-    staging = root / f".step-{step:06d}.tmp"
+    staging = _staging_dir(root, step)
     target = _step_dir(root, step)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        if not staged:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+        elif not (staging / TRAINER_DIR).is_dir():
+            raise FileNotFoundError(f"{staging / TRAINER_DIR}: the staged checkpoint is gone")
         save_pretrained(trainer_model, staging / TRAINER_DIR)
         copy_side_files(Path(source_dir), staging / TRAINER_DIR)
-        if optimizer_state is not None:
-            torch.save(optimizer_state, staging / TRAINER_DIR / OPTIMIZER_FILE)
         if engine_model is not None:
             save_pretrained(engine_model, staging / ENGINE_DIR)
             copy_side_files(Path(source_dir), staging / ENGINE_DIR)
@@ -156,10 +199,7 @@ def write_checkpoint(
         _fsync_path(root)
     except OSError as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(
-            f"checkpoint of step {step} not written under {root}: {error.strerror or error} (the earlier checkpoints "
-            "are kept; free space or fix the run directory's permissions, then resume=auto)"
-        ) from error
+        raise _not_written(root, step, error) from error
     _prune(root, keep, protect)
     return target
 

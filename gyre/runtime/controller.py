@@ -32,9 +32,9 @@ lifeline closes (`gyre.runtime.lifeline`) ends it with `RankLost`.
 
 Checkpoints (docs/runtime.md, "Checkpoints and resume"): at a step's end, before `step_finished`, every
 `checkpoint.every_steps` steps and after the last, `write_checkpoint` saves `checkpoint_state()` with the core's
-weights and optimizer state; a controller made with `checkpoint=` restores from one (`_restore`): the scheduler via
-`gyre.sched.checkpoint`, the groups' outcomes and buffer entries, the executions it dispatches again under their
-next rerun's id.
+weights and optimizer state (every core rank writes its own: `_save_optimizer`); a controller made with
+`checkpoint=` restores from one (`_restore`): the scheduler via `gyre.sched.checkpoint`, the groups' outcomes and
+buffer entries, the executions it dispatches again under their next rerun's id.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from gyre.obs.sinks import MetricsLogger
 from gyre.proxy.reroute import reroute_execution
 from gyre.proxy.routing import RoutingTable
 from gyre.rl.loss_metrics import LossMetricSums
-from gyre.runtime.checkpoint import Checkpoint, write_checkpoint
+from gyre.runtime.checkpoint import Checkpoint, CheckpointError, discard_staging, stage_checkpoint, write_checkpoint
 from gyre.runtime.execution_log import EXECUTIONS_FILE, ExecutionLine, ExecutionLog
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.ids import ExecutionIds, engine_name
@@ -78,7 +78,7 @@ from gyre.runtime.local_claims import claim_and_pull
 from gyre.runtime.policy_dir import write_policy
 from gyre.runtime.trace import RoleTrace
 from gyre.runtime.trainer_thread import TrainerThread
-from gyre.runtime.trainers import GATHER, policy_model
+from gyre.runtime.trainers import GATHER, SAVE_OPTIMIZER, policy_model, trainer_layout
 from gyre.runtime.transitions import leave_rollout, return_to_rollout
 from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import (
@@ -137,7 +137,8 @@ class ControllerParts:
     model_dir: Path  # the starting checkpoint (its tokenizer and chat template go into the policy directory)
     model_config: DecoderConfig  # the starting checkpoint's config: the HF layout the core's weights are gathered into
     records_dir: Path | None = None  # the proxy's record files: the trees of a resumed run's finished executions
-    optimizer_state: Callable | None = None  # (trainer) -> its optimizer's state to checkpoint, on the trainer thread
+    save_optimizer: Callable | None = None  # (trainer, trainer_dir) -> rank 0's optimizer file written there; its
+    # trainer thread (gyre.runtime.trainers.save_optimizer); None: checkpoints keep no optimizer state
     engine_dir: Path | None = None  # the weights the engines started with (a resumed run's last publication)
 
 
@@ -158,6 +159,7 @@ class _StepBook:
     reroutes: list[int] = field(default_factory=list)  # scheduler execution ids, one per move
     calls_rerouted: int = 0
     kv_migrations: int = 0
+    calls_reprefilled: int = 0  # rerouted calls whose KV did not move (no export: SGLang), re-prefilled
     sampled_tokens: int = 0
     started_s: float = 0.0
 
@@ -503,6 +505,7 @@ class Controller:
         self.book.reroutes.append(action.execution)
         self.book.calls_rerouted += moved.calls
         self.book.kv_migrations += len(moved.migrated)
+        self.book.calls_reprefilled += len(moved.restarted)
 
     async def _tell_training(self, cell: int) -> None:
         """The cell's ranks take the training role: the core builds its trainer once on the trainer thread; every
@@ -689,6 +692,7 @@ class Controller:
             "seed": self.cfg.seed,
             "executions_per_group": self.ids.executions_per_group,
             "shape": run_shape(self.cfg),
+            "trainer_layout": trainer_layout(self.cfg),
         }
 
     async def write_checkpoint(self) -> None:
@@ -699,9 +703,6 @@ class Controller:
         sched = state["scheduler"]
         step, published = sched["trainer_version"], sched["published_version"]
         trainer_model = await self.core_model()
-        optimizer = None
-        if self.parts.optimizer_state is not None:
-            optimizer = await self.trainer_thread.submit(self.parts.optimizer_state, self.trainer)
         engine_model = None
         if published not in (0, step):  # inside a burst: the engines serve the last publication
             if self.published is not None:
@@ -710,19 +711,42 @@ class Controller:
                 engine_model = policy_model(weights, self.parts.model_config)
             else:  # a resumed run before its first publication: the weights its engines started with
                 engine_model = await asyncio.to_thread(load_pretrained, self.parts.engine_dir)
+        staged = self.parts.save_optimizer is not None
+        if staged:
+            await self._save_optimizer(step)
         path = await asyncio.to_thread(
             write_checkpoint,
             self.run_dir,
             step,
             state,
             trainer_model=trainer_model,
-            optimizer_state=optimizer,
             engine_model=engine_model,
             source_dir=self.parts.model_dir,
             keep=self.cfg.checkpoint.keep,
             protect=self.resumed_from.path if self.resumed_from else None,
+            staged=staged,
         )
         log.info("checkpoint %s written in %.2fs", path, self.now() - begun)
+
+    async def _save_optimizer(self, step: int) -> None:
+        """Every rank of the core writes its own optimizer state (its shard's, in a Megatron core of several ranks)
+        into checkpoint `step`'s staging directory: rank 0 on its trainer thread, the core's other ranks told with a
+        `save_optimizer` decision, whose ack says the file is on disk; the checkpoint is completed only after. A
+        rank that cannot write fails (its error in train.log) and the run ends naming it; the staging directory is
+        removed."""
+        trainer_dir = await asyncio.to_thread(stage_checkpoint, self.run_dir, step)
+        try:
+            own = self.trainer_thread.submit(self.parts.save_optimizer, self.trainer, trainer_dir)
+            if self._has_other_ranks(0):  # after the step and its gather: decisions are applied in order
+                await self._acked(self.control.publish(SAVE_OPTIMIZER, path=str(trainer_dir)), 0)
+            await own
+        except BaseException as error:
+            discard_staging(self.run_dir, step)
+            if isinstance(error, OSError):
+                raise CheckpointError(
+                    f"checkpoint of step {step}: rank 0's optimizer state not written: {error}"
+                ) from error
+            raise
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """The controller's state from `checkpoint` (the scheduler's is restored already): the executions the
@@ -918,6 +942,7 @@ class Controller:
             rerouted_executions=tuple(book.reroutes),
             calls_rerouted=book.calls_rerouted,
             kv_migrations=book.kv_migrations,
+            calls_reprefilled=book.calls_reprefilled,
             training_cells=result.cells,
             joined_cells=tuple(self.joined),
             rollout_tokens=book.sampled_tokens,

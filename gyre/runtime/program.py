@@ -12,8 +12,9 @@ endpoint, every cell's engine reached with a `RemoteEngine`, `start_proxy` over 
 `summary.json` (the simulator's keys, `gyre.obs.summary`) and `role_timeline.png`, and everything closed.
 
 Errors a user can fix before anything runs raise `ProgramError` (one line naming the field): a layout this runtime
-does not drive yet (pipeline stages, a separate rollout pool), a model a Megatron cell cannot shard, a missing model
-directory or task directory, a harness or sandbox missing here.
+does not drive yet (a separate rollout pool), an engine backend that cannot run here (SGLang not installed, or asked
+to serve on a CPU), a model a Megatron cell cannot shard, a resumed checkpoint of another trainer layout, a missing
+model directory or task directory, a harness or sandbox missing here.
 The app (`gyre.runtime.app`) prints that line and exits 2.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -78,19 +80,21 @@ class Prepared:
 
 
 def check_supported(cfg: TrainConfig, world_size: int) -> None:
-    """What this runtime runs: the job's size fits the cells; native cells of one rank or Megatron cells of TP
-    ranks (no pipeline stages yet); no separate rollout pool."""
+    """What this runtime runs: the job's size fits the cells; native cells of one rank or Megatron cells of TP x PP
+    ranks; no separate rollout pool."""
     try:
         layout_fields(cfg, world_size)
     except ConfigError as error:
         raise ProgramError(str(error)) from None
-    if cfg.trainer.pipeline_parallel_size != 1 or cfg.cluster.separate_size != 0:
+    if cfg.cluster.separate_size != 0:
         raise ProgramError(
-            f"trainer.pipeline_parallel_size={cfg.trainer.pipeline_parallel_size} "
-            f"cluster.separate_size={cfg.cluster.separate_size}: this runtime trains cells of one model replica "
-            "without pipeline stages and no separate rollout pool so far (trainer.pipeline_parallel_size=1, "
-            "cluster.separate_size=0; docs/runtime.md, 'State')"
+            f"cluster.separate_size={cfg.cluster.separate_size}: this runtime trains cells that swap between rollout "
+            "and training, with no separate rollout pool so far (cluster.separate_size=0; docs/runtime.md, 'State')"
         )
+    from gyre.runtime.engines import backend_problem
+
+    if problem := backend_problem(cfg):
+        raise ProgramError(problem)
     if cfg.trainer.context_parallel_size != 1:
         import importlib.util
 
@@ -109,15 +113,18 @@ def check_supported(cfg: TrainConfig, world_size: int) -> None:
 
 
 def check_model_layout(cfg: TrainConfig, config) -> None:
-    """A Megatron trainer can shard the model over the cell's ranks (heads, KV heads, vocabulary divisible by TP)."""
+    """A Megatron trainer can shard the model over the cell's ranks (heads, KV heads, vocabulary divisible by TP;
+    layers by PP)."""
     if cfg.trainer.backend != "megatron":
         return
     from gyre.train.model import validate_layout
 
+    tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
     try:
-        validate_layout(config, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
+        validate_layout(config, tp, pp)
     except ValueError as error:
-        raise ProgramError(f"trainer.tensor_parallel_size={cfg.trainer.tensor_parallel_size}: {error}") from None
+        fields = f"trainer.tensor_parallel_size={tp}" + (f" trainer.pipeline_parallel_size={pp}" if pp > 1 else "")
+        raise ProgramError(f"{fields}: {error}") from None
 
 
 def resolve_model_dir(cfg: TrainConfig, echo: Callable[[str], None] = print) -> Path:
@@ -221,12 +228,22 @@ def resolve_checkpoint(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], No
             echo("resume=auto: no complete checkpoint in the run directory, starting afresh")
         return None
     from gyre.runtime.controller import run_shape
+    from gyre.runtime.trainers import trainer_layout
 
     saved = checkpoint.state.get("shape", {})
     changed = [f"{k}={v!r} (the checkpoint's: {saved[k]!r})" for k, v in run_shape(cfg).items() if saved.get(k, v) != v]
     if changed:
         raise ProgramError(
             f"resume: {', '.join(changed)}: a run resumes with the schedule of its checkpoint ({checkpoint.path})"
+        )
+    layout = trainer_layout(cfg)
+    saved = checkpoint.state.get("trainer_layout", layout)  # a checkpoint of before it was kept: its files say
+    changed = [f"{k}={v!r} (the checkpoint's: {saved[k]!r})" for k, v in layout.items() if saved.get(k, v) != v]
+    if changed:
+        raise ProgramError(
+            f"resume: {', '.join(changed)}: the checkpoint's optimizer state is laid out for its trainer; resume "
+            f"with its layout, or start a new run from its weights alone with model.model_dir={checkpoint.trainer_dir} "
+            "(AdamW afresh)"
         )
     if checkpoint.step >= cfg.steps:
         raise ProgramError(
@@ -425,20 +442,18 @@ class CoreStep:
 async def _controller(
     cfg: TrainConfig, run_dir: Path, prepared: Prepared, start: StartingPoint, job, echo
 ) -> RunResult:
-    import torch
-
     from gyre.engine.endpoint import ServerThread
-    from gyre.engine.native import NativeEngine
     from gyre.engine.remote import RemoteEngine
-    from gyre.models.hf_weights import load_pretrained, read_config
+    from gyre.models.hf_weights import read_config
     from gyre.obs.sinks import build_metrics_logger
     from gyre.proxy.render import ChatTemplate
     from gyre.proxy.routing import RoutingTable
+    from gyre.runtime.engines import engine_factory, start_timeout_s
     from gyre.runtime.harness_setup import make_runner
     from gyre.runtime.ids import engine_name
     from gyre.runtime.job import engine_key
     from gyre.runtime.resume import prepare_run_dir
-    from gyre.runtime.trainers import optimizer_state
+    from gyre.runtime.trainers import save_optimizer, trainer_layout
     from gyre.serve.stack import start_proxy
 
     if cfg.logging.timeline:  # now, before anything is served: the run's end (Ctrl-C too) writes the PNG sooner
@@ -455,20 +470,12 @@ async def _controller(
         )
         await asyncio.to_thread(_policy_of_the_checkpoint, run_dir, start, model_dir)
 
-    dtype = getattr(torch, cfg.engine.dtype)
-    engine_model = await asyncio.to_thread(load_pretrained, start.engine_dir, dtype, cfg.engine.device)
-    version = start.engine_version
-    # Rank 0's own engine listens on the loopback: only this process's proxy reaches it.
-    server = ServerThread(
-        lambda: NativeEngine(
-            engine_model,
-            max_running=cfg.engine.max_running,
-            max_tokens_in_flight=cfg.engine.max_total_tokens or None,
-            policy_version=version,
-        ),
-        secret=job.secret or None,
+    factory = await asyncio.to_thread(
+        engine_factory, cfg, start.engine_dir, start.engine_version, cell_size=cfg.cluster.cell_size
     )
-    url = await asyncio.to_thread(server.start)
+    # Rank 0's own engine listens on the loopback: only this process's proxy reaches it.
+    server = ServerThread(factory, secret=job.secret or None)
+    url = await asyncio.to_thread(server.start, start_timeout_s(cfg))
     store = job.store()
     store.set(engine_key(0), url)
     engines: dict[int, RemoteEngine] = {}
@@ -496,7 +503,9 @@ async def _controller(
             model_dir=model_dir,
             model_config=read_config(model_dir),
             records_dir=run_dir / RECORDS_DIR,
-            optimizer_state=optimizer_state,
+            save_optimizer=functools.partial(
+                save_optimizer, coordinate=0, cell_size=cfg.cluster.cell_size, layout=trainer_layout(cfg)
+            ),
             engine_dir=start.engine_dir,
         )
         held_out = None
@@ -548,17 +557,14 @@ async def _controller(
 
 
 def _core_trainer(cfg: TrainConfig, start: StartingPoint):
-    """The core's trainer: on the starting checkpoint, or a resumed run's with its optimizer state."""
-    from gyre.runtime.checkpoint import OPTIMIZER_FILE
-    from gyre.runtime.trainers import build_trainable, restore_optimizer
+    """Rank 0's trainer (the core's first rank): on the starting checkpoint, or a resumed run's with its optimizer
+    state (the core's other ranks restore theirs in `gyre.runtime.cell_worker`)."""
+    from gyre.runtime.trainers import build_trainable, restore_optimizer, trainer_layout
 
     trainer = build_trainable(cfg, start.trainer_dir)
     if start.checkpoint is not None:
-        saved = start.trainer_dir / OPTIMIZER_FILE
-        if saved.is_file():
-            restore_optimizer(trainer, saved)
-        else:
-            log.warning("%s: no optimizer state kept (a Megatron core of several ranks): AdamW starts afresh", saved)
+        layout = trainer_layout(cfg)
+        restore_optimizer(trainer, start.trainer_dir, coordinate=0, cell_size=cfg.cluster.cell_size, layout=layout)
     return trainer
 
 

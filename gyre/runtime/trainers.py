@@ -5,21 +5,33 @@ cells").
 role, on the thread that will train (rank 0: the core's trainer thread; every other rank: its main thread):
 
 - `trainer.backend=native`: the starting checkpoint as a `DecoderLM` in a `NativeTrainable` (one rank per cell);
-- `trainer.backend=megatron`: a Megatron-core `GPTModel` for this rank's tensor-parallel shard
-  (`gyre.train.model.build_gpt_model`; Megatron's `parallel_state` was initialized by `open_job`), this rank's
-  shard of the starting checkpoint read straight from its files (`gyre.train.shard_loading.load_hf_checkpoint`:
-  no rank holds the whole model), in a `MegatronTrainable`.
+- `trainer.backend=megatron`: a Megatron-core `GPTModel` for this rank's tensor-parallel shard of its pipeline
+  stage (`gyre.train.model.build_gpt_model`; Megatron's `parallel_state` was initialized by `open_job`), this
+  rank's shard of the starting checkpoint read straight from its files (`gyre.train.shard_loading.
+  load_hf_checkpoint`: no rank holds the whole model), in a `MegatronTrainable`; at PP > 1 with the stage's
+  `StreamingPipeline` (the step's 1F1B schedule over the cell's stages, `cfg.loss`).
 
 The core's whole model in HF names is `gyre.train.publish.engine_weights(trainable, config)`: local for a native
-trainer, a collective over the core cell's tensor-parallel group for a Megatron one, so every rank of the core
-calls it at the same point of its work; the controller tells the core's other ranks with a `gather` decision.
+trainer, a collective over the core cell's tensor- and pipeline-parallel groups for a Megatron one, so every rank
+of the core calls it at the same point of its work; the controller tells the core's other ranks with a `gather`
+decision.
 `policy_model(weights, config)` makes a `DecoderLM` of them for what needs a whole model on rank 0 (the
 held-out evaluation, `<run dir>/policy/`).
+
+A checkpoint keeps the optimizer state of every rank of the core (docs/runtime.md, "Checkpoints and resume"): each
+writes its own with `save_optimizer` (rank 0 on its trainer thread, the core's other ranks at a `save_optimizer`
+decision) into the checkpoint's staging directory, one file per in-cell coordinate, and a resumed run's core ranks
+load theirs with `restore_optimizer` right after `build_trainable`. The files are laid out for the trainer that
+wrote them (`trainer_layout`: backend, TP, PP); a run resumes only with the same layout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,10 +40,25 @@ from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
 from gyre.models.hf_weights import load_pretrained, read_config, without_tolerated
+from gyre.runtime.checkpoint import optimizer_file
 
-__all__ = ["GATHER", "build_trainable", "optimizer_state", "policy_model", "restore_optimizer", "uses_megatron"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "GATHER",
+    "SAVE_OPTIMIZER",
+    "build_trainable",
+    "optimizer_state",
+    "policy_model",
+    "restore_optimizer",
+    "save_optimizer",
+    "state_digest",
+    "trainer_layout",
+    "uses_megatron",
+]
 
 GATHER = "gather"  # the control decision: the core's ranks gather its whole weights now (a collective)
+SAVE_OPTIMIZER = "save_optimizer"  # the control decision: the core's ranks write their optimizer state (`path`)
 
 
 def uses_megatron(cfg: TrainConfig) -> bool:
@@ -64,37 +91,102 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
     load_hf_checkpoint(model, model_dir, config)
     if t.device != "cpu":
         model = model.to(t.device)
+    pipeline = None
+    if t.pipeline_parallel_size > 1:
+        from gyre.train.pipeline import StreamingPipeline
+
+        pipeline = StreamingPipeline(model, config=cfg.loss, chunk_tokens=t.logprob_chunk_tokens)
     return MegatronTrainable(
-        model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, chunk_tokens=t.logprob_chunk_tokens
+        model,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        chunk_tokens=t.logprob_chunk_tokens,
+        pipeline=pipeline,
     )
 
 
-def optimizer_state(trainer) -> dict | None:
-    """What a checkpoint keeps of the core's trainer besides its weights: the optimizer's state (a copy) and torch's
-    RNG state; None for a Megatron core of several ranks, whose optimizer state is sharded over them (not kept:
-    docs/runtime.md, "Checkpoints and resume")."""
-    import copy
+def trainer_layout(cfg: TrainConfig) -> dict[str, Any]:
+    """What the core's optimizer state is laid out for (its shards, the order of its parameters): a checkpoint keeps
+    it in `state.json`, and a run resumes from the checkpoint only with the same (`gyre.runtime.program.
+    resolve_checkpoint`)."""
+    t = cfg.trainer
+    return {
+        "trainer.backend": t.backend,
+        "trainer.tensor_parallel_size": t.tensor_parallel_size,
+        "trainer.pipeline_parallel_size": t.pipeline_parallel_size,
+    }
 
-    if uses_megatron_sharded(trainer):
+
+def optimizer_state(trainer) -> dict[str, Any]:
+    """What a checkpoint keeps of a core rank's trainer besides the core's weights: this rank's optimizer state (of
+    its shard of the model) and torch's RNG state."""
+    return {"optimizer": trainer.optimizer.state_dict(), "rng": torch.get_rng_state()}
+
+
+def save_optimizer(trainer, trainer_dir: Path, *, coordinate: int, cell_size: int, layout: dict[str, Any]) -> Path:
+    """This core rank's `optimizer_state`, with its in-cell coordinate and `layout` (`trainer_layout`), as its file of
+    `trainer_dir` (the `trainer/` of a checkpoint being written, `gyre.runtime.checkpoint.optimizer_file`), on disk
+    (fsynced: another host's rank 0 marks the checkpoint complete) when it returns; its path. OSError as it
+    comes."""
+    state = {**optimizer_state(trainer), "coordinate": coordinate, "layout": layout}
+    path = Path(trainer_dir) / optimizer_file(coordinate, cell_size)
+    with open(path, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path
+
+
+def restore_optimizer(
+    trainer, trainer_dir: Path, *, coordinate: int, cell_size: int, layout: dict[str, Any]
+) -> str | None:
+    """Load this core rank's file of a checkpoint's `trainer_dir` (`save_optimizer`) into `trainer` (built on the
+    checkpoint's weights): its optimizer state and torch's RNG state. The digest of what the rank holds then
+    (`state_digest`; logged), or None, with a warning, when the checkpoint kept none (one of a Megatron core of several
+    ranks written before they were kept: AdamW starts afresh). ValueError for a file of another rank or layout."""
+    path = Path(trainer_dir) / optimizer_file(coordinate, cell_size)
+    if not path.is_file():
+        log.warning("%s: no optimizer state kept for this rank: AdamW starts afresh", path)
         return None
-    return {"optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "rng": torch.get_rng_state()}
-
-
-def uses_megatron_sharded(trainer) -> bool:
-    from torch import distributed as dist
-
-    if isinstance(trainer.model, DecoderLM):
-        return False
-    from megatron.core import parallel_state
-
-    return dist.is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1
-
-
-def restore_optimizer(trainer, path: Path) -> None:
-    """Load `optimizer_state`'s file into `trainer` (its optimizer built on the checkpoint's weights)."""
     state = torch.load(path, map_location="cpu", weights_only=True)
+    saved = {key: state[key] for key in ("coordinate", "layout") if key in state}  # a single rank's of before: none
+    if saved and saved != {"coordinate": coordinate, "layout": layout}:
+        raise ValueError(
+            f"{path}: the optimizer state of in-cell coordinate {saved['coordinate']} of {saved['layout']}, loaded at "
+            f"coordinate {coordinate} of {layout}: resume with the checkpoint's trainer layout"
+        )
     trainer.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
+    digest = state_digest(optimizer_state(trainer))
+    log.info("optimizer state of in-cell coordinate %d restored from %s (digest %s)", coordinate, path, digest)
+    return digest
+
+
+def state_digest(state: Any) -> str:
+    """A sha256 of `state` (nested dicts, lists and tensors): equal exactly when every tensor has the same dtype,
+    shape and bytes and everything else the same value; how a resumed rank says what it loaded."""
+    digest = hashlib.sha256()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            digest.update(f"tensor {tensor.dtype} {tuple(tensor.shape)};".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            digest.update(f"dict {len(value)};".encode())
+            for key in sorted(value, key=str):
+                digest.update(f"{key!r}:".encode())
+                walk(value[key])
+        elif isinstance(value, list | tuple):
+            digest.update(f"list {len(value)};".encode())
+            for item in value:
+                walk(item)
+        else:
+            digest.update(f"{value!r};".encode())
+
+    walk(state)
+    return digest.hexdigest()
 
 
 def policy_model(weights: FlatWeights, config: DecoderConfig) -> DecoderLM:

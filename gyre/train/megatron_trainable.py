@@ -6,6 +6,10 @@ plain: gradients are in `param.grad`, the global norm counts each tensor-paralle
 tensor (norms, qkv biases) once and a tied embedding's pipeline copy not at all (as Megatron's own `clip_grads`
 does), summed over the cell's model-parallel group; then clip and `torch.optim.AdamW`. Only the core's ranks
 call `update`.
+
+At PP > 1 the model is one stage and a step streams through the cell's `pipeline` (`gyre.train.pipeline.
+StreamingPipeline`, which `gyre.train.streaming.train_claimed_step` runs); `logprobs` is then not the whole
+model's and is refused.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def global_grad_norm(params: list[Tensor]) -> Tensor:
 
 class MegatronTrainable:
     """AdamW on a (TP-sharded) GPTModel; `update` clips the global gradient norm to `max_grad_norm` (0: off).
-    `chunk_tokens`: log-probs a chunk of tokens at a time (`gyre.train.logprobs`)."""
+    `chunk_tokens`: log-probs a chunk of tokens at a time (`gyre.train.logprobs`). `pipeline`: the stage's
+    `StreamingPipeline` when the model is one pipeline stage of several (module docstring)."""
 
     def __init__(
         self,
@@ -53,8 +58,10 @@ class MegatronTrainable:
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        pipeline=None,
     ):
         self.model = model
+        self.pipeline = pipeline
         self.chunk_tokens = chunk_tokens
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.weights = MainWeights(self._params)  # fp32 main weights when the model computes in bf16
@@ -62,6 +69,8 @@ class MegatronTrainable:
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, step: MicroStep) -> Tensor:
+        if self.pipeline is not None:
+            raise RuntimeError("a pipeline stage has no whole-model log-probs: run the step through its `pipeline`")
         return microstep_logprobs(self.model, step, chunk_tokens=self.chunk_tokens)
 
     def parameters(self) -> list[Tensor]:

@@ -34,10 +34,15 @@ vocab-parallel cross entropy (as `gyre.train.logprobs`) and `gyre.rl.policy_loss
 as SCORE messages; the last stage accumulates `sequence_log_ratio_sums` and finalizes s_i before the unit's TRAIN
 micro-steps reach it (they follow the SCOREs in the same FIFO).
 
+The loss and its metrics are the last stage's: after the drain it broadcasts them over the pipeline group, so every
+stage's `StepResult` has them (the cell leader, on the first stage, reports the cell's share of a step).
+
 Tensor parallelism: each TP rank of the first stage must get the same units from `claim` (the cell's leader
-claims and broadcasts, as `train_step`'s callers do); headers and activations then travel along each TP rank's own
-pipeline group. Sequence parallelism is rejected (the activation would be `[U / tp, 1, hidden]`). Run here at
-PP 2, PP 3 and TP 2 x PP 2 (tests/integration/test_train_pipeline.py).
+claims and broadcasts over `claim_group`, the first stage's TP group, as `gyre.train.streaming.train_claimed_step`
+does); headers and activations then travel along each TP rank's own pipeline group. Sequence parallelism is
+rejected (the activation would be `[U / tp, 1, hidden]`). Run here at PP 2, PP 3 and TP 2 x PP 2
+(tests/integration/test_train_pipeline.py), and in the program at PP 2 (cells of 2 stages, a satellite beside the
+core: tests/integration/test_train_program_pipeline.py).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from gyre.config.loss import LossConfig
 from gyre.data.microstep import MicroStep
 from gyre.distributed.claims import decode_unit, encode_unit
 from gyre.rl import finalize_sequence_ratio, policy_loss
+from gyre.rl.loss_metrics import LossMetricSums
 from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
 from gyre.train.cpu_patch import apply_cpu_patches
 from gyre.train.logprobs import logprobs_from_hidden, packed_positions, thd_params
@@ -134,6 +140,10 @@ class StreamingPipeline:
         self.first = parallel_state.is_pipeline_first_stage()
         self.last = parallel_state.is_pipeline_last_stage()
         self.group = parallel_state.get_pipeline_model_parallel_group()
+        self.last_rank = parallel_state.get_pipeline_model_parallel_last_rank()  # global: the loss's source
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        # The group a cell's claims are broadcast over: the first stage's TP ranks (the other stages do not claim).
+        self.claim_group = parallel_state.get_tensor_model_parallel_group() if self.first and tp > 1 else None
         self.next_rank = None if self.last else parallel_state.get_pipeline_model_parallel_next_rank()
         self.prev_rank = None if self.first else parallel_state.get_pipeline_model_parallel_prev_rank()
         self.hidden_size = megatron_config.hidden_size
@@ -174,6 +184,7 @@ class StreamingPipeline:
             work.wait()
         self._sends.clear()
         self._reduce_tied_embedding()
+        self._share_loss(result)
         return result
 
     def _next_train(self, claim: Claim, result: StepResult) -> tuple[Tensor | None, MicroStep, int] | None:
@@ -271,8 +282,9 @@ class StreamingPipeline:
             ratio_E = self._seq_ratio[torch.from_numpy(step.batch_execution_E)]
         target = torch.from_numpy(step.target_U).to(self.device)
         logp_T = self._logprobs(step, output)[target].float()
-        loss, _ = policy_loss(logp_T, **loss_inputs_on(step, logp_T.device, ratio_E), config=self.config)
+        loss, metrics = policy_loss(logp_T, **loss_inputs_on(step, logp_T.device, ratio_E), config=self.config)
         result.loss += float(loss.detach())
+        result.metrics.add(metrics)
         return _InFlight(input_BSH, loss)
 
     def _backward(self, item: _InFlight) -> None:
@@ -299,6 +311,18 @@ class StreamingPipeline:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+    def _share_loss(self, result: StepResult) -> None:
+        """Every stage's `result` gets the last stage's loss and loss metrics (a broadcast over the pipeline group)."""
+        shared = [result.loss, result.metrics.to_dict()] if self.last else [None, None]
+        dist.broadcast_object_list(shared, src=self.last_rank, group=self.group, device=self._object_device())
+        result.loss, result.metrics = float(shared[0]), LossMetricSums.from_dict(shared[1])
+
+    def _object_device(self) -> torch.device | None:
+        """Where `broadcast_object_list` stages its bytes: the GPU for an NCCL group, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
 
     # --- point-to-point -----------------------------------------------------------------------------------------
 

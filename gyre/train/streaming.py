@@ -91,7 +91,7 @@ class StepResult:
     micro_steps: int = 0
     tokens: int = 0
     loss: float = 0.0  # this cell's share of the batch loss
-    metrics: LossMetricSums = field(default_factory=LossMetricSums)  # the loss metrics of its micro-steps (PP = 1)
+    metrics: LossMetricSums = field(default_factory=LossMetricSums)  # the loss metrics of its micro-steps
     cells: int = 1  # cells that trained the step (the prefix length)
     update: dict[str, float] = field(default_factory=dict)  # core: the optimizer's metrics (grad norm, ...)
     compute_s: float = 0.0  # seconds in forward and backward passes (the claims' waits left out)
@@ -269,7 +269,7 @@ def train_claimed_step(
     config: LossConfig,
     timeout_s: float = 24 * 3600.0,
 ) -> StepResult | None:
-    """One optimizer step of this rank's cell, claimed from step `step`'s board in the job's `store` (PP = 1).
+    """One optimizer step of this rank's cell, claimed from step `step`'s board in the job's `store`.
 
     Every rank of every cell calls it for each step of a burst, in order, on its main thread, with its own store
     client. The core (cell 0) first publishes its parameters as `version` on `transport` (a one-sided transport,
@@ -279,8 +279,10 @@ def train_claimed_step(
     `train_step`: the cell leader claims and the cell's other ranks follow (`claim_in_cell`), the number of cells
     comes from the board, gradients are summed over the prefix group onto the core's rank at this coordinate.
 
-    A wait on the store that runs past `timeout_s` raises TimeoutError naming the step. A cell with PP > 1 calls
-    `train_step` with its `StreamingPipeline` instead (only its first stage claims)."""
+    A cell of several pipeline stages (a `MegatronTrainable` whose `pipeline` is its `StreamingPipeline`) streams
+    the step through it: only the first stage claims (its TP ranks alike, over `pipeline.claim_group`), the other
+    stages follow their upstream neighbour. A wait on the store that runs past `timeout_s` raises TimeoutError
+    naming the step."""
     cell, coordinate = groups.cell, groups.coordinate
     if cell is None or coordinate is None:
         raise ValueError(f"train_claimed_step runs on cell ranks; {groups.layout.describe(groups.rank)} has no cell")
@@ -298,6 +300,9 @@ def train_claimed_step(
         log.info("step %d: cell %d joined with weights version %d (pulled in %.3f s)", step, cell, version, pull_s)
     cell_size = groups.layout.cell_size
     cell_group = groups.cell_group if cell_size > 1 else None
+    pipeline = getattr(model, "pipeline", None)  # None: no pipeline stages (every trainable but Megatron at PP > 1)
+    if pipeline is not None:
+        cell_group = pipeline.claim_group
     result = train_step(
         model,
         claim=lambda: claim_in_cell(claimer, cell_group=cell_group, leader_rank=cell * cell_size),
@@ -307,6 +312,7 @@ def train_claimed_step(
         core_rank=coordinate,
         final=final,
         config=config,
+        pipeline=pipeline,
     )
     result.pull_s = pull_s
     return result

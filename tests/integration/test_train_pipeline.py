@@ -5,7 +5,7 @@ PP x TP processes hold the stages (and tensor shards) of one Megatron GPTModel (
 including a unit with a split execution (s_i over two micro-steps, Eq. 5). The accumulated gradients, gathered back
 to HF names, must equal those of one process running `accumulate_unit` over the same units (fp32: relative 1e-5),
 with exactly one warm-up and one drain per batch, also when the stream pauses (the claim sleeps and answers WAIT)
-and when the batch is empty.
+and when the batch is empty. Every stage returns the last stage's loss and loss metrics.
 """
 
 from __future__ import annotations
@@ -207,6 +207,7 @@ def pipeline_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: s
             "micro_steps": result.micro_steps,
             "tokens": result.tokens,
             "loss": result.loss,
+            "targets": result.metrics.targets,  # the loss metrics' target count, shared like the loss
             "seconds": elapsed,
             "tied_copies_equal": tied_copies_equal,
             "grad_norm": grad_norm,
@@ -292,6 +293,9 @@ def test_streaming_1f1b_gives_the_pp1_gradients(tmp_path, pp1_reference, pipelin
             assert run["tied_copies_equal"] is (True if tied else None)
         loss = results[-1][name]["loss"]
         assert loss == pytest.approx(reference_losses[want["reference"]], rel=1e-5, abs=1e-7)
+        assert all(runs[name]["loss"] == loss for runs in results)  # the last stage's loss, shared with every stage
+        targets = {runs[name]["targets"] for runs in results}  # the loss metrics' target count, as shared
+        assert len(targets) == 1 and (targets == {0.0}) == (name == "empty"), (name, targets)
     assert results[-1]["plain"]["tokens"] == num_tokens
     assert all(not g.any() for g in torch.load(f"{out}.empty").values())
     for runs in results:

@@ -13,11 +13,12 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
 - Megatron cells: 2 cells x TP 2 on 4 processes run 2 steps of a burst with the satellite cell training beside
   the core (it pulls the core's shards) and a publication (the core's shards gathered into the engines' HF
   layout, the engines updated, `policy/` written), every output as above; the satellite pulls over Mooncake where
-  it imports (`trainer.weight_transport=auto`), else over the store.
+  it imports (`trainer.weight_transport=auto`), else over the store. The cells serve SGLang's stand-in: one
+  `sglang.Engine` of tp_size 2 per cell, a weight payload per tensor-parallel rank at each publication.
 - A user's mistakes exit 2 with one line naming the field: a world size that does not fit the cells (under
-  torchrun's variables), a layout not driven yet (pipeline stages), a model a Megatron cell cannot shard, a model
-  directory without a checkpoint, a bad value, a held-out task directory, a `$GYRE_JOB_SECRET` that cannot be sent
-  (named, its value not shown), a busy proxy port.
+  torchrun's variables), pipeline stages the model's layers do not split into, a model a Megatron cell cannot
+  shard, a model directory without a checkpoint, a bad value, a held-out task directory, a `$GYRE_JOB_SECRET` that
+  cannot be sent (named, its value not shown), a busy proxy port.
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ def mooncake_missing() -> str | None:
 @pytest.mark.slow
 def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_publish(tmp_path):
     from safetensors import safe_open
+    from test_train_sglang_standin import calls_by_engine, standin_env
 
     from gyre.models.hf_weights import load_pretrained
     from gyre.obs.record import record_from_dict
@@ -297,9 +299,22 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     # the unit and integration tests' (test_train_tp.py, test_train_streaming.py, test_train_pipeline.py).
     args = [*SMALL, *MEGATRON_TP2, "algo=colocate", "algo.mu=1", "steps=2", "tasks.eval_every=1"]
     args.append("trainer.dtype=bfloat16")
-    process = train([*args, "trainer.weight_transport=auto"], run_dir, env={"PYTHONWARNINGS": "ignore"})
+    # The cells serve SGLang's stand-in (test_train_sglang_standin.py): one sglang.Engine per cell, tp_size 2, a
+    # weight payload per tensor-parallel rank at each publication (the stand-in refuses another count).
+    args.append("engine.backend=sglang")
+    standin_log = tmp_path / "standin.jsonl"
+    env = {"PYTHONWARNINGS": "ignore", **standin_env(standin_log)}
+    process = train([*args, "trainer.weight_transport=auto"], run_dir, env=env)
     code, out, err = finish(process, 900)
     assert code == 0, err[-3000:]
+    engines = calls_by_engine(standin_log)
+    inits = [c for calls in engines.values() for c in calls if c["call"] == "init"]
+    assert len(engines) == 2 and [c["tp_size"] for c in inits] == [2, 2], engines
+    updates = [c for calls in engines.values() for c in calls if c["call"] == "update"]
+    # Each publication reaches both cells: the one after step 0, and the last one where the cells returned to
+    # rollout before the run ended (timing; else it is policy/ only).
+    per_engine = [sum(c["call"] == "update" for c in calls) for calls in engines.values()]
+    assert per_engine in ([1, 1], [2, 2]) and all(u["success"] for u in updates), updates
     assert ("Transfer Engine" in err) == (mooncake_missing() is None), err[-3000:]  # Mooncake's own log lines
     assert wait_until_gone(process) == []
     end = json.loads(out.strip().splitlines()[-1])
@@ -375,6 +390,7 @@ MEGATRON_TP2 = [
     "cluster.cell_size=2",
 ]
 ONE_CELL_OF_4 = ["cluster.num_cells=1", "cluster.cell_size=4"]
+ONE_CELL_OF_3 = ["cluster.num_cells=1", "cluster.cell_size=3"]  # 3 stages: the tiny model's 4 layers do not split
 TORCHRUN_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": HOST, "MASTER_PORT": "29999"}
 
 
@@ -382,7 +398,7 @@ TORCHRUN_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": 
     ("args", "env", "names"),
     [
         ([], TORCHRUN_3, "world_size"),  # 3 processes for the default 4 cells
-        ([*MEGATRON_TP2[:2], "trainer.pipeline_parallel_size=2", *ONE_CELL_OF_4], None, "pipeline_parallel_size"),
+        (["trainer.backend=megatron", "trainer.pipeline_parallel_size=3", *ONE_CELL_OF_3], None, "pipeline_parallel"),
         (["trainer.backend=megatron", "trainer.tensor_parallel_size=4", *ONE_CELL_OF_4], None, "tensor_parallel_size"),
         (["model.model_dir=/nonexistent/model"], None, "model.model_dir"),
         (["steps=0"], None, "steps"),

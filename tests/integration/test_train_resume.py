@@ -14,6 +14,11 @@ naming rank 0. The same command with `resume=auto` then finishes the run, and it
   checkpoint's plus one dispatch, start and finish each, the summary's `redispatched` is their number, and the
   staleness log goes on from the checkpoint's.
 
+A Megatron core of two tensor-parallel ranks (one cell of TP 2) keeps its sharded optimizer state: each rank's file
+is in the checkpoint, the run resumed from it has each rank load its own back exactly (the digest of what the rank
+holds after loading, logged, is the saved file's), and its next checkpoint goes on from it; a resume at another
+tensor-parallel size exits 2 naming it.
+
 A user's mistakes with `resume` exit 2 with one line: another schedule than the checkpoint's, a checkpoint with the
 run's `steps` done, and a directory holding checkpoints under the default `resume=never`.
 """
@@ -169,9 +174,7 @@ def test_resuming_with_another_schedule_or_nothing_left_to_do_exits_2_naming_it(
     state = {"scheduler": {"trainer_version": 3, "published_version": 3}, "shape": run_shape(TrainConfig())}
     shape = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "head_dim": 8}
     model = DecoderLM(DecoderConfig(model_type="qwen3", num_attention_heads=2, num_key_value_heads=1, **shape))
-    write_checkpoint(
-        run_dir, 3, state, trainer_model=model, optimizer_state=None, source_dir=tmp_path / "source", keep=2
-    )
+    write_checkpoint(run_dir, 3, state, trainer_model=model, source_dir=tmp_path / "source", keep=2)
 
     def run(*args: str) -> tuple[int, str]:
         command = [sys.executable, "-m", "gyre.train", *args, f"hydra.run.dir={run_dir}", "logging.wandb=disabled"]
@@ -184,3 +187,62 @@ def test_resuming_with_another_schedule_or_nothing_left_to_do_exits_2_naming_it(
     assert rc == 2 and "has 3 steps done already; raise steps" in err.splitlines()[-1], err
     rc, err = run()  # resume=never: an earlier run's checkpoints are never overwritten
     assert rc == 2 and "resume=auto continues it" in err.splitlines()[-1], err
+
+
+MEGATRON_ONE_CELL_OF_TP2 = [
+    *SMALL,
+    "trainer.backend=megatron",
+    "trainer.tensor_parallel_size=2",
+    "cluster.num_cells=1",
+    "cluster.cell_size=2",
+    "algo=colocate",  # one cell: rollout, then a step, then rollout again
+    "algo.mu=1",
+    "tasks.eval_every=0",
+    "logging.wandb=disabled",
+]
+QUIET = {"PYTHONWARNINGS": "ignore"}  # megatron's import-time deprecation warnings
+
+
+@pytest.mark.slow  # three program runs of 2 Megatron processes (the last resumed): 35-57 s measured
+def test_a_megatron_core_of_two_ranks_resumes_with_each_ranks_optimizer_state_exactly(tmp_path):
+    import torch
+
+    from gyre.runtime.trainers import state_digest
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rc, out, err = finish(train([*MEGATRON_ONE_CELL_OF_TP2, "steps=2"], run_dir, env=QUIET), 300)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    saved = run_dir / "checkpoints" / "step-000002"
+    names = ["optimizer-0.pt", "optimizer-1.pt"]
+    assert sorted(p.name for p in (saved / "trainer").glob("optimizer*")) == names
+    assert {f"trainer/{n}" for n in names} <= set(json.loads((saved / "complete.json").read_text())["files"])
+    files = [torch.load(saved / "trainer" / name, weights_only=True) for name in names]
+    layout = {"trainer.backend": "megatron", "trainer.tensor_parallel_size": 2, "trainer.pipeline_parallel_size": 1}
+    assert [(f["coordinate"], f["layout"]) for f in files] == [(0, layout), (1, layout)]
+    for f in files:  # each rank's AdamW after 2 updates, of its own shard
+        assert f["optimizer"]["state"] and all(int(e["step"]) == 2 for e in f["optimizer"]["state"].values())
+    first = [e["exp_avg"] for e in files[0]["optimizer"]["state"].values()]
+    second = [e["exp_avg"] for e in files[1]["optimizer"]["state"].values()]
+    assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+    # Another tensor-parallel size: refused before anything runs (the files are the shards of TP 2).
+    tp1 = [*MEGATRON_ONE_CELL_OF_TP2, "trainer.tensor_parallel_size=1", "cluster.cell_size=1", "steps=3"]
+    rc, _, err = finish(train([*tp1, "resume=auto"], run_dir, env=QUIET), 300)
+    lines = [line for line in err.splitlines() if line.startswith("gyre.train:")]
+    assert rc == 2 and len(lines) == 1, err[-2000:]
+    assert "trainer.tensor_parallel_size=1 (the checkpoint's: 2)" in lines[0] and "model.model_dir=" in lines[0]
+
+    rc, out, err = finish(train([*MEGATRON_ONE_CELL_OF_TP2, "steps=3", "resume=auto"], run_dir, env=QUIET), 300)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    assert f"resuming from {saved} (step 2 of 3)" in out
+    log = (run_dir / "train.log").read_text()
+    for coordinate, f in enumerate(files):  # rank j is the core's coordinate j; what it holds after loading
+        digest = state_digest({"optimizer": f["optimizer"], "rng": f["rng"]})
+        line = (
+            f"[rank {coordinate}] gyre.runtime.trainers: optimizer state of in-cell coordinate {coordinate} restored "
+            f"from {saved / 'trainer' / names[coordinate]} (digest {digest})"
+        )
+        assert line in log, log[-3000:]
+    after = torch.load(run_dir / "checkpoints" / "step-000003" / "trainer" / names[1], weights_only=True)
+    assert all(int(e["step"]) == 3 for e in after["optimizer"]["state"].values())  # AdamW went on, not afresh

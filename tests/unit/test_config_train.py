@@ -16,6 +16,7 @@ from gyre.config import (
     HarnessConfig,
     LoggingConfig,
     ModelConfig,
+    MooncakeConfig,
     PackingConfig,
     ProxyConfig,
     SamplingConfig,
@@ -183,6 +184,24 @@ BAD = [
         "trainer.context_parallel_size=2 is not allowed: expected 1 with trainer.backend=native",
     ),
     (lambda: TrainerConfig(weight_transport="nccl"), "trainer.weight_transport='nccl' is not allowed: expected one of"),
+    (lambda: MooncakeConfig(protocol="ib"), "trainer.mooncake.protocol='ib' is not allowed: expected one of tcp, rdma"),
+    (
+        lambda: MooncakeConfig(device_names="mlx5_0"),
+        "trainer.mooncake.device_names='mlx5_0' is not allowed: expected '' with trainer.mooncake.protocol=tcp",
+    ),
+    *[
+        (
+            lambda names=names: MooncakeConfig(protocol="rdma", device_names=names),
+            f"trainer.mooncake.device_names={names!r} is not allowed: expected '' (every RDMA device Mooncake finds) "
+            "or distinct RDMA device names joined by commas without spaces, e.g. mlx5_0,mlx5_1",
+        )
+        for names in ("mlx5_0, mlx5_1", "mlx5_0,,mlx5_1", "mlx5_0,", ",mlx5_0", "mlx5_0,mlx5_0", "mlx5_0;mlx5_1")
+    ],
+    (lambda: MooncakeConfig(protocol="rdma", device_names=None), "trainer.mooncake.device_names=None is not allowed"),
+    (
+        lambda: TrainerConfig(mooncake=MooncakeConfig(protocol="rdma")),
+        "trainer.mooncake.protocol='rdma' is not allowed: expected tcp with trainer.weight_transport=store",
+    ),
     (lambda: TrainerConfig(device="tpu"), "trainer.device='tpu' is not allowed"),
     (lambda: TrainerConfig(device="cuda:x"), "trainer.device='cuda:x' is not allowed"),
     (lambda: ModelConfig(init="zeros"), "model.init='zeros' is not allowed: expected one of warm_start, random"),
@@ -279,6 +298,16 @@ def test_the_weight_transports_are_the_one_sided_kinds():
     assert set(WEIGHT_TRANSPORTS) == set(ONE_SIDED_KINDS)
 
 
+def test_the_mooncake_link_takes_tcp_or_rdma_with_device_names():
+    assert (MooncakeConfig().protocol, MooncakeConfig().device_names) == ("tcp", "")
+    assert TrainerConfig().mooncake == MooncakeConfig()
+    for names in ("", "mlx5_0", "mlx5_0,mlx5_1", "rocep1s0f0,bnxt_re0,irdma-1.2"):
+        assert MooncakeConfig(protocol="rdma", device_names=names).device_names == names
+    rdma = MooncakeConfig(protocol="rdma", device_names="mlx5_0,mlx5_1")
+    for transport in ("mooncake", "auto"):
+        assert TrainerConfig(weight_transport=transport, mooncake=rdma).mooncake is rdma
+
+
 def test_the_harness_names_are_the_runner_registry():
     from gyre.harness.runners import RUNNERS
 
@@ -342,6 +371,14 @@ def test_group_choices_and_overrides_compose():
     assert tp2.world_size == 8
     logs = train_config(["logging.wandb=online", "logging.wandb_entity=me", "tasks.eval_every=0"])
     assert (logs.logging.wandb, logs.logging.wandb_entity, logs.tasks.evaluates) == ("online", "me", False)
+    rdma = train_config(
+        [
+            "trainer.weight_transport=mooncake",
+            "trainer.mooncake.protocol=rdma",
+            "trainer.mooncake.device_names='mlx5_0,mlx5_1'",  # quoted: an unquoted a,b is a Hydra sweep
+        ]
+    )
+    assert rdma.trainer.mooncake == MooncakeConfig(protocol="rdma", device_names="mlx5_0,mlx5_1")
     warm = train_config(["model.warm_start.steps=10", "model.tiny.num_hidden_layers=2"])
     assert (warm.model.warm_start.steps, warm.model.tiny.num_hidden_layers) == (10, 2)
 
@@ -357,6 +394,15 @@ def test_group_choices_and_overrides_compose():
         (["trainer.lr=abc"], "trainer.lr='abc' is not allowed: expected a number"),
         (["+trainer.lrr=1"], "trainer.lrr=1 is not allowed: expected one of the TrainerConfig fields"),
         (["proxy.sampling.top_p=0.95"], "proxy.sampling.top_p=0.95 is not allowed"),
+        (["trainer.mooncake.protocol=ib"], "trainer.mooncake.protocol='ib' is not allowed: expected one of tcp, rdma"),
+        (
+            [
+                "trainer.weight_transport=mooncake",
+                "trainer.mooncake.protocol=rdma",
+                "trainer.mooncake.device_names=a b",
+            ],
+            "trainer.mooncake.device_names='a b' is not allowed",
+        ),
         (["tasks.task_dir=/data/tasks"], "tasks.eval_every=5 is not allowed: expected 0 when tasks.task_dir"),
     ],
 )

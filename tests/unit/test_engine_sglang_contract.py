@@ -124,11 +124,10 @@ def io_classes(tree: ast.Module) -> dict[str, str]:
     raise AssertionError("load_sglang_io builds no SGLangIO")
 
 
-def sampling_keys(tree: ast.Module) -> set[str]:
-    """The keys `to_sglang_sampling_params` puts in the dict it returns."""
-    (function,) = [
-        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "to_sglang_sampling_params"
-    ]
+def dict_keys(tree: ast.Module, function_name: str) -> set[str]:
+    """The keys the function `function_name` puts in the dicts it builds (`to_sglang_sampling_params`: SamplingParams
+    fields; `sglang_engine_args`: ServerArgs fields)."""
+    (function,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function_name]
     keys = set()
     for node in ast.walk(function):
         if isinstance(node, ast.Dict):
@@ -180,8 +179,10 @@ def problems(adapter_source: str, sglang: SGLangSource) -> list[str]:
         elif owner == "ServerArgs" and (unknown := sorted(set(call.keywords) - sglang.server_args)):
             out.append(f"{where}: ServerArgs has no fields {unknown}")
     # SamplingParams is a msgspec Struct: its constructor takes its fields as keywords
-    if unknown := sorted(sampling_keys(tree) - sglang.fields("SamplingParams")):
+    if unknown := sorted(dict_keys(tree, "to_sglang_sampling_params") - sglang.fields("SamplingParams")):
         out.append(f"to_sglang_sampling_params: SamplingParams takes no {unknown}")
+    if unknown := sorted(dict_keys(tree, "sglang_engine_args") - sglang.server_args):
+        out.append(f"sglang_engine_args: ServerArgs has no fields {unknown}")
     for name in ("skip_tokenizer_init", "max_running_requests", "tp_size"):  # from_pretrained, read_limits
         if name not in sglang.server_args:
             out.append(f"ServerArgs has no field {name!r}")
@@ -222,10 +223,93 @@ def test_the_adapter_calls_only_what_the_pinned_sglang_has(sglang_source):
         ('"min_new_tokens": 0', '"min_new_token": 0', "SamplingParams takes no ['min_new_token']"),
         ("io.pause(mode=", "io.pause(mood=", "PauseGenerationReqInput has no fields ['mood']"),
         ("MultiprocessingSerializer.serialize,", "MultiprocessingSerializer.serialise,", "no method 'serialise'"),
+        ('"enable_memory_saver": True', '"enable_mem_saver": True', "ServerArgs has no fields ['enable_mem_saver']"),
     ],
 )
 def test_a_misspelled_name_is_caught(sglang_source, original, misspelled, reported):
     source = Path(adapter.__file__).read_text()
     assert source.count(original) == 1, original
     found = problems(source.replace(original, misspelled), sglang_source)
+    assert len(found) == 1 and reported in found[0], found
+
+
+# ----------------------------------------------------------------- the stand-in (gyre.engine.sglang_standin)
+
+STANDIN_CLASSES = {  # stand-in file -> the classes there that model SGLang's classes of the same name
+    "srt/entrypoints/engine.py": ("Engine",),
+    "srt/managers/tokenizer_manager.py": ("TokenizerManager",),
+    "srt/utils/__init__.py": ("MultiprocessingSerializer",),
+}
+STANDIN_REQUESTS = "srt/managers/io_struct.py"
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    args = function.args
+    return {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)} - {"self"}
+
+
+def standin_problems(folder: Path, sglang: SGLangSource) -> list[str]:
+    """Everything the stand-in models that the pinned SGLang does not have: a public method (its parameters among
+    the real method's), a request type's field, a ServerArgs field it accepts."""
+    out = []
+    for path, names in STANDIN_CLASSES.items():
+        for node in ast.parse((folder / path).read_text()).body:
+            if not isinstance(node, ast.ClassDef) or node.name not in names:
+                continue
+            for item in node.body:
+                if not isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) or item.name.startswith("_"):
+                    continue
+                real = sglang.method(node.name, item.name)
+                if real is None:
+                    out.append(f"{path}: SGLang's {node.name} has no method {item.name!r}")
+                elif extra := sorted(_parameters(item) - _parameters(real)):
+                    out.append(f"{path}: {node.name}.{item.name} has parameters {extra} SGLang's has not")
+    for node in ast.parse((folder / STANDIN_REQUESTS).read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            fields = {ast.unparse(i.target) for i in node.body if isinstance(i, ast.AnnAssign)}
+            if node.name not in sglang.classes:
+                out.append(f"{STANDIN_REQUESTS}: SGLang has no class {node.name}")
+            elif extra := sorted(fields - sglang.fields(node.name)):
+                out.append(f"{STANDIN_REQUESTS}: {node.name} has fields {extra} SGLang's has not")
+    engine = ast.parse((folder / "srt/entrypoints/engine.py").read_text())
+    (accepted,) = [
+        n.value
+        for n in ast.walk(engine)
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "ACCEPTED_SERVER_ARGS"
+    ]
+    names = {c.value for c in ast.walk(accepted) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    if extra := sorted(names - sglang.server_args):
+        out.append(f"ACCEPTED_SERVER_ARGS: ServerArgs has no fields {extra}")
+    return out
+
+
+def test_the_standin_models_only_what_the_pinned_sglang_has(sglang_source):
+    from gyre.engine.sglang_standin import PATH
+
+    assert standin_problems(PATH / "sglang", sglang_source) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "original", "misspelled", "reported"),
+    [
+        (
+            "srt/managers/tokenizer_manager.py",
+            "def abort_request(self, rid",
+            "def abort_request(self, request_id",
+            "parameters ['request_id']",
+        ),
+        ("srt/managers/io_struct.py", "    mode: str", "    mood: str", "PauseGenerationReqInput has fields ['mood']"),
+        ("srt/entrypoints/engine.py", '"random_seed",', '"random_seeds",', "ServerArgs has no fields ['random_seeds']"),
+    ],
+)
+def test_a_standin_that_invents_a_name_is_caught(tmp_path, sglang_source, path, original, misspelled, reported):
+    import shutil
+
+    from gyre.engine.sglang_standin import PATH
+
+    copy = shutil.copytree(PATH / "sglang", tmp_path / "sglang")
+    text = (copy / path).read_text()
+    assert text.count(original) == 1, original
+    (copy / path).write_text(text.replace(original, misspelled))
+    found = standin_problems(copy, sglang_source)
     assert len(found) == 1 and reported in found[0], found

@@ -3,7 +3,8 @@
 
 - Group outcomes go through JSON and come back equal: statuses, rewards, members, the order they became valid; an
   execution given a new id comes back OPEN.
-- A checkpoint is read back with its state; the newest complete one is taken; one cut off mid-write (a real
+- A checkpoint is read back with its state, the optimizer files its ranks wrote into its staging directory listed
+  in `complete.json`; the newest complete one is taken; one cut off mid-write (a real
   SIGKILL of the writing process), a `step-<n>/` without `complete.json` and one whose file lost bytes are skipped
   for the previous one; `keep` prunes the oldest; a write into a directory that cannot be written raises
   `CheckpointError` and leaves nothing.
@@ -19,10 +20,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
-from gyre.runtime.checkpoint import CheckpointError, latest_checkpoint, read_checkpoint, write_checkpoint
+from gyre.runtime.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    optimizer_file,
+    read_checkpoint,
+    stage_checkpoint,
+    write_checkpoint,
+)
 from gyre.runtime.resume import ResumeError, checkpoint_to_resume
 from gyre.traj.outcomes import CloseKind, EvaluatedState, Evaluation, GroupOutcomes, Status, Validity
 from gyre.traj.outcomes_state import group_outcomes_state, restored_group_outcomes
@@ -64,13 +73,18 @@ def test_group_outcomes_come_back_from_json_as_they_were():
 
 
 def write(run_dir: Path, step: int, keep: int = 5) -> Path:
+    """Checkpoint `step` as the controller writes one of a core of two ranks: staged, each rank's optimizer file
+    written there, then the rest."""
     model = DecoderLM(DecoderConfig(**TINY))
     source = run_dir / "source"
     source.mkdir(exist_ok=True)
     (source / "tokenizer.json").write_text("{}")
     state = {"scheduler": {"trainer_version": step, "published_version": step}, "step": step}
-    return write_checkpoint(run_dir, step, state, trainer_model=model, optimizer_state={"optimizer": {}},
-                            source_dir=source, keep=keep)  # fmt: skip
+    trainer_dir = stage_checkpoint(run_dir, step)
+    for coordinate in (0, 1):
+        torch.save({"optimizer": {}, "coordinate": coordinate}, trainer_dir / optimizer_file(coordinate, 2))
+    return write_checkpoint(run_dir, step, state, trainer_model=model, source_dir=source, keep=keep,
+                            staged=True)  # fmt: skip
 
 
 def test_the_newest_complete_checkpoint_is_read_and_torn_ones_are_skipped(tmp_path, caplog):
@@ -78,7 +92,10 @@ def test_the_newest_complete_checkpoint_is_read_and_torn_ones_are_skipped(tmp_pa
     newest = write(tmp_path, 4)
     assert latest_checkpoint(tmp_path).step == 4
     assert read_checkpoint(newest).state["step"] == 4
-    assert (newest / "trainer" / "tokenizer.json").is_file() and (newest / "trainer" / "optimizer.pt").is_file()
+    assert (newest / "trainer" / "tokenizer.json").is_file()
+    listed = json.loads((newest / "complete.json").read_text())["files"]
+    assert {"trainer/optimizer-0.pt", "trainer/optimizer-1.pt"} <= set(listed)  # the ranks' files count for complete
+    assert torch.load(newest / "trainer" / "optimizer-1.pt")["coordinate"] == 1
     weights = newest / "trainer" / "model.safetensors"
     with open(weights, "r+b") as handle:  # a file that lost its end
         handle.truncate(weights.stat().st_size - 10)

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from gyre.config import TinyModelSpec, TrainConfig
@@ -94,3 +95,46 @@ def test_a_yarn_128k_checkpoint_trains_in_both_backends_alike(model_parallel, tm
     with torch.no_grad():
         unscaled = build_trainable(cfg, plain).logprobs(step)
     assert float((unscaled - got["native"]).abs().max()) > 1e-3
+
+
+def test_a_core_ranks_optimizer_state_comes_back_exactly_and_only_into_its_own_layout(tmp_path, caplog):
+    """`save_optimizer` / `restore_optimizer`, as a core rank at coordinate 1 of a cell of two does them: AdamW's
+    moments and step and torch's RNG state come back bit for bit (the digest logged says so); another coordinate or
+    layout is refused; a checkpoint without the rank's file starts AdamW afresh, with a warning."""
+    import logging
+
+    from gyre.runtime.trainers import optimizer_state, restore_optimizer, save_optimizer, state_digest
+
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=4)
+    cfg = TrainConfig(model=ModelConfig(model_dir=str(model_dir)))
+    trainer = build_trainable(cfg, model_dir)
+    for p in trainer.parameters():  # one update: moments and steps to keep
+        p.grad = torch.randn_like(p)
+    trainer.optimizer.step()
+    layout = {"trainer.backend": "megatron", "trainer.tensor_parallel_size": 2, "trainer.pipeline_parallel_size": 1}
+    path = save_optimizer(trainer, tmp_path, coordinate=1, cell_size=2, layout=layout)
+    assert path.name == "optimizer-1.pt"
+    saved = {k: v for k, v in torch.load(path, weights_only=True).items() if k in ("optimizer", "rng")}
+    torch.rand(3)  # the RNG moves on after the save
+
+    fresh = build_trainable(cfg, model_dir)
+    with caplog.at_level(logging.INFO, logger="gyre.runtime.trainers"):
+        digest = restore_optimizer(fresh, tmp_path, coordinate=1, cell_size=2, layout=layout)
+    assert digest == state_digest(saved) and digest in caplog.text
+    got = optimizer_state(fresh)
+    assert torch.equal(got["rng"], saved["rng"])
+    want = saved["optimizer"]["state"]
+    assert sorted(got["optimizer"]["state"]) == sorted(want) and len(want) == len(trainer.parameters())
+    for index, entry in want.items():
+        assert all(torch.equal(got["optimizer"]["state"][index][key], entry[key]) for key in entry)
+    assert got["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]
+    fresh.optimizer.state[fresh.weights.main[0]]["exp_avg"].add_(1.0)
+    assert state_digest(optimizer_state(fresh)) != digest  # a digest sees one changed tensor
+
+    with pytest.raises(ValueError, match="resume with the checkpoint's trainer layout"):
+        restore_optimizer(fresh, tmp_path, coordinate=1, cell_size=2, layout={**layout, "trainer.backend": "native"})
+    (tmp_path / "optimizer-1.pt").rename(tmp_path / "optimizer-0.pt")  # another rank's file under this rank's name
+    with pytest.raises(ValueError, match="in-cell coordinate 1 of"):
+        restore_optimizer(fresh, tmp_path, coordinate=0, cell_size=2, layout=layout)
+    assert restore_optimizer(fresh, tmp_path / "tiny", coordinate=0, cell_size=1, layout=layout) is None
+    assert "no optimizer state kept" in caplog.text

@@ -1,0 +1,106 @@
+"""`TokenizerManager`: the coroutines gyre's adapter calls on SGLang's tokenizer manager, over the stand-in
+engine's native engine (package docstring of `gyre.engine.sglang_standin`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .io_struct import FlushCacheReqOutput
+
+TOP_K_OFF = -1
+
+
+class TokenizerManager:
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.server_args = engine.server_args
+        config = engine.native.model.config
+        self.model_config = type("ModelConfig", (), {"vocab_size": config.vocab_size})()
+        self.context_len = config.max_position_embeddings
+        self._running = asyncio.Event()  # cleared while paused in place
+        self._running.set()
+        self._version = 0  # SGLang counts no versions; the native engine underneath needs increasing ones
+        self._in_flight: set[str] = set()
+
+    async def _stream(self, input_ids: list[int], sampling_params: dict, rid: str):
+        from gyre.engine.protocol import GenerateRequest, SamplingParams
+
+        greedy = sampling_params.get("temperature", 1.0) == 0
+        top_k = sampling_params.get("top_k", TOP_K_OFF)
+        params = SamplingParams(
+            temperature=0.0 if greedy else float(sampling_params.get("temperature", 1.0)),
+            top_p=float(sampling_params.get("top_p", 1.0)),
+            top_k=0 if top_k == TOP_K_OFF else int(top_k),
+            max_new_tokens=int(sampling_params["max_new_tokens"]),
+            stop_token_ids=tuple(sampling_params.get("stop_token_ids", ())),
+            seed=sampling_params.get("sampling_seed"),
+        )
+        request = GenerateRequest(request_id=rid, execution_id=rid, input_ids=tuple(input_ids), params=params)
+        triples: list[tuple[float, int, None]] = []
+        self._in_flight.add(rid)
+        try:
+            async for chunk in self._engine.native.generate_stream(request):
+                pairs = zip(chunk.token_ids, chunk.logprobs, strict=True)
+                triples.extend((logprob, token, None) for token, logprob in pairs)
+                await self._running.wait()  # held while paused in place
+                finish = None if chunk.finish_reason is None else {"type": chunk.finish_reason}
+                meta = {
+                    "output_token_logprobs": list(triples),
+                    "completion_tokens": len(triples),
+                    "cached_tokens": chunk.cached_tokens or 0,
+                    "finish_reason": finish,
+                }
+                yield {"meta_info": meta}
+        finally:
+            self._in_flight.discard(rid)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        rids = list(self._in_flight) if abort_all else [rid]
+        self._engine._log("abort", rids=rids)
+        for one in rids:
+            self._engine.native.abort(one)
+
+    async def pause_generation(self, obj):
+        self._engine._log("pause", mode=obj.mode)
+        if obj.mode != "in_place":
+            raise NotImplementedError(f"the SGLang stand-in pauses in place only, not mode={obj.mode!r}")
+        self._running.clear()
+
+    async def continue_generation(self, obj):
+        self._engine._log("continue")
+        self._running.set()
+
+    async def update_weights_from_tensor(self, obj, request=None):
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        tp_size = self.server_args.tp_size
+        if len(obj.serialized_named_tensors) != tp_size:
+            return False, f"{len(obj.serialized_named_tensors)} payloads for tp_size={tp_size}"
+        if obj.flush_cache and self._in_flight:
+            raise RuntimeError("flush_cache=True with requests in flight: SGLang's scheduler asserts the flush")
+        named = dict(MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0]))
+        try:
+            await self._engine.native.update_weights(named, version=self._version + 1)
+        except ValueError as error:
+            self._engine._log("update", success=False, tensors=len(named), in_flight=len(self._in_flight))
+            return False, str(error)
+        self._version += 1
+        self._engine._log("update", success=True, tensors=len(named), in_flight=len(self._in_flight))
+        return True, "Succeeded to update model weights."
+
+    @staticmethod
+    def _parts(tags) -> dict[str, bool]:
+        return {"weights": tags is None or "weights" in tags, "kv": tags is None or "kv_cache" in tags}
+
+    async def release_memory_occupation(self, obj, request=None):
+        self._engine._log("release", tags=obj.tags)
+        await self._engine.native.release_memory(**self._parts(obj.tags))
+
+    async def resume_memory_occupation(self, obj, request=None):
+        self._engine._log("resume", tags=obj.tags)
+        await self._engine.native.resume_memory(**self._parts(obj.tags))
+
+    async def flush_cache(self, timeout_s=None):
+        self._engine._log("flush", in_flight=len(self._in_flight))
+        return FlushCacheReqOutput(success=not self._in_flight)

@@ -1,0 +1,94 @@
+"""gyre.runtime.engines and what it builds on: which engine a cell serves (`engine.backend`), the one-line refusals
+where the backend cannot run here, the SGLang engine's arguments and the cell's GPUs it runs on. The SGLang
+engine itself is tested through its stand-in (test_train_sglang_standin.py) and its adapter
+(test_engine_sglang_adapter.py); a real SGLang needs a GPU (tests/gpu)."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+
+from gyre.config import ConfigError, TrainConfig
+from gyre.config.engine import EngineConfig, EngineServeConfig
+from gyre.config.serve import ServeConfig
+from gyre.distributed.backends import BackendError, cell_engine_gpus
+from gyre.engine.sglang_engine import sglang_engine_args
+from gyre.engine.sglang_standin import PATH as STANDIN
+from gyre.runtime import engines
+
+
+def test_engine_backend_is_checked_and_sglang_args_need_sglang():
+    assert EngineConfig().backend == "native" and EngineConfig(backend="sglang").sglang_args == {}
+    with pytest.raises(ConfigError, match=r"engine.backend='vllm' is not allowed: expected one of native, sglang"):
+        EngineConfig(backend="vllm")
+    with pytest.raises(ConfigError, match=r"engine.sglang_args=.*empty unless engine.backend=sglang"):
+        EngineConfig(sglang_args={"mem_fraction_static": 0.7})
+    with pytest.raises(ConfigError, match=r"engine.sglang_args=.*a mapping of SGLang ServerArgs names"):
+        EngineConfig(backend="sglang", sglang_args=["mem_fraction_static"])
+    for app in (ServeConfig, EngineServeConfig):  # SGLang runs in the training program's cells only
+        with pytest.raises(ConfigError, match=r"engine.backend=.sglang. is not allowed: expected native"):
+            app(engine=EngineConfig(backend="sglang"))
+
+
+def config(**engine) -> TrainConfig:
+    return TrainConfig(engine=EngineConfig(**engine))
+
+
+def test_backend_problem_names_the_gpu_extra_or_the_device(monkeypatch):
+    assert engines.backend_problem(config()) is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    problem = engines.backend_problem(config(backend="sglang"))
+    assert "sglang package is not installed" in problem and "gpu extra" in problem and "\n" not in problem
+    real = types.SimpleNamespace(origin="/site-packages/sglang/__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: real)
+    assert "SGLang serves on CUDA GPUs; set engine.device=cuda" in engines.backend_problem(config(backend="sglang"))
+    standin = types.SimpleNamespace(origin=str(STANDIN / "sglang" / "__init__.py"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: standin)
+    assert engines.backend_problem(config(backend="sglang")) is None  # the stand-in serves on the CPU
+
+
+def test_sglang_engine_args_derive_from_the_cell_and_user_args_win():
+    args = sglang_engine_args(
+        tp_size=4, base_gpu_id=4, dtype="bfloat16", max_running=32, max_total_tokens=0, seed=7, extra=None
+    )
+    assert args == {
+        "tp_size": 4,
+        "base_gpu_id": 4,
+        "dtype": "bfloat16",
+        "max_running_requests": 32,
+        "random_seed": 7,
+        "skip_tokenizer_init": True,  # token ids in and out: the proxy renders and parses
+        "enable_memory_saver": True,  # release_memory_occupation frees the GPU for the trainer
+    }  # max_total_tokens 0: SGLang sizes the KV pool from mem_fraction_static
+    extra = {"max_running_requests": 8, "mem_fraction_static": 0.7}
+    args = sglang_engine_args(
+        tp_size=1, base_gpu_id=0, dtype="float32", max_running=32, max_total_tokens=9000, seed=0, extra=extra
+    )
+    assert (args["max_running_requests"], args["mem_fraction_static"], args["max_total_tokens"]) == (8, 0.7, 9000)
+
+
+@pytest.mark.parametrize(
+    ("leader", "cell_size", "visible", "first"),
+    [(0, 1, 8, 0), (4, 4, 8, 4), (0, 8, 8, 0), (6, 2, 8, 6), (0, 1, 1, 0)],
+)
+def test_a_cells_sglang_engine_runs_on_the_cells_gpus(leader, cell_size, visible, first):
+    assert cell_engine_gpus(leader, cell_size, visible) == first
+
+
+@pytest.mark.parametrize(("leader", "cell_size", "visible"), [(0, 2, 1), (6, 4, 8), (4, 8, 8)])
+def test_a_cell_whose_gpus_its_leader_cannot_use_is_one_line(leader, cell_size, visible):
+    with pytest.raises(BackendError, match=f"cluster.cell_size={cell_size}: the cell's leader") as error:
+        cell_engine_gpus(leader, cell_size, visible)
+    assert "\n" not in str(error.value) and "--gpus-per-node" in str(error.value)
+
+
+def test_the_native_factory_builds_the_native_engine(tmp_path):
+    from gyre.engine.native import NativeEngine
+    from gyre.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m")
+    engine = engines.engine_factory(config(max_running=9), model_dir, 5, cell_size=1)()
+    assert isinstance(engine, NativeEngine) and engine.policy_version == 5 and engine.max_running == 9
+    assert engines.start_timeout_s(config()) < engines.start_timeout_s(config(backend="sglang"))
