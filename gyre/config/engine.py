@@ -15,6 +15,7 @@ from gyre.config.checks import require, require_bool, require_choice, require_in
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("native", "sglang")
+WEIGHT_SYNCS = ("auto", "http", "broadcast")
 
 
 @dataclass(kw_only=True)
@@ -28,6 +29,11 @@ class EngineConfig:
     sglang_args: dict[str, Any] = field(default_factory=dict)
     """backend=sglang: more `sglang.Engine` arguments (SGLang's `ServerArgs` fields), e.g.
     `+engine.sglang_args.mem_fraction_static=0.7`; they win over what gyre derives (docs/sglang.md)."""
+    weight_sync: str = "auto"
+    """How a publication reaches the cells' engines (`python -m gyre.train`): `http` each engine loads the weights
+    sent to its endpoint (`update_weights`); `broadcast` rank 0 broadcasts them over a process group with each SGLang
+    engine's workers (SGLang's `update_weights_from_distributed`; backend=sglang only); `auto` broadcast with
+    SGLang, http with the native engine (docs/sglang.md, "In the training program")."""
     enabled: bool = True
     """`gyre.serve` only: serve from an embedded native engine; false with `engine_urls` to serve only from
     external engines. `python -m gyre.engine serve` always runs one (false is refused there)."""
@@ -58,6 +64,13 @@ class EngineConfig:
             "engine.sglang_args",
             self.sglang_args,
             "empty unless engine.backend=sglang (they are SGLang's arguments)",
+        )
+        require_choice("engine.weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        require(
+            self.weight_sync != "broadcast" or self.backend == "sglang",
+            "engine.weight_sync",
+            self.weight_sync,
+            "http or auto with engine.backend=native (the native engine loads publications from its endpoint only)",
         )
         require_bool("engine.enabled", self.enabled)
         require_int("engine.max_running", self.max_running, ge=1)

@@ -17,6 +17,11 @@ chunk). Every route maps to one `Engine` method; the wire format is `gyre.engine
 | `POST /export_kv` | `export_kv` | `{"request_id"}` -> KV frame |
 | `POST /import_kv` | `import_kv` | KV frame |
 | `POST /release_export` | `release_export` | `{"request_id"}` -> `{"released": bool}` |
+| `POST /init_weights_group` | same | `{"address", "port", "rank_offset", "world_size", "group_name", "backend"}` |
+| `POST /update_weights_from_group` | same | `{"names", "dtypes", "shapes", "group_name", "version"}` |
+
+The last two are SGLang's publication by broadcast (`gyre.engine.sglang_engine`); an engine without them (the
+native one) answers 501.
 
 With a `secret` (the job's, `gyre.runtime.job.Job.secret`), every route but `GET /health` requires
 `Authorization: Bearer <secret>`: without that header (or with another scheme) the answer is 401 `unauthorized`,
@@ -151,6 +156,11 @@ class EngineServer:
                 web.post("/export_kv", self._export_kv),
                 web.post("/import_kv", self._import_kv),
                 web.post("/release_export", self._release_export),
+                web.post("/init_weights_group", self._simple(lambda body: self._optional("init_weights_group", body))),
+                web.post(
+                    "/update_weights_from_group",
+                    self._simple(lambda body: self._optional("update_weights_from_group", body)),
+                ),
             ]
         )
 
@@ -315,6 +325,13 @@ class EngineServer:
             return _json({"ok": True})
 
         return handler
+
+    def _optional(self, method: str, body: dict):
+        """`engine.<method>(**body)` for a method not every engine has (NotImplementedError: 501 without it)."""
+        call = getattr(self.engine, method, None)
+        if call is None:
+            raise NotImplementedError(f"{type(self.engine).__name__} has no {method} (SGLang's engines have)")
+        return call(**body)
 
     async def _update_weights(self, http: web.Request) -> web.Response:
         try:

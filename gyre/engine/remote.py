@@ -207,6 +207,29 @@ class RemoteEngine:
         await self._post_json("/update_weights", None, data=wire.weights_to_frame(weights, version=version))
         await self.refresh_load()
 
+    async def init_weights_group(
+        self, *, address: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """The engine joins a weight group with rank 0 (SGLang's engines: `gyre.engine.sglang_engine`); an engine
+        without one raises NotImplementedError."""
+        body = {
+            "address": address,
+            "port": port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._call("/init_weights_group", body)
+
+    async def update_weights_from_group(
+        self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int
+    ) -> None:
+        """The engine loads `version` from rank 0's broadcasts over its weight group (which rank 0 sends meanwhile)."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "version": version}
+        await self._call("/update_weights_from_group", body)
+        await self.refresh_load()
+
     # ----------------------------------------------------------------- KV migration
 
     async def export_kv(self, request_id: str) -> KVExport:

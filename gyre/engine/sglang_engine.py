@@ -20,6 +20,10 @@ Contract (beyond `gyre.engine.protocol`)
   `update_weights_from_tensor`, so running requests continue under the new weights, as the protocol asks.
   SGLang asserts that the prefix-cache flush after an update succeeds and cannot flush with requests in flight,
   so then the update goes with `flush_cache=False` and the adapter calls `flush_cache()` once it is idle again.
+- Publications across cells: `init_weights_group` makes SGLang's TP workers join a process group with rank 0
+  (`init_weights_update_group`), and `update_weights_from_group` loads a version that rank 0 broadcasts over it
+  (`update_weights_from_distributed`, in the same pause in place); `gyre.runtime.engines.GroupPublishing` drives
+  both from rank 0.
 - `export_kv`/`import_kv` raise `NotImplementedError` (SGLang has no per-request KV export; the caller
   re-prefills elsewhere); `release_export` returns False. `load()` is an adapter-side estimate (no scheduler call).
 """
@@ -253,6 +257,8 @@ class SGLangIO:
     pause: Callable[..., Any]  # io_struct.PauseGenerationReqInput(mode=)
     resume_generation: Callable[..., Any]  # io_struct.ContinueGenerationReqInput()
     serialize: Callable[[Any], Any]  # utils.MultiprocessingSerializer.serialize
+    init_group: Callable[..., Any]  # io_struct.InitWeightsUpdateGroupReqInput(master_address=, ...)
+    update_distributed: Callable[..., Any]  # io_struct.UpdateWeightsFromDistributedReqInput(names=, ...)
 
 
 def load_sglang_io() -> SGLangIO:
@@ -268,6 +274,8 @@ def load_sglang_io() -> SGLangIO:
         pause=io_struct.PauseGenerationReqInput,
         resume_generation=io_struct.ContinueGenerationReqInput,
         serialize=MultiprocessingSerializer.serialize,
+        init_group=io_struct.InitWeightsUpdateGroupReqInput,
+        update_distributed=io_struct.UpdateWeightsFromDistributedReqInput,
     )
 
 
@@ -618,6 +626,17 @@ class SGLangEngine(AcceptingLifecycle):
                 raise TypeError(f"update_weights: {name} is a {type(tensor).__name__}, expected a torch.Tensor")
         io = self._sglang_io()
         payload = [io.serialize(list(named.items())) for _ in range(self.limits.tp_size)]
+
+        def send(flush_now: bool):
+            update = io.update_weights(serialized_named_tensors=payload, load_format=None, flush_cache=flush_now)
+            return self._manager.update_weights_from_tensor(update, None)
+
+        await self._paused_update(send, version)
+
+    async def _paused_update(self, send: Callable[[bool], Any], version: int) -> None:
+        """Load `version` with `send(flush_now)` (an SGLang update coroutine returning `(success, message)`) inside a
+        pause in place, so running requests continue under the new weights (module docstring)."""
+        io = self._sglang_io()
         async with self._update_lock:
             if self.pause_for_update:
                 await self._manager.pause_generation(io.pause(mode="in_place"))
@@ -625,9 +644,8 @@ class SGLangEngine(AcceptingLifecycle):
             # requests are queued or running: flush only when nothing is in flight (without the pause, SGLang's
             # model-update lock waits for in-flight requests), else flush once the adapter is idle again.
             flush_now = not self._in_flight or not self.pause_for_update
-            update = io.update_weights(serialized_named_tensors=payload, load_format=None, flush_cache=flush_now)
             try:
-                success, message = await self._manager.update_weights_from_tensor(update, None)
+                success, message = await send(flush_now)
             finally:
                 if self.pause_for_update:
                     await self._manager.continue_generation(io.resume_generation())
@@ -637,6 +655,51 @@ class SGLangEngine(AcceptingLifecycle):
             self.policy_version = version
             self._flush_pending = self._flush_pending or not flush_now
             self._flush_if_idle()
+
+    async def init_weights_group(
+        self, *, address: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """SGLang's tensor-parallel workers join the weight group `group_name` of `world_size` ranks (rank
+        `rank_offset` + their TP rank) at the rendezvous `address:port`, which rank 0 serves
+        (`gyre.distributed.weight_groups`); returns once they joined. ValueError when SGLang says it failed."""
+        io = self._sglang_io()
+        request = io.init_group(
+            master_address=address,
+            master_port=port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        success, message = await self._manager.init_weights_update_group(request, None)
+        if not success:
+            raise ValueError(f"SGLang could not join the weight group {group_name!r}: {message}")
+
+    async def update_weights_from_group(
+        self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int
+    ) -> None:
+        """Load `version` from rank 0's broadcasts over the weight group `group_name` (one per name, in order, with
+        those dtypes and shapes), inside a pause in place as `update_weights` (calls in flight continue under the
+        new weights). Rank 0 broadcasts while this waits."""
+        if self._weights_released:
+            raise EngineUnavailableError("weights are released: resume_memory first, then update the weights")
+        check_version(version, self.policy_version)
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError(f"a weight group update needs as many names, dtypes and shapes, at least one: {names!r}")
+        io = self._sglang_io()
+
+        def send(flush_now: bool):
+            update = io.update_distributed(
+                names=list(names),
+                dtypes=list(dtypes),
+                shapes=[list(shape) for shape in shapes],
+                group_name=group_name,
+                flush_cache=flush_now,
+                load_format=None,
+            )
+            return self._manager.update_weights_from_distributed(update, None)
+
+        await self._paused_update(send, version)
 
     def _flush_if_idle(self) -> None:
         """Drop SGLang's prefix cache (KV of old weights) once no request is in flight, if an update left it."""

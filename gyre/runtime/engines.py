@@ -9,24 +9,46 @@ endpoint's `ServerThread`, which calls it on the endpoint's event loop:
   cell's GPUs (`cell_engine_gpus`), built on the endpoint's loop (SGLang installs no signal handler off the main
   thread). SGLang loads the checkpoint itself; its start takes minutes on a GPU (`start_timeout_s`).
 
-`check_backend(cfg)` is the program's check before anything starts: a message for the user where the backend cannot
+`backend_problem(cfg)` is the program's check before anything starts: a message for the user where the backend cannot
 run here (SGLang not installed; SGLang on a CPU, which only gyre's stand-in serves).
+
+Publications (`engine.weight_sync`): over each engine's endpoint (`update_weights`), or, with SGLang, broadcast by
+rank 0 over a process group with the engine's tensor-parallel workers: `join_weight_group` makes the group once per
+cell at start (rank 0 serves its rendezvous on `job.host`; the engine's workers are ranks 1..tp_size), and the cell's
+engine is then a `GroupPublishing`, whose `update_weights` asks the engine to receive (`update_weights_from_group`)
+while rank 0 broadcasts (`gyre.distributed.weight_groups`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gyre.config import TrainConfig
 from gyre.config.trainer import device_kind
 
 if TYPE_CHECKING:
-    from gyre.engine.protocol import Engine
+    import torch
 
-__all__ = ["SGLANG_START_S", "backend_problem", "engine_factory", "start_timeout_s"]
+    from gyre.engine.protocol import Engine
+    from gyre.models.flat_weights import FlatWeights
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "SGLANG_START_S",
+    "GroupPublishing",
+    "backend_problem",
+    "engine_factory",
+    "join_weight_group",
+    "start_timeout_s",
+    "uses_weight_groups",
+]
 
 NATIVE_START_S = 30.0
 SGLANG_START_S = 1800.0  # SGLang loads the checkpoint, profiles memory and captures CUDA graphs before it serves
@@ -102,3 +124,92 @@ def _first_gpu(cfg: TrainConfig, cell_size: int) -> int:
     from gyre.distributed.backends import cell_engine_gpus
 
     return cell_engine_gpus(torch.cuda.current_device(), cell_size, torch.cuda.device_count())
+
+
+def uses_weight_groups(cfg: TrainConfig) -> bool:
+    """Whether publications are broadcast over weight groups (`engine.weight_sync`; auto: with SGLang)."""
+    sync = cfg.engine.weight_sync
+    return sync == "broadcast" or (sync == "auto" and cfg.engine.backend == "sglang")
+
+
+WEIGHT_GROUP_TIMEOUT_S = 600.0  # joining the group, and each broadcast of a publication
+
+
+async def join_weight_group(engine, *, cell: int, host: str, tp_size: int, device_kind: str) -> GroupPublishing:
+    """Make the weight group of `cell`'s engine (module docstring): rank 0 serves the rendezvous on `host`, the
+    engine's `tp_size` workers join as ranks 1..tp_size; NCCL on CUDA, gloo on the CPU."""
+    from gyre.distributed.weight_groups import WeightGroupStore, open_weight_group
+
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    name = f"gyre-weights-{cell}"
+    world_size = 1 + tp_size
+    store = await asyncio.to_thread(WeightGroupStore, host, world_size, timeout_s=WEIGHT_GROUP_TIMEOUT_S)
+    joined = asyncio.ensure_future(
+        engine.init_weights_group(
+            address=host, port=store.port, rank_offset=1, world_size=world_size, group_name=name, backend=backend
+        )
+    )
+    try:
+        group = await asyncio.to_thread(open_weight_group, store, backend=backend, group_name=name)
+    except BaseException:
+        joined.cancel()
+        raise
+    await joined
+    device = None
+    if backend == "nccl":
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
+    log.info("cell %d: weight group %s of %d ranks (%s) at %s:%d", cell, name, world_size, backend, host, store.port)
+    return GroupPublishing(engine, group, group_name=name, device=device, store=store)
+
+
+class GroupPublishing:
+    """A cell's SGLang engine (its `RemoteEngine`) whose publications rank 0 broadcasts over its weight group; every
+    other call goes to the engine as it is."""
+
+    EARLY_FAILURE_S = 0.2  # an update the engine refuses at once (released weights, an old version) is not waited on
+
+    def __init__(self, engine, group, *, group_name: str, device: torch.device | None, store: Any = None):
+        self.engine, self.group, self.group_name, self.device = engine, group, group_name, device
+        self._store = store  # rank 0 serves the group's rendezvous store: kept for the group's life
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def __repr__(self) -> str:
+        return f"GroupPublishing({self.engine!r}, group={self.group_name})"
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
+        """The engine receives `version` over the group while rank 0 broadcasts it, tensor by tensor in one order."""
+        from gyre.distributed.weight_groups import broadcast_weights
+        from gyre.models.flat_weights import FlatWeights, unflatten_weights
+
+        named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
+        receiving = asyncio.ensure_future(
+            self.engine.update_weights_from_group(
+                names=list(named),
+                dtypes=[str(t.dtype).removeprefix("torch.") for t in named.values()],
+                shapes=[list(t.shape) for t in named.values()],
+                group_name=self.group_name,
+                version=version,
+            )
+        )
+        done, _ = await asyncio.wait({receiving}, timeout=self.EARLY_FAILURE_S)
+        if done:  # refused before receiving anything (or nothing to receive): no broadcast
+            receiving.result()
+            return
+        started = time.monotonic()
+        try:
+            sent = await asyncio.to_thread(broadcast_weights, self.group, list(named.items()), device=self.device)
+        except BaseException:
+            receiving.cancel()
+            raise
+        await receiving
+        log.info(
+            "%s: version %d broadcast, %.1f MB in %.2f s",
+            self.group_name,
+            version,
+            sent / 1e6,
+            time.monotonic() - started,
+        )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import faulthandler
 import functools
 import json
@@ -442,13 +443,14 @@ class CoreStep:
 async def _controller(
     cfg: TrainConfig, run_dir: Path, prepared: Prepared, start: StartingPoint, job, echo
 ) -> RunResult:
+    from gyre.config.trainer import device_kind
     from gyre.engine.endpoint import ServerThread
     from gyre.engine.remote import RemoteEngine
     from gyre.models.hf_weights import read_config
     from gyre.obs.sinks import build_metrics_logger
     from gyre.proxy.render import ChatTemplate
     from gyre.proxy.routing import RoutingTable
-    from gyre.runtime.engines import engine_factory, start_timeout_s
+    from gyre.runtime.engines import engine_factory, join_weight_group, start_timeout_s, uses_weight_groups
     from gyre.runtime.harness_setup import make_runner
     from gyre.runtime.ids import engine_name
     from gyre.runtime.job import engine_key
@@ -483,8 +485,17 @@ async def _controller(
     try:
         table = RoutingTable(placement="scheduler")
         for cell in range(cfg.cluster.num_cells):
-            address = (await asyncio.to_thread(_wait_get, job, engine_key(cell))).decode()
+            # A cell's engine starts within start_timeout_s (SGLang: minutes), beyond the store's own timeout.
+            address = (await asyncio.to_thread(_wait_get, job, engine_key(cell), start_timeout_s(cfg) + 60)).decode()
             engines[cell] = await RemoteEngine.connect(address, secret=job.secret or None)
+            if uses_weight_groups(cfg):  # publications broadcast by this rank to the engine's workers
+                engines[cell] = await join_weight_group(
+                    engines[cell],
+                    cell=cell,
+                    host=job.host,
+                    tp_size=cfg.cluster.cell_size,
+                    device_kind=device_kind(cfg.engine.device),
+                )
             table.add_engine(engine_name(cell), engines[cell])
         proxy, registry = await start_proxy(
             cfg.proxy, model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
@@ -596,9 +607,13 @@ async def _closing_step(what: str):
         log.info("closing %s took %.1fs", what, elapsed)
 
 
-def _wait_get(job, key: str) -> bytes:
+def _wait_get(job, key: str, timeout_s: float | None = None) -> bytes:
+    """`key` of the runtime store once it is set (within `timeout_s`, else the store's own timeout)."""
     client = job.store()
-    client.wait([key])
+    if timeout_s is None:
+        client.wait([key])
+    else:
+        client.wait([key], datetime.timedelta(seconds=timeout_s))
     return client.get(key)
 
 

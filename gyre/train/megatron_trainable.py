@@ -2,10 +2,12 @@
 
 The streaming step reduces gradients over prefix groups of cells that change from step to step, which Megatron's
 DDP (one fixed data-parallel group, set at start-up) cannot do; so the model is used without DDP and the update is
-plain: gradients are in `param.grad`, the global norm counts each tensor-parallel shard once and each replicated
-tensor (norms, qkv biases) once and a tied embedding's pipeline copy not at all (as Megatron's own `clip_grads`
-does), summed over the cell's model-parallel group; then clip and `torch.optim.AdamW`. Only the core's ranks
-call `update`.
+plain: gradients are in `param.grad`; the gradients of the query and key norms (Qwen3's qk-norm: Megatron's
+`q_layernorm` / `k_layernorm`, replicated on every tensor-parallel rank but applied to that rank's heads only, so
+each rank holds its heads' share) are summed over the tensor-parallel group, as Megatron's `finalize_model_grads`
+does; the global norm counts each tensor-parallel shard once and each replicated tensor (norms, qkv biases) once
+and a tied embedding's pipeline copy not at all (as Megatron's own `clip_grads` does), summed over the cell's
+model-parallel group; then clip and `torch.optim.AdamW`. Only the core's ranks call `update`.
 
 At PP > 1 the model is one stage and a step streams through the cell's `pipeline` (`gyre.train.pipeline.
 StreamingPipeline`, which `gyre.train.streaming.train_claimed_step` runs); `logprobs` is then not the whole
@@ -28,7 +30,7 @@ from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
 from gyre.train.logprobs import microstep_logprobs
 from gyre.train.precision import MainWeights
 
-__all__ = ["MegatronTrainable", "global_grad_norm"]
+__all__ = ["MegatronTrainable", "global_grad_norm", "sum_head_shares"]
 
 
 def global_grad_norm(params: list[Tensor]) -> Tensor:
@@ -43,6 +45,25 @@ def global_grad_norm(params: list[Tensor]) -> Tensor:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(squares, group=group)
     return squares.sqrt()[0]
+
+
+def _is_head_norm(name: str) -> bool:
+    return ".q_layernorm." in name or ".k_layernorm." in name
+
+
+def sum_head_shares(params: list[Tensor]) -> None:
+    """Sum the gradients of `params` (the query and key norms) over the tensor-parallel group, in place: each rank
+    computed its heads' share (module docstring)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 class MegatronTrainable:
@@ -63,7 +84,9 @@ class MegatronTrainable:
         self.model = model
         self.pipeline = pipeline
         self.chunk_tokens = chunk_tokens
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._head_shares = [i for i, (name, _) in enumerate(named) if _is_head_norm(name)]  # summed over TP
         self.weights = MainWeights(self._params)  # fp32 main weights when the model computes in bf16
         self.optimizer = torch.optim.AdamW(self.weights.main, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
@@ -84,6 +107,7 @@ class MegatronTrainable:
 
     def update(self) -> dict[str, float]:
         main = self.weights.main
+        sum_head_shares([main[i] for i in self._head_shares])
         norm = float(global_grad_norm(main))
         if not math.isfinite(norm):
             self.weights.drop_gradients()

@@ -14,7 +14,8 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
   the core (it pulls the core's shards) and a publication (the core's shards gathered into the engines' HF
   layout, the engines updated, `policy/` written), every output as above; the satellite pulls over Mooncake where
   it imports (`trainer.weight_transport=auto`), else over the store. The cells serve SGLang's stand-in: one
-  `sglang.Engine` of tp_size 2 per cell, a weight payload per tensor-parallel rank at each publication.
+  `sglang.Engine` of tp_size 2 per cell whose 2 workers join a weight group of 3 with rank 0, each publication
+  broadcast by rank 0 over it (`update_weights_from_distributed`).
 - A user's mistakes exit 2 with one line naming the field: a world size that does not fit the cells (under
   torchrun's variables), pipeline stages the model's layers do not split into, a model a Megatron cell cannot
   shard, a model directory without a checkpoint, a bad value, a held-out task directory, a `$GYRE_JOB_SECRET` that
@@ -299,8 +300,8 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     # the unit and integration tests' (test_train_tp.py, test_train_streaming.py, test_train_pipeline.py).
     args = [*SMALL, *MEGATRON_TP2, "algo=colocate", "algo.mu=1", "steps=2", "tasks.eval_every=1"]
     args.append("trainer.dtype=bfloat16")
-    # The cells serve SGLang's stand-in (test_train_sglang_standin.py): one sglang.Engine per cell, tp_size 2, a
-    # weight payload per tensor-parallel rank at each publication (the stand-in refuses another count).
+    # The cells serve SGLang's stand-in (test_train_sglang_standin.py): one sglang.Engine per cell, tp_size 2, its
+    # two workers in a weight group of 3 with rank 0, over which rank 0 broadcasts each publication.
     args.append("engine.backend=sglang")
     standin_log = tmp_path / "standin.jsonl"
     env = {"PYTHONWARNINGS": "ignore", **standin_env(standin_log)}
@@ -310,11 +311,13 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     engines = calls_by_engine(standin_log)
     inits = [c for calls in engines.values() for c in calls if c["call"] == "init"]
     assert len(engines) == 2 and [c["tp_size"] for c in inits] == [2, 2], engines
-    updates = [c for calls in engines.values() for c in calls if c["call"] == "update"]
+    groups = [c for calls in engines.values() for c in calls if c["call"] == "init_group"]
+    assert [(g["world_size"], g["rank_offset"]) for g in groups] == [(3, 1), (3, 1)], groups
+    updates = [c for calls in engines.values() for c in calls if c["call"] == "update_distributed"]
     # Each publication reaches both cells: the one after step 0, and the last one where the cells returned to
-    # rollout before the run ended (timing; else it is policy/ only).
-    per_engine = [sum(c["call"] == "update" for c in calls) for calls in engines.values()]
-    assert per_engine in ([1, 1], [2, 2]) and all(u["success"] for u in updates), updates
+    # rollout before the run ended (timing; else it is policy/ only). Both workers of each received it.
+    per_engine = [sum(c["call"] == "update_distributed" for c in calls) for calls in engines.values()]
+    assert per_engine in ([1, 1], [2, 2]) and all(u["success"] and u["workers"] == 2 for u in updates), updates
     assert ("Transfer Engine" in err) == (mooncake_missing() is None), err[-3000:]  # Mooncake's own log lines
     assert wait_until_gone(process) == []
     end = json.loads(out.strip().splitlines()[-1])

@@ -14,8 +14,9 @@ naming rank 0. The same command with `resume=auto` then finishes the run, and it
   checkpoint's plus one dispatch, start and finish each, the summary's `redispatched` is their number, and the
   staleness log goes on from the checkpoint's.
 
-A Megatron core of two tensor-parallel ranks (one cell of TP 2) keeps its sharded optimizer state: each rank's file
-is in the checkpoint, the run resumed from it has each rank load its own back exactly (the digest of what the rank
+A Megatron core of two tensor-parallel ranks (one cell of TP 2) keeps its sharded optimizer state: the job SIGKILLed
+after its step-2 checkpoint, each rank's file is in that checkpoint, the run resumed from it has each rank load its
+own back exactly (the digest of what the rank
 holds after loading, logged, is the saved file's), and its next checkpoint goes on from it; a resume at another
 tensor-parallel size exits 2 naming it.
 
@@ -203,7 +204,7 @@ MEGATRON_ONE_CELL_OF_TP2 = [
 QUIET = {"PYTHONWARNINGS": "ignore"}  # megatron's import-time deprecation warnings
 
 
-@pytest.mark.slow  # three program runs of 2 Megatron processes (the last resumed): 35-57 s measured
+@pytest.mark.slow  # three program runs of 2 Megatron processes (one killed, the last resumed): 35-57 s measured
 def test_a_megatron_core_of_two_ranks_resumes_with_each_ranks_optimizer_state_exactly(tmp_path):
     import torch
 
@@ -211,8 +212,16 @@ def test_a_megatron_core_of_two_ranks_resumes_with_each_ranks_optimizer_state_ex
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    rc, out, err = finish(train([*MEGATRON_ONE_CELL_OF_TP2, "steps=2"], run_dir, env=QUIET), 300)
-    assert rc == 0, (out[-2000:], err[-3000:])
+    # 4 steps, a checkpoint every 2: the job is SIGKILLed (its whole process group) once step 2's is complete.
+    run = [*MEGATRON_ONE_CELL_OF_TP2, "steps=4", "checkpoint.every_steps=2"]
+    process = train(run, run_dir, env=QUIET)
+    deadline = time.monotonic() + 300
+    while not checkpoints(run_dir) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGKILL)
+    rc, out, err = finish(process, 60)
+    assert rc == -signal.SIGKILL and [p.name for p in checkpoints(run_dir)] == ["step-000002"], (rc, err[-3000:])
+    assert wait_until_gone(process) == []
     saved = run_dir / "checkpoints" / "step-000002"
     names = ["optimizer-0.pt", "optimizer-1.pt"]
     assert sorted(p.name for p in (saved / "trainer").glob("optimizer*")) == names
@@ -227,15 +236,15 @@ def test_a_megatron_core_of_two_ranks_resumes_with_each_ranks_optimizer_state_ex
     assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
     # Another tensor-parallel size: refused before anything runs (the files are the shards of TP 2).
-    tp1 = [*MEGATRON_ONE_CELL_OF_TP2, "trainer.tensor_parallel_size=1", "cluster.cell_size=1", "steps=3"]
+    tp1 = [*run, "trainer.tensor_parallel_size=1", "cluster.cell_size=1"]
     rc, _, err = finish(train([*tp1, "resume=auto"], run_dir, env=QUIET), 300)
     lines = [line for line in err.splitlines() if line.startswith("gyre.train:")]
     assert rc == 2 and len(lines) == 1, err[-2000:]
     assert "trainer.tensor_parallel_size=1 (the checkpoint's: 2)" in lines[0] and "model.model_dir=" in lines[0]
 
-    rc, out, err = finish(train([*MEGATRON_ONE_CELL_OF_TP2, "steps=3", "resume=auto"], run_dir, env=QUIET), 300)
+    rc, out, err = finish(train([*run, "resume=auto"], run_dir, env=QUIET), 300)
     assert rc == 0, (out[-2000:], err[-3000:])
-    assert f"resuming from {saved} (step 2 of 3)" in out
+    assert f"resuming from {saved} (step 2 of 4)" in out
     log = (run_dir / "train.log").read_text()
     for coordinate, f in enumerate(files):  # rank j is the core's coordinate j; what it holds after loading
         digest = state_digest({"optimizer": f["optimizer"], "rng": f["rng"]})
@@ -244,5 +253,5 @@ def test_a_megatron_core_of_two_ranks_resumes_with_each_ranks_optimizer_state_ex
             f"from {saved / 'trainer' / names[coordinate]} (digest {digest})"
         )
         assert line in log, log[-3000:]
-    after = torch.load(run_dir / "checkpoints" / "step-000003" / "trainer" / names[1], weights_only=True)
-    assert all(int(e["step"]) == 3 for e in after["optimizer"]["state"].values())  # AdamW went on, not afresh
+    after = torch.load(run_dir / "checkpoints" / "step-000004" / "trainer" / names[1], weights_only=True)
+    assert all(int(e["step"]) == 4 for e in after["optimizer"]["state"].values())  # AdamW went on, not afresh

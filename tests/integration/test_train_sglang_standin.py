@@ -3,8 +3,11 @@ SGLang stand-in first on PYTHONPATH (`gyre.engine.sglang_standin`: SGLang's surf
 SGLang needs a GPU), a 2-step run through the SGLang adapter in every cell: each cell's leader builds one
 `sglang.Engine` (tp_size = the cell's size), a cell that swaps to training releases its memory
 (`release_memory_occupation`) and resumes it (`resume_memory_occupation`) when it comes back, each publication
-reaches the engines through `update_weights_from_tensor` inside a pause in place, and no call is aborted. The
-stand-in logs every call it gets (`$GYRE_SGLANG_STANDIN_LOG`)."""
+reaches the engines inside a pause in place, and no call is aborted. Both publication paths: rank 0's broadcast
+over each engine's weight group (`engine.weight_sync=auto`: `init_weights_update_group`,
+`update_weights_from_distributed`), and the weights sent to each engine's endpoint (`engine.weight_sync=http`:
+`update_weights_from_tensor`). The stand-in logs every call it gets (`$GYRE_SGLANG_STANDIN_LOG`). Cells of 2 ranks
+(tp_size 2, a weight group of 3) run in test_train_program.py's Megatron TP 2 test."""
 
 from __future__ import annotations
 
@@ -53,13 +56,14 @@ def calls_by_engine(log_path) -> dict[int, list[dict]]:
     return calls
 
 
-def test_a_two_step_run_goes_through_the_sglang_adapter(tmp_path):
+@pytest.mark.parametrize(("weight_sync", "update"), [("auto", "update_distributed"), ("http", "update")])
+def test_a_two_step_run_goes_through_the_sglang_adapter(tmp_path, weight_sync, update):
     run_dir, log_path = tmp_path / "run", tmp_path / "standin.jsonl"
     env = standin_env(log_path)
     # Elastic, one step a burst, groups of 2: each step's burst ends with a publication to the engines that stayed
     # in rollout and to the cells that come back from training.
     args = [*SMALL, "algo.group_size=2", "algo.mu=1", "steps=2", "engine.backend=sglang"]
-    process = train(args, run_dir, env=env)
+    process = train([*args, f"engine.weight_sync={weight_sync}"], run_dir, env=env)
     code, out, err = finish(process, 600)
     assert code == 0, err[-3000:]
     end = json.loads(out.strip().splitlines()[-1])
@@ -70,17 +74,26 @@ def test_a_two_step_run_goes_through_the_sglang_adapter(tmp_path):
     kinds = {pid: [c["call"] for c in calls] for pid, calls in engines.items()}
     assert all(k[0] == "init" and k[-1] == "shutdown" for k in kinds.values()), kinds
     assert all(c["tp_size"] == 1 for calls in engines.values() for c in calls if c["call"] == "init")
+    groups = [c for calls in engines.values() for c in calls if c["call"] == "init_group"]
+    if weight_sync == "auto":  # every engine's worker joined a group with rank 0 at start
+        assert len(groups) == 4 and all(
+            (g["world_size"], g["rank_offset"], g["backend"]) == (2, 1, "gloo") for g in groups
+        )
+    else:
+        assert groups == []
     released = [pid for pid, k in kinds.items() if "release" in k]
     resumed = [pid for pid, k in kinds.items() if "resume" in k]
     assert released and resumed and set(resumed) <= set(released), kinds
     for pid in resumed:  # back from training: resumed before its update, and it serves after it
         k = kinds[pid]
-        assert k.index("release") < k.index("resume") < k.index("update"), k
-    updates = [c for calls in engines.values() for c in calls if c["call"] == "update"]
+        assert k.index("release") < k.index("resume") < k.index(update), k
+    updates = [c for calls in engines.values() for c in calls if c["call"] == update]
     assert updates and all(u["success"] and u["tensors"] > 0 for u in updates), updates
+    other = {"update": "update_distributed", "update_distributed": "update"}[update]
+    assert not [c for calls in engines.values() for c in calls if c["call"] == other]  # one path only
     for k in kinds.values():  # every update inside a pause in place
         for i, kind in enumerate(k):
-            if kind == "update":
+            if kind == update:
                 assert k[i - 1] == "pause" and k[i + 1] == "continue", k
     assert all(c["mode"] == "in_place" for calls in engines.values() for c in calls if c["call"] == "pause")
     assert not [c for calls in engines.values() for c in calls if c["call"] == "abort"]  # no call aborted

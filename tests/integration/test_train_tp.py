@@ -1,7 +1,9 @@
 """gyre.train across 2 real gloo processes on 127.0.0.1: a TP=2 model loaded from HF shards gives the log-probs of
 TP=1 (1e-5) and of the native engine (1e-4), and gathering the shards (TP=2, and the stages at PP=2) returns the HF
 tensors bit-identical. The test starts this file as a script in two processes with torchrun's environment
-(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), bounded by timeouts; a straggler is killed by its PID."""
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), bounded by timeouts; a straggler is killed by its PID. Three updates of
+`MegatronTrainable` at TP=2 give the weights of the same updates at TP=1 (1e-5), the query and key norms (qk-norm)
+included."""
 
 from __future__ import annotations
 
@@ -91,12 +93,31 @@ def worker(out_dir: Path) -> None:
             result["pp2_num_layers"] = len(model.decoder.layers)
             back = gather_hf_state_dict(model, config)
             result["pp2_gather_identical"] = sorted(back) == sorted(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+        for tp in (2, 1):  # three AdamW updates of the same loss at TP 2 and TP 1, the weights gathered after
+            init_model_parallel(tp, 1)
+            model = build_gpt_model(config)
+            load_hf_state_dict(model, hf, config)
+            result[f"tp{tp}_updated"] = updated(model, ids, offsets, config)
         results[name] = result
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+def updated(model, ids, offsets, config) -> dict:
+    """`model`'s HF weights after three `MegatronTrainable` updates on the sum of its packed log-probs."""
+    from gyre.train.convert import gather_hf_state_dict
+    from gyre.train.logprobs import packed_logprobs
+    from gyre.train.megatron_trainable import MegatronTrainable
+
+    trainer = MegatronTrainable(model, lr=1e-2, max_grad_norm=0.0)
+    for _ in range(3):
+        packed_logprobs(model, ids, offsets).sum().backward()
+        trainer.update()
+    with torch.no_grad():
+        return gather_hf_state_dict(model, config)
 
 
 def free_port() -> int:
@@ -141,6 +162,12 @@ def test_tp2_matches_tp1_and_gathers_back(tmp_path):
         assert torch.equal(ranks[1][name]["tp2"], result["tp2"]), "every TP rank gets the same log-probs"
         assert all(r[name]["tp2_gather_identical"] and r[name]["pp2_gather_identical"] for r in ranks), name
         assert [r[name]["pp2_num_layers"] for r in ranks] == [1, 1]
+        # The same updates at TP 2 as at TP 1, the query and key norms included (each TP rank holds its heads'
+        # share of their gradient: summed over the TP group before the update).
+        tp2, tp1 = result["tp2_updated"], result["tp1_updated"]
+        gaps = {n: (tp2[n] - tp1[n]).abs().max().item() for n in tp1}
+        assert max(gaps.values()) <= 1e-5, (name, {n: g for n, g in gaps.items() if g > 1e-5})
+        assert any("q_norm" in n for n in gaps) and (tp1["model.layers.0.self_attn.q_norm.weight"] != 1).any()
 
 
 if __name__ == "__main__":

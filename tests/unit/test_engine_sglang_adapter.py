@@ -232,6 +232,16 @@ class FakeSGLangEngine:
             return False, "unknown parameter nope.weight"
         return True, "ok"
 
+    async def init_weights_update_group(self, obj, request):
+        self.calls.append(("init_group", obj))
+        return (False, "no route to 10.0.0.1") if self.reject_names else (True, "ok")
+
+    async def update_weights_from_distributed(self, obj, request):
+        self.calls.append(("update_distributed", obj, self._paused))
+        if self.reject_names:
+            return False, "unknown parameter nope.weight"
+        return True, "ok"
+
     async def release_memory_occupation(self, obj, request):
         self.calls.append(("release", obj))
 
@@ -253,6 +263,8 @@ FAKE_IO = SGLangIO(
     pause=lambda mode: {"mode": mode},
     resume_generation=lambda: {},
     serialize=lambda named: [(name, tuple(tensor.shape)) for name, tensor in named],
+    init_group=lambda **kwargs: {"init_group": kwargs},
+    update_distributed=lambda **kwargs: {"update_distributed": kwargs},
 )
 
 
@@ -466,3 +478,59 @@ def test_from_pretrained_without_sglang(monkeypatch):
     with pytest.raises(SGLangUnavailableError, match="needs the `sglang` package"):
         SGLangEngine.from_pretrained("/nonexistent")
     assert issubclass(SGLangUnavailableError, ImportError)  # callers may catch ImportError
+
+
+def test_publication_by_group_joins_once_and_updates_inside_a_pause():
+    engine, fake = adapter(policy_version=1)
+    group = {
+        "address": "10.0.0.5",
+        "port": 29555,
+        "rank_offset": 1,
+        "world_size": 3,
+        "group_name": "g",
+        "backend": "nccl",
+    }
+    run(engine.init_weights_group(**group))
+    assert fake.calls[-1] == (
+        "init_group",
+        {
+            "init_group": {
+                **{k: v for k, v in group.items() if k not in ("address", "port")},
+                "master_address": "10.0.0.5",
+                "master_port": 29555,
+            }
+        },
+    )
+    spec = {"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[4]], "group_name": "g"}
+
+    async def go():
+        stream = engine.generate_stream(request("span", (1,), SamplingParams(max_new_tokens=30)))
+        first = await stream.__anext__()
+        await engine.update_weights_from_group(**spec, version=2)
+        rest = [chunk async for chunk in stream]
+        return first, rest
+
+    first, rest = run(go())
+    assert first.policy_version == 1 and rest[-1].policy_version == 2 and engine.policy_version == 2
+    kinds = [call[0] for call in fake.calls]
+    at = kinds.index("update_distributed")
+    assert kinds[at - 1 : at + 2] == ["pause", "update_distributed", "continue"]
+    update = fake.calls[at]
+    assert update[2] is True  # received while paused in place: the call in flight went on after, not aborted
+    sent = update[1]["update_distributed"]
+    assert {k: sent[k] for k in spec} == spec and sent["flush_cache"] is False and sent["load_format"] is None
+    assert "span" not in fake.aborted
+
+    with pytest.raises(ValueError, match="version=1 is not allowed"):
+        run(engine.update_weights_from_group(**spec, version=1))
+    with pytest.raises(ValueError, match="as many names, dtypes and shapes"):
+        run(engine.update_weights_from_group(**{**spec, "shapes": []}, version=3))
+    run(engine.release_memory())
+    with pytest.raises(EngineUnavailableError, match="weights are released"):
+        run(engine.update_weights_from_group(**spec, version=3))
+    rejecting, _ = adapter(FakeSGLangEngine(reject_names=True))
+    with pytest.raises(ValueError, match="could not join the weight group 'g': no route"):
+        run(rejecting.init_weights_group(**group))
+    with pytest.raises(ValueError, match="rejected the weight update to version 1: unknown parameter"):
+        run(rejecting.update_weights_from_group(**spec, version=1))
+    assert rejecting.policy_version == 0

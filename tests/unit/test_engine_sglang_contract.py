@@ -217,7 +217,12 @@ def test_the_adapter_calls_only_what_the_pinned_sglang_has(sglang_source):
 @pytest.mark.parametrize(
     ("original", "misspelled", "reported"),
     [
-        ("load_format=None", "load_fromat=None", "UpdateWeightsFromTensorReqInput has no fields ['load_fromat']"),
+        (
+            "serialized_named_tensors=payload, load_format=None",
+            "serialized_named_tensors=payload, load_fromat=None",
+            "UpdateWeightsFromTensorReqInput has no fields ['load_fromat']",
+        ),
+        ("master_port=port", "master_prot=port", "InitWeightsUpdateGroupReqInput has no fields ['master_prot']"),
         ("self._manager.pause_generation(", "self._manager.pause_generations(", "no method 'pause_generations'"),
         ("rid=request.request_id,", "request_id=request.request_id,", "keywords ['request_id']"),
         ('"min_new_tokens": 0', '"min_new_token": 0', "SamplingParams takes no ['min_new_token']"),

@@ -14,9 +14,55 @@ from gyre.config import ConfigError, TrainConfig
 from gyre.config.engine import EngineConfig, EngineServeConfig
 from gyre.config.serve import ServeConfig
 from gyre.distributed.backends import BackendError, cell_engine_gpus
+from gyre.engine.protocol import EngineUnavailableError
 from gyre.engine.sglang_engine import sglang_engine_args
 from gyre.engine.sglang_standin import PATH as STANDIN
 from gyre.runtime import engines
+
+
+def test_weight_sync_is_checked_and_broadcasts_with_sglang_only():
+    assert not engines.uses_weight_groups(config()) and engines.uses_weight_groups(config(backend="sglang"))
+    assert not engines.uses_weight_groups(config(backend="sglang", weight_sync="http"))
+    assert engines.uses_weight_groups(config(backend="sglang", weight_sync="broadcast"))
+    with pytest.raises(ConfigError, match=r"engine.weight_sync='nccl' is not allowed: expected one of auto, http"):
+        EngineConfig(weight_sync="nccl")
+    with pytest.raises(ConfigError, match=r"engine.weight_sync='broadcast' is not allowed: expected http or auto"):
+        EngineConfig(weight_sync="broadcast")
+
+
+class RefusingEngine:
+    """An engine refusing a group update at once (released weights): `GroupPublishing` must not broadcast to it."""
+
+    def __init__(self):
+        self.asked = []
+
+    async def update_weights_from_group(self, **fields):
+        self.asked.append(fields)
+        raise EngineUnavailableError("weights are released: resume_memory first, then update the weights")
+
+    def load(self):
+        return "its load"
+
+
+def test_a_group_publication_the_engine_refuses_at_once_broadcasts_nothing():
+    import asyncio
+
+    import torch
+
+    engine = RefusingEngine()
+    publishing = engines.GroupPublishing(engine, None, group_name="gyre-weights-3", device=None)  # no group to use
+    weights = {"model.norm.weight": torch.ones(4, dtype=torch.bfloat16), "lm_head.weight": torch.zeros(8, 4)}
+    with pytest.raises(EngineUnavailableError, match="weights are released"):
+        asyncio.run(publishing.update_weights(weights, version=3))
+    (asked,) = engine.asked
+    assert asked == {
+        "names": ["model.norm.weight", "lm_head.weight"],
+        "dtypes": ["bfloat16", "float32"],
+        "shapes": [[4], [8, 4]],
+        "group_name": "gyre-weights-3",
+        "version": 3,
+    }
+    assert publishing.load() == "its load"  # every other call is the engine's
 
 
 def test_engine_backend_is_checked_and_sglang_args_need_sglang():

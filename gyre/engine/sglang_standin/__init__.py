@@ -15,7 +15,9 @@ the pinned wheel's source by tests/unit/test_engine_sglang_contract.py), backed 
   update can reach the caller after it, where SGLang's scheduler stops between forwards),
   `update_weights_from_tensor` (one payload per TP rank; `flush_cache=True` with requests in flight raises, as
   SGLang's scheduler asserts), `release_memory_occupation` / `resume_memory_occupation` (tags `weights`,
-  `kv_cache`, None for both), `flush_cache`.
+  `kv_cache`, None for both), `flush_cache`, `init_weights_update_group` / `update_weights_from_distributed` (each
+  modelled TP worker a gloo member of rank 0's group, its store keys laid out as SGLang's `init_custom_process_group`
+  and torch's `_new_process_group_helper` lay them; gloo only: NCCL needs GPUs).
 
 Use: put `PATH` (this directory) first on `PYTHONPATH`; `import sglang` then finds the stand-in
 (`sglang.STANDIN` is True). With `$GYRE_SGLANG_STANDIN_LOG` set, every call is appended to that file as one JSON

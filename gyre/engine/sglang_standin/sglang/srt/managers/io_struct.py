@@ -36,3 +36,23 @@ class ContinueGenerationReqInput:
 class FlushCacheReqOutput:
     success: bool
     message: str = ""
+
+
+@dataclass(kw_only=True)
+class InitWeightsUpdateGroupReqInput:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromDistributedReqInput:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    load_format: str | None = None

@@ -4,11 +4,16 @@ engine's native engine (package docstring of `gyre.engine.sglang_standin`)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 from typing import Any
+
+import torch
+from torch import distributed as dist
 
 from .io_struct import FlushCacheReqOutput
 
 TOP_K_OFF = -1
+GROUP_TIMEOUT_S = 600.0
 
 
 class TokenizerManager:
@@ -22,6 +27,7 @@ class TokenizerManager:
         self._running.set()
         self._version = 0  # SGLang counts no versions; the native engine underneath needs increasing ones
         self._in_flight: set[str] = set()
+        self._groups: dict[str, list] = {}  # weight groups: one gloo backend per modelled TP worker
 
     async def _stream(self, input_ids: list[int], sampling_params: dict, rid: str):
         from gyre.engine.protocol import GenerateRequest, SamplingParams
@@ -88,6 +94,68 @@ class TokenizerManager:
         self._version += 1
         self._engine._log("update", success=True, tensors=len(named), in_flight=len(self._in_flight))
         return True, "Succeeded to update model weights."
+
+    async def init_weights_update_group(self, obj, request=None):
+        """Each modelled TP worker joins the group as rank `rank_offset + tp_rank`, built as SGLang's
+        `init_custom_process_group` builds it (a TCP rendezvous at master_address:master_port, the store prefixed by
+        the group's name, then `_new_process_group_helper`'s own prefixes: the group's name and the device), as
+        gloo's backend object itself: the workers are threads of one process here, where SGLang's are processes."""
+        self._engine._log("init_group", world_size=obj.world_size, rank_offset=obj.rank_offset, backend=obj.backend)
+        if obj.backend != "gloo":
+            return False, f"the SGLang stand-in joins gloo groups only, not {obj.backend}"
+        tp_size = self.server_args.tp_size
+        if obj.rank_offset + tp_size > obj.world_size:
+            return False, f"rank_offset {obj.rank_offset} + tp_size {tp_size} > world_size {obj.world_size}"
+
+        def join(tp_rank: int):
+            timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+            store = dist.TCPStore(obj.master_address, obj.master_port, obj.world_size, is_master=False, timeout=timeout)
+            store = dist.PrefixStore(
+                "cpu/", dist.PrefixStore(f"{obj.group_name}/", dist.PrefixStore(obj.group_name, store))
+            )
+            return dist.ProcessGroupGloo(store, obj.rank_offset + tp_rank, obj.world_size, timeout)
+
+        try:
+            groups = await asyncio.gather(*(asyncio.to_thread(join, r) for r in range(tp_size)))
+        except Exception as error:
+            return False, f"Failed to initialize custom process group: {error}."
+        self._groups[obj.group_name] = groups
+        return True, "Succeeded to initialize custom process group."
+
+    async def update_weights_from_distributed(self, obj, request=None):
+        """Every modelled TP worker receives the broadcasts from rank 0, in order; the native engine loads the
+        first worker's copy."""
+        groups = self._groups.get(obj.group_name)
+        if groups is None:
+            return False, f"Group {obj.group_name} not initialized: call init_weights_update_group first"
+        if obj.flush_cache and self._in_flight:
+            raise RuntimeError("flush_cache=True with requests in flight: SGLang's scheduler asserts the flush")
+
+        def receive(group) -> dict:
+            options = dist.BroadcastOptions()
+            options.rootRank, options.rootTensor = 0, 0
+            named = {}
+            for name, dtype, shape in zip(obj.names, obj.dtypes, obj.shapes, strict=True):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                group.broadcast([tensor], options).wait()
+                named[name] = tensor
+            return named
+
+        received = await asyncio.gather(*(asyncio.to_thread(receive, group) for group in groups))
+        try:
+            await self._engine.native.update_weights(received[0], version=self._version + 1)
+        except ValueError as error:
+            self._engine._log("update_distributed", success=False, tensors=len(obj.names))
+            return False, str(error)
+        self._version += 1
+        self._engine._log(
+            "update_distributed",
+            success=True,
+            tensors=len(obj.names),
+            workers=len(groups),
+            in_flight=len(self._in_flight),
+        )
+        return True, "Succeeded to update parameter online."
 
     @staticmethod
     def _parts(tags) -> dict[str, bool]:
