@@ -15,6 +15,15 @@ from gyre.config.checks import require, require_bool, require_choice, require_in
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("native", "sglang")
+# SGLang arguments the runtime sets from the cell (gyre.engine.sglang_engine.sglang_engine_args) and relies on: the
+# weight group's size, the cell's GPUs, token ids in and out, the memory release of a swap.
+SGLANG_ARGS_OF_THE_CELL = {
+    "model_path": "model.model_dir (or the run's checkpoint)",
+    "tp_size": "cluster.cell_size",
+    "base_gpu_id": "the cell leader's GPU",
+    "skip_tokenizer_init": "the proxy renders and parses: token ids in and out",
+    "enable_memory_saver": "a swap to training releases the engine's memory",
+}
 WEIGHT_SYNCS = ("auto", "http", "broadcast")
 
 
@@ -28,7 +37,8 @@ class EngineConfig:
     the cell's GPUs (`python -m gyre.train` only; needs the `gpu` extra and CUDA GPUs: docs/sglang.md)."""
     sglang_args: dict[str, Any] = field(default_factory=dict)
     """backend=sglang: more `sglang.Engine` arguments (SGLang's `ServerArgs` fields), e.g.
-    `+engine.sglang_args.mem_fraction_static=0.7`; they win over what gyre derives (docs/sglang.md)."""
+    `+engine.sglang_args.mem_fraction_static=0.7`; they win over what gyre derives from `engine.` (dtype, slots, KV
+    budget, seed), except the ones the cell fixes (`SGLANG_ARGS_OF_THE_CELL`, refused) (docs/sglang.md)."""
     weight_sync: str = "auto"
     """How a publication reaches the cells' engines (`python -m gyre.train`): `http` each engine loads the weights
     sent to its endpoint (`update_weights`); `broadcast` rank 0 broadcasts them over a process group with each SGLang
@@ -59,6 +69,13 @@ class EngineConfig:
             self.sglang_args,
             "a mapping of SGLang ServerArgs names to values",
         )
+        for key in self.sglang_args:
+            require(
+                key not in SGLANG_ARGS_OF_THE_CELL,
+                f"engine.sglang_args.{key}",
+                self.sglang_args[key],
+                f"no value: gyre sets it from the cell ({SGLANG_ARGS_OF_THE_CELL.get(key)}; docs/sglang.md)",
+            )
         require(
             not self.sglang_args or self.backend == "sglang",
             "engine.sglang_args",

@@ -71,6 +71,10 @@ def test_engine_backend_is_checked_and_sglang_args_need_sglang():
         EngineConfig(backend="vllm")
     with pytest.raises(ConfigError, match=r"engine.sglang_args=.*empty unless engine.backend=sglang"):
         EngineConfig(sglang_args={"mem_fraction_static": 0.7})
+    with pytest.raises(ConfigError, match=r"engine.sglang_args.tp_size=8 is not allowed: expected no value: gyre"):
+        EngineConfig(backend="sglang", sglang_args={"tp_size": 8})  # the weight group's size and the cell's GPUs
+    with pytest.raises(ConfigError, match=r"engine.sglang_args.skip_tokenizer_init=False is not allowed"):
+        EngineConfig(backend="sglang", sglang_args={"skip_tokenizer_init": False})
     with pytest.raises(ConfigError, match=r"engine.sglang_args=.*a mapping of SGLang ServerArgs names"):
         EngineConfig(backend="sglang", sglang_args=["mem_fraction_static"])
     for app in (ServeConfig, EngineServeConfig):  # SGLang runs in the training program's cells only
