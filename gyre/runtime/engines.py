@@ -22,8 +22,10 @@ while rank 0 broadcasts (`gyre.distributed.weight_groups`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -166,13 +168,20 @@ async def join_weight_group(engine, *, cell: int, host: str, tp_size: int, devic
 
 class GroupPublishing:
     """A cell's SGLang engine (its `RemoteEngine`) whose publications rank 0 broadcasts over its weight group; every
-    other call goes to the engine as it is."""
+    other call goes to the engine as it is.
+
+    A publication that fails once the broadcast began (the engine's workers gone or refusing mid-way) leaves the
+    group's collectives out of step: the group is then broken, that publication and every later one go through the
+    engine's endpoint instead (`update_weights`, SGLang's `update_weights_from_tensor`), with a warning. Rank 0's
+    broadcast runs on a daemon thread of its own, so a broadcast stuck until the group's timeout holds neither the
+    publication nor the run's end."""
 
     EARLY_FAILURE_S = 0.2  # an update the engine refuses at once (released weights, an old version) is not waited on
 
     def __init__(self, engine, group, *, group_name: str, device: torch.device | None, store: Any = None):
         self.engine, self.group, self.group_name, self.device = engine, group, group_name, device
         self._store = store  # rank 0 serves the group's rendezvous store: kept for the group's life
+        self.broken: str | None = None  # why the group is no longer used, once a broadcast failed
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -181,10 +190,13 @@ class GroupPublishing:
         return f"GroupPublishing({self.engine!r}, group={self.group_name})"
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
-        """The engine receives `version` over the group while rank 0 broadcasts it, tensor by tensor in one order."""
-        from gyre.distributed.weight_groups import broadcast_weights
+        """The engine receives `version` over the group while rank 0 broadcasts it, tensor by tensor in one order
+        (through the endpoint once the group is broken: class docstring)."""
         from gyre.models.flat_weights import FlatWeights, unflatten_weights
 
+        if self.broken is not None:
+            await self.engine.update_weights(weights, version=version)
+            return
         named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
         receiving = asyncio.ensure_future(
             self.engine.update_weights_from_group(
@@ -196,20 +208,62 @@ class GroupPublishing:
             )
         )
         done, _ = await asyncio.wait({receiving}, timeout=self.EARLY_FAILURE_S)
-        if done:  # refused before receiving anything (or nothing to receive): no broadcast
+        if done:  # refused before receiving anything (or nothing to receive): no broadcast, the group is intact
             receiving.result()
             return
         started = time.monotonic()
-        try:
-            sent = await asyncio.to_thread(broadcast_weights, self.group, list(named.items()), device=self.device)
-        except BaseException:
-            receiving.cancel()
-            raise
-        await receiving
-        log.info(
-            "%s: version %d broadcast, %.1f MB in %.2f s",
+        broadcasting = _on_daemon_thread(self._broadcast, list(named.items()))
+        done, _ = await asyncio.wait({receiving, broadcasting}, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((task for task in (receiving, broadcasting) if task in done and task.exception()), None)
+        if failed is None:
+            sent = await broadcasting
+            await receiving
+            log.info(
+                "%s: version %d broadcast, %.1f MB in %.2f s",
+                self.group_name,
+                version,
+                sent / 1e6,
+                time.monotonic() - started,
+            )
+            return
+        if broadcasting.done() and broadcasting.exception() is None:  # all sent: the engine refused to load it
+            receiving.result()  # raises its error; the group is in step
+        receiving.cancel()
+        self.broken = f"version {version}: {failed.exception()!r}"
+        log.warning(
+            "%s broke at %s; this publication and the later ones go through the engine's endpoint",
             self.group_name,
-            version,
-            sent / 1e6,
-            time.monotonic() - started,
+            self.broken,
         )
+        await self.engine.update_weights(weights, version=version)
+
+    def _broadcast(self, named: list) -> int:
+        from gyre.distributed.weight_groups import broadcast_weights
+
+        return broadcast_weights(self.group, named, device=self.device)
+
+
+def _on_daemon_thread(function: Callable, *args) -> asyncio.Future:
+    """`function(*args)` on a daemon thread of its own; its result (or exception) in the returned future. Unlike
+    `asyncio.to_thread`, a call that never returns holds neither the event loop's shutdown nor the process's exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outcome)
+
+    def run() -> None:
+        try:
+            outcome, error = function(*args), None
+        except BaseException as caught:
+            outcome, error = None, caught
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
+            loop.call_soon_threadsafe(settle, outcome, error)
+
+    threading.Thread(target=run, name="gyre-weight-broadcast", daemon=True).start()
+    return future

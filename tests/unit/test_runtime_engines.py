@@ -142,3 +142,65 @@ def test_the_native_factory_builds_the_native_engine(tmp_path):
     engine = engines.engine_factory(config(max_running=9), model_dir, 5, cell_size=1)()
     assert isinstance(engine, NativeEngine) and engine.policy_version == 5 and engine.max_running == 9
     assert engines.start_timeout_s(config()) < engines.start_timeout_s(config(backend="sglang"))
+
+
+class GroupEngine:
+    """An engine whose group update ends after `receive_s` with `outcome` (None: success, else that exception),
+    and whose endpoint update records what it got."""
+
+    def __init__(self, receive_s: float, outcome: BaseException | None):
+        self.receive_s, self.outcome, self.over_endpoint = receive_s, outcome, []
+
+    async def update_weights_from_group(self, **fields):
+        import asyncio
+
+        await asyncio.sleep(self.receive_s)
+        if self.outcome is not None:
+            raise self.outcome
+
+    async def update_weights(self, weights, *, version):
+        self.over_endpoint.append(version)
+
+
+def test_a_broadcast_that_breaks_mid_way_goes_through_the_endpoint_from_then_on(monkeypatch):
+    import asyncio
+    import threading
+
+    import torch
+
+    from gyre.engine.errors import EngineUnreachable
+
+    stuck = threading.Event()  # the broadcast of a group whose workers went away: it returns at the group's timeout
+    broadcasts = []
+
+    def broadcast(group, named, *, device=None):
+        broadcasts.append([name for name, _ in named])
+        if group == "stuck":
+            stuck.wait(30)
+            raise RuntimeError("gloo: connection closed by peer")
+        return 64
+
+    monkeypatch.setattr("gyre.distributed.weight_groups.broadcast_weights", broadcast)
+    weights = {"model.norm.weight": torch.ones(4)}
+
+    # The workers die mid-way: the endpoint gets this publication and the later ones; the stuck broadcast holds
+    # nothing (its thread is a daemon).
+    engine = GroupEngine(receive_s=0.5, outcome=EngineUnreachable("the endpoint is gone"))
+    publishing = engines.GroupPublishing(engine, "stuck", group_name="gyre-weights-1", device=None)
+    asyncio.run(asyncio.wait_for(publishing.update_weights(weights, version=2), 10))
+    assert engine.over_endpoint == [2] and "version 2: EngineUnreachable" in publishing.broken
+    asyncio.run(asyncio.wait_for(publishing.update_weights(weights, version=3), 10))
+    assert engine.over_endpoint == [2, 3] and len(broadcasts) == 1  # no broadcast over a broken group
+    stuck.set()
+
+    # All sent, and the engine refuses to load it (an unknown name): its error, and the group stays in use.
+    engine = GroupEngine(receive_s=0.5, outcome=ValueError("SGLang rejected the weight update to version 2"))
+    publishing = engines.GroupPublishing(engine, "fine", group_name="gyre-weights-2", device=None)
+    with pytest.raises(ValueError, match="rejected the weight update"):
+        asyncio.run(asyncio.wait_for(publishing.update_weights(weights, version=2), 10))
+    assert publishing.broken is None and engine.over_endpoint == []
+
+    engine = GroupEngine(receive_s=0.5, outcome=None)  # the usual case
+    publishing = engines.GroupPublishing(engine, "fine", group_name="gyre-weights-3", device=None)
+    asyncio.run(asyncio.wait_for(publishing.update_weights(weights, version=4), 10))
+    assert publishing.broken is None and engine.over_endpoint == []
