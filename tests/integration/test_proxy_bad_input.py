@@ -310,18 +310,29 @@ def test_a_harness_that_hangs_up_mid_call_aborts_it_and_what_was_sampled_is_reco
     stack = StackThread(cfg, tmp_path / "records")
     try:
         body = {"model": "gyre", "max_tokens": 3000, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
-        for _ in range(5):  # the random model may end its turn before we hang up: then try again (bounded)
-            if hang_up_mid_call(stack, body, stream):
+        records = stack.stack.registry.records_dir / "fuzz.jsonl"
+
+        def recorded() -> list:
+            return load_tree(records).calls if records.exists() else []
+
+        aborted = None
+        # The random model may end its turn before the client hangs up, or before the proxy notices the hang-up
+        # (then the call is recorded as stopped): try again, bounded.
+        for _ in range(5):
+            before = len(recorded())
+            if not hang_up_mid_call(stack, body, stream):
+                continue
+            for _ in range(200):  # bounded: the proxy notices the hang-up (or the turn ends), records the call
+                calls = recorded()
+                if len(calls) > before:
+                    break
+                threading.Event().wait(0.05)
+            if len(calls) > before and calls[-1].response.finish_reason == "abort":
+                aborted = calls[-1]
                 break
-        else:
-            pytest.fail("five calls in a row finished before the client hung up")
-        for _ in range(200):  # bounded: the proxy notices the hang-up, aborts, records
-            calls = load_tree(stack.stack.registry.records_dir / "fuzz.jsonl").calls
-            if calls and calls[-1].response.finish_reason == "abort":
-                break
-            threading.Event().wait(0.05)
-        assert calls[-1].response.finish_reason == "abort" and 0 < len(calls[-1].response.ids) < 3000
-        assert sum(call.response.finish_reason == "abort" for call in calls) == 1  # recorded once
+        assert aborted is not None, "five calls in a row ended before the proxy saw the client hang up"
+        assert 0 < len(aborted.response.ids) < 3000
+        assert sum(call.response.finish_reason == "abort" for call in recorded()) == 1  # recorded once
     finally:
         stack.stop()
 
