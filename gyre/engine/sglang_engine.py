@@ -617,9 +617,7 @@ class SGLangEngine(AcceptingLifecycle):
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
         import torch
 
-        if self._weights_released:
-            raise EngineUnavailableError("weights are released: resume_memory first, then update_weights")
-        check_version(version, self.policy_version)
+        self._check_update(version)
         named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
         for name, tensor in named.items():
             if not isinstance(tensor, torch.Tensor):
@@ -632,6 +630,12 @@ class SGLangEngine(AcceptingLifecycle):
             return self._manager.update_weights_from_tensor(update, None)
 
         await self._paused_update(send, version)
+
+    def _check_update(self, version: int) -> None:
+        """What every weight update needs before anything is sent: weights in memory, a version not below ours."""
+        if self._weights_released:
+            raise EngineUnavailableError("weights are released: resume_memory first, then update_weights")
+        check_version(version, self.policy_version)
 
     async def _paused_update(self, send: Callable[[bool], Any], version: int) -> None:
         """Load `version` with `send(flush_now)` (an SGLang update coroutine returning `(success, message)`) inside a
@@ -681,9 +685,7 @@ class SGLangEngine(AcceptingLifecycle):
         """Load `version` from rank 0's broadcasts over the weight group `group_name` (one per name, in order, with
         those dtypes and shapes), inside a pause in place as `update_weights` (calls in flight continue under the
         new weights). Rank 0 broadcasts while this waits."""
-        if self._weights_released:
-            raise EngineUnavailableError("weights are released: resume_memory first, then update the weights")
-        check_version(version, self.policy_version)
+        self._check_update(version)
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise ValueError(f"a weight group update needs as many names, dtypes and shapes, at least one: {names!r}")
         io = self._sglang_io()

@@ -22,10 +22,8 @@ while rank 0 broadcasts (`gyre.distributed.weight_groups`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre.config import TrainConfig
 from gyre.config.trainer import device_kind
+from gyre.runtime.trainer_thread import TrainerThread
 
 if TYPE_CHECKING:
     import torch
@@ -174,7 +173,7 @@ class GroupPublishing:
     group's collectives out of step: the group is then broken, that publication and every later one go through the
     engine's endpoint instead (`update_weights`, SGLang's `update_weights_from_tensor`), with a warning. Rank 0's
     broadcast runs on a daemon thread of its own, so a broadcast stuck until the group's timeout holds neither the
-    publication nor the run's end."""
+    publication nor the run's end (`gyre.runtime.trainer_thread.TrainerThread`)."""
 
     EARLY_FAILURE_S = 0.2  # an update the engine refuses at once (released weights, an old version) is not waited on
 
@@ -182,6 +181,7 @@ class GroupPublishing:
         self.engine, self.group, self.group_name, self.device = engine, group, group_name, device
         self._store = store  # rank 0 serves the group's rendezvous store: kept for the group's life
         self.broken: str | None = None  # why the group is no longer used, once a broadcast failed
+        self._thread = TrainerThread(name=f"{group_name}-broadcast")  # a daemon: a stuck broadcast holds nothing
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -212,7 +212,7 @@ class GroupPublishing:
             receiving.result()
             return
         started = time.monotonic()
-        broadcasting = _on_daemon_thread(self._broadcast, list(named.items()))
+        broadcasting = self._thread.submit(self._broadcast, list(named.items()))
         done, _ = await asyncio.wait({receiving, broadcasting}, return_when=asyncio.FIRST_EXCEPTION)
         failed = next((task for task in (receiving, broadcasting) if task in done and task.exception()), None)
         if failed is None:
@@ -241,29 +241,3 @@ class GroupPublishing:
         from gyre.distributed.weight_groups import broadcast_weights
 
         return broadcast_weights(self.group, named, device=self.device)
-
-
-def _on_daemon_thread(function: Callable, *args) -> asyncio.Future:
-    """`function(*args)` on a daemon thread of its own; its result (or exception) in the returned future. Unlike
-    `asyncio.to_thread`, a call that never returns holds neither the event loop's shutdown nor the process's exit."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(outcome, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(outcome)
-
-    def run() -> None:
-        try:
-            outcome, error = function(*args), None
-        except BaseException as caught:
-            outcome, error = None, caught
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for it
-            loop.call_soon_threadsafe(settle, outcome, error)
-
-    threading.Thread(target=run, name="gyre-weight-broadcast", daemon=True).start()
-    return future

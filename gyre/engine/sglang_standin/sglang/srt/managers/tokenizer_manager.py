@@ -83,17 +83,24 @@ class TokenizerManager:
         tp_size = self.server_args.tp_size
         if len(obj.serialized_named_tensors) != tp_size:
             return False, f"{len(obj.serialized_named_tensors)} payloads for tp_size={tp_size}"
-        if obj.flush_cache and self._in_flight:
-            raise RuntimeError("flush_cache=True with requests in flight: SGLang's scheduler asserts the flush")
+        self._check_flush(obj.flush_cache)
         named = dict(MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0]))
+        return await self._load(named, "update", "Succeeded to update model weights.")
+
+    def _check_flush(self, flush_cache: bool) -> None:
+        if flush_cache and self._in_flight:
+            raise RuntimeError("flush_cache=True with requests in flight: SGLang's scheduler asserts the flush")
+
+    async def _load(self, named: dict, call: str, succeeded: str, **fields) -> tuple[bool, str]:
+        """The native engine loads `named` as the next version; the call logged as `call` (with `fields`)."""
         try:
             await self._engine.native.update_weights(named, version=self._version + 1)
         except ValueError as error:
-            self._engine._log("update", success=False, tensors=len(named), in_flight=len(self._in_flight))
+            self._engine._log(call, success=False, tensors=len(named), in_flight=len(self._in_flight), **fields)
             return False, str(error)
         self._version += 1
-        self._engine._log("update", success=True, tensors=len(named), in_flight=len(self._in_flight))
-        return True, "Succeeded to update model weights."
+        self._engine._log(call, success=True, tensors=len(named), in_flight=len(self._in_flight), **fields)
+        return True, succeeded
 
     async def init_weights_update_group(self, obj, request=None):
         """Each modelled TP worker joins the group as rank `rank_offset + tp_rank`, built as SGLang's
@@ -128,8 +135,7 @@ class TokenizerManager:
         groups = self._groups.get(obj.group_name)
         if groups is None:
             return False, f"Group {obj.group_name} not initialized: call init_weights_update_group first"
-        if obj.flush_cache and self._in_flight:
-            raise RuntimeError("flush_cache=True with requests in flight: SGLang's scheduler asserts the flush")
+        self._check_flush(obj.flush_cache)
 
         def receive(group) -> dict:
             options = dist.BroadcastOptions()
@@ -142,20 +148,9 @@ class TokenizerManager:
             return named
 
         received = await asyncio.gather(*(asyncio.to_thread(receive, group) for group in groups))
-        try:
-            await self._engine.native.update_weights(received[0], version=self._version + 1)
-        except ValueError as error:
-            self._engine._log("update_distributed", success=False, tensors=len(obj.names))
-            return False, str(error)
-        self._version += 1
-        self._engine._log(
-            "update_distributed",
-            success=True,
-            tensors=len(obj.names),
-            workers=len(groups),
-            in_flight=len(self._in_flight),
+        return await self._load(
+            received[0], "update_distributed", "Succeeded to update parameter online.", workers=len(groups)
         )
-        return True, "Succeeded to update parameter online."
 
     @staticmethod
     def _parts(tags) -> dict[str, bool]:
