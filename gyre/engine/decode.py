@@ -118,11 +118,14 @@ def stack_projections(model: DecoderLM) -> DecoderLM:
     Names, `state_dict` and the forward's outputs keep their layout; without autograd each becomes one matmul.
     """
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         if not isinstance(attn.__dict__.get("project_qkv"), StackedLinear):
             attn.project_qkv = StackedLinear(attn.q_proj, attn.k_proj, attn.v_proj)
-        if not isinstance(mlp.__dict__.get("project_gate_up"), StackedLinear):
-            mlp.project_gate_up = StackedLinear(mlp.gate_proj, mlp.up_proj)
+        mlp = layer.mlp
+        mlps = [mlp] if not hasattr(mlp, "experts") else [*mlp.experts, mlp.shared_expert]  # MoE: each expert
+        for expert in filter(None, mlps):
+            if not isinstance(expert.__dict__.get("project_gate_up"), StackedLinear):
+                expert.project_gate_up = StackedLinear(expert.gate_proj, expert.up_proj)
     return model
 
 

@@ -221,6 +221,11 @@ class NativeEngine(AcceptingLifecycle):
         if not isinstance(max_running, int) or max_running < 1:
             raise ValueError(f"max_running={max_running!r} is not allowed: expected an integer >= 1")
         config = model.config
+        if compile_decode and config.num_experts:
+            raise ValueError(
+                "compile_decode=True is not available for a mixture-of-experts model (the compiled decode step is "
+                "dense); leave it off"
+            )
         if max_tokens_in_flight is None:
             max_tokens_in_flight = max_running * config.max_position_embeddings
         if not isinstance(max_tokens_in_flight, int) or max_tokens_in_flight < 2:

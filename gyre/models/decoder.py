@@ -1,4 +1,5 @@
-"""The dense decoder both sides run: a pure-torch Llama/Qwen2/Qwen3-style causal LM with an explicit KV cache.
+"""The decoder both sides run: a pure-torch Llama/Qwen2/Qwen3-style causal LM (dense, or Qwen3-MoE / Qwen2-MoE
+sparse) with an explicit KV cache.
 
 The trainer (`gyre.train`) and the native engine (`gyre.engine`) import this one module; it imports neither.
 
@@ -27,6 +28,16 @@ Contract
   log-probs a chunk of tokens at a time (`gyre.train.chunked`). `recompute` (`RECOMPUTE`): none; selective (each
   layer's attention block runs under `torch.utils.checkpoint`: its activations are recomputed in the backward);
   full (each whole layer).
+- Mixture of experts (`config.num_experts > 0`): layer i carries a `SparseMoeBlock` where `config.is_moe_layer(i)`
+  (transformers' Qwen3MoeSparseMoeBlock / Qwen2MoeSparseMoeBlock math, HF names `mlp.gate.weight`,
+  `mlp.experts.{j}.{gate,up,down}_proj.weight`, qwen2_moe's `mlp.shared_expert.*` and `mlp.shared_expert_gate`).
+  Routing replay: `forward` and `final_hidden` take `routed_experts_BTLK`, integer `[B, T, num_hidden_layers, top_k]`
+  expert ids (entries of the layers that are not MoE are ignored; SGLang writes -1 there); each MoE layer then uses
+  those experts instead of its router's top-k, weighted by the router's softmax probabilities at those ids
+  (renormalized when `norm_topk_prob`), so the choice is replayed and the weights stay differentiable.
+  `forward(..., return_routed_experts=True)` returns a third value, the experts the routers chose (or replayed):
+  int32 `[B, T, num_hidden_layers, top_k]`, -1 at layers that are not MoE. A dense model takes neither (ValueError);
+  its path is unchanged. See docs/moe.md.
 - Device-agnostic: everything follows the device of the parameters and inputs; no CUDA calls. Token ids are
   not range-checked here (that costs a device sync); the engine validates requests.
 """
@@ -35,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -266,14 +278,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), `intermediate_size` wide (default: the config's dense width)."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None):
         super().__init__()
         bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        width = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
 
     def project_gate_up(self, x: torch.Tensor) -> torch.Tensor:
         """gate|up side by side `[..., 2 * intermediate_size]`; a seam like `Attention.project_qkv`."""
@@ -284,38 +297,147 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+def route_tokens(
+    router_logits_NE: torch.Tensor, top_k: int, norm_topk_prob: bool, routed_NK: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights `[N, top_k]` (in the logits' dtype) and expert ids `[N, top_k]` (int64) of N tokens.
+
+    Transformers' Qwen3MoeTopKRouter: softmax of the router logits in fp32, the top-k probabilities, divided by
+    their sum when `norm_topk_prob`, cast back to the logits' dtype. With `routed_NK` (replay) the experts are
+    those ids and the weights the softmax probabilities at them, normalized alike: differentiable in the logits.
+    """
+    probs_NE = F.softmax(router_logits_NE, dim=-1, dtype=torch.float32)
+    if routed_NK is None:
+        weights_NK, experts_NK = torch.topk(probs_NE, top_k, dim=-1)
+    else:
+        experts_NK = routed_NK.long()
+        weights_NK = probs_NE.gather(-1, experts_NK)
+    if norm_topk_prob:
+        weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+    return weights_NK.to(router_logits_NE.dtype), experts_NK
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse block (and Qwen2-MoE's, with its sigmoid-gated shared expert): a router `gate`
+    (hidden -> num_experts, no bias) picks `num_experts_per_tok` SwiGLU experts per token (`route_tokens`); the
+    output is their outputs weighted by the routing weights, summed, plus `sigmoid(shared_expert_gate(x)) *
+    shared_expert(x)` for qwen2_moe.
+
+    Each expert runs once over the tokens routed to it (gathered by index, added back with `index_add_`), in
+    transformers' order: experts ascending, within one the top-k slot, then the token. No `[N, E, C]` tensor.
+    """
 
     def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, x_BTC: torch.Tensor, routed_NK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output `[B, T, C]` and the experts used `[B * T, top_k]` (int64); `routed_NK` replays
+        expert ids `[B * T, top_k]` (distinct per token, in [0, num_experts)) instead of the router's top-k."""
+        B, T, C = x_BTC.shape
+        x_NC = x_BTC.reshape(B * T, C)
+        if routed_NK is not None:
+            self._check_routed(routed_NK, B * T)
+        weights_NK, experts_NK = route_tokens(self.gate(x_NC), self.top_k, self.norm_topk_prob, routed_NK)
+        out_NC = torch.zeros_like(x_NC)
+        # Entries (slot k, token n) flattened slot-major and sorted by expert (stable): each expert's entries are
+        # contiguous and in transformers' order. One host sync for the counts, as transformers' nonzero.
+        flat_M = experts_NK.t().reshape(-1)
+        order_M = flat_M.argsort(stable=True)
+        counts = torch.bincount(flat_M, minlength=self.num_experts).tolist()
+        N = B * T
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            entries = order_M[start : start + count]
+            start += count
+            tokens, slots = entries % N, entries // N
+            y_nC = self.experts[expert](x_NC[tokens]) * weights_NK[tokens, slots, None]
+            out_NC.index_add_(0, tokens, y_nC.to(out_NC.dtype))
+        if self.shared_expert is not None:
+            out_NC = out_NC + F.sigmoid(self.shared_expert_gate(x_NC)) * self.shared_expert(x_NC)
+        return out_NC.reshape(B, T, C), experts_NK
+
+    def _check_routed(self, routed_NK: torch.Tensor, N: int) -> None:
+        if routed_NK.shape != (N, self.top_k) or routed_NK.is_floating_point():
+            raise ValueError(
+                f"routed experts of a layer must be integer [{N}, top_k={self.top_k}], "
+                f"got {routed_NK.dtype} {tuple(routed_NK.shape)}"
+            )
+        sorted_NK = routed_NK.sort(dim=-1).values
+        bad = (sorted_NK[:, 0] < 0) | (sorted_NK[:, -1] >= self.num_experts)
+        if self.top_k > 1:
+            bad |= (sorted_NK[:, 1:] == sorted_NK[:, :-1]).any(dim=-1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"routed experts {routed_NK[row].tolist()} (token {row} of the layer): expected {self.top_k} "
+                f"distinct expert ids in [0, {self.num_experts})"
+            )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); `mlp` is a `SparseMoeBlock` where
+    `config.is_moe_layer(index)`, else the dense `MLP`."""
+
+    def __init__(self, config: DecoderConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.is_moe = config.is_moe_layer(index)
+        self.mlp = SparseMoeBlock(config) if self.is_moe else MLP(config)
 
-    def forward(self, x, cos, signed_sin, past, mask, write_at=None, bias=None):
+    def forward(self, x, cos, signed_sin, past, mask, write_at=None, bias=None, routed_NK=None):
+        """`(x, (keys, values), experts_NK)`; `experts_NK` is None for a dense layer."""
         attn_out, kv = self.self_attn(self.input_layernorm(x), cos, signed_sin, past, mask, write_at, bias)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        mlp_out, experts_NK = self.feed_forward(x, routed_NK)
+        return x + mlp_out, kv, experts_NK
+
+    def feed_forward(
+        self, x: torch.Tensor, routed_NK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`mlp(norm(x))` and the experts used (None for a dense layer)."""
+        if self.is_moe:
+            return self.mlp(self.post_attention_layernorm(x), routed_NK)
+        return self.mlp(self.post_attention_layernorm(x)), None
 
     def attention_block(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """`attn(norm(x))`, causal, without a cache (training)."""
         return self.self_attn(self.input_layernorm(x), cos, signed_sin, None, None)[0]
 
-    def train_forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, recompute: str):
-        """The layer's causal forward without a cache (training), with `recompute` (`RECOMPUTE`)."""
+    def train_forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        recompute: str,
+        routed_NK: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layer's causal forward without a cache (training), with `recompute` (`RECOMPUTE`); `routed_NK`
+        replays a MoE layer's experts (`SparseMoeBlock.forward`)."""
         if recompute == "full":
-            return checkpoint(self._train_forward, x, cos, signed_sin, use_reentrant=False)
+            return checkpoint(self._train_forward, x, cos, signed_sin, routed_NK, use_reentrant=False)
         if recompute == "selective":
             x = x + checkpoint(self.attention_block, x, cos, signed_sin, use_reentrant=False)
         else:
             x = x + self.attention_block(x, cos, signed_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(x, routed_NK)[0]
 
-    def _train_forward(self, x, cos, signed_sin):
+    def _train_forward(self, x, cos, signed_sin, routed_NK=None):
         x = x + self.attention_block(x, cos, signed_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(x, routed_NK)[0]
 
 
 class DecoderStack(nn.Module):
@@ -328,7 +450,7 @@ class DecoderStack(nn.Module):
         # refs, which import torch._dynamo: ~1 s of every `gyre.serve` / engine start-up for numbers never read.
         weight = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -367,25 +489,81 @@ class DecoderLM(nn.Module):
         return rope_cos_sin(positions_BT, inv_freq_D, sign_D, self.config.rope_scaling.attention_scaling(), dtype)
 
     def final_hidden(
-        self, input_ids_BT: torch.Tensor, positions_BT: torch.Tensor, *, recompute: str = "none"
+        self,
+        input_ids_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        *,
+        recompute: str = "none",
+        routed_experts_BTLK: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`[B, T, hidden]`: the causal forward without a cache, up to the final norm (what `forward` projects
         to logits with `output_weight`). `recompute`: `RECOMPUTE` (module docstring); it acts only while
-        gradients are recorded."""
+        gradients are recorded. `routed_experts_BTLK`: routing replay (module docstring; MoE models only)."""
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r} is not supported: expected one of {', '.join(RECOMPUTE)}")
         self._check_inputs(input_ids_BT, positions_BT, None, None)
+        routed = self._routed_per_layer(routed_experts_BTLK, input_ids_BT.shape)
         if not torch.is_grad_enabled():
             recompute = "none"
         x_BTC = self.model.embed_tokens(input_ids_BT)
         cos, signed_sin = self._rope(positions_BT.to(x_BTC.device), x_BTC.dtype)
-        for layer in self.model.layers:
-            x_BTC = layer.train_forward(x_BTC, cos, signed_sin, recompute)
+        for i, layer in enumerate(self.model.layers):
+            x_BTC = layer.train_forward(x_BTC, cos, signed_sin, recompute, routed[i] if routed else None)
         return self.model.norm(x_BTC)
+
+    def _routed_per_layer(
+        self, routed_experts_BTLK: torch.Tensor | None, shape_BT: torch.Size
+    ) -> list[torch.Tensor | None] | None:
+        """Per layer, the `[B * T, top_k]` expert ids to replay (None at dense layers); None without replay."""
+        if routed_experts_BTLK is None:
+            return None
+        config = self.config
+        if config.num_experts == 0:
+            raise ValueError("routed_experts_BTLK is given but the model is dense (num_experts=0): nothing to route")
+        expected = (*shape_BT, config.num_hidden_layers, config.num_experts_per_tok)
+        if tuple(routed_experts_BTLK.shape) != expected or routed_experts_BTLK.is_floating_point():
+            raise ValueError(
+                f"routed_experts_BTLK must be an integer [B, T, num_hidden_layers, num_experts_per_tok] = "
+                f"{list(expected)} tensor, got {routed_experts_BTLK.dtype} {list(routed_experts_BTLK.shape)}"
+            )
+        B, T = shape_BT
+        device = self.model.embed_tokens.weight.device
+        return [
+            routed_experts_BTLK[:, :, i].reshape(B * T, -1).to(device) if layer.is_moe else None
+            for i, layer in enumerate(self.model.layers)
+        ]
 
     @property
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @overload
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_logits_to_keep: int = 0,
+        kv_cache_length: int | None = None,
+        *,
+        routed_experts_BTLK: torch.Tensor | None = None,
+        return_routed_experts: Literal[False] = False,
+    ) -> tuple[torch.Tensor, KVCache]: ...
+
+    @overload
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        positions_BT: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        num_logits_to_keep: int = 0,
+        kv_cache_length: int | None = None,
+        *,
+        routed_experts_BTLK: torch.Tensor | None = None,
+        return_routed_experts: Literal[True],
+    ) -> tuple[torch.Tensor, KVCache, torch.Tensor]: ...
 
     def forward(
         self,
@@ -395,14 +573,22 @@ class DecoderLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         num_logits_to_keep: int = 0,
         kv_cache_length: int | None = None,
-    ) -> tuple[torch.Tensor, KVCache]:
+        *,
+        routed_experts_BTLK: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+    ) -> tuple[torch.Tensor, KVCache] | tuple[torch.Tensor, KVCache, torch.Tensor]:
         """Logits `[B, T, V]` (or of the last `num_logits_to_keep` tokens) in the parameter dtype, and the cache.
 
         With `kv_cache_length`, `kv_cache` holds buffers with room: only its first `kv_cache_length` positions
         (dim 2) are past tokens, this call's keys and values are written in place at the next T positions (the
         buffers are modified), and the returned cache is views of the first `kv_cache_length + T` positions.
+        MoE models: `routed_experts_BTLK` replays experts; `return_routed_experts=True` adds a third value, the
+        experts used, int32 `[B, T, num_hidden_layers, top_k]` with -1 at dense layers (module docstring).
         """
         self._check_inputs(input_ids_BT, positions_BT, kv_cache, attention_mask, kv_cache_length)
+        routed = self._routed_per_layer(routed_experts_BTLK, input_ids_BT.shape)
+        if return_routed_experts and self.config.num_experts == 0:
+            raise ValueError("return_routed_experts=True but the model is dense (num_experts=0): it routes nothing")
         T = input_ids_BT.shape[1]
         past_len = kv_cache_length if kv_cache_length is not None else kv_cache.length if kv_cache is not None else 0
         x_BTC = self.model.embed_tokens(input_ids_BT)
@@ -416,17 +602,34 @@ class DecoderLM(nn.Module):
             mask = (keys[None, :] <= queries[:, None])[None, None]
         if mask is not None and T == 1:  # the one-query attention path adds the mask: convert once, not per layer
             bias = torch.zeros(mask.shape, dtype=torch.float32, device=x_BTC.device).masked_fill_(~mask, float("-inf"))
-        keys_out, values_out = [], []
+        keys_out, values_out, experts_out = [], [], []
         for i, layer in enumerate(self.model.layers):
             in_place = kv_cache_length is not None
             past = (kv_cache.keys[i], kv_cache.values[i]) if kv_cache is not None and (past_len or in_place) else None
-            x_BTC, (k, v) = layer(x_BTC, cos, signed_sin, past, mask, past_len if in_place else None, bias)
+            write_at = past_len if in_place else None
+            routed_NK = routed[i] if routed else None
+            x_BTC, (k, v), experts_NK = layer(x_BTC, cos, signed_sin, past, mask, write_at, bias, routed_NK)
             keys_out.append(k)
             values_out.append(v)
+            experts_out.append(experts_NK)
         if num_logits_to_keep > 0:
             x_BTC = x_BTC[:, -num_logits_to_keep:]
         logits_BTV = F.linear(self.model.norm(x_BTC), self.output_weight)
-        return logits_BTV, KVCache(tuple(keys_out), tuple(values_out))
+        cache = KVCache(tuple(keys_out), tuple(values_out))
+        if not return_routed_experts:
+            return logits_BTV, cache
+        return logits_BTV, cache, self._stack_experts(experts_out, input_ids_BT.shape)
+
+    def _stack_experts(self, experts: list[torch.Tensor | None], shape_BT: torch.Size) -> torch.Tensor:
+        """int32 `[B, T, num_hidden_layers, top_k]` from each layer's `[B * T, top_k]` ids (None: dense, -1)."""
+        B, T = shape_BT
+        k = self.config.num_experts_per_tok
+        device = self.model.embed_tokens.weight.device
+        out_BTLK = torch.full((B, T, len(experts), k), -1, dtype=torch.int32, device=device)
+        for i, experts_NK in enumerate(experts):
+            if experts_NK is not None:
+                out_BTLK[:, :, i] = experts_NK.view(B, T, k)
+        return out_BTLK
 
     def _check_inputs(self, input_ids_BT, positions_BT, kv_cache, attention_mask, kv_cache_length=None) -> None:
         if input_ids_BT.dim() != 2 or input_ids_BT.dtype not in (torch.int64, torch.int32):

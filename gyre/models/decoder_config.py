@@ -1,11 +1,17 @@
-"""`DecoderConfig`: the shape of a dense Llama/Qwen2/Qwen3-style decoder, read from and written to HF `config.json`.
+"""`DecoderConfig`: the shape of a Llama/Qwen2/Qwen3-style decoder, dense or Qwen mixture-of-experts, read from and
+written to HF `config.json`.
 
 Contract: `DecoderConfig.from_hf(config_dict)` accepts the `config.json` of a dense `llama`, `qwen2` or `qwen3`
-checkpoint as written by transformers 4 or 5, fills the fields a file may omit with the defaults of the matching
-transformers config class, and rejects with a `ValueError` naming the field everything the native model would
-compute differently from transformers (mixture of experts, sliding-window attention, RoPE scaling types other
-than `linear` and `llama3`, activations other than SiLU). `to_hf()` writes a transformers-4-style dict that
+checkpoint or of a `qwen3_moe` / `qwen2_moe` mixture-of-experts checkpoint as written by transformers 4 or 5, fills
+the fields a file may omit with the defaults of the matching transformers config class, and rejects with a
+`ValueError` naming the field everything the native model would compute differently from transformers (other
+mixture-of-experts families such as mixtral or deepseek, sliding-window attention, RoPE scaling types other than
+`linear`, `llama3` and `yarn`, activations other than SiLU). `to_hf()` writes a transformers-4-style dict that
 `from_hf` reads back to an equal config. Pure: stdlib only.
+
+Mixture of experts: `num_experts == 0` means dense (every field below it unused); `is_moe_layer(i)` is transformers'
+rule for which layers carry the sparse block. The router's auxiliary load-balancing loss is not computed by gyre's
+trainers; `router_aux_loss_coef` is only kept so `to_hf` writes back what `from_hf` read.
 """
 
 from __future__ import annotations
@@ -14,13 +20,37 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")  # the mixture-of-experts layouts the native decoder computes
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + SUPPORTED_MOE_MODEL_TYPES
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 # Defaults of the transformers config classes for fields a config.json may omit.
-DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
-QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config(head_dim=128): not hidden_size // num_attention_heads
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "llama4", "olmoe")
-MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768, "qwen2_moe": 32768}
+QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config(head_dim=128): not hidden_size // num_attention_heads (Qwen3Moe: it is)
+# Qwen3MoeConfig / Qwen2MoeConfig defaults (transformers 5.x) for the mixture-of-experts fields a file may omit.
+MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "shared_expert_intermediate_size": 0,
+    },
+    "qwen2_moe": {
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+    },
+}
+# Mixture-of-experts families whose routing the native decoder does not compute (rejected by from_hf).
+MOE_MODEL_TYPES = ("mixtral", "deepseek_v2", "deepseek_v3", "llama4", "olmoe", "qwen3_next", "gpt_oss")
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")  # refused on dense
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -60,12 +90,12 @@ class RopeScaling:
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    """Architecture of a dense pre-norm decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP)."""
+    """Architecture of a pre-norm decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP or Qwen sparse MoE block)."""
 
-    model_type: str  # llama | qwen2 | qwen3 (selects HF defaults and the architectures name on save)
+    model_type: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe (HF defaults and the architectures name on save)
     vocab_size: int  # rows of the embedding and of the lm_head
     hidden_size: int  # residual stream width
-    intermediate_size: int  # SwiGLU inner width
+    intermediate_size: int  # SwiGLU inner width (MoE models: of the dense layers, those is_moe_layer(i) is False for)
     num_hidden_layers: int
     num_attention_heads: int  # query heads
     num_key_value_heads: int  # key/value heads (GQA); divides num_attention_heads
@@ -82,6 +112,15 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the weights were saved in (informational; load_pretrained casts)
+    # Mixture of experts (qwen3_moe, qwen2_moe); the defaults mean dense.
+    num_experts: int = 0  # routed experts per MoE layer; 0: dense model
+    num_experts_per_tok: int = 0  # top-k experts each token is sent to
+    moe_intermediate_size: int = 0  # SwiGLU inner width of each routed expert
+    norm_topk_prob: bool = False  # renormalize the top-k softmax probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0 (and not mlp-only)
+    mlp_only_layers: tuple[int, ...] = ()  # layer indices that keep the dense MLP
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: width of the always-on shared expert (sigmoid-gated)
+    router_aux_loss_coef: float = 0.0  # kept for to_hf only: gyre's trainers add no load-balancing loss
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -106,6 +145,61 @@ class DecoderConfig:
         _require(
             self.model_type in SUPPORTED_MODEL_TYPES, "model_type", self.model_type, f"one of {SUPPORTED_MODEL_TYPES}"
         )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        _require(
+            isinstance(self.num_experts, int) and self.num_experts >= 0, "num_experts", self.num_experts, "an int >= 0"
+        )
+        _require(
+            isinstance(self.decoder_sparse_step, int) and self.decoder_sparse_step > 0,
+            "decoder_sparse_step",
+            self.decoder_sparse_step,
+            "a positive integer",
+        )
+        _require(
+            isinstance(self.mlp_only_layers, tuple)
+            and all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers),
+            "mlp_only_layers",
+            self.mlp_only_layers,
+            f"a tuple of layer indices in [0, {self.num_hidden_layers})",
+        )
+        if self.num_experts == 0:
+            return
+        _require(
+            self.model_type in SUPPORTED_MOE_MODEL_TYPES,
+            "num_experts",
+            self.num_experts,
+            f"0 for model_type={self.model_type!r} (experts need one of {SUPPORTED_MOE_MODEL_TYPES})",
+        )
+        _require(
+            isinstance(self.num_experts_per_tok, int) and 0 < self.num_experts_per_tok <= self.num_experts,
+            "num_experts_per_tok",
+            self.num_experts_per_tok,
+            f"an integer in [1, num_experts={self.num_experts}]",
+        )
+        _require(
+            isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size > 0,
+            "moe_intermediate_size",
+            self.moe_intermediate_size,
+            "a positive integer",
+        )
+        if self.model_type == "qwen2_moe":
+            ok = isinstance(self.shared_expert_intermediate_size, int) and self.shared_expert_intermediate_size > 0
+            expected = "a positive integer (qwen2_moe's shared expert)"
+        else:
+            ok = self.shared_expert_intermediate_size == 0
+            expected = f"0 (model_type={self.model_type!r} has no shared expert)"
+        _require(ok, "shared_expert_intermediate_size", self.shared_expert_intermediate_size, expected)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer `i` carries the sparse MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (i not in self.mlp_only_layers) and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The layers `is_moe_layer` holds for, in order: position m of a routed-experts tensor's layer axis is
+        layer `moe_layer_ids()[m]`. Empty for a dense model."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
@@ -115,16 +209,17 @@ class DecoderConfig:
         model_type = config.get("model_type")
         if model_type in MOE_MODEL_TYPES:
             raise ValueError(
-                f"model_type={model_type!r} is a mixture-of-experts model; the native decoder is dense only "
-                f"(supported: {SUPPORTED_MODEL_TYPES})"
+                f"model_type={model_type!r} is a mixture-of-experts model whose routing the native decoder does not "
+                f"compute (mixture-of-experts supported: {SUPPORTED_MOE_MODEL_TYPES}; dense: {DENSE_MODEL_TYPES})"
             )
         _require(model_type in SUPPORTED_MODEL_TYPES, "model_type", model_type, f"one of {SUPPORTED_MODEL_TYPES}")
-        for name in MOE_FIELDS:
-            if config.get(name):
-                raise ValueError(
-                    f"{name}={config[name]!r}: mixture-of-experts configs are not supported; the native decoder "
-                    "is dense only"
-                )
+        if model_type in DENSE_MODEL_TYPES:
+            for name in MOE_FIELDS:
+                if config.get(name):
+                    raise ValueError(
+                        f"{name}={config[name]!r}: mixture-of-experts fields on a dense model_type={model_type!r} "
+                        f"are not supported (mixture-of-experts supported: {SUPPORTED_MOE_MODEL_TYPES})"
+                    )
         if config.get("use_sliding_window"):
             raise ValueError(
                 f"use_sliding_window={config['use_sliding_window']!r} "
@@ -151,7 +246,7 @@ class DecoderConfig:
         hidden_size = required("hidden_size")
         num_heads = required("num_attention_heads")
         head_dim = config.get("head_dim")
-        if head_dim is None:
+        if head_dim is None:  # Qwen3MoeConfig has no head_dim field: the attention falls back to hidden // heads
             head_dim = QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else hidden_size // num_heads
         num_kv_heads = config.get("num_key_value_heads")
         if num_kv_heads is None:
@@ -159,6 +254,10 @@ class DecoderConfig:
         rope_theta, rope_scaling = _read_rope(config)
         attention_bias = bool(config.get("attention_bias", False))
         dtype = config.get("torch_dtype", config.get("dtype")) or "float32"
+        qwen2_family = model_type in ("qwen2", "qwen2_moe")
+        # Qwen2Attention hard-codes bias=True on q/k/v and False on o_proj; Qwen2MoeAttention reads qkv_bias
+        # (transformers 5; default True, hard-coded True in 4); llama, qwen3 and qwen3_moe use attention_bias.
+        qkv_bias = bool(config.get("qkv_bias", True)) if model_type == "qwen2_moe" else True
         return cls(
             model_type=model_type,
             vocab_size=required("vocab_size"),
@@ -173,14 +272,14 @@ class DecoderConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[model_type])),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            # Qwen2Attention hard-codes bias=True on q/k/v and False on o_proj; llama and qwen3 use attention_bias.
-            attention_qkv_bias=True if model_type == "qwen2" else attention_bias,
-            attention_out_bias=False if model_type == "qwen2" else attention_bias,
+            attention_qkv_bias=qkv_bias if qwen2_family else attention_bias,
+            attention_out_bias=False if qwen2_family else attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
             torch_dtype=str(dtype).removeprefix("torch."),
+            **_read_moe(config, model_type),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -223,6 +322,11 @@ class DecoderConfig:
             config["rope_scaling"] = scaling
         if self.model_type == "qwen2":
             config["use_sliding_window"] = False
+        elif self.model_type == "qwen2_moe":
+            if self.attention_out_bias:
+                raise ValueError("model_type='qwen2_moe' has no o_proj bias; got attention_out_bias=True")
+            config["use_sliding_window"] = False
+            config["qkv_bias"] = self.attention_qkv_bias
         else:
             if self.attention_qkv_bias != self.attention_out_bias:
                 raise ValueError(
@@ -230,11 +334,51 @@ class DecoderConfig:
                     f"attention_qkv_bias={self.attention_qkv_bias}, attention_out_bias={self.attention_out_bias}"
                 )
             config["attention_bias"] = self.attention_qkv_bias
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "qwen3_moe"):
             config["use_sliding_window"] = False
         if self.model_type == "llama":
             config["mlp_bias"] = self.mlp_bias
+        if self.model_type in SUPPORTED_MOE_MODEL_TYPES:
+            config |= {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers),
+                "router_aux_loss_coef": self.router_aux_loss_coef,
+                "output_router_logits": False,
+            }
+            if self.model_type == "qwen2_moe":
+                config["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return config
+
+
+def _read_moe(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe / qwen2_moe config.json (empty for dense model types), with the
+    transformers config class's defaults for the ones a file omits. Transformers 5 may name num_experts
+    `num_local_experts` (Qwen3MoeConfig's attribute_map)."""
+    if model_type not in SUPPORTED_MOE_MODEL_TYPES:
+        return {}
+    defaults = MOE_DEFAULTS[model_type]
+
+    def read(name: str) -> Any:
+        value = config.get(name)
+        return defaults[name] if value is None else value
+
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    mlp_only_layers = config.get("mlp_only_layers") or []
+    _require(isinstance(mlp_only_layers, list), "mlp_only_layers", mlp_only_layers, "a list of layer indices")
+    return {
+        "num_experts": defaults["num_experts"] if num_experts is None else num_experts,
+        "num_experts_per_tok": read("num_experts_per_tok"),
+        "moe_intermediate_size": read("moe_intermediate_size"),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "decoder_sparse_step": config.get("decoder_sparse_step") or 1,
+        "mlp_only_layers": tuple(mlp_only_layers),
+        "shared_expert_intermediate_size": read("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0,
+        "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
+    }
 
 
 def _read_rope(config: dict[str, Any]) -> tuple[float, RopeScaling]:

@@ -6,6 +6,11 @@ Contract
   any missing or unexpected tensor name, or a shape that does not match the config, raises a ValueError that
   lists them. Tolerated extras, as in transformers: `*.rotary_emb.inv_freq` buffers of old checkpoints, and
   an `lm_head.weight` equal to the embedding in a tied checkpoint.
+- Mixture-of-experts checkpoints (qwen3_moe, qwen2_moe) carry one tensor per expert
+  (`model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight`, as the hub's Qwen checkpoints and transformers'
+  save_pretrained write them). `read_state_dict` also accepts transformers 5's in-memory fused layout
+  (`mlp.experts.gate_up_proj` `[E, 2 * I, H]`, gate rows first, and `mlp.experts.down_proj` `[E, H, I]`) and splits
+  it into those per-expert names (`split_fused_experts`); `save_pretrained` writes per-expert names.
 - `save_pretrained(model, path, max_shard_bytes=None)` writes the same layout (`model.safetensors`, or
   `model-0000k-of-0000n.safetensors` + index when the tensors exceed `max_shard_bytes`), loadable by
   transformers' `AutoModelForCausalLM.from_pretrained` as well as by `load_pretrained`.
@@ -28,6 +33,7 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints carry
+FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"  # transformers 5 in memory
 
 
 def read_config(path: str | Path) -> DecoderConfig:
@@ -66,7 +72,38 @@ def read_state_dict(path: str | Path, *, dtype: torch.dtype, device: torch.devic
                 if name in state:
                     raise ValueError(f"tensor {name!r} appears in more than one file of {path} (last: {file.name})")
                 state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
-    return state
+    return split_fused_experts(state)
+
+
+def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with transformers 5's fused expert tensors (`{p}.mlp.experts.gate_up_proj` `[E, 2I, H]`,
+    `{p}.mlp.experts.down_proj` `[E, H, I]`) replaced by per-expert `{p}.mlp.experts.{j}.{gate,up,down}_proj.weight`
+    (views, no copy); a state without them is returned as is. A fused tensor whose shape cannot be split raises
+    ValueError naming it."""
+    if not any(name.endswith((FUSED_GATE_UP, FUSED_DOWN)) for name in state):
+        return state
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(FUSED_GATE_UP):
+            prefix = name.removesuffix("gate_up_proj")
+            if tensor.dim() != 3 or tensor.shape[1] % 2:
+                raise ValueError(
+                    f"{name}: expected [num_experts, 2 * moe_intermediate_size, hidden], got {tuple(tensor.shape)}"
+                )
+            for j, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor.unbind(0)):
+                out[f"{prefix}{j}.gate_proj.weight"] = gate
+                out[f"{prefix}{j}.up_proj.weight"] = up
+        elif name.endswith(FUSED_DOWN):
+            prefix = name.removesuffix("down_proj")
+            if tensor.dim() != 3:
+                raise ValueError(
+                    f"{name}: expected [num_experts, hidden, moe_intermediate_size], got {tuple(tensor.shape)}"
+                )
+            for j, down in enumerate(tensor.unbind(0)):
+                out[f"{prefix}{j}.down_proj.weight"] = down
+        else:
+            out[name] = tensor
+    return out
 
 
 def without_tolerated(state: dict[str, torch.Tensor], config: DecoderConfig, *, where: str) -> dict[str, torch.Tensor]:

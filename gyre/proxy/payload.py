@@ -10,8 +10,10 @@ still yields our exact ids, and the tree walks through the recorded response ins
 Contract:
 - a turn with tool calls is restored only through its tool-call ids, and only if the echoed call ids are
   exactly the ids of one remembered output (in order); its text and arguments are not compared;
-- a turn without tool calls is restored only if an output without tool calls had the same text and thinking,
-  and no other output (other ids) had them too: the output parser strips whitespace around the text
+- a turn without tool calls is restored only if an output without tool calls had the same text and thinking (or
+  the same text, when the turn carries no thinking: harnesses and templates drop earlier thinking from the history
+  they send, docs/proxy.md "Thinking in the history"), and no other output (other ids) had them too: the output
+  parser strips whitespace around the text
   (gyre.proxy.output), so two different outputs can read the same to the harness, and an echo of such text is
   ambiguous. An ambiguous content key restores nothing (the turn is rendered by the template and the tree forks
   there) rather than another output's ids: a restore is never wrong;
@@ -105,4 +107,6 @@ class PayloadCache:
     def _keys_of_output(output: AssistantOutput) -> list[tuple[str, ...]]:
         if output.tool_calls:
             return [("call", call.id) for call in output.tool_calls]
-        return [("content", output.text, output.thinking)]
+        if output.thinking:  # also found when the echo dropped the thinking
+            return [("content", output.text, output.thinking), ("content", output.text, "")]
+        return [("content", output.text, "")]

@@ -132,22 +132,32 @@ class PromptBuilder:
         self._texts: list[str | None] = []
         self._prompt: Prompt | None = None  # the last prompt built (its ids seed the next one's)
         self._max_tokens: int | None = None  # the limit of the build under way (builds of one builder never overlap)
+        self._suffix = ""  # the build's generation suffix (enable_thinking), after the last generation prompt
+        self._built_suffix = ""  # the suffix the last prompt ends with
 
     @property
     def windowed(self) -> bool:
         return windowed_rendering(self.template) if self._windowed is None else self._windowed
 
-    def build(self, request: ChatRequest, *, max_tokens: int | None = None) -> Prompt:
+    def build(
+        self, request: ChatRequest, *, max_tokens: int | None = None, enable_thinking: bool | None = None
+    ) -> Prompt:
         """The prompt of `request`. Raises ApiError(invalid_request) if the chat template refuses it.
+
+        `enable_thinking`: rendered into the final generation prompt only (`ChatTemplate.generation_suffix`, e.g.
+        Qwen3's empty thinking block for False); an earlier turn keeps the tokens its call was given.
 
         `max_tokens`: raise PromptTooLong (and keep the previous request's state) as soon as the prompt must pass
         it: before encoding a text whose token floor alone passes it (`ChatTemplate.min_tokens`), or once the
         ids encoded so far do. A huge prompt is then refused without tokenizing it. None: no limit."""
         self._max_tokens = max_tokens
+        self._suffix = self.template.generation_suffix(enable_thinking)
         try:
-            return self._build(request)
+            prompt = self._build(request)
         finally:
             self._max_tokens = None
+        self._built_suffix = self._suffix
+        return prompt
 
     def pending_turns(self, request: ChatRequest) -> Sequence[Turn]:
         """The turns `build(request)` will likely render and encode: those past the previous request's (all of
@@ -189,6 +199,8 @@ class PromptBuilder:
             reused += 1
         if reused and self._entries[reused - 1].next_role != _next_role(turns, reused):
             reused -= 1  # its rendering depends on what follows (generation prompt, grouped tool results)
+        elif reused == len(turns) == len(previous) and self._suffix != self._built_suffix:
+            reused -= 1  # a retry with another enable_thinking: its generation prompt ends differently
         if reused == 0:
             return self._build_full(request, fallback=0, windowed=True)
         try:
@@ -252,6 +264,7 @@ class PromptBuilder:
         except RenderError as err:
             raise ApiError("invalid_request", str(err), param="messages") from err
         if full.startswith(closed) and full[len(closed) :] == template.generation_prompt:
+            # (the suffix is added by _assemble to the final generation prompt, as in windowed builds)
             context = messages[:offset]
             header, texts = _split_text(template, context, messages[offset:], tools, closed)
             header_entry = self._header_entry(request, header, turns, texts)
@@ -261,6 +274,7 @@ class PromptBuilder:
             except _NeedsFullRender:
                 pass
         # Last resort: correct ids, no sharing, no restore; the next request starts afresh.
+        full += self._suffix
         segment = Segment(Provenance.USER, self._encode(full, 0))
         self._reset()
         return Prompt([segment], len(segment), 0, len(turns), 0, 0, 0, fallbacks=2, texts=[full])
@@ -269,7 +283,8 @@ class PromptBuilder:
         first_is_assistant = bool(turns) and turns[0].role == "assistant"
         if not header:
             return _Entry((), (), "", "", True, 0, 0, False, False)
-        text = header + (self.template.generation_prompt if first_is_assistant or not turns else "")
+        prompt_text = self.template.generation_prompt
+        text = header + (prompt_text if first_is_assistant else prompt_text + self._suffix if not turns else "")
         old = self._header
         segment = (
             old.segments[0]
@@ -331,12 +346,13 @@ class PromptBuilder:
                     glue = footer[len(stop_text) :]
                     unrestored = True
                 if last:  # the request ends with an assistant turn: a new one is generated after it
-                    pieces.append((Provenance.SYSTEM, glue + prompt_text, None))
+                    pieces.append((Provenance.SYSTEM, glue + prompt_text + self._suffix, None))
                 lead, prev_has_prompt = ("" if last else glue), last
             else:
                 provenance = _ROLE_PROVENANCE.get(turn.role, Provenance.HARNESS_ASSISTANT)
                 unrestored = turn.role == "assistant"
                 full_text = lead + text + (prompt_text if next_is_split_assistant else "")
+                full_text += self._suffix if last else ""  # the final generation prompt's end (enable_thinking)
                 if full_text:
                     pieces.append((provenance, full_text, None))
                 lead, prev_has_prompt = "", next_is_split_assistant and bool(full_text or prev_has_prompt)

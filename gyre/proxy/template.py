@@ -161,13 +161,18 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = False,
+        enable_thinking: bool | None = None,
     ) -> str:
+        """The template's text. `enable_thinking` is passed to the template only when not None (Qwen3's variable:
+        False makes its generation prompt close an empty thinking block); None renders the template's default."""
+        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
             return self._compiled.render(
                 messages=list(messages),
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 **self._context,
+                **extra,
             )
         except _TEMPLATE_ERRORS as err:
             raise RenderError(f"the chat template refused the conversation: {err}") from err
@@ -206,10 +211,39 @@ class ChatTemplate:
         leading = request.system is None
         return head + [self.message(turn, first=leading and i == 0) for i, turn in enumerate(request.turns)]
 
-    def render_request(self, request: ChatRequest, *, add_generation_prompt: bool = True) -> str:
+    def render_request(
+        self, request: ChatRequest, *, add_generation_prompt: bool = True, enable_thinking: bool | None = None
+    ) -> str:
         """The whole conversation rendered in one piece (the reference the segments are tested against)."""
         tools = [tool.as_template_tool() for tool in request.tools]
-        return self.render(self.messages(request), tools, add_generation_prompt=add_generation_prompt)
+        return self.render(
+            self.messages(request), tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+        )
+
+    def generation_suffix(self, enable_thinking: bool | None) -> str:
+        """What the template appends to `generation_prompt` when rendered with `enable_thinking` (probed): Qwen3's
+        `<think>\n\n</think>\n\n` for False, "" for None and for templates that ignore the variable."""
+        if enable_thinking is None:
+            return ""
+        suffix = self._generation_suffixes[enable_thinking]
+        if suffix is None:
+            raise ValueError(self.thinking_switch_problem(enable_thinking))
+        return suffix
+
+    def thinking_switch_problem(self, enable_thinking: bool) -> str | None:
+        """Why this template cannot be rendered with `enable_thinking` (None: it can): the variable must change
+        nothing but the end of the generation prompt, or earlier turns would render differently per call."""
+        if self._generation_suffixes[enable_thinking] is not None:
+            return None
+        return (
+            f"the chat template rendered with enable_thinking={enable_thinking} changes more than the end of the "
+            "generation prompt, so gyre cannot keep earlier turns' tokens; leave proxy.thinking=template"
+        )
+
+    def output_starts_in_thinking(self, enable_thinking: bool | None) -> bool:
+        """Does the generation prompt leave a `<think>` block open, so the output starts inside the thinking?"""
+        text = self.generation_prompt + self.generation_suffix(enable_thinking)
+        return text.rfind("<think>") > text.rfind("</think>")
 
     # -- template facts, probed once -------------------------------------------------------------
     def _probe(self) -> None:
@@ -218,6 +252,7 @@ class ChatTemplate:
         self.generation_prompt = self.render(user, add_generation_prompt=True)[len(closed) :]
         if not self.generation_prompt:
             raise ValueError("the chat template adds no generation prompt (add_generation_prompt=True changes nothing)")
+        self._generation_suffixes = {flag: self._probe_generation_suffix(user, flag) for flag in (True, False)}
         answered = self.render([*user, {"role": "assistant", "content": SENTINEL}])
         at = answered.find(SENTINEL, len(closed))
         # Text after an assistant's content; "" disables splitting assistant turns (whole-conversation renders).
@@ -233,6 +268,13 @@ class ChatTemplate:
             mid = ""
         self.mid_system_role = "system" if SENTINEL in mid else "user"
         self.keeps_contents = self._keeps_contents()
+
+    def _probe_generation_suffix(self, user: list[dict[str, Any]], enable_thinking: bool) -> str | None:
+        closed = self.render(user, enable_thinking=enable_thinking)
+        prompt = self.render(user, add_generation_prompt=True, enable_thinking=enable_thinking)[len(closed) :]
+        if closed != self.render(user) or not prompt.startswith(self.generation_prompt):
+            return None  # it changes more than the generation prompt's end: the builder cannot keep its segments
+        return prompt[len(self.generation_prompt) :]
 
     def _keeps_contents(self) -> bool:
         """Does the template render every user and tool message's content, at most trimmed? (`prompt_floor`)"""

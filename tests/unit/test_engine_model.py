@@ -373,7 +373,7 @@ def test_llama3_rope_scaling_frequencies_by_hand():
     ("overrides", "match"),
     [
         ({"model_type": "mistral"}, "model_type='mistral'"),
-        ({"model_type": "qwen3_moe"}, "mixture-of-experts"),
+        ({"model_type": "mixtral"}, "mixture-of-experts"),
         ({"num_experts": 8}, "num_experts=8"),
         ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window=True"),
         ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling type 'longrope'"),

@@ -267,11 +267,23 @@ def test_payload_cache_keys_and_bounds():
         role="assistant", text=out.text, tool_calls=(ToolCall(id="toolu_99", name="read", arguments="{}"),)
     )
     assert cache_.restore(other_ids) is None
-    plain = AssistantOutput(text="done", thinking="t")
-    cache_.remember(plain, [8])
-    assert cache_.restore(Turn(role="assistant", text="done", thinking="t")) == (8,)
-    assert cache_.restore(Turn(role="assistant", text="done")) is None  # content key includes thinking
     cache_.remember(AssistantOutput(text="third"), [9])
-    assert len(cache_) == 2 and cache_.restore(echoed(out)) is None  # least recently used evicted
+    assert len(cache_) == 2 and cache_.restore(echoed(out)) == (5, 6, 7)
+    cache_.remember(AssistantOutput(text="fourth"), [10])
+    assert len(cache_) == 2 and cache_.restore(Turn(role="assistant", text="third")) is None  # least recently used
+
+
+def test_an_answer_echoed_without_its_thinking_is_restored_with_it():
+    """Harnesses and templates (Qwen3's) drop earlier thinking from the history: the echo of a plain answer is found
+    by its text, and restores the ids the engine produced, thinking included (docs/proxy.md, "Thinking in the
+    history"). An echo that keeps the thinking must match it; text shared by two outputs restores neither."""
+    cache_ = PayloadCache()
+    cache_.remember(AssistantOutput(text="done", thinking="t"), [8, 9])
+    assert cache_.restore(Turn(role="assistant", text="done", thinking="t")) == (8, 9)
+    assert cache_.restore(Turn(role="assistant", text="done")) == (8, 9)
+    assert cache_.restore(Turn(role="assistant", text="done", thinking="other")) is None
+    cache_.remember(AssistantOutput(text="done", thinking="u"), [8, 10])
+    assert cache_.restore(Turn(role="assistant", text="done", thinking="u")) == (8, 10)
+    assert cache_.restore(Turn(role="assistant", text="done")) is None  # which of the two? neither
     with pytest.raises(ValueError):
-        cache_.remember(plain, [])
+        cache_.remember(AssistantOutput(text="empty"), [])
