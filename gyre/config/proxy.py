@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gyre.config.checks import is_int, require, require_bool, require_duration, require_int, require_number
+from gyre.config.checks import (
+    is_int,
+    require,
+    require_bool,
+    require_choice,
+    require_duration,
+    require_int,
+    require_number,
+)
+
+# SGLang's names of the output parsers gyre implements (`gyre.proxy.parsers.registry`, which a unit test keeps equal;
+# the config imports nothing of the proxy).
+TOOL_CALL_PARSER_NAMES = ("hermes", "qwen25", "qwen", "qwen3_coder", "llama3")
+REASONING_PARSER_NAMES = ("qwen3", "qwen3-thinking", "deepseek-r1", "none")
+THINKING_MODES = ("template", "enabled", "disabled", "client")
 
 
 @dataclass(kw_only=True)
@@ -75,9 +89,35 @@ class ProxyConfig:
     body_timeout_s: float = 120.0
     """A request's whole body must arrive within this long of its head, else 408 in the dialect's shape and nothing
     is recorded (64 MiB at 10 MB/s takes 7 s)."""
+    tool_call_parser: str = "hermes"
+    """How the model writes tool calls, by SGLang's `--tool-call-parser` name: hermes (= qwen25, qwen: Qwen2.5, Qwen3,
+    gyre's tiny model), qwen3_coder (Qwen3-Coder's XML-like tags), llama3 (Llama 3.x JSON). docs/proxy.md,
+    "Tool-call and reasoning parsers"."""
+    reasoning_parser: str | None = "qwen3"
+    """How the model marks its reasoning, by SGLang's `--reasoning-parser` name: qwen3 (`<think>...</think>` when the
+    output opens it), qwen3-thinking and deepseek-r1 (the output starts inside thinking); none or null: no split,
+    all output is text."""
+    thinking: str = "template"
+    """Whether calls think, for chat templates that read Qwen3's `enable_thinking`: template (pass nothing: the
+    template's default), enabled / disabled (every call), client (the request's own switch: Anthropic `thinking`,
+    OpenAI `reasoning_effort`). Only the final generation prompt changes; docs/proxy.md, "Thinking in the history"."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
+    def enable_thinking(self, client_asked: bool) -> bool | None:
+        """The `enable_thinking` a call's template gets (None: not passed), given what the client asked for."""
+        return {"template": None, "enabled": True, "disabled": False}.get(self.thinking, client_asked)
+
     def __post_init__(self) -> None:
+        require_choice("proxy.thinking", self.thinking, THINKING_MODES)
+        require_choice(
+            "proxy.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSER_NAMES, note="SGLang's parser names"
+        )
+        require(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSER_NAMES,
+            "proxy.reasoning_parser",
+            self.reasoning_parser,
+            f"null or one of {', '.join(REASONING_PARSER_NAMES)} (SGLang's parser names)",
+        )
         require_int("proxy.port", self.port, ge=0, le=65535, note="0 = any free port")
         require_duration("proxy.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
         require_duration("proxy.request_head_timeout_s", self.request_head_timeout_s)

@@ -39,7 +39,7 @@ from gyre.proxy.dialects import DIALECTS, Dialect
 from gyre.proxy.dialects.fields import json_type, nesting_depth_exceeds
 from gyre.proxy.dialects.protocol import StreamWriter
 from gyre.proxy.heap import HeapFreezer
-from gyre.proxy.output import OutputDecoder
+from gyre.proxy.output import OutputDecoder, prompt_opens_thinking
 from gyre.proxy.render import PromptTooLong
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
 from gyre.proxy.sessions import (
@@ -70,11 +70,13 @@ MAX_BODY_DEPTH = 128
 OFF_THE_LOOP_CHARS = RELEASE_GIL_CHARS
 
 
-async def _off_the_loop_if_big(builder, request: ChatRequest, *, max_tokens: int | None = None):
+async def _off_the_loop_if_big(
+    builder, request: ChatRequest, *, max_tokens: int | None = None, enable_thinking: bool | None = None
+):
     """`builder.build(request)`, on a worker thread when it has much new text to encode (which releases the GIL)."""
     if builder.pending_chars(request) < OFF_THE_LOOP_CHARS:
-        return builder.build(request, max_tokens=max_tokens)
-    return await asyncio.to_thread(builder.build, request, max_tokens=max_tokens)
+        return builder.build(request, max_tokens=max_tokens, enable_thinking=enable_thinking)
+    return await asyncio.to_thread(builder.build, request, max_tokens=max_tokens, enable_thinking=enable_thinking)
 
 
 def _too_long(at_least: int, max_tokens: int) -> ApiError:
@@ -106,6 +108,9 @@ class ProxyServer:
         context_limit: int,
         admin_key: str | None = None,
     ):
+        flags = {"enabled": (True,), "disabled": (False,), "client": (True, False)}.get(config.thinking, ())
+        for problem in filter(None, (template.thinking_switch_problem(flag) for flag in flags)):
+            raise ValueError(f"proxy.thinking={config.thinking}: {problem}")
         self.config = config
         self.template = template
         self.registry = registry
@@ -274,7 +279,8 @@ class ProxyServer:
             self._check_model(request.model)
             _check_stated_role(request)
             builder = session.make_builder(session.payload)  # a throwaway builder: no cache churn, no lock
-            prompt = await _off_the_loop_if_big(builder, request)
+            thinking = self.config.enable_thinking(request.thinking)
+            prompt = await _off_the_loop_if_big(builder, request, enable_thinking=thinking)
         except ApiError as error:
             counters.ended_with(error)
             return self.error_response(dialect, error)
@@ -305,7 +311,8 @@ class ProxyServer:
             raise _too_long(floor, max_tokens)
         async with session.build_lock(thread):
             try:
-                return await _off_the_loop_if_big(builder, request, max_tokens=max_tokens)
+                thinking = self.config.enable_thinking(request.thinking)
+                return await _off_the_loop_if_big(builder, request, max_tokens=max_tokens, enable_thinking=thinking)
             except PromptTooLong as error:
                 raise _too_long(error.at_least, max_tokens) from None
 
@@ -392,10 +399,19 @@ class _Call:
         self.request, self.prompt, self.params = request, prompt, params
         self.response_id = _new_id(dialect.response_prefix)
         self.created = int(time.time())
+        config = server.config
         self.decoder = OutputDecoder(
             server.template.tokenizer,
             skip_ids=server.template.end_of_turn_ids,
             new_call_id=lambda: _new_id(dialect.call_prefix),
+            tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
+            tools=request.tools,  # qwen3_coder types parameter values by their schema
+            starts_in_thinking=prompt_opens_thinking(
+                config.reasoning_parser,
+                server.template.generation_prompt
+                + server.template.generation_suffix(config.enable_thinking(request.thinking)),
+            ),
         )
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []

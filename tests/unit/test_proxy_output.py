@@ -13,13 +13,8 @@ from hypothesis import strategies as st
 
 from gyre.models.chat_template import render_chat
 from gyre.proxy.conversation import AssistantOutput, TextDelta, ThinkingDelta, ToolCall, ToolCallDone
-from gyre.proxy.output import (
-    Detokenizer,
-    OutputDecoder,
-    OutputParser,
-    parse_output,
-    parse_tool_call_body,
-)
+from gyre.proxy.output import Detokenizer, OutputDecoder, OutputParser, parse_output
+from gyre.proxy.parsers.json_call import parse_json_call
 
 
 @cache
@@ -197,10 +192,10 @@ def test_unterminated_tool_call_is_text_at_finish():
 
 
 def test_arguments_as_json_string_missing_and_parameters_alias():
-    assert parse_tool_call_body('{"name": "f", "arguments": " {\\"a\\": 1} "}') == ("f", '{"a": 1}')
-    assert parse_tool_call_body('{"name": "f"}') == ("f", "{}")
-    assert parse_tool_call_body(' {"name":"f","parameters":{"b":[1,2]}} ') == ("f", '{"b":[1,2]}')
-    assert parse_tool_call_body('{"name": "f", "arguments": {"a": {"b": "}"}}, "extra": 1}') == (
+    assert parse_json_call('{"name": "f", "arguments": " {\\"a\\": 1} "}') == ("f", '{"a": 1}')
+    assert parse_json_call('{"name": "f"}') == ("f", "{}")
+    assert parse_json_call(' {"name":"f","parameters":{"b":[1,2]}} ') == ("f", '{"b":[1,2]}')
+    assert parse_json_call('{"name": "f", "arguments": {"a": {"b": "}"}}, "extra": 1}') == (
         "f",
         '{"a": {"b": "}"}}',
     )
@@ -228,19 +223,17 @@ def test_whitespace_between_tool_calls_is_not_text_but_text_after_them_is():
     assert [type(e) for e in events] == [TextDelta, ToolCallDone, TextDelta]
 
 
-def test_custom_tags_and_bad_tag_options():
-    output = parse_output(
-        '[THINK]x[/THINK][CALL]{"name": "f", "arguments": {}}[/CALL]',
-        "stop",
-        new_call_id=ids_counter(),
-        thinking_open="[THINK]",
-        thinking_close="[/THINK]",
-        call_open="[CALL]",
-        call_close="[/CALL]",
-    )
-    assert output.thinking == "x" and output.tool_calls[0].name == "f"
-    with pytest.raises(ValueError, match="call_open"):
-        OutputParser(new_call_id=ids_counter(), call_open="")
+def test_unknown_parser_names_are_errors_naming_the_known_ones():
+    with pytest.raises(ValueError, match="tool_call_parser='mistral' is not a known parser: expected one of hermes"):
+        OutputParser(new_call_id=ids_counter(), tool_call_parser="mistral")
+    with pytest.raises(ValueError, match=r"reasoning_parser='qwen2' .* qwen3, qwen3-thinking, deepseek-r1, none"):
+        OutputParser(new_call_id=ids_counter(), reasoning_parser="qwen2")
+
+
+def test_no_reasoning_parser_leaves_think_tags_in_the_text():
+    for name in (None, "none"):
+        output = parse_output("<think>x</think>\nok", "stop", new_call_id=ids_counter(), reasoning_parser=name)
+        assert output == AssistantOutput(text="<think>x</think>\nok")
 
 
 def test_feed_after_finish_is_an_error():
