@@ -57,7 +57,7 @@ def chat_reply(template: Any, respond: Callable[[GenerateRequest, str], str]) ->
     `tokenizer.decode`, `encode` and `end_of_turn_ids`): `respond(request, prompt)` gets the decoded context
     (special tokens kept) and returns the assistant's text, which is encoded with the template and ended with its
     end-of-turn token, so the proxy parses and records it like any model output (tool calls included)."""
-    (end_of_turn,) = template.end_of_turn_ids
+    end_of_turn = template.end_of_turn_ids[0]  # the template's end of turn (Qwen3 also stops on <|endoftext|>)
 
     def reply(request: GenerateRequest) -> list[int]:
         prompt = template.tokenizer.decode(list(request.input_ids), skip_special_tokens=False)

@@ -38,6 +38,7 @@ from typing import Any
 from gyre.proxy.conversation import ApiError, ChatRequest, ToolCall, ToolSpec, Turn
 from gyre.proxy.payload import PayloadCache
 from gyre.proxy.template import (  # ChatTemplate is re-exported: callers build both from here
+    TOOL_STUB,
     ChatTemplate,
     RenderError,
     common_prefix_len,
@@ -458,13 +459,26 @@ def _split_text(template, context, messages, tools, full: str, drop_last: bool =
         else:
             try:
                 # j == 0 too: with tools and no system message the template still writes a header
-                bound = common_prefix_len(template.render(window[:j], tools), full)
+                bound = _prefix_bound(template, window[:j], tools, full)
             except RenderError:
                 bound = previous  # a prefix the template refuses: its text joins the next message
         bound = max(bound, previous)
         bounds.append(bound)
         previous = bound
     return full[: bounds[0]], [full[bounds[i] : bounds[i + 1]] for i in range(count)]
+
+
+def _prefix_bound(template: ChatTemplate, prefix: list, tools, full: str) -> int:
+    """Where the text of `prefix`'s messages ends in `full` (a render of `prefix` and more messages)."""
+    if not (template.last_assistant_differs and prefix and prefix[-1].get("role") == "assistant"):
+        return common_prefix_len(template.render(prefix, tools), full)
+    # The template renders a last assistant message its own way (Qwen3: an empty thinking block first): render it
+    # followed by a tool stub, which changes nothing before it, and cut after its footer (the stub's head may
+    # share characters with the next message's).
+    shared = common_prefix_len(template.render([*prefix, TOOL_STUB], tools), full)
+    footer = template.assistant_footer
+    at = full.rfind(footer, 0, shared) if footer else -1
+    return at + len(footer) if at >= 0 else 0
 
 
 def _window_matches_full_render(template: ChatTemplate) -> bool:

