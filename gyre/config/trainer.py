@@ -2,7 +2,8 @@
 
 `backend` picks the `gyre.train.streaming.Trainable`: `native` (`gyre.train.native_trainable.NativeTrainable`, the
 shared decoder in plain torch, one rank per cell) or `megatron` (`gyre.train.megatron_trainable.MegatronTrainable`
-on a Megatron-core `GPTModel`, `gyre.train.model.build_gpt_model`, sharded TP x PP over the cell's ranks). Both
+on a Megatron-core `GPTModel`, `gyre.train.model.build_gpt_model`, sharded TP x PP over the cell's ranks, a
+mixture of experts' experts over EP of them: `cell_size`, `check_expert_layout`, docs/moe.md). Both
 take `lr`, `weight_decay` and `max_grad_norm` as given here; the log-prob temperature is the rollouts' own
 (`proxy.sampling.temperature`), so sampling and training score one distribution (docs/training.md).
 `mooncake` (`MooncakeConfig`) says which link the Mooncake weight transport uses: TCP or RDMA, and which RDMA
@@ -14,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from gyre.config.checks import require, require_choice, require_int, require_number
+from gyre.config.checks import require, require_bool, require_choice, require_int, require_number
 
 TRAINER_BACKENDS = ("native", "megatron")
 TRAINER_DTYPES = ("float32", "bfloat16")
@@ -53,6 +54,44 @@ def check_mooncake_link(where: str, protocol: object, device_names: object) -> N
     )
 
 
+def dense_replicas(tensor_parallel_size: int, expert_parallel_size: int) -> int:
+    """Copies of the dense model in a cell: EP / TP when the experts are spread over more ranks than the tensor-
+    parallel ones, else 1 (the EP ranks are TP ranks: megatron's expert tensor parallelism 1 folded over them)."""
+    return max(1, expert_parallel_size // tensor_parallel_size)
+
+
+def check_expert_layout(
+    tensor_parallel_size: int, pipeline_parallel_size: int, context_parallel_size: int, expert_parallel_size: int
+) -> None:
+    """ConfigError unless megatron can lay EP ranks over a cell of TP x PP x `dense_replicas` ranks that all see the
+    same tokens: EP divides TP or TP divides EP (megatron's EP groups are EP consecutive ranks of a stage, its
+    rank order tp-cp-ep-pp-dp), EP = TP at PP > 1 (megatron requires the expert and dense pipeline groups to
+    coincide), CP = 1 (its ranks see different tokens: not wired)."""
+    tp, pp, cp, ep = tensor_parallel_size, pipeline_parallel_size, context_parallel_size, expert_parallel_size
+    if ep == 1:
+        return
+    require(
+        ep % tp == 0 or tp % ep == 0,
+        "trainer.expert_parallel_size",
+        ep,
+        f"a divisor or a multiple of trainer.tensor_parallel_size={tp} (the EP ranks are the cell's TP ranks, or "
+        "EP / TP copies of them)",
+    )
+    require(
+        pp == 1 or ep == tp,
+        "trainer.expert_parallel_size",
+        ep,
+        f"1 or trainer.tensor_parallel_size={tp} with trainer.pipeline_parallel_size={pp} > 1 (megatron's expert "
+        "and dense pipeline groups must coincide)",
+    )
+    require(
+        cp == 1,
+        "trainer.expert_parallel_size",
+        ep,
+        f"1 with trainer.context_parallel_size={cp} > 1 (expert parallelism over context-parallel ranks is not wired)",
+    )
+
+
 @dataclass(kw_only=True)
 class MooncakeConfig:
     """The link of the Mooncake weight transport (`trainer.weight_transport=mooncake`, or `auto` where Mooncake
@@ -85,6 +124,14 @@ class TrainerConfig:
     context_parallel_size: int = 1
     """Ranks one row's tokens are split over (megatron's context parallelism, megatron only). Needs
     TransformerEngine's attention (CUDA): refused at start where it is absent (docs/training.md, "Long rows")."""
+    expert_parallel_size: int = 1
+    """Ranks a mixture of experts' routed experts are split over (megatron's expert parallelism, inside a cell;
+    megatron only, a model with experts divisible by it). A divisor of TP (the TP ranks hold the experts too) or a
+    multiple (EP / TP copies of the dense model per cell); at PP > 1, equal to TP. cluster.cell_size must be
+    TP x PP x max(1, EP / TP) (docs/moe.md)."""
+    routing_replay: bool = False
+    """Mixture of experts: the trainer's routers use the experts the rollout's engine chose for each token (the
+    rows' recorded routing), not their own top-k, so sampling and training score the same experts (docs/moe.md)."""
     lr: float = 1e-4
     """AdamW learning rate (> 0). The demo's tiny model learns at 5e-5..1e-4 and collapses at >= 2e-4."""
     weight_decay: float = 0.0
@@ -128,6 +175,8 @@ class TrainerConfig:
         require_int("trainer.tensor_parallel_size", self.tensor_parallel_size, ge=1)
         require_int("trainer.pipeline_parallel_size", self.pipeline_parallel_size, ge=1)
         require_int("trainer.context_parallel_size", self.context_parallel_size, ge=1)
+        require_int("trainer.expert_parallel_size", self.expert_parallel_size, ge=1)
+        require_bool("trainer.routing_replay", self.routing_replay)
         require_number("trainer.lr", self.lr, gt=0)
         require_number("trainer.weight_decay", self.weight_decay, ge=0)
         require_number("trainer.max_grad_norm", self.max_grad_norm, ge=0, note="0 = no clipping")
@@ -141,14 +190,33 @@ class TrainerConfig:
             "cpu or cuda (cuda:N names one GPU)",
         )
         if self.backend == "native":
-            for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
+            for name in (
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "context_parallel_size",
+                "expert_parallel_size",
+            ):
                 value = getattr(self, name)
                 require(value == 1, f"trainer.{name}", value, "1 with trainer.backend=native (no model parallelism)")
+        check_expert_layout(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.context_parallel_size,
+            self.expert_parallel_size,
+        )
+        require(
+            not (self.routing_replay and self.pipeline_parallel_size > 1 and self.recompute == "full"),
+            "trainer.routing_replay",
+            self.routing_replay,
+            "false with trainer.pipeline_parallel_size > 1 and trainer.recompute=full (a stage recomputes a "
+            "micro-step after later ones ran forward: their routes would be replayed)",
+        )
 
     @property
     def model_parallel_size(self) -> int:
-        """TP x PP: the ranks one model replica spans, i.e. the ranks of one cell."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """TP x PP x `dense_replicas` (1 without expert parallelism beyond TP): the ranks of one cell."""
+        replicas = dense_replicas(self.tensor_parallel_size, self.expert_parallel_size)
+        return self.tensor_parallel_size * self.pipeline_parallel_size * replicas
 
 
 def device_kind(device: object) -> str:

@@ -43,7 +43,7 @@ class Layout:
 
     world_size: int  # processes in the job (torchrun's WORLD_SIZE)
     num_cells: int  # K; cell 0 is the core
-    cell_size: int  # ranks per cell (TP x PP x CP x EP of the training layout)
+    cell_size: int  # ranks per cell (the training layout: TP x PP x max(1, EP / TP), gyre.config.trainer)
     num_rollout_ranks: int = 0  # separate rollout pool after the cells (0: none, or external servers by URL)
 
     def __post_init__(self) -> None:

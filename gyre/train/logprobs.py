@@ -18,6 +18,10 @@ Contract (the conventions of `gyre.data.microstep`)
   `vocab_parallel_cross_entropy` (an autograd function: gradients flow to the model). Every TP rank gets the
   same `logp_U`. Pipeline parallel forwards go through `gyre.train.pipeline` (the same THD forward per stage and
   `logprobs_from_hidden` on the last), not this function (ValueError).
+- Mixture of experts, routing replay: `routed_experts_ULK` (integer `[U, num_hidden_layers, top_k]`, aligned with
+  `ids_U`: the experts the engine chose for each token at each layer, entries of dense layers ignored, all -1 for a
+  token it did not route) makes every MoE layer use those experts (`gyre.train.moe.set_routing_replay`); None:
+  the routers choose. Either way the choice holds for this forward and its backward's recompute.
 - `block_causal_mask` builds the dense mask the old path used; tests compare against it on short rows.
 """
 
@@ -33,6 +37,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from gyre.data.microstep import MicroStep
 from gyre.train.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 from gyre.train.cpu_patch import apply_cpu_patches
+from gyre.train.moe import set_routing_replay
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
@@ -87,6 +92,7 @@ def packed_logprobs(
     *,
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    routed_experts_ULK: torch.Tensor | np.ndarray | None = None,
 ) -> torch.Tensor:
     """fp32 `[U]`: log-prob of every token given its row before it (0.0 at row starts); see the module docstring."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -105,10 +111,26 @@ def packed_logprobs(
     offsets = torch.as_tensor(np.asarray(row_offsets_R1), dtype=torch.int64).tolist()
     ids = ids.to(device)
     model = gpt_model_of(model)
+    set_model_routing(model, routed_experts_ULK, U)
     hidden_U1C = model.final_hidden(ids[None], positions_U[None], packed_seq_params=thd_params(offsets, device))
     return logprobs_from_hidden(
         model, hidden_U1C[:, 0], ids, positions_U, temperature=temperature, chunk_tokens=chunk_tokens
     )
+
+
+def set_model_routing(model: torch.nn.Module, routed_experts_ULK, num_tokens: int) -> None:
+    """Routing replay for the next forward of `model` (a `PositionIdGPTModel` or a wrapper; its `decoder_config`):
+    `routed_experts_ULK` for `num_tokens` tokens, or None (the routers choose). Every forward of a MoE model sets it,
+    so no earlier micro-step's routes are replayed."""
+    gpt = gpt_model_of(model)
+    routes = None if routed_experts_ULK is None else torch.as_tensor(np.asarray(routed_experts_ULK))
+    if routes is not None and (routes.dim() == 0 or routes.shape[0] != num_tokens):
+        raise ValueError(
+            f"routed_experts_ULK has {tuple(routes.shape)}: expected [U={num_tokens}, num_hidden_layers, top_k], one "
+            "row per packed token"
+        )
+    if routes is not None or gpt.decoder_config.num_experts:
+        set_routing_replay(gpt, routes, gpt.decoder_config)
 
 
 def logprobs_from_hidden(
@@ -136,7 +158,19 @@ def logprobs_from_hidden(
 
 
 def microstep_logprobs(
-    model: torch.nn.Module, step: MicroStep, *, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    model: torch.nn.Module,
+    step: MicroStep,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    routed_experts_ULK: torch.Tensor | np.ndarray | None = None,
 ) -> torch.Tensor:
     """`packed_logprobs` of a `MicroStep`'s packed rows: `logp_U[step.target_U]` feeds `gyre.rl.policy_loss`."""
-    return packed_logprobs(model, step.ids_U, step.row_offsets_R1, temperature=temperature, chunk_tokens=chunk_tokens)
+    return packed_logprobs(
+        model,
+        step.ids_U,
+        step.row_offsets_R1,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+        routed_experts_ULK=routed_experts_ULK,
+    )

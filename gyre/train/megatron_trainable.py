@@ -12,6 +12,17 @@ model-parallel group; then clip and `torch.optim.AdamW`. Only the core's ranks c
 At PP > 1 the model is one stage and a step streams through the cell's `pipeline` (`gyre.train.pipeline.
 StreamingPipeline`, which `gyre.train.streaming.train_claimed_step` runs); `logprobs` is then not the whole
 model's and is refused.
+
+Mixture of experts (`gyre.train.moe`, docs/moe.md): every rank of a cell sees the micro-step's tokens and the MoE
+layers split them over the expert-parallel (EP) group, so a routed expert's gradient is complete on the one rank
+that holds it, and a router's gradient is this rank's tokens' share: summed over the EP group in `update`. The
+global norm adds the experts' squares over megatron's expert model-parallel group (EP x PP, each expert once) to
+the dense squares over the model-parallel group (as megatron's chained optimizer does for its expert and dense
+optimizers). A cell with R = EP / TP > 1 copies of the dense model averages each dense gradient over its copies
+(`gyre.train.model.dense_replica_group`) before the update, so the copies stay identical. With `routing_replay`,
+`logprobs(step)` replays the micro-step's recorded routing (`step.routed_experts_ULK`, integer `[U,
+num_hidden_layers, top_k]` aligned with `step.ids_U`; `gyre.train.routing`) in the forward and in its
+backward's recompute.
 """
 
 from __future__ import annotations
@@ -27,16 +38,20 @@ from torch import Tensor
 
 from gyre.data.microstep import MicroStep
 from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
-from gyre.train.logprobs import microstep_logprobs
+from gyre.train.logprobs import gpt_model_of, microstep_logprobs
+from gyre.train.model import dense_replica_group
+from gyre.train.moe import is_expert_param, is_router_param
 from gyre.train.precision import MainWeights
+from gyre.train.routing import step_routes
 
-__all__ = ["MegatronTrainable", "global_grad_norm", "sum_head_shares"]
+__all__ = ["MegatronTrainable", "all_reduce_grads", "global_grad_norm", "sum_head_shares"]
 
 
-def global_grad_norm(params: list[Tensor]) -> Tensor:
-    """The L2 norm of the whole model's gradient from this rank's shards (fp32), summed over the model-parallel
-    group (TP x PP), each tensor counted once: TP-replicated tensors on TP rank 0 only, the copy of tied embeddings
-    on the last pipeline stage not at all (as Megatron's own `clip_grads` counts)."""
+def global_grad_norm(params: list[Tensor], expert_params: list[Tensor] = ()) -> Tensor:
+    """The L2 norm of the whole model's gradient from this rank's shards (fp32), each tensor counted once: `params`
+    (dense) summed over the model-parallel group (TP x PP), TP-replicated tensors on TP rank 0 only, the copy of
+    tied embeddings on the last pipeline stage not at all (as Megatron's own `clip_grads` counts); `expert_params`
+    (routed experts, whole on their EP rank) summed over the expert model-parallel group (EP x PP)."""
     squares = torch.zeros(1, dtype=torch.float32)
     for p in params:
         if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
@@ -44,7 +59,35 @@ def global_grad_norm(params: list[Tensor]) -> Tensor:
     group = parallel_state.get_model_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(squares, group=group)
+    if expert_params:
+        expert_squares = torch.zeros(1, dtype=torch.float32)
+        for p in expert_params:
+            if p.grad is not None:
+                expert_squares += p.grad.detach().float().pow(2).sum().cpu()
+        group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(expert_squares, group=group)
+        squares += expert_squares
     return squares.sqrt()[0]
+
+
+def all_reduce_grads(params: list[Tensor], group: dist.ProcessGroup | None, *, average: bool = False) -> None:
+    """Sum (or average) the gradients of `params` over `group`, in place, through one flat buffer (a missing gradient
+    counts as zeros: every rank sends the same tensors); nothing for a group of one (or None)."""
+    if not params or group is None or dist.get_world_size(group) == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def _is_head_norm(name: str) -> bool:
@@ -54,16 +97,7 @@ def _is_head_norm(name: str) -> bool:
 def sum_head_shares(params: list[Tensor]) -> None:
     """Sum the gradients of `params` (the query and key norms) over the tensor-parallel group, in place: each rank
     computed its heads' share (module docstring)."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    all_reduce_grads(params, parallel_state.get_tensor_model_parallel_group())
 
 
 class MegatronTrainable:
@@ -80,13 +114,22 @@ class MegatronTrainable:
         max_grad_norm: float = 1.0,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         pipeline=None,
+        routing_replay: bool = False,
     ):
         self.model = model
         self.pipeline = pipeline
         self.chunk_tokens = chunk_tokens
+        self.routing_replay = routing_replay
+        if routing_replay:
+            if not gpt_model_of(model).decoder_config.num_experts:
+                raise ValueError("routing_replay=True needs a mixture-of-experts model: this one is dense")
+            if pipeline is not None:
+                pipeline.routing_replay = True
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._head_shares = [i for i, (name, _) in enumerate(named) if _is_head_norm(name)]  # summed over TP
+        self._experts = [i for i, (name, _) in enumerate(named) if is_expert_param(name)]  # whole on their EP rank
+        self._routers = [i for i, (name, _) in enumerate(named) if is_router_param(name)]  # summed over EP
         self.weights = MainWeights(self._params)  # fp32 main weights when the model computes in bf16
         self.optimizer = torch.optim.AdamW(self.weights.main, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
@@ -94,7 +137,8 @@ class MegatronTrainable:
     def logprobs(self, step: MicroStep) -> Tensor:
         if self.pipeline is not None:
             raise RuntimeError("a pipeline stage has no whole-model log-probs: run the step through its `pipeline`")
-        return microstep_logprobs(self.model, step, chunk_tokens=self.chunk_tokens)
+        routes = step_routes(step) if self.routing_replay else None
+        return microstep_logprobs(self.model, step, chunk_tokens=self.chunk_tokens, routed_experts_ULK=routes)
 
     def parameters(self) -> list[Tensor]:
         return self._params
@@ -105,10 +149,22 @@ class MegatronTrainable:
     def drop_gradients(self) -> None:
         self.weights.drop_gradients()
 
-    def update(self) -> dict[str, float]:
+    def reduce_cell_gradients(self) -> None:
+        """The in-cell sums `update` starts with (module docstring): the query and key norms over TP, the routers
+        over EP, each dense gradient averaged over the cell's copies of the dense model. Collective over the cell."""
         main = self.weights.main
         sum_head_shares([main[i] for i in self._head_shares])
-        norm = float(global_grad_norm(main))
+        if self._routers:
+            all_reduce_grads([main[i] for i in self._routers], parallel_state.get_expert_model_parallel_group())
+        experts = set(self._experts)
+        all_reduce_grads([p for i, p in enumerate(main) if i not in experts], dense_replica_group(), average=True)
+
+    def update(self) -> dict[str, float]:
+        main = self.weights.main
+        self.reduce_cell_gradients()
+        experts = set(self._experts)
+        dense = [p for i, p in enumerate(main) if i not in experts]
+        norm = float(global_grad_norm(dense, [main[i] for i in self._experts]))
         if not math.isfinite(norm):
             self.weights.drop_gradients()
             raise FloatingPointError(f"gradient norm is {norm}: the step is skipped, parameters unchanged")

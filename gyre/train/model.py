@@ -1,4 +1,5 @@
-"""A Megatron-core `GPTModel` with the architecture of a native `DecoderConfig` (dense Llama/Qwen2/Qwen3).
+"""A Megatron-core `GPTModel` with the architecture of a native `DecoderConfig` (dense Llama/Qwen2/Qwen3, and the
+Qwen3-MoE / Qwen2-MoE mixtures of experts with expert parallelism: `gyre.train.moe`).
 
 Contract
 - `build_gpt_model(config)` builds the model for this rank's tensor- and pipeline-parallel coordinate.
@@ -25,9 +26,16 @@ Contract
   frequencies (`gyre.models.decoder.rope_inv_freq`) with its attention factor squared in `softmax_scale`, GQA
   (`num_query_groups`), `qk_norm` -> `qk_layernorm`, `attention_qkv_bias` -> `add_qkv_bias`,
   `tie_word_embeddings` -> `share_embeddings_and_output_weights`. Biases on o_proj or the MLP are rejected.
-- `validate_layout(config, tp, pp)` raises a `ValueError` naming field, got and expected before anything is
+- `validate_layout(config, tp, pp, ep)` raises a `ValueError` naming field, got and expected before anything is
   built: query and KV heads divisible by TP, vocab divisible by TP (megatron splits the vocabulary evenly;
-  gyre does not pad it), layers divisible by PP.
+  gyre does not pad it), layers divisible by PP; with expert parallelism (EP > 1) a model with experts, their
+  number divisible by EP, and EP folding over the cell's ranks (`gyre.config.trainer.check_expert_layout`); a
+  model with experts at PP > 1 needs EP = TP.
+- Expert parallelism (`expert_parallel_size`, EP): a cell is TP x PP x R ranks, R = max(1, EP / TP) copies of the
+  dense model (EP divides TP, or TP divides EP; at PP > 1, EP = TP): every rank of a cell sees the same tokens,
+  and megatron's EP groups are blocks of EP consecutive ranks of a pipeline stage (its order puts EP right after
+  TP), inside the cell. With R > 1 the R copies of each dense tensor are averaged after each step over the
+  cell's replica group (`dense_replica_group`), so they stay identical.
 - RoPE angles come from the caller's `position_ids` (megatron's own GPTModel uses 0..S-1 and ignores them), so a
   packed row whose positions restart at every sub-row rotates each sub-row exactly as if it ran alone.
 - fp32 on CPU (`use_cpu_initialization`); fusions off (they need CUDA or torch.compile). Importing this module
@@ -47,16 +55,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from gyre.config.checks import is_int
+from gyre.config.trainer import check_expert_layout, dense_replicas
 from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.models.decoder import rope_inv_freq
 from gyre.models.decoder_config import DecoderConfig
 from gyre.train.attention import SDPACoreAttention
 from gyre.train.cpu_patch import apply_cpu_patches
+from gyre.train.moe import TokenSplitMoELayer, moe_overrides
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
@@ -64,8 +75,13 @@ apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with
 MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def validate_layout(config: DecoderConfig, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
-    """Raise ValueError (field, got, expected) if `config` cannot be built at this TP x PP or by megatron at all."""
+def validate_layout(
+    config: DecoderConfig,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+) -> None:
+    """Raise ValueError (field, got, expected) if `config` cannot be built at this TP x PP x EP or by megatron."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     if not (isinstance(tp, int) and tp >= 1):
         raise ValueError(f"tensor_parallel_size={tp!r} is not supported: expected a positive integer")
@@ -75,8 +91,11 @@ def validate_layout(config: DecoderConfig, tensor_parallel_size: int = 1, pipeli
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "vocab_size": config.vocab_size,
-        "intermediate_size": config.intermediate_size,
     }
+    if len(config.moe_layer_ids()) < config.num_hidden_layers:  # some layer keeps the dense MLP
+        divisible["intermediate_size"] = config.intermediate_size
+    if config.shared_expert_intermediate_size:
+        divisible["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     for name, value in divisible.items():
         if value % tp:
             raise ValueError(
@@ -92,6 +111,7 @@ def validate_layout(config: DecoderConfig, tensor_parallel_size: int = 1, pipeli
         raise ValueError("attention_out_bias=True is not supported by gyre.train: expected False (no o_proj bias)")
     if config.mlp_bias:
         raise ValueError("mlp_bias=True is not supported by gyre.train: expected False (no MLP biases)")
+    _validate_experts(config, tp, pp, expert_parallel_size)
     scaling = config.rope_scaling
     if scaling.rope_type == "llama3":
         for name, fixed in MEGATRON_LLAMA3_FIXED.items():
@@ -102,16 +122,46 @@ def validate_layout(config: DecoderConfig, tensor_parallel_size: int = 1, pipeli
                 )
 
 
+def _validate_experts(config: DecoderConfig, tp: int, pp: int, ep: int) -> None:
+    if not (is_int(ep) and ep >= 1):
+        raise ValueError(f"expert_parallel_size={ep!r} is not supported: expected a positive integer")
+    if ep > 1 and config.num_experts == 0:
+        raise ValueError(
+            f"expert_parallel_size={ep} needs a mixture-of-experts model: model_type={config.model_type!r} is dense "
+            "(num_experts=0); expected expert_parallel_size=1"
+        )
+    check_expert_layout(tp, pp, 1, ep)
+    if config.num_experts == 0:
+        return
+    if pp > 1 and ep != tp:
+        raise ValueError(
+            f"expert_parallel_size={ep} with pipeline_parallel_size={pp}: a mixture of experts at PP > 1 needs "
+            f"expert_parallel_size = tensor_parallel_size = {tp} (megatron's expert and dense pipeline groups must "
+            "coincide, and gyre keeps each expert whole on its rank)"
+        )
+    if config.num_experts % ep:
+        raise ValueError(
+            f"num_experts={config.num_experts} is not divisible by expert_parallel_size={ep}: expected a multiple "
+            f"of {ep} (each EP rank holds an equal share of the experts)"
+        )
+    if config.num_experts_per_tok == 1 and config.norm_topk_prob:
+        raise ValueError(
+            "num_experts_per_tok=1 with norm_topk_prob=True is not supported by megatron's router (its weight "
+            "would be 1.0; megatron takes the softmax before a top-1): expected norm_topk_prob=False"
+        )
+
+
 def transformer_config(
     config: DecoderConfig,
     *,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
     dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> TransformerConfig:
     """Megatron's `TransformerConfig` for `config` (validated first); `overrides` go to TransformerConfig."""
-    validate_layout(config, tensor_parallel_size, pipeline_parallel_size)
+    validate_layout(config, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype={dtype} is not supported: expected torch.float32, torch.bfloat16 or torch.float16")
     on_cpu = not torch.cuda.is_available()
@@ -133,6 +183,7 @@ def transformer_config(
         "attention_dropout": 0.0,
         "tensor_model_parallel_size": tensor_parallel_size,
         "pipeline_model_parallel_size": pipeline_parallel_size,
+        "expert_model_parallel_size": expert_parallel_size,
         "sequence_parallel": False,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,  # dtype of the activations sent between stages (megatron requires it at PP > 1)
@@ -152,6 +203,7 @@ def transformer_config(
         # YaRN multiplies cos and sin by s, so every score q.k by s^2: megatron's GPT attention applies no such factor
         # (only its MLA reads one), so it goes into the softmax scale instead (docs/training.md, Long rows).
         kwargs["softmax_scale"] = attention_scaling**2 / math.sqrt(config.head_dim)
+    kwargs.update(moe_overrides(config))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -223,6 +275,27 @@ class PositionIdGPTModel(GPTModel):
         return (out[0], emb_SB1D, *out[2:])
 
 
+def layer_specs(config: DecoderConfig, megatron_config: TransformerConfig, transformer_engine: bool):
+    """The decoder's layer spec: megatron's local modules with gyre's `SDPACoreAttention` (or TransformerEngine's);
+    with experts, one spec per layer (`moe_layer_freq`), megatron's `MoELayer` at the MoE layers (`build_gpt_model`
+    makes them gyre's `TokenSplitMoELayer`)."""
+    if config.num_experts == 0:
+        if transformer_engine:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_norm)
+        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        return spec
+    block = get_gpt_decoder_block_spec(
+        megatron_config, use_transformer_engine=transformer_engine, normalization="RMSNorm"
+    )
+    for spec in block.layer_specs:  # this stage's layers; a dense and a MoE spec object, shared between layers
+        if not transformer_engine:
+            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return block
+
+
 def build_gpt_model(
     config: DecoderConfig,
     *,
@@ -240,20 +313,16 @@ def build_gpt_model(
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
     megatron_config = transformer_config(
         config,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        expert_parallel_size=ep,
         dtype=dtype,
         **{**recompute_overrides(recompute), **config_overrides},
     )
-    if use_transformer_engine(layer_spec):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_norm)
-    else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    spec = layer_specs(config, megatron_config, use_transformer_engine(layer_spec))
     scaling = config.rope_scaling
     model = PositionIdGPTModel(
         config=megatron_config,
@@ -275,6 +344,12 @@ def build_gpt_model(
         # engine and the native trainer use too (`_preprocess` rotates by them).
         rope = model.rotary_pos_emb
         rope.inv_freq = rope_inv_freq(config, device=rope.inv_freq.device)
+    model.decoder_config = config  # routing replay checks routes against it (gyre.train.logprobs)
+    for module in model.modules():
+        # Megatron's TransformerLayer hands its process groups only to the MoE classes it knows by identity, so the
+        # layers are built as MoELayer and become gyre's subclass here (methods only: no state of its own).
+        if type(module) is MoELayer:
+            module.__class__ = TokenSplitMoELayer
     if dtype != torch.float32:
         # The local spec's norms (torch's RMSNorm) are built in fp32 whatever params_dtype says; megatron's
         # Float16Module casts the whole module. Parameters only: RoPE's frequencies stay fp32.
@@ -290,16 +365,28 @@ def build_gpt_model(
 MEGATRON_RANK_ORDER = "tp-cp-ep-pp-dp"
 
 
-def check_cell_layout(layout: Layout, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-    """Raise ValueError (field, got, expected) unless Megatron's TP x PP layout fills `layout`'s cells exactly and
-    `layout` fits the initialized world. Pure arithmetic on arguments every rank holds alike: every rank raises
-    the same error, before any group exists."""
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    _check_parallel_sizes(tp, pp)
-    if layout.cell_size != tp * pp:
+def cell_ranks(tensor_parallel_size: int, pipeline_parallel_size: int, expert_parallel_size: int = 1) -> int:
+    """The ranks of one cell: TP x PP x `dense_replicas(TP, EP)` (module docstring)."""
+    return tensor_parallel_size * pipeline_parallel_size * dense_replicas(tensor_parallel_size, expert_parallel_size)
+
+
+def check_cell_layout(
+    layout: Layout, tensor_parallel_size: int, pipeline_parallel_size: int, expert_parallel_size: int = 1
+) -> None:
+    """Raise ValueError (field, got, expected) unless Megatron's TP x PP (x EP) layout fills `layout`'s cells
+    exactly and `layout` fits the initialized world. Pure arithmetic on arguments every rank holds alike: every
+    rank raises the same error, before any group exists."""
+    tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
+    _check_parallel_sizes(tp, pp, ep)
+    check_expert_layout(tp, pp, 1, ep)
+    expected = cell_ranks(tp, pp, ep)
+    if layout.cell_size != expected:
+        replicas = dense_replicas(tp, ep)
+        how = f"{tp} * {pp}" + (f" * (expert_parallel_size {ep} / {tp})" if replicas > 1 else "")
         raise ValueError(
-            f"cell_size: got {layout.cell_size}, expected tensor_parallel_size * pipeline_parallel_size = "
-            f"{tp} * {pp} = {tp * pp} (a cell is one Megatron model replica)"
+            f"cell_size: got {layout.cell_size}, expected tensor_parallel_size * pipeline_parallel_size"
+            f"{' * dense replicas' if replicas > 1 else ''} = {how} = {expected} (a cell is one Megatron model "
+            "replica)"
         )
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group('gloo', ...) first")
@@ -309,13 +396,42 @@ def check_cell_layout(layout: Layout, tensor_parallel_size: int, pipeline_parall
         )
 
 
-def _check_parallel_sizes(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+def _check_parallel_sizes(
+    tensor_parallel_size: int, pipeline_parallel_size: int, expert_parallel_size: int = 1
+) -> None:
     for name, value in (
         ("tensor_parallel_size", tensor_parallel_size),
         ("pipeline_parallel_size", pipeline_parallel_size),
+        ("expert_parallel_size", expert_parallel_size),
     ):
         if not is_int(value) or value < 1:
             raise ValueError(f"{name}: got {value!r}, expected a positive integer")
+
+
+_dense_replica_group: dist.ProcessGroup | None = None  # this rank's copies of the dense model in its cell (R > 1)
+
+
+def dense_replica_group() -> dist.ProcessGroup | None:
+    """The ranks of this rank's cell that hold the same dense shard (same TP rank: the cell's R = EP / TP copies of
+    the dense model), or None when R = 1 or on a rank outside the cells. Set by `init_model_parallel`."""
+    return _dense_replica_group
+
+
+def _build_dense_replica_groups(layout: Layout, tensor_parallel_size: int, replicas: int) -> None:
+    """Every rank creates every cell's replica groups, in one order (cells, then TP ranks); each keeps its own.
+    Megatron's in-cell rank of TP rank t, copy c is c * TP + t (its order puts DP right after TP at PP = 1)."""
+    global _dense_replica_group
+    _dense_replica_group = None
+    if replicas == 1:
+        return
+    rank = dist.get_rank()
+    for cell in range(layout.num_cells):
+        base = cell * layout.cell_size
+        for t in range(tensor_parallel_size):
+            ranks = [base + c * tensor_parallel_size + t for c in range(replicas)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                _dense_replica_group = group
 
 
 @contextlib.contextmanager
@@ -338,35 +454,47 @@ def _megatron_world_of(num_ranks: int) -> Iterator[None]:
 
 
 def init_model_parallel(
-    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, seed: int = 0, *, layout: Layout | None = None
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    seed: int = 0,
+    *,
+    layout: Layout | None = None,
+    expert_parallel_size: int = 1,
 ) -> None:
-    """Initialize megatron's `parallel_state` (each cell of `layout` one TP x PP replica) and its RNG tracker on
-    the already-initialized default torch.distributed group (gloo on CPU). Re-initializes if a layout was set up
-    before (tests run several layouts in one process).
+    """Initialize megatron's `parallel_state` (each cell of `layout` one TP x PP replica, its experts over EP ranks)
+    and its RNG tracker on the already-initialized default torch.distributed group (gloo on CPU). Re-initializes if
+    a layout was set up before (tests run several layouts in one process).
 
-    `layout` None: the whole world is cells of TP x PP. With a rollout pool, every rank (pool ranks too) makes
-    Megatron's `new_group` calls, in the same order, but the groups cover the cell ranks only: a pool rank holds
-    no Megatron group and gets no RNG seed (`build_gpt_model` there raises). In the SPMD runtime call
-    `build_process_groups_and_model_parallel`, which also builds gyre's groups first (docs/distributed.md)."""
+    `layout` None: the whole world is cells of `cell_ranks(TP, PP, EP)`. With a rollout pool, every rank (pool
+    ranks too) makes Megatron's `new_group` calls, in the same order, but the groups cover the cell ranks only: a
+    pool rank holds no Megatron group and gets no RNG seed (`build_gpt_model` there raises). In the SPMD runtime
+    call `build_process_groups_and_model_parallel`, which also builds gyre's groups first (docs/distributed.md)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group('gloo', ...) first")
+    tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
     if layout is None:
-        _check_parallel_sizes(tensor_parallel_size, pipeline_parallel_size)
-        world_size, cell_size = dist.get_world_size(), tensor_parallel_size * pipeline_parallel_size
+        _check_parallel_sizes(tp, pp, ep)
+        check_expert_layout(tp, pp, 1, ep)
+        world_size, cell_size = dist.get_world_size(), cell_ranks(tp, pp, ep)
         if world_size % cell_size:
             raise ValueError(
-                f"tensor_parallel_size * pipeline_parallel_size: got {tensor_parallel_size} * "
-                f"{pipeline_parallel_size} = {cell_size}, expected a divisor of world_size {world_size}"
+                f"the cell's ranks (tensor_parallel_size {tp}, pipeline_parallel_size {pp}, expert_parallel_size "
+                f"{ep}): got {cell_size}, expected a divisor of world_size {world_size}"
             )
         layout = Layout(world_size=world_size, num_cells=world_size // cell_size, cell_size=cell_size)
-    check_cell_layout(layout, tensor_parallel_size, pipeline_parallel_size)
+    check_cell_layout(layout, tp, pp, ep)
     parallel_state.destroy_model_parallel()  # idempotent; a pool rank holds only megatron's memory buffer
     with _megatron_world_of(layout.num_cell_ranks):
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_parallel_size,
-            pipeline_model_parallel_size=pipeline_parallel_size,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            # Experts are whole on their rank (1); at PP > 1 megatron needs expert TP x EP = TP under this order,
+            # which is 1 for a model with experts (validate_layout: EP = TP there) and TP for a dense one, as before.
+            expert_tensor_parallel_size=1 if pp == 1 else tp // ep,
             order=MEGATRON_RANK_ORDER,
         )
+    _build_dense_replica_groups(layout, tp, dense_replicas(tp, ep))
     if layout.cell_of(dist.get_rank()) is not None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -376,6 +504,7 @@ def build_process_groups_and_model_parallel(
     *,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
     seed: int = 0,
     backend: str = "gloo",
 ) -> ProcessGroups:
@@ -383,7 +512,9 @@ def build_process_groups_and_model_parallel(
     every rank, before any group exists), creates gyre's groups (`build_process_groups`), then Megatron's
     (`init_model_parallel`), in that order (docs/distributed.md, Megatron's groups). Megatron's TP x PP groups
     are then exactly gyre's cells, in the same rank order."""
-    check_cell_layout(layout, tensor_parallel_size, pipeline_parallel_size)
+    check_cell_layout(layout, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
     groups = build_process_groups(layout, backend=backend)
-    init_model_parallel(tensor_parallel_size, pipeline_parallel_size, seed, layout=layout)
+    init_model_parallel(
+        tensor_parallel_size, pipeline_parallel_size, seed, layout=layout, expert_parallel_size=expert_parallel_size
+    )
     return groups

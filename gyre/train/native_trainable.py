@@ -1,7 +1,10 @@
 """The native torch decoder (`gyre.models.decoder.DecoderLM`) as a `Trainable`: packed rows, AdamW, clipping.
 
 For CPU runs, tests of the streaming step and a reference the Megatron trainable is compared with. Parameters are
-the module's own tensors (no tensor parallelism).
+the module's own tensors (no tensor parallelism). A mixture of experts with `routing_replay` replays each
+micro-step's recorded routing (`step.routed_experts_ULK`, integer `[U, num_hidden_layers, top_k]` aligned with
+`step.ids_U`, as `gyre.train.megatron_trainable`) through the shared model's `routed_experts_BTLK`; a row's last
+token is then left out of its forward (its hidden state feeds no log-prob, and the engine never routed it).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import itertools
 import math
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -18,18 +22,28 @@ from gyre.data.microstep import MicroStep
 from gyre.models.decoder import DecoderLM
 from gyre.train.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 from gyre.train.precision import MainWeights
+from gyre.train.routing import step_routes
 
 __all__ = ["NativeTrainable", "packed_logprobs"]
 
 
 def packed_logprobs(
-    model: DecoderLM, step: MicroStep, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, recompute: str = "none"
+    model: DecoderLM,
+    step: MicroStep,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    recompute: str = "none",
+    routed_experts_ULK: np.ndarray | Tensor | None = None,
 ) -> Tensor:
     """`[U]` log-probs of every token given the tokens before it in its row (0 at each row's first token).
     One causal forward per row (SDPA's fused kernel: memory linear in the row's length; a dense mask over the
     packed tokens would cost U^2), log-probs from its final hidden states a chunk of tokens at a time
-    (`gyre.train.chunked`: the row's `[L, vocab]` logits never exist whole)."""
+    (`gyre.train.chunked`: the row's `[L, vocab]` logits never exist whole). `routed_experts_ULK`: routing replay
+    (module docstring)."""
     device = model.output_weight.device
+    routes = None if routed_experts_ULK is None else torch.as_tensor(np.asarray(routed_experts_ULK))
+    if routes is not None and routes.shape[:1] != (step.num_tokens,):
+        raise ValueError(f"routed_experts_ULK has {tuple(routes.shape)}: expected [U={step.num_tokens}, layers, top_k]")
     parts = []
     for start, end in itertools.pairwise(step.row_offsets_R1.tolist()):
         ids_1L = torch.from_numpy(step.ids_U[start:end]).to(device)[None]
@@ -37,10 +51,16 @@ def packed_logprobs(
         if end - start == 1:
             continue
         positions_1L = torch.arange(end - start, device=device)[None]
-        hidden_LC = model.final_hidden(ids_1L, positions_1L, recompute=recompute)[0]
+        if routes is None:
+            hidden_LC = model.final_hidden(ids_1L, positions_1L, recompute=recompute)[0][:-1]
+        else:  # the last token's hidden state feeds no log-prob: left out, with its route (the engine never made it)
+            routed_1LLK = routes[start : end - 1][None].to(device)
+            hidden_LC = model.final_hidden(
+                ids_1L[:, :-1], positions_1L[:, :-1], recompute=recompute, routed_experts_BTLK=routed_1LLK
+            )[0]
         parts.append(
             chunked_token_logprobs(
-                hidden_LC[:-1], ids_1L[0, 1:], partial(F.linear, weight=model.output_weight), chunk_tokens=chunk_tokens
+                hidden_LC, ids_1L[0, 1:], partial(F.linear, weight=model.output_weight), chunk_tokens=chunk_tokens
             )
         )
     return torch.cat(parts)
@@ -59,16 +79,22 @@ class NativeTrainable:
         max_grad_norm: float = 1.0,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         recompute: str = "none",
+        routing_replay: bool = False,
     ):
+        if routing_replay and not model.config.num_experts:
+            raise ValueError("routing_replay=True needs a mixture-of-experts model: this one is dense")
         self.model = model
-        self.chunk_tokens, self.recompute = chunk_tokens, recompute
+        self.chunk_tokens, self.recompute, self.routing_replay = chunk_tokens, recompute, routing_replay
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.weights = MainWeights(self._params)  # fp32 main weights when the model computes in bf16
         self.optimizer = torch.optim.AdamW(self.weights.main, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, step: MicroStep) -> Tensor:
-        return packed_logprobs(self.model, step, chunk_tokens=self.chunk_tokens, recompute=self.recompute)
+        routes = step_routes(step) if self.routing_replay else None
+        return packed_logprobs(
+            self.model, step, chunk_tokens=self.chunk_tokens, recompute=self.recompute, routed_experts_ULK=routes
+        )
 
     def parameters(self) -> list[Tensor]:
         return self._params

@@ -65,7 +65,8 @@ from gyre.rl import finalize_sequence_ratio, policy_loss
 from gyre.rl.loss_metrics import LossMetricSums
 from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
 from gyre.train.cpu_patch import apply_cpu_patches
-from gyre.train.logprobs import logprobs_from_hidden, packed_positions, thd_params
+from gyre.train.logprobs import logprobs_from_hidden, packed_positions, set_model_routing, thd_params
+from gyre.train.routing import step_routes
 from gyre.train.streaming import StepResult, add_sequence_sums, loss_inputs_on
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
@@ -154,6 +155,7 @@ class StreamingPipeline:
         self._score_unit = -1  # last stage: the unit whose s_i sums are in `_sums`
         self._sums: Tensor | None = None
         self._seq_ratio: Tensor | None = None
+        self.routing_replay = False  # MoE: replay each micro-step's recorded routes (set by MegatronTrainable)
 
     # --- the schedule -------------------------------------------------------------------------------------------
 
@@ -236,6 +238,7 @@ class StreamingPipeline:
         ids_1U = torch.from_numpy(step.ids_U).to(self.device)[None]
         if not self.first:
             self.model.set_input_tensor(input_BSH)
+        set_model_routing(self.model, step_routes(step) if self.routing_replay else None, U)
         params = thd_params(step.row_offsets_R1.tolist(), self.device)
         return self.model.final_hidden(ids_1U, positions_U[None], packed_seq_params=params)
 

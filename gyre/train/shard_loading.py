@@ -1,11 +1,12 @@
 """Load a Megatron rank's shard straight from an HF checkpoint's safetensors files: no rank holds the whole model.
 
-`load_hf_checkpoint(model, path, config)` fills this rank's Megatron model (its TP shard and PP stage, from
-`parallel_state`) from the HF-layout directory `path` (`config.json` + safetensors, sharded with an index or not).
-Each tensor is read with `safe_open(...).get_slice`: a TP rank reads its own rows or columns of a split tensor
-(its KV groups of q, k and v), and a PP stage only its own layers; a slice is cast as it is copied into its
-parameter, one tensor at a time, so the extra memory is one tensor's share in the file's dtype. The mapping is
-`gyre.train.convert.megatron_tensors`, the one `hf_to_megatron` uses, so both give the same shard (tested).
+`load_hf_checkpoint(model, path, config)` fills this rank's Megatron model (its TP shard, PP stage and EP share of
+the routed experts, from `parallel_state`) from the HF-layout directory `path` (`config.json` + safetensors,
+sharded with an index or not). Each tensor is read with `safe_open(...).get_slice`: a TP rank reads its own rows
+or columns of a split tensor (its KV groups of q, k and v), a PP stage only its own layers, an EP rank only its
+experts; a slice is cast as it is copied into its parameter, one tensor at a time, so the extra memory is one
+tensor's share in the file's dtype. The mapping is `gyre.train.convert.megatron_tensors`, the one `hf_to_megatron`
+uses, so both give the same shard (tested).
 
 Strict, as `load_hf_state_dict` is: the files' tensor names and shapes (read from their headers) are checked
 against the config, and the converted names and shapes against the model, before any tensor's data is read.
@@ -19,7 +20,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 from safetensors import safe_open
 
 from gyre.models.decoder_config import DecoderConfig
@@ -33,6 +33,7 @@ from gyre.train.convert import (
     hf_shapes,
     megatron_tensors,
     model_shapes,
+    rank_layout,
     to_model_names,
 )
 
@@ -101,18 +102,9 @@ class SafetensorsSource(HFSource):
         )
 
 
-def _rank_layout() -> dict[str, int]:
-    return {
-        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-        "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-        "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
-    }
-
-
 def read_megatron_shard(path: str | Path, config: DecoderConfig, **ranks: int) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of one rank (`tp_rank`, `tp_size`, `pp_rank`, `pp_size`) read from `path`'s files,
-    in the files' dtype (checked as `load_hf_checkpoint` checks)."""
+    """The Megatron state dict of one rank (`tp_rank`, `tp_size`, `pp_rank`, `pp_size`, and `ep_rank`, `ep_size` for
+    a mixture of experts) read from `path`'s files, in the files' dtype (checked as `load_hf_checkpoint` checks)."""
     check_ranks(config, **ranks)
     source = SafetensorsSource(path)
     source.check(config, tp_rank=ranks["tp_rank"], tp_size=ranks["tp_size"])
@@ -122,7 +114,7 @@ def read_megatron_shard(path: str | Path, config: DecoderConfig, **ranks: int) -
 def load_hf_checkpoint(model: torch.nn.Module, path: str | Path, config: DecoderConfig) -> None:
     """Fill this rank's Megatron `model` from the HF checkpoint directory `path` (module docstring): everything is
     checked first, then each tensor is read, cast to its parameter's dtype and copied in, one at a time."""
-    ranks = _rank_layout()
+    ranks = rank_layout()
     check_ranks(config, **ranks)
     source = SafetensorsSource(path)
     source.check(config, tp_rank=ranks["tp_rank"], tp_size=ranks["tp_size"])
