@@ -230,14 +230,18 @@ def check_behavior_sampling(sampling: SamplingConfig) -> None:
 
 
 def check_cell_layout(cluster: ClusterConfig, trainer: TrainerConfig) -> None:
-    """Every cell's ranks hold one model replica: cell_size = TP x PP (a native cell has one rank)."""
-    tp, pp = trainer.tensor_parallel_size, trainer.pipeline_parallel_size
+    """Every cell's ranks hold one model replica: cell_size = TP x PP x max(1, EP / TP) (a native cell has one rank;
+    with more expert-parallel ranks than TP ranks, the cell holds EP / TP copies of the dense part: docs/moe.md)."""
+    tp, pp, ep = trainer.tensor_parallel_size, trainer.pipeline_parallel_size, trainer.expert_parallel_size
+    formula = f"trainer.tensor_parallel_size * trainer.pipeline_parallel_size = {tp} * {pp}"
+    if ep > tp:
+        formula = f"{formula} * (trainer.expert_parallel_size / trainer.tensor_parallel_size = {ep // tp})"
     require(
         cluster.cell_size == trainer.model_parallel_size,
         "cluster.cell_size",
         cluster.cell_size,
-        f"trainer.tensor_parallel_size * trainer.pipeline_parallel_size = {tp} * {pp} = {tp * pp} "
-        f"(a cell's ranks hold one model replica; trainer.backend={trainer.backend})",
+        f"{formula} = {trainer.model_parallel_size} (a cell's ranks hold one model replica; "
+        f"trainer.backend={trainer.backend})",
     )
 
 

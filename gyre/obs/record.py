@@ -44,6 +44,7 @@ LOSS_METRICS = (
     "token_ratio_mean",
     "token_ratio_max",
     "abs_log_ratio_mean",
+    "abs_log_ratio_max",
 )
 
 # A cell's role at the step's end: a `gyre.sched.types.Role` value (the transitional states included).

@@ -224,7 +224,7 @@ def _metrics(
     executions with targets; with no targets at all the fractions are 0 and the ratios 1."""
     num_targets = log_ratio_T.shape[0]
     if num_targets == 0:
-        stats = [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+        stats = [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     else:
         with torch.no_grad():
             has_E = count_E > 0
@@ -241,6 +241,7 @@ def _metrics(
                     rho_T.to(f64).mean(),
                     rho_T.to(f64).max(),
                     log_ratio_T.to(f64).abs().mean(),
+                    log_ratio_T.to(f64).abs().max(),
                     has_E.sum().to(f64),
                 ]
             ).tolist()
@@ -254,6 +255,7 @@ def _metrics(
         "token_ratio_mean",  # rho_u over target tokens (uncapped)
         "token_ratio_max",
         "abs_log_ratio_mean",  # mean |logp - behavior_logp|
+        "abs_log_ratio_max",  # max |logp - behavior_logp|: how far the trainer's log-probs are from the engine's
         "num_executions_with_targets",
     )
     metrics = dict(zip(names, stats, strict=True))

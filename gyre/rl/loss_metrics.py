@@ -19,7 +19,7 @@ __all__ = ["EXECUTION_WEIGHTED", "MAXIMA", "MINIMA", "TOKEN_WEIGHTED", "LossMetr
 TOKEN_WEIGHTED = ("token_cap_fraction", "loss_cap_fraction", "token_ratio_mean", "abs_log_ratio_mean")
 EXECUTION_WEIGHTED = ("clip_fraction", "seq_ratio_mean")
 MINIMA = ("seq_ratio_min",)
-MAXIMA = ("seq_ratio_max", "token_ratio_max")
+MAXIMA = ("seq_ratio_max", "token_ratio_max", "abs_log_ratio_max")
 
 
 @dataclass

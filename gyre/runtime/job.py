@@ -280,6 +280,7 @@ def open_job(cfg: TrainConfig) -> Job:
             layout,
             tensor_parallel_size=t.tensor_parallel_size,
             pipeline_parallel_size=t.pipeline_parallel_size,
+            expert_parallel_size=t.expert_parallel_size,
             seed=cfg.seed,
             backend=backends.data,
         )

@@ -120,11 +120,13 @@ def check_model_layout(cfg: TrainConfig, config) -> None:
         return
     from gyre.train.model import validate_layout
 
-    tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
+    t = cfg.trainer
+    tp, pp, ep = t.tensor_parallel_size, t.pipeline_parallel_size, t.expert_parallel_size
     try:
-        validate_layout(config, tp, pp)
+        validate_layout(config, tp, pp, ep)
     except ValueError as error:
         fields = f"trainer.tensor_parallel_size={tp}" + (f" trainer.pipeline_parallel_size={pp}" if pp > 1 else "")
+        fields += f" trainer.expert_parallel_size={ep}" if ep > 1 else ""
         raise ProgramError(f"{fields}: {error}") from None
 
 

@@ -80,6 +80,7 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
             max_grad_norm=t.max_grad_norm,
             chunk_tokens=t.logprob_chunk_tokens,
             recompute=t.recompute,
+            routing_replay=t.routing_replay,
         )
     from gyre.train.megatron_trainable import MegatronTrainable
     from gyre.train.model import build_gpt_model
@@ -103,6 +104,7 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
         max_grad_norm=t.max_grad_norm,
         chunk_tokens=t.logprob_chunk_tokens,
         pipeline=pipeline,
+        routing_replay=t.routing_replay,
     )
 
 
@@ -111,11 +113,14 @@ def trainer_layout(cfg: TrainConfig) -> dict[str, Any]:
     it in `state.json`, and a run resumes from the checkpoint only with the same (`gyre.runtime.program.
     resolve_checkpoint`)."""
     t = cfg.trainer
-    return {
+    layout = {
         "trainer.backend": t.backend,
         "trainer.tensor_parallel_size": t.tensor_parallel_size,
         "trainer.pipeline_parallel_size": t.pipeline_parallel_size,
     }
+    if t.expert_parallel_size > 1:  # absent at 1, so checkpoints written before the field existed still resume
+        layout["trainer.expert_parallel_size"] = t.expert_parallel_size
+    return layout
 
 
 def optimizer_state(trainer) -> dict[str, Any]:

