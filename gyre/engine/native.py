@@ -29,6 +29,13 @@ Contract (beyond `gyre.engine.protocol`)
 - Sampling: one `sample_next` per step over the batch with one `SamplingParams` per row and each row's position of
   the token drawn (`len(fed_ids)`), so a seeded request's tokens are a function of (weights, prompt, params, seed):
   the same alone, in any batch, in any admission order, and across `export_kv`/`import_kv` or a continuation.
+- Routed experts (MoE models, `GenerateRequest.return_routed_experts`): the prefill and decode forwards ask the
+  model for its routing (`return_routed_experts=True`) only when a request in them wants it, so the dense path and
+  requests that do not ask cost nothing. A request that asks keeps an int16 `[capacity, num_hidden_layers, top_k]`
+  record in its `KVBuffer`, beside the KV of the same positions, so a prefix entry and a `KVExport` carry the
+  routing of the tokens they cover; a reused prefix's positions were not computed here, their routing comes from
+  that record. Positions with no known routing (a prefix or an import without a record: its request did not ask,
+  or the export came from an engine that kept none; a request aborted while queued) are -1 at every layer.
 - `compile_decode=True` runs the batched decode step as `torch.compile(decode_forward)` (gyre.engine.decode): the
   same tokens, log-probs equal within float noise (1e-5 fp32); compiles per new batch shape (docs/engine.md).
 See `docs/engine.md` ("Native engine").
@@ -43,6 +50,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -65,23 +73,45 @@ from gyre.engine.sampling import sample_next
 from gyre.models.decoder import DecoderLM, KVCache
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
 
+if TYPE_CHECKING:
+    import numpy as np
+
 logger = logging.getLogger(__name__)
 
 
 class KVBuffer:
     """One sequence's keys and values: `[num_layers, num_key_value_heads, capacity, head_dim]` each, filled up to
-    `length`. All layers in one tensor, so moving a sequence in or out of a batch is one copy, not one per layer."""
+    `length`. All layers in one tensor, so moving a sequence in or out of a batch is one copy, not one per layer.
 
-    def __init__(self, keys_LKCD: torch.Tensor, values_LKCD: torch.Tensor, length: int = 0):
+    `routed_CLK` (MoE models, when a request asked for its routing): int16 `[capacity, num_hidden_layers, top_k]`,
+    the experts each position was routed to, -1 at dense layers and where unknown; written by the engine as it
+    feeds positions (it may run ahead of `length` while decoded KV waits in the batch buffer)."""
+
+    def __init__(
+        self,
+        keys_LKCD: torch.Tensor,
+        values_LKCD: torch.Tensor,
+        length: int = 0,
+        routed_CLK: torch.Tensor | None = None,
+    ):
         self.keys_LKCD = keys_LKCD
         self.values_LKCD = values_LKCD
         self.length = length
+        self.routed_CLK = routed_CLK
 
     @classmethod
-    def empty(cls, model: DecoderLM, capacity: int, device: torch.device, dtype: torch.dtype) -> KVBuffer:
+    def empty(
+        cls, model: DecoderLM, capacity: int, device: torch.device, dtype: torch.dtype, *, routed: bool = False
+    ) -> KVBuffer:
+        """Zeroed KV of `capacity` tokens; with `routed`, a routing record of -1 (unknown) beside it."""
         config = model.config
         shape = (config.num_hidden_layers, config.num_key_value_heads, capacity, config.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        routed_CLK = None
+        if routed:
+            routed_shape = (capacity, config.num_hidden_layers, config.num_experts_per_tok)
+            routed_CLK = torch.full(routed_shape, -1, dtype=torch.int16, device=device)
+        keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        return cls(keys, values, routed_CLK=routed_CLK)
 
     @property
     def capacity(self) -> int:
@@ -89,7 +119,9 @@ class KVBuffer:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys_LKCD, self.values_LKCD))
+        """Bytes of the keys, values and routing record."""
+        tensors = (self.keys_LKCD, self.values_LKCD, *(() if self.routed_CLK is None else (self.routed_CLK,)))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def append(self, keys_LKTD: torch.Tensor, values_LKTD: torch.Tensor) -> None:
         T = keys_LKTD.shape[2]
@@ -99,8 +131,11 @@ class KVBuffer:
         self.length += T
 
     def copy_prefix_from(self, other: KVBuffer, length: int) -> None:
+        """The first `length` positions of `other`: KV, and routing where both keep a record (else it stays -1)."""
         self.length = 0
         self.append(other.keys_LKCD[:, :, :length], other.values_LKCD[:, :, :length])
+        if self.routed_CLK is not None and other.routed_CLK is not None:
+            self.routed_CLK[:length] = other.routed_CLK[:length]
 
     def room(self) -> KVCache:
         """Per-layer `[1, K, capacity, D]` views of the whole buffer, for a forward with `kv_cache_length`."""
@@ -193,10 +228,15 @@ class _Request:
     admitted: float | None = None
     first_token: float | None = None
     abort_requested: bool = False
+    routed_experts: np.ndarray | None = None  # the result's routing, taken once when it ends (`_routed_experts`)
 
     @property
     def reserved_tokens(self) -> int:
         return self.request.reserved_tokens
+
+    @property
+    def records_routing(self) -> bool:
+        return self.buffer is not None and self.buffer.routed_CLK is not None
 
 
 class NativeEngine(AcceptingLifecycle):
@@ -233,6 +273,7 @@ class NativeEngine(AcceptingLifecycle):
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = stack_projections(model.to(self.device).eval())  # q|k|v and gate|up: one matmul each
         self.dtype = next(model.parameters()).dtype
+        self._moe = config.num_experts > 0  # routing can be recorded (GenerateRequest.return_routed_experts)
         self.max_running = max_running
         self.max_tokens_in_flight = max_tokens_in_flight
         self.policy_version = policy_version
@@ -350,7 +391,8 @@ class NativeEngine(AcceptingLifecycle):
     # ----------------------------------------------------------------- memory
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of live tensors the engine holds: `weights` (model parameters), `kv` (running, prefix, pinned)."""
+        """Bytes of live tensors the engine holds: `weights` (model parameters), `kv` (running, prefix, pinned; the
+        routing records kept beside the KV included)."""
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv = sum(e.buffer.nbytes for e in self._running if e.buffer is not None)
         kv += sum(p.buffer.nbytes for p in self._prefix.values())
@@ -433,11 +475,11 @@ class NativeEngine(AcceptingLifecycle):
             values=tuple(buffer.values_LKCD[:, :, : buffer.length].clone().unbind(0)),
             output_ids=tuple(entry.output_ids),
             output_logprobs=tuple(entry.output_logprobs),
+            routed_experts=None if buffer.routed_CLK is None else buffer.routed_CLK[: buffer.length].clone(),
         )
         self._pinned[request_id] = export
         self._running.remove(entry)
-        entry.buffer = None  # moved: not kept for prefix reuse here
-        self._finish(entry, "abort", keep_prefix=False)
+        self._finish(entry, "abort", keep_prefix=False)  # moved: not kept for prefix reuse here
         return export
 
     async def import_kv(self, export: KVExport) -> None:
@@ -453,12 +495,22 @@ class NativeEngine(AcceptingLifecycle):
                 f"import_kv: export computed with policy_version={export.policy_version}, "
                 f"this engine holds {self.policy_version}"
             )
+        routed = export.routed_experts
+        if routed is not None:
+            routed_shape = (len(export.token_ids), config.num_hidden_layers, config.num_experts_per_tok)
+            if not config.num_experts or tuple(routed.shape) != routed_shape or routed.is_floating_point():
+                raise ValueError(
+                    f"import_kv: routed_experts {routed.dtype} {tuple(routed.shape)}, expected "
+                    + (f"an integer {routed_shape} tensor" if config.num_experts else "None (this model is dense)")
+                )
         if self._kv_released:
             raise EngineUnavailableError("KV memory is released: resume_memory first")
         if len(export.token_ids) > self._free_tokens(evict=True):
             raise ValueError(f"import_kv: no free KV for {len(export.token_ids)} tokens")
         buffer = KVBuffer(torch.stack(export.keys).to(self.device), torch.stack(export.values).to(self.device))
         buffer.length = len(export.token_ids)
+        if routed is not None:
+            buffer.routed_CLK = routed.to(device=self.device, dtype=torch.int16)
         self._prefix.pop(export.execution_id, None)
         self._prefix[export.execution_id] = _Prefix(tuple(export.token_ids), buffer)
 
@@ -553,7 +605,8 @@ class NativeEngine(AcceptingLifecycle):
         request = entry.request
         prompt = list(request.input_ids)
         entry.admitted = time.monotonic()
-        entry.buffer = KVBuffer.empty(self.model, entry.reserved_tokens, self.device, self.dtype)
+        routed = request.return_routed_experts and self._moe
+        entry.buffer = KVBuffer.empty(self.model, entry.reserved_tokens, self.device, self.dtype, routed=routed)
         prefix = self._prefix.pop(request.execution_id, None)
         reused = 0
         if prefix is not None:
@@ -567,9 +620,17 @@ class NativeEngine(AcceptingLifecycle):
         ids_1T = torch.tensor([prompt[reused:]], dtype=torch.long, device=self.device)
         positions_1T = torch.arange(reused, len(prompt), device=self.device)[None]
         # The model writes the prompt's keys and values straight into the request's buffer, after the reused prefix.
-        logits_1TV, _ = self.model(
-            ids_1T, positions_1T, kv_cache=entry.buffer.room(), num_logits_to_keep=1, kv_cache_length=reused
+        out = self.model(
+            ids_1T,
+            positions_1T,
+            kv_cache=entry.buffer.room(),
+            num_logits_to_keep=1,
+            kv_cache_length=reused,
+            return_routed_experts=routed,
         )
+        logits_1TV = out[0]
+        if routed:
+            entry.buffer.routed_CLK[reused : len(prompt)] = out[2][0]
         entry.buffer.length = len(prompt)
         entry.fed_ids = list(prompt)
         # The first output sits at position len(prompt): a seeded request's draw there is its (seed, position) uniform.
@@ -602,14 +663,21 @@ class NativeEngine(AcceptingLifecycle):
             gathered.mask_BS[:, S] = True
         else:
             gathered.mask_BS[:, S] = True  # every row's new token goes to column S, and attends to itself
-            logits_B1V, _ = self.model(
+            # rows that record routing (only requests that asked, on a MoE model: a dense model checks nothing)
+            recording = [b for b, e in enumerate(batch) if e.records_routing] if self._moe else []
+            out = self.model(
                 gathered.ids_B1,
                 gathered.positions_B1,
                 kv_cache=gathered.past,
                 attention_mask=gathered.mask_BS[:, None, None, : S + 1],
                 kv_cache_length=S,
+                return_routed_experts=bool(recording),
             )
-            logits_BV = logits_B1V[:, -1]
+            logits_BV = out[0][:, -1]
+            if recording:
+                routed_B1LK = out[2]
+                for b in recording:  # the token fed at position len(fed_ids), appended below
+                    batch[b].buffer.routed_CLK[len(batch[b].fed_ids)] = routed_B1LK[b, 0]
         gathered.next_column += 1
         gathered.positions_B1 += 1
         for e in batch:
@@ -652,6 +720,7 @@ class NativeEngine(AcceptingLifecycle):
                 finish_reason=reason,
                 timings=self._timings(entry) if reason else None,
                 cached_tokens=entry.cached_tokens if reason else None,
+                routed_experts=self._routed_experts(entry) if reason else None,
             )
             entry.chunks.put_nowait(chunk)
         if reason is not None:
@@ -672,6 +741,7 @@ class NativeEngine(AcceptingLifecycle):
         if self._batch_kv is not None and any(e is entry for e in self._batch_kv.rows):
             self._batch_kv.write_back()  # its buffer becomes the prefix entry below
         self._by_id.pop(request.request_id, None)
+        routed_experts = self._routed_experts(entry)  # before the buffer goes
         # KV from before a weight update is never reused (update_weights dropped the prefix cache for that reason).
         fresh = entry.first_version == self.policy_version
         if keep_prefix and fresh and entry.buffer is not None and entry.buffer.length > 0:
@@ -690,6 +760,7 @@ class NativeEngine(AcceptingLifecycle):
                     finish_reason=reason,
                     timings=timings,
                     cached_tokens=entry.cached_tokens,
+                    routed_experts=routed_experts,
                 )
             )
         if not entry.future.done():
@@ -704,10 +775,31 @@ class NativeEngine(AcceptingLifecycle):
                     prompt_tokens=len(request.input_ids),
                     cached_tokens=entry.cached_tokens,
                     timings=timings,
+                    routed_experts=routed_experts,
                 )
             )
         if not self._by_id:
             self._idle.set()
+
+    def _routed_experts(self, entry: _Request) -> np.ndarray | None:
+        """The request's `routed_experts` (protocol): its record from `routed_experts_start` to the last fed position,
+        int16 `[len(input_ids) + len(output_ids) - 1 - start, L, K]` (at least 0 rows) on the host, -1 where no
+        routing is known (a request aborted while queued fed nothing). None when not asked or the model is dense.
+        Taken once, while the buffer is still the request's: the final chunk and the result share it."""
+        request = entry.request
+        if not (request.return_routed_experts and self._moe):
+            return None
+        if entry.routed_experts is None:
+            config = self.model.config
+            start = request.routed_experts_start
+            rows = max(0, len(request.input_ids) + len(entry.output_ids) - 1 - start)
+            routed = torch.full((rows, config.num_hidden_layers, config.num_experts_per_tok), -1, dtype=torch.int16)
+            if entry.records_routing:
+                known = entry.buffer.routed_CLK[start : start + rows]
+                routed[: known.shape[0]] = known.cpu()
+            entry.routed_experts = routed.numpy()
+            entry.routed_experts.setflags(write=False)  # shared by the final chunk and the result
+        return entry.routed_experts
 
     def _fail(self, entry: _Request, error: BaseException) -> None:
         if not entry.future.done():

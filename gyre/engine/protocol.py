@@ -14,9 +14,13 @@ Contract
   at once. Every state change happens between two decode steps, never inside one.
 - Weights carry an integer `policy_version`; results report the versions that produced their tokens, which is
   what staleness accounting reads.
+- Routed experts (mixture-of-experts models): a request with `return_routed_experts=True` gets, in its result and
+  its stream's final chunk, the experts each fed position was routed to from `routed_experts_start` on (int16
+  `[len(input_ids) + len(output_ids) - 1 - start, num_hidden_layers, top_k]`, -1 at dense layers and where the
+  routing is unknown); None when not asked and for a dense model. docs/engine.md, "Routed experts".
 
-Only dataclasses, exceptions and the `Engine` protocol live here: stdlib at import time (torch only for type
-hints), so the proxy can import it without the model stack. The weight format `update_weights` takes,
+Only dataclasses, exceptions and the `Engine` protocol live here: stdlib at import time (torch and numpy only for
+type hints), so the proxy can import it without the model stack. The weight format `update_weights` takes,
 `FlatWeights` and `TensorSpec`, lives in `gyre.models.flat_weights` (re-exported here on first access, which
 imports torch). See `docs/engine.md`.
 """
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 from gyre.config.checks import ConfigError, is_int, require, require_int, require_number
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from gyre.models.flat_weights import FlatWeights
@@ -98,8 +103,9 @@ def check_request(
     request: GenerateRequest, *, in_flight: Container[str], vocab_size: int | None, context_length: int | None
 ) -> None:
     """The checks every engine makes before queueing a request: a unique id, ids in the vocabulary, prompt +
-    `max_new_tokens` within the context (a None limit is not checked). `ValueError` naming what is wrong; the
-    vocabulary check is vectorized, so a 700K-token prompt costs no per-token Python work."""
+    `max_new_tokens` within the context (a None limit is not checked), `0 <= routed_experts_start <= len(input_ids)`.
+    `ValueError` naming what is wrong; the vocabulary check is vectorized, so a 700K-token prompt costs no per-token
+    Python work."""
     if request.request_id in in_flight:
         raise ValueError(f"request_id={request.request_id!r} is already in flight: request ids must be unique")
     if vocab_size is not None:
@@ -109,6 +115,12 @@ def check_request(
         if int(ids.max()) >= vocab_size:
             bad = ids[ids >= vocab_size][:5].tolist()
             raise ValueError(f"input_ids={bad} are out of vocabulary: expected ids < {vocab_size}")
+    start = request.routed_experts_start
+    if not 0 <= start <= len(request.input_ids):
+        raise ValueError(
+            f"routed_experts_start={start} is not allowed: expected an integer in [0, len(input_ids)="
+            f"{len(request.input_ids)}] (the first position whose routed experts are returned)"
+        )
     total = request.reserved_tokens
     if context_length is not None and total > context_length:
         raise ValueError(
@@ -187,13 +199,17 @@ class GenerateRequest:
 
     `execution_id` lets the engine reuse the KV of an earlier request of the same execution whose tokens are a
     prefix of these (and of a `KVExport` imported for it). Token ids are range-checked by the engine, which knows
-    its vocabulary.
+    its vocabulary; `routed_experts_start` is checked against `input_ids` by `check_request`.
     """
 
     request_id: str  # unique among the engine's in-flight requests; the handle for abort and export_kv
     execution_id: str  # the execution (harness session) this call belongs to
     input_ids: array  # prompt token ids, at least one; any sequence of ints is accepted and kept as array("i")
     params: SamplingParams = field(default_factory=SamplingParams)
+    return_routed_experts: bool = False  # MoE models: return the experts each fed position was routed to
+    # (GenerateResult.routed_experts; SGLang's return_routed_experts)
+    routed_experts_start: int = 0  # first position returned, in [0, len(input_ids)] (SGLang's
+    # routed_experts_start_len): a turn extending an earlier call passes that call's prompt + outputs - 1
 
     def __post_init__(self) -> None:
         require(
@@ -211,6 +227,13 @@ class GenerateRequest:
         object.__setattr__(self, "input_ids", token_ids(self.input_ids, "input_ids"))
         require(len(self.input_ids) > 0, "input_ids", self.input_ids, "at least one prompt token")
         require(isinstance(self.params, SamplingParams), "params", self.params, "a SamplingParams")
+        require(
+            isinstance(self.return_routed_experts, bool),
+            "return_routed_experts",
+            self.return_routed_experts,
+            "a bool",
+        )
+        require_int("routed_experts_start", self.routed_experts_start, ge=0)
 
     @property
     def reserved_tokens(self) -> int:
@@ -240,9 +263,14 @@ class GenerateResult:
     prompt_tokens: int  # len(input_ids)
     cached_tokens: int  # prompt tokens whose KV was reused (prefix of the same execution or imported), not computed
     timings: GenerateTimings
+    # Asked for (`return_routed_experts`) on a MoE model: int16 `[len(input_ids) + len(output_ids) - 1 - start,
+    # num_hidden_layers, top_k]`, the experts of each position fed to the model from `routed_experts_start` on, -1 at
+    # dense layers and where unknown. None otherwise. Not compared by `==` (an array has no single truth value).
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         require(self.finish_reason in FINISH_REASONS, "finish_reason", self.finish_reason, f"one of {FINISH_REASONS}")
+        check_routed_experts(self.routed_experts)
         require(
             len(self.output_logprobs) == len(self.output_ids),
             "output_logprobs",
@@ -273,8 +301,10 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     timings: GenerateTimings | None = None  # on the last chunk only
     cached_tokens: int | None = None  # on the last chunk only: as GenerateResult.cached_tokens
+    routed_experts: np.ndarray | None = field(default=None, compare=False)  # last chunk only: as GenerateResult's
 
     def __post_init__(self) -> None:
+        check_routed_experts(self.routed_experts)
         require(
             self.finish_reason is None or self.finish_reason in FINISH_REASONS,
             "finish_reason",
@@ -306,10 +336,15 @@ class KVExport:
     values: tuple[torch.Tensor, ...]  # per layer, same shape as keys
     output_ids: tuple[int, ...] = ()  # tokens the request generated here; token_ids is a prefix of prompt + these
     output_logprobs: tuple[float, ...] = ()  # their behavior log-probs (the same as in the source's result)
+    # MoE models, when the source recorded them: int16 [len(token_ids), num_hidden_layers, top_k], the experts each
+    # covered token was routed to (-1 at dense layers and where unknown), kept beside the KV for later requests'
+    # routed_experts. None: not recorded (the destination returns -1 for these positions).
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        tensors = (*self.keys, *self.values, *(() if self.routed_experts is None else (self.routed_experts,)))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,6 +359,16 @@ class EngineLoad:
     accepting: bool  # False after stop_accepting / while memory is released
     memory_released: bool
     policy_version: int
+
+
+def check_routed_experts(routed) -> None:
+    """A result's or chunk's `routed_experts`: None or a 3-D int16 array (checked without importing numpy)."""
+    if routed is not None and (getattr(routed, "ndim", None) != 3 or str(getattr(routed, "dtype", "")) != "int16"):
+        kind = f"{getattr(routed, 'dtype', type(routed).__name__)} {list(getattr(routed, 'shape', ()))}"
+        raise ConfigError(
+            f"routed_experts={kind} is not allowed: expected None or an int16 numpy array "
+            "[positions, num_hidden_layers, top_k]"
+        )
 
 
 async def drain_in_flight(

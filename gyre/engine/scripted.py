@@ -16,7 +16,8 @@ Contract
   boundary) and the first one `first_token_delay_s` more (prefill). Both are plain attributes a benchmark may
   change while serving. Timings are measured on the wall clock.
 - What it does not model: weights (`update_weights` records the version only and reads no tensor), a KV cache
-  (`cached_tokens` is always 0; `export_kv` / `import_kv` raise `NotImplementedError`, as SGLang's adapter does).
+  (`cached_tokens` is always 0; `export_kv` / `import_kv` raise `NotImplementedError`, as SGLang's adapter does),
+  experts (`routed_experts` is always None, as for a dense model, whatever `return_routed_experts` asks).
 - `calls` counts the requests that started running; with `record_requests=True`, `requests` holds them in order.
 
 Imports are the stdlib and the protocol's module (no torch, no numpy; numpy only when the vocabulary check runs),

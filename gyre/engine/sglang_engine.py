@@ -24,6 +24,13 @@ Contract (beyond `gyre.engine.protocol`)
   (`init_weights_update_group`), and `update_weights_from_group` loads a version that rank 0 broadcasts over it
   (`update_weights_from_distributed`, in the same pause in place); `gyre.runtime.engines.GroupPublishing` drives
   both from rank 0.
+- Routed experts: a request's `return_routed_experts` / `routed_experts_start` go to `async_generate` as SGLang's
+  `return_routed_experts` / `routed_experts_start_len`; the final output's `meta_info["routed_experts"]` (base64 of
+  int32 `[seqlen - 1 - start, num_hidden_layers, top_k]`, flat; 0 at dense layers, SGLang's buffer never being
+  written there) becomes the protocol's int16 array with -1 at dense layers (`routed_experts_from_sglang`). The
+  layout (layers, top-k, which layers route) is read from the model's HF config (`routed_layout`, Qwen's rule);
+  SGLang records routing only when started with `enable_return_routed_experts=True` (`sglang_engine_args(...,
+  return_routed_experts=True)`): a request that asks an engine known to run without it raises `ValueError`.
 - `export_kv`/`import_kv` raise `NotImplementedError` (SGLang has no per-request KV export; the caller
   re-prefills elsewhere); `release_export` returns False. `load()` is an adapter-side estimate (no scheduler call).
 """
@@ -31,6 +38,8 @@ Contract (beyond `gyre.engine.protocol`)
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import logging
 import os
@@ -38,6 +47,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from gyre.config.checks import is_int
 from gyre.engine.protocol import (
@@ -193,12 +204,15 @@ def sglang_engine_args(
     max_running: int,
     max_total_tokens: int,
     seed: int,
+    return_routed_experts: bool = False,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `sglang.Engine(model_path=..., **args)` arguments of a cell's engine (SGLang's `ServerArgs` fields; the
     contract test checks every key): the cell's `tp_size` GPUs from `base_gpu_id` on, token ids in and out, the
     memory saver that `release_memory_occupation` needs, gyre's slots and KV budget (0: SGLang sizes it), the
-    run's seed. `extra` (`engine.sglang_args`) wins over all of them."""
+    run's seed, and with `return_routed_experts` (routing replay of a MoE model) SGLang's routing capture
+    (`enable_return_routed_experts`: a host buffer of 4 bytes x layers x top-k per KV token). `extra`
+    (`engine.sglang_args`) wins over all of them."""
     args: dict[str, Any] = {
         "tp_size": tp_size,
         "base_gpu_id": base_gpu_id,
@@ -210,7 +224,69 @@ def sglang_engine_args(
     }
     if max_total_tokens:
         args["max_total_tokens"] = max_total_tokens
+    if return_routed_experts:
+        args["enable_return_routed_experts"] = True
     return {**args, **dict(extra or {})}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedLayout:
+    """What the protocol's routed experts look like for a MoE model: `[positions, num_hidden_layers, top_k]`, expert
+    ids at the layers in `moe_layers` and -1 at the others."""
+
+    num_hidden_layers: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+
+
+def _config_value(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+
+def routed_layout(hf_config: Any) -> RoutedLayout | None:
+    """The routed-experts layout of a model from its HF config (an object such as SGLang's
+    `model_config.hf_text_config`, or a dict), None for a dense model or a config without the fields.
+
+    Which layers route is Qwen's rule, as `gyre.models.DecoderConfig.is_moe_layer`: layer i unless it is in
+    `mlp_only_layers` or `(i + 1) % decoder_sparse_step != 0`. Other families (DeepSeek's `first_k_dense_replace`)
+    need `SGLangEngine(routed_layout=...)`."""
+    if hf_config is None:
+        return None
+    experts = _config_value(hf_config, "num_experts") or _config_value(hf_config, "num_local_experts")
+    layers, top_k = _config_value(hf_config, "num_hidden_layers"), _config_value(hf_config, "num_experts_per_tok")
+    if not (is_int(experts) and experts > 0 and is_int(layers) and layers > 0 and is_int(top_k) and top_k > 0):
+        return None
+    dense = set(_config_value(hf_config, "mlp_only_layers") or ())
+    step = _config_value(hf_config, "decoder_sparse_step") or 1
+    moe = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return RoutedLayout(num_hidden_layers=layers, top_k=top_k, moe_layers=moe)
+
+
+def routed_experts_from_sglang(encoded: str | None, layout: RoutedLayout, *, rows: int) -> np.ndarray:
+    """SGLang's `meta_info["routed_experts"]` -> the protocol's int16 `[rows, num_hidden_layers, top_k]`.
+
+    SGLang sends base64 of its int32 host buffer rows `[routed_experts_start_len, seqlen - 1)` flattened
+    (`tokenizer_manager`/`detokenizer_manager`: `b64encode(tensor.numpy().tobytes())`, native byte order: little
+    endian on every GPU host), with 0 at the layers that do not route (their columns are never written): those
+    become -1 here. None (SGLang sent none, e.g. with an abort) gives -1 everywhere, the protocol's "unknown". A
+    payload that does not decode to `rows` rows raises `RuntimeError`: misaligned routing must not reach a trainer.
+    """
+    L, K = layout.num_hidden_layers, layout.top_k
+    if encoded is None:
+        return np.full((rows, L, K), -1, dtype=np.int16)
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise RuntimeError("SGLang's routed_experts is not base64") from None
+    if len(raw) != 4 * rows * L * K:
+        raise RuntimeError(
+            f"SGLang sent {len(raw)} bytes of routed experts, expected {rows} positions x {L} layers x top-{K} "
+            f"int32 ({4 * rows * L * K} bytes): its layout is not {layout}"
+        )
+    routed = np.frombuffer(raw, dtype="<i4").reshape(rows, L, K).astype(np.int16)
+    dense = [i for i in range(L) if i not in set(layout.moe_layers)]
+    routed[:, dense] = -1
+    return routed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,6 +298,8 @@ class SGLangLimits:
     max_running: int | None  # --max-running-requests (load().capacity)
     kv_tokens_total: int | None  # max_total_num_tokens of the scheduler (load().kv_tokens_total)
     tp_size: int = 1  # one serialized weight payload per tensor-parallel rank
+    routed_layout: RoutedLayout | None = None  # MoE models: the routed experts' layout; None: dense or unknown
+    routed_experts_enabled: bool | None = None  # server_args.enable_return_routed_experts; None: not readable
 
 
 def _positive_int(value: Any) -> int | None:
@@ -237,6 +315,8 @@ def read_limits(sgl_engine: Any) -> SGLangLimits:
         infos = getattr(getattr(sgl_engine, "_scheduler_init_result", None), "scheduler_infos", None)
         info = infos[0] if infos else None
     info = info if isinstance(info, Mapping) else {}
+    model_config = getattr(manager, "model_config", None)
+    enabled = getattr(server_args, "enable_return_routed_experts", None)
     return SGLangLimits(
         vocab_size=_positive_int(getattr(getattr(manager, "model_config", None), "vocab_size", None)),
         context_length=_positive_int(getattr(manager, "context_len", None)),
@@ -244,6 +324,8 @@ def read_limits(sgl_engine: Any) -> SGLangLimits:
         or _positive_int(getattr(server_args, "max_running_requests", None)),
         kv_tokens_total=_positive_int(info.get("max_total_num_tokens")),
         tp_size=_positive_int(getattr(server_args, "tp_size", None)) or 1,
+        routed_layout=routed_layout(getattr(model_config, "hf_text_config", None)),
+        routed_experts_enabled=enabled if isinstance(enabled, bool) else None,
     )
 
 
@@ -322,6 +404,7 @@ class SGLangEngine(AcceptingLifecycle):
     - `pause_for_update`: pause generation in place around a weight update (protocol semantics); False makes the
       update wait until in-flight requests finish (SGLang's model-update lock).
     - `environ`: where to read `SGLANG_RETURN_ORIGINAL_LOGPROB` (the scheduler inherits this process's env).
+    - `routed_layout`: the MoE layout of routed experts, overriding what `routed_layout` reads from the HF config.
     """
 
     def __init__(
@@ -339,6 +422,7 @@ class SGLangEngine(AcceptingLifecycle):
         sglang_io: SGLangIO | None = None,
         environ: Mapping[str, str] | None = None,
         owns_engine: bool = False,
+        routed_layout: RoutedLayout | None = None,
     ):
         if not hasattr(sgl_engine, "async_generate") or not hasattr(sgl_engine, "tokenizer_manager"):
             raise TypeError(f"sgl_engine must be an sglang.Engine, got {type(sgl_engine).__name__}")
@@ -351,6 +435,8 @@ class SGLangEngine(AcceptingLifecycle):
             max_running=max_running or found.max_running,
             kv_tokens_total=kv_tokens_total or found.kv_tokens_total,
             tp_size=found.tp_size,
+            routed_layout=routed_layout or found.routed_layout,
+            routed_experts_enabled=found.routed_experts_enabled,
         )
         self.policy_version = policy_version
         self.allow_unfiltered_logprobs = allow_unfiltered_logprobs
@@ -447,6 +533,11 @@ class SGLangEngine(AcceptingLifecycle):
         reason = logprob_mismatch(request.params, original_logprob=self.original_logprob)
         if reason is not None and not self.allow_unfiltered_logprobs:
             raise ValueError(f"request {request.request_id!r}: {reason}")
+        if request.return_routed_experts and self.limits.routed_layout and self.limits.routed_experts_enabled is False:
+            raise ValueError(
+                f"request {request.request_id!r} asks for routed experts, but this SGLang engine was started without "
+                "enable_return_routed_experts=True (sglang_engine_args(return_routed_experts=True))"
+            )
 
     async def _pump(self, entry: _InFlight) -> None:
         """Run one SGLang request to its end, turning its outputs into chunks on `entry.chunks`."""
@@ -461,6 +552,8 @@ class SGLangEngine(AcceptingLifecycle):
                 return_logprob=True,
                 stream=True,
                 rid=request.request_id,
+                return_routed_experts=request.return_routed_experts,
+                routed_experts_start_len=request.routed_experts_start,
             )
             entry.sent = True
             if entry.abort_requested:
@@ -539,7 +632,23 @@ class SGLangEngine(AcceptingLifecycle):
             # upper bound.
             timings=GenerateTimings(queued_s=first_token_s, first_token_s=first_token_s, total_s=total_s),
             cached_tokens=entry.cached_tokens,
+            routed_experts=self._routed_experts(entry, meta_info),
         )
+
+    def _routed_experts(self, entry: _InFlight, meta_info: Mapping[str, Any]) -> np.ndarray | None:
+        """The final output's routed experts in the protocol's layout (None when not asked or the model is dense)."""
+        request, layout = entry.request, self.limits.routed_layout
+        if not request.return_routed_experts or layout is None:
+            return None
+        encoded = meta_info.get("routed_experts")
+        if encoded is None and entry.finish_reason != "abort":
+            logger.warning(
+                "request %r asked for routed experts and SGLang sent none (started without "
+                "enable_return_routed_experts=True?): -1 (unknown) at every position",
+                request.request_id,
+            )
+        rows = max(0, len(request.input_ids) + len(entry.output_ids) - 1 - request.routed_experts_start)
+        return routed_experts_from_sglang(encoded, layout, rows=rows)
 
     def _result(self, entry: _InFlight, last: TokenChunk) -> GenerateResult:
         first_version = entry.first_version if entry.first_version is not None else last.policy_version
@@ -553,6 +662,7 @@ class SGLangEngine(AcceptingLifecycle):
             prompt_tokens=len(entry.request.input_ids),
             cached_tokens=entry.cached_tokens,
             timings=last.timings,
+            routed_experts=last.routed_experts,
         )
 
     def abort(self, request_id: str) -> bool:

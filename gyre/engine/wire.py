@@ -8,6 +8,11 @@ A *frame* carries tensors without JSON-encoding them: the 4-byte magic `GYRF`, t
 little-endian, the header (JSON, with a `tensors` list of `{dtype, shape, offset, nbytes}`), then the raw bytes
 of every tensor back to back. KV exports and flat weight buffers travel as frames.
 
+Routed experts (a result's or final chunk's `routed_experts`, int16 `[T, L, K]`) travel inside the JSON as
+`{"shape": [T, L, K], "i16": base64 of the little-endian int16 bytes}`: 2 bytes per entry before base64, no JSON
+number per expert id. A request sends `return_routed_experts` and `routed_experts_start` only when it asks, so a
+call that does not ask reads as before. A KV frame carries the export's routing as one more tensor.
+
 Errors travel as `{"error": {"type": ..., "message": ...}}` with an HTTP status; `error_status` and
 `error_from_wire` map the protocol's exceptions both ways, so a remote engine raises what a local one would.
 The wire's own errors (`WireError`, `PromptBaseUnknown`, `RemoteEngineError`) live in `gyre.engine.errors`,
@@ -27,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import orjson
 import torch
 
@@ -144,6 +150,7 @@ def generate_to_frame(
         "request_id": request.request_id,
         "execution_id": request.execution_id,
         "params": dataclasses.asdict(request.params),
+        **_routing_request_fields(request),
     }
     header = {"request": fields, "stream": stream, "submission_id": submission_id}
     if base is not None:
@@ -220,12 +227,20 @@ class PromptStore:
             self._bytes -= 4 * len(dropped)
 
 
+def _routing_request_fields(request: GenerateRequest) -> dict:
+    """The routed-experts fields of a request, only when it asks for them."""
+    if not request.return_routed_experts:
+        return {}
+    return {"return_routed_experts": True, "routed_experts_start": request.routed_experts_start}
+
+
 def request_to_wire(request: GenerateRequest) -> dict:
     return {
         "request_id": request.request_id,
         "execution_id": request.execution_id,
         "input_ids_i32": ids_to_wire(request.input_ids),
         "params": dataclasses.asdict(request.params),
+        **_routing_request_fields(request),
     }
 
 
@@ -254,25 +269,60 @@ def _timings_from_wire(message: Mapping | None) -> GenerateTimings | None:
     return None if message is None else GenerateTimings(**_fields(message, GenerateTimings, what="timings"))
 
 
-def result_to_wire(result: GenerateResult) -> GenerateResult:
-    """The result as `dumps` writes it: orjson serializes the dataclass itself (~0.3 us; `asdict` costs ~10 us)."""
-    return result
+def routed_experts_to_wire(routed: np.ndarray) -> dict:
+    """int16 `[T, L, K]` routing as `{"shape", "i16"}`: base64 of its little-endian int16 bytes."""
+    return {"shape": list(routed.shape), "i16": base64.b64encode(routed.astype("<i2").tobytes()).decode("ascii")}
+
+
+def routed_experts_from_wire(message) -> np.ndarray | None:
+    """`routed_experts_to_wire`'s inverse (None stays None); a malformed value is a WireError."""
+    if message is None:
+        return None
+    if not isinstance(message, Mapping) or set(message) != {"shape", "i16"}:
+        raise WireError('routed_experts must be null or {"shape": [T, L, K], "i16": base64 of little-endian int16}')
+    shape = message["shape"]
+    if not isinstance(shape, list) or len(shape) != 3 or not all(type(n) is int and n >= 0 for n in shape):
+        raise WireError(f"routed_experts.shape={shape!r}: expected three non-negative integers [T, L, K]")
+    try:
+        raw = base64.b64decode(message["i16"], validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise WireError("routed_experts.i16 is not base64 of int16 expert ids") from None
+    if len(raw) != 2 * shape[0] * shape[1] * shape[2]:
+        raise WireError(f"routed_experts: {len(raw)} bytes do not hold {shape} int16 entries")
+    return np.frombuffer(raw, dtype="<i2").astype(np.int16).reshape(shape)
+
+
+def _with_routing(message: GenerateResult | TokenChunk) -> GenerateResult | TokenChunk | dict:
+    """What `dumps` writes: orjson serializes the dataclass itself (~0.3 us; `asdict` costs ~10 us), or, when it
+    carries routed experts, its fields with the routing encoded (`routed_experts_to_wire`)."""
+    if message.routed_experts is None:
+        return message
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    fields["routed_experts"] = routed_experts_to_wire(message.routed_experts)
+    return fields
+
+
+def result_to_wire(result: GenerateResult) -> GenerateResult | dict:
+    """The result as `dumps` writes it (`_with_routing`)."""
+    return _with_routing(result)
 
 
 def result_from_wire(message: Mapping) -> GenerateResult:
     fields = _fields(message, GenerateResult, what="result")
     fields["timings"] = _timings_from_wire(fields["timings"])
+    fields["routed_experts"] = routed_experts_from_wire(fields.get("routed_experts"))
     return GenerateResult(**_tuples(fields, "output_ids", "output_logprobs"))
 
 
-def chunk_to_wire(chunk: TokenChunk) -> TokenChunk:
-    """The chunk as `dumps` writes it (orjson serializes dataclasses natively: one line per token stays cheap)."""
-    return chunk
+def chunk_to_wire(chunk: TokenChunk) -> TokenChunk | dict:
+    """The chunk as `dumps` writes it (`_with_routing`: one line per token stays cheap)."""
+    return _with_routing(chunk)
 
 
 def chunk_from_wire(message: Mapping) -> TokenChunk:
     fields = _fields(message, TokenChunk, what="chunk")
     fields["timings"] = _timings_from_wire(fields.get("timings"))
+    fields["routed_experts"] = routed_experts_from_wire(fields.get("routed_experts"))
     return TokenChunk(**_tuples(fields, "token_ids", "logprobs"))
 
 
@@ -397,17 +447,25 @@ def kv_export_to_frame(export: KVExport) -> bytes:
         "output_ids": list(export.output_ids),
         "output_logprobs": list(export.output_logprobs),
         "layers": len(export.keys),
+        "routed": export.routed_experts is not None,  # the routing record is one more tensor, after the values
     }
-    return encode_frame(header, [*export.keys, *export.values])
+    routed = () if export.routed_experts is None else (export.routed_experts,)
+    return encode_frame(header, [*export.keys, *export.values, *routed])
 
 
 def kv_export_from_frame(body: bytes | bytearray) -> KVExport:
     header, tensors = decode_frame(body)
     layers = header.pop("layers", None)
-    if not isinstance(layers, int) or len(tensors) != 2 * layers:
+    routed = bool(header.pop("routed", False))
+    if not isinstance(layers, int) or len(tensors) != 2 * layers + routed:
         raise WireError(f"a KV frame must carry keys and values for each of its layers ({layers!r})")
     fields = _tuples(_fields(header, KVExport, what="kv export"), "token_ids", "output_ids", "output_logprobs")
-    return KVExport(**fields, keys=tuple(tensors[:layers]), values=tuple(tensors[layers:]))
+    return KVExport(
+        **fields,
+        keys=tuple(tensors[:layers]),
+        values=tuple(tensors[layers : 2 * layers]),
+        routed_experts=tensors[2 * layers] if routed else None,
+    )
 
 
 def weights_to_frame(weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> bytes:

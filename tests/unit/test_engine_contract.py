@@ -23,6 +23,7 @@ import importlib.util
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from engine_fixtures import VOCAB, sharp_tiny_model
@@ -61,6 +62,16 @@ SCRIPTED_CONTEXT = 128  # sharp_tiny_model's max_position_embeddings: the same c
 @pytest.fixture(scope="module")
 def model():
     return sharp_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    """The tiny Qwen3-MoE shape (gyre.models.moe: 4 layers, layer 0 dense, 8 experts, top-2) on the test vocabulary."""
+    from gyre.models.decoder import build_model
+    from gyre.models.moe import tiny_qwen3_moe_config
+
+    config = tiny_qwen3_moe_config(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None)
+    return build_model(config, seed=3).eval()
 
 
 @pytest.fixture(params=["native", "remote", pytest.param("sglang", marks=pytest.mark.gpu), "scripted"])
@@ -127,6 +138,7 @@ class Engines:
             str(path),
             adapter_options={"policy_version": policy_version, "max_running": max_running},
             max_running_requests=max_running,
+            enable_return_routed_experts=bool(model.config.num_experts),
         )
 
 
@@ -142,8 +154,12 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-def request(rid: str, prompt, params: SamplingParams = GREEDY, execution: str | None = None) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, execution_id=execution or f"exec-{rid}", input_ids=prompt, params=params)
+def request(
+    rid: str, prompt, params: SamplingParams = GREEDY, execution: str | None = None, **routing
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid, execution_id=execution or f"exec-{rid}", input_ids=prompt, params=params, **routing
+    )
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -600,3 +616,118 @@ def test_a_stop_token_ends_the_request_and_stream_chunks_concatenate_to_the_resu
             assert result.output_ids == tuple(tokens) and result.finish_reason == "stop"
 
     run(main())
+
+
+def teacher_forced_routing(model, ids) -> np.ndarray:
+    """The experts a full forward (no cache) routes each of `ids` to: int16 `[len(ids), L, K]`, -1 at dense layers."""
+    with torch.no_grad():
+        _, _, routed_1TLK = model(torch.tensor([list(ids)]), torch.arange(len(ids))[None], return_routed_experts=True)
+    return routed_1TLK[0].numpy().astype(np.int16)
+
+
+def test_routed_experts_of_prefix_cached_turns_equal_a_teacher_forced_forward(engines, moe_model):
+    """Batched generation across turns of several executions: each turn asks for the routing from the previous
+    turn's last fed position on (`routed_experts_start` = previous prompt + outputs - 1), so the turns' records
+    concatenate to the whole sequence's; the cached prefix's positions come from the engine's record of them."""
+    engines.needs_model_numerics()
+    firsts = prompts(3, seed=11)
+    sampled = [GREEDY, SamplingParams(temperature=1.0, max_new_tokens=9, seed=4), SamplingParams(max_new_tokens=7)]
+
+    async def turns(engine, i: int):
+        ex = f"agent-{i}"
+        first = await engine.generate(request(f"t1-{i}", firsts[i], sampled[i], ex, return_routed_experts=True))
+        fed = len(firsts[i]) + len(first.output_ids) - 1
+        second_prompt = (*firsts[i], *first.output_ids, 60 + i, 61)
+        second = request(f"t2-{i}", second_prompt, sampled[i], ex, return_routed_experts=True, routed_experts_start=fed)
+        if i == 2:  # streamed: the final chunk carries the routing, the others none
+            chunks = [c async for c in engine.generate_stream(second)]
+            assert all(c.routed_experts is None for c in chunks[:-1])
+            tokens = tuple(t for c in chunks for t in c.token_ids)
+            return first, second_prompt, tokens, chunks[-1].routed_experts, chunks[-1].cached_tokens
+        result = await engine.generate(second)
+        return first, second_prompt, result.output_ids, result.routed_experts, result.cached_tokens
+
+    async def main():
+        async with engines.open(moe_model, max_running=4) as engine:
+            runs = await asyncio.gather(*(turns(engine, i) for i in range(3)))
+            # start=0 on a cached continuation: the whole sequence, the cached part from the engine's record
+            _, second_prompt, tokens, _, _ = runs[0]
+            whole = await engine.generate(
+                request("again", (*second_prompt, *tokens), GREEDY, "agent-0", return_routed_experts=True)
+            )
+            unasked = await engine.generate(request("unasked", firsts[0], GREEDY))
+            with pytest.raises(ValueError, match="routed_experts_start"):
+                await engine.generate(
+                    request("bad", [1, 2], GREEDY, return_routed_experts=True, routed_experts_start=3)
+                )
+        return runs, whole, unasked
+
+    runs, whole, unasked = run(main())
+    L, K = moe_model.config.num_hidden_layers, moe_model.config.num_experts_per_tok
+    for i, (first, second_prompt, tokens, routed, cached) in enumerate(runs):
+        fed = len(firsts[i]) + len(first.output_ids) - 1
+        expected = teacher_forced_routing(moe_model, (*second_prompt, *tokens))
+        assert first.routed_experts.dtype == np.int16 and first.routed_experts.shape == (fed, L, K)
+        np.testing.assert_array_equal(first.routed_experts, expected[:fed])
+        assert routed.shape == (len(second_prompt) + len(tokens) - 1 - fed, L, K)
+        np.testing.assert_array_equal(routed, expected[fed:-1])
+        assert (routed[:, 0] == -1).all() and (routed[:, 1:] >= 0).all()  # layer 0 is dense
+        if engines.kind in PREFIX_CACHE:
+            assert cached == fed
+    _, second_prompt, tokens, _, _ = runs[0]
+    again = (*second_prompt, *tokens)
+    expected = teacher_forced_routing(moe_model, (*again, *whole.output_ids))
+    assert whole.cached_tokens == len(again) - 1
+    np.testing.assert_array_equal(whole.routed_experts, expected[:-1])
+    assert unasked.routed_experts is None
+
+
+def test_routed_experts_are_none_for_a_dense_model(engines):
+    async def main():
+        async with engines.open() as engine:
+            result = await engine.generate(request("d", [1, 2, 3], GREEDY, return_routed_experts=True))
+            chunks = [c async for c in engine.generate_stream(request("s", [1, 2], GREEDY, return_routed_experts=True))]
+        return result, chunks
+
+    result, chunks = run(main())
+    assert result.finish_reason == "length" and result.routed_experts is None
+    assert all(c.routed_experts is None for c in chunks)
+
+
+def test_a_kv_export_carries_the_routing_of_the_positions_it_covers(engines, moe_model):
+    """Imported KV brings its routing along: the continuation's record from position 0 equals the full forward's;
+    an export without routing (its request did not ask) leaves those positions -1 (unknown), the rest computed."""
+    engines.needs_kv_migration()
+    prompt = [7, 3, 11, 42, 5, 9]
+    long = SamplingParams(temperature=0.0, max_new_tokens=40)
+
+    async def migrate(source, destination, rid: str, ask: bool):
+        stream = source.generate_stream(request(rid, prompt, long, return_routed_experts=ask))
+        await until_tokens(stream, 6)
+        export = await source.export_kv(rid)
+        last = [c async for c in stream][-1]
+        await destination.import_kv(export)
+        rest = SamplingParams(temperature=0.0, max_new_tokens=5)
+        cont = await destination.generate(
+            request(f"{rid}-c", (*prompt, *export.output_ids), rest, f"exec-{rid}", return_routed_experts=True)
+        )
+        source.release_export(rid)
+        return export, last, cont
+
+    async def main():
+        async with engines.open(moe_model) as source, engines.open(moe_model) as destination:
+            return await migrate(source, destination, "m", True), await migrate(source, destination, "n", False)
+
+    (export, last, cont), (bare, _, bare_cont) = run(main())
+    covered = len(export.token_ids)
+    assert export.routed_experts.dtype == torch.int16 and len(export.routed_experts) == covered
+    assert last.finish_reason == "abort" and last.routed_experts.shape[0] == covered  # the aborted request's record
+    assert cont.cached_tokens == covered
+    expected = teacher_forced_routing(moe_model, (*prompt, *export.output_ids, *cont.output_ids))
+    np.testing.assert_array_equal(export.routed_experts.numpy(), expected[:covered])
+    np.testing.assert_array_equal(last.routed_experts, expected[:covered])
+    np.testing.assert_array_equal(cont.routed_experts, expected[:-1])
+    assert bare.routed_experts is None and bare_cont.cached_tokens == len(bare.token_ids)
+    expected = teacher_forced_routing(moe_model, (*prompt, *bare.output_ids, *bare_cont.output_ids))
+    assert (bare_cont.routed_experts[: len(bare.token_ids)] == -1).all()
+    np.testing.assert_array_equal(bare_cont.routed_experts[len(bare.token_ids) :], expected[len(bare.token_ids) : -1])

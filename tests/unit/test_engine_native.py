@@ -211,3 +211,43 @@ def test_a_mixture_of_experts_model_generates_and_its_logprobs_equal_the_full_fo
         expected = logprobs.gather(-1, torch.tensor(result.output_ids)[:, None])[:, 0]
         assert len(result.output_ids) == GREEDY.max_new_tokens
         assert torch.allclose(torch.tensor(result.output_logprobs, dtype=torch.float64), expected, atol=1e-4)
+
+
+def test_routing_is_asked_of_the_model_only_for_requests_that_want_it():
+    """The model computes routed experts only in forwards holding a request that asked (the dense path and requests
+    that do not ask cost nothing); a request aborted while queued fed nothing: its record is all -1 (unknown)."""
+    from gyre.models.decoder import build_model
+    from gyre.models.moe import tiny_qwen3_moe_config
+
+    moe = build_model(tiny_qwen3_moe_config(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None), seed=3).eval()
+    engine = NativeEngine(copy.deepcopy(moe), max_running=1)
+    asked: list[tuple[int, bool]] = []  # (tokens in the forward, return_routed_experts)
+    forward = engine.model.forward
+
+    def spy(ids, *args, **kwargs):
+        asked.append((ids.shape[1], kwargs.get("return_routed_experts", False)))
+        return forward(ids, *args, **kwargs)
+
+    engine.model.forward = spy
+    wants = GenerateRequest(
+        request_id="w", execution_id="w", input_ids=[1, 2, 3, 4], params=GREEDY, return_routed_experts=True
+    )
+    queued = GenerateRequest(
+        request_id="q", execution_id="q", input_ids=[5, 6, 7], params=GREEDY, return_routed_experts=True
+    )
+
+    async def main():
+        plain = await engine.generate(request("p", [1, 2, 3, 4]))
+        assert not any(flag for _, flag in asked) and plain.routed_experts is None
+        asked.clear()
+        first = asyncio.ensure_future(engine.generate(wants))
+        later = asyncio.ensure_future(engine.generate(queued))
+        await asyncio.sleep(0)
+        assert engine.abort("q") is True
+        return await first, await later
+
+    first, aborted = run(main())
+    assert asked[0] == (4, True) and all(flag for _, flag in asked)  # prefill, then every decode step
+    assert first.routed_experts.shape == (4 + 12 - 1, 4, 2)
+    assert aborted.finish_reason == "abort" and aborted.routed_experts.shape == (2, 4, 2)
+    assert (aborted.routed_experts == -1).all()

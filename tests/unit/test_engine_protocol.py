@@ -84,6 +84,9 @@ def test_generate_request_validation():
         ({"request_id": ""}, "request_id"),
         ({"execution_id": 5}, "execution_id"),
         ({"params": {"temperature": 1}}, "params"),
+        ({"return_routed_experts": 1}, "return_routed_experts"),
+        ({"routed_experts_start": -1}, "routed_experts_start"),
+        ({"routed_experts_start": 1.0}, "routed_experts_start"),
     ]:
         base = {"request_id": "r1", "execution_id": "e1", "input_ids": [1]} | kwargs
         with pytest.raises(ValueError, match=rf"^{field}="):
@@ -160,3 +163,32 @@ def test_prompt_ids_are_kept_as_a_private_int32_array():
         GenerateRequest(request_id="r", execution_id="e", input_ids=array("q", [2**40]))
     with pytest.raises(ValueError, match="int32"):
         GenerateRequest(request_id="r", execution_id="e", input_ids=[2**40])
+
+
+def test_routed_experts_fields():
+    from gyre.engine.protocol import check_request
+
+    request = GenerateRequest(request_id="r", execution_id="e", input_ids=[1, 2, 3])
+    assert (request.return_routed_experts, request.routed_experts_start) == (False, 0)
+    check_request(
+        GenerateRequest(request_id="r", execution_id="e", input_ids=[1, 2, 3], routed_experts_start=3),
+        in_flight=(),
+        vocab_size=None,
+        context_length=None,
+    )
+    beyond = GenerateRequest(request_id="r", execution_id="e", input_ids=[1, 2, 3], routed_experts_start=4)
+    with pytest.raises(ValueError, match=r"^routed_experts_start=4 is not allowed: expected an integer in \[0, "):
+        check_request(beyond, in_flight=(), vocab_size=None, context_length=None)
+
+    import numpy as np
+
+    common = {"request_id": "r", "policy_version": 0, "last_policy_version": 0, "timings": TIMINGS}
+    fields = {"output_ids": (4,), "output_logprobs": (-0.1,), "finish_reason": "length", "prompt_tokens": 2}
+    routed = np.full((2, 3, 2), -1, dtype=np.int16)
+    result = GenerateResult(**fields, cached_tokens=0, routed_experts=routed, **common)
+    assert result == GenerateResult(**fields, cached_tokens=0, **common)  # not compared: arrays have no single truth
+    for bad in (routed.astype(np.int32), routed[0], [[[-1]]]):
+        with pytest.raises(ValueError, match=r"^routed_experts=.* expected None or an int16"):
+            GenerateResult(**fields, cached_tokens=0, routed_experts=bad, **common)
+        with pytest.raises(ValueError, match=r"^routed_experts="):
+            TokenChunk(request_id="r", index=0, token_ids=(), logprobs=(), policy_version=0, routed_experts=bad)

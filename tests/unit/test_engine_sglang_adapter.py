@@ -7,9 +7,11 @@ on a tiny local model is tests/gpu/test_sglang_engine_real.py (it reuses `reques
 from __future__ import annotations
 
 import asyncio
+import base64
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from gyre.engine.protocol import (
     TensorSpec,
 )
 from gyre.engine.sglang_engine import (
+    RoutedLayout,
     SGLangEngine,
     SGLangIO,
     SGLangUnavailableError,
@@ -32,6 +35,9 @@ from gyre.engine.sglang_engine import (
     original_logprob_enabled,
     read_limits,
     rejected_input_message,
+    routed_experts_from_sglang,
+    routed_layout,
+    sglang_engine_args,
     to_sglang_sampling_params,
 )
 
@@ -46,8 +52,8 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-def request(request_id: str, input_ids=(1, 2, 3), params: SamplingParams = SAMPLED) -> GenerateRequest:
-    return GenerateRequest(request_id=request_id, execution_id="x", input_ids=input_ids, params=params)
+def request(request_id: str, input_ids=(1, 2, 3), params: SamplingParams = SAMPLED, **routing) -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, execution_id="x", input_ids=input_ids, params=params, **routing)
 
 
 # ----------------------------------------------------------------- pure translation
@@ -140,6 +146,8 @@ def test_read_limits_from_engine_attributes():
         "max_running": None,
         "kv_tokens_total": 500_000,
         "tp_size": 2,
+        "routed_layout": None,  # no hf_text_config: dense or unknown
+        "routed_experts_enabled": None,
     }
     engine_main = SimpleNamespace(
         tokenizer_manager=manager,
@@ -159,7 +167,9 @@ class FakeSGLangEngine:
 
     Output token i of a prompt ending in id t is (t + i + 1) % VOCAB with log-prob -0.1 * (i + 1), one token per
     millisecond; a request asking for STALL_AT tokens stalls after three until aborted. `tokenizer_manager` is the
-    fake itself; every call it receives is appended to `calls`.
+    fake itself; every call it receives is appended to `calls`. The model is a MoE of `FAKE_MOE`'s shape: a finished
+    request that asked for routed experts gets `fake_routing` in SGLang's encoding (base64 of int32 rows from
+    `routed_experts_start_len` to seqlen - 1, 0 at the dense layer 0).
     """
 
     def __init__(self, *, incremental: bool = False, reject_names: bool = False):
@@ -168,20 +178,32 @@ class FakeSGLangEngine:
         self.calls: list[tuple] = []
         self.aborted: set[str] = set()
         self.tokenizer_manager = self
-        self.model_config = SimpleNamespace(vocab_size=VOCAB)
+        self.model_config = SimpleNamespace(vocab_size=VOCAB, hf_text_config=SimpleNamespace(**FAKE_MOE))
         self.context_len = 2048
-        self.server_args = SimpleNamespace(tp_size=2, max_running_requests=8)
+        self.server_args = SimpleNamespace(tp_size=2, max_running_requests=8, enable_return_routed_experts=True)
         self.scheduler_info = {"max_total_num_tokens": 4096}
         self._running = asyncio.Event()  # cleared while generation is paused
         self._running.set()
         self._paused = False
+        self.routing_asked: dict[str, tuple[bool, int]] = {}
 
-    async def async_generate(self, *, input_ids, sampling_params, return_logprob, stream, rid):
+    async def async_generate(
+        self,
+        *,
+        input_ids,
+        sampling_params,
+        return_logprob,
+        stream,
+        rid,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
+    ):
         assert return_logprob and stream
         self.calls.append(("generate", rid, sampling_params))
-        return self._stream(input_ids, sampling_params, rid)
+        self.routing_asked[rid] = (return_routed_experts, routed_experts_start_len)
+        return self._stream(input_ids, sampling_params, rid, return_routed_experts, routed_experts_start_len)
 
-    async def _stream(self, input_ids, sampling_params, rid):
+    async def _stream(self, input_ids, sampling_params, rid, routed=False, routed_start=0):
         triples, stops = [], set(sampling_params.get("stop_token_ids", ()))
         budget = sampling_params["max_new_tokens"]
 
@@ -192,6 +214,10 @@ class FakeSGLangEngine:
             meta = {"output_token_logprobs": list(entries), "completion_tokens": len(triples)}
             meta["cached_tokens"] = len(input_ids) - 1
             meta["finish_reason"] = None if finish is None else {"type": finish}
+            if routed and finish in ("stop", "length") and self.server_args.enable_return_routed_experts:
+                sglang_rows = fake_routing(len(input_ids) + len(triples) - 1).astype(np.int32)
+                sglang_rows[:, 0] = 0  # SGLang's buffer is never written at a dense layer
+                meta["routed_experts"] = base64.b64encode(sglang_rows[routed_start:].tobytes()).decode()
             return {"meta_info": meta}
 
         while True:
@@ -254,6 +280,17 @@ class FakeSGLangEngine:
 
     def shutdown(self):
         self.calls.append(("shutdown",))
+
+
+FAKE_MOE = {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [0]}
+
+
+def fake_routing(positions: int) -> np.ndarray:
+    """The fake model's routing of positions 0..positions-1 (protocol layout: -1 at the dense layer 0)."""
+    t = np.arange(positions)[:, None, None]
+    routed = (t + np.arange(3)[None, :, None] + np.arange(2)[None, None, :]) % 8
+    routed[:, 0] = -1
+    return routed.astype(np.int16)
 
 
 FAKE_IO = SGLangIO(
@@ -534,3 +571,118 @@ def test_publication_by_group_joins_once_and_updates_inside_a_pause():
     with pytest.raises(ValueError, match="rejected the weight update to version 1: unknown parameter"):
         run(rejecting.update_weights_from_group(**spec, version=1))
     assert rejecting.policy_version == 0
+
+
+# ----------------------------------------------------------------- routed experts
+
+
+def test_routed_layout_reads_qwens_moe_fields():
+    qwen3_moe = SimpleNamespace(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0])
+    assert routed_layout(qwen3_moe) == RoutedLayout(num_hidden_layers=4, top_k=2, moe_layers=(1, 2, 3))
+    sparse_step = {"num_hidden_layers": 4, "num_local_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 2}
+    assert routed_layout(sparse_step) == RoutedLayout(num_hidden_layers=4, top_k=2, moe_layers=(1, 3))
+    assert routed_layout(SimpleNamespace(num_hidden_layers=4, num_experts_per_tok=None)) is None  # dense
+    assert routed_layout(None) is None
+
+
+def test_routed_experts_from_sglang_decode_its_int32_rows_with_minus_one_at_dense_layers():
+    layout = RoutedLayout(num_hidden_layers=3, top_k=2, moe_layers=(1, 2))
+    rows = np.arange(12, dtype=np.int32).reshape(2, 3, 2)  # 0 and 1 at the dense layer, as SGLang leaves zeros
+    routed = routed_experts_from_sglang(base64.b64encode(rows.tobytes()).decode(), layout, rows=2)
+    assert routed.dtype == np.int16 and routed.shape == (2, 3, 2)
+    assert routed.tolist() == [[[-1, -1], [2, 3], [4, 5]], [[-1, -1], [8, 9], [10, 11]]]
+    assert (routed_experts_from_sglang(None, layout, rows=4) == -1).all()  # none sent: unknown
+    assert routed_experts_from_sglang(None, layout, rows=0).shape == (0, 3, 2)
+    with pytest.raises(RuntimeError, match="expected 3 positions x 3 layers x top-2"):
+        routed_experts_from_sglang(base64.b64encode(rows.tobytes()).decode(), layout, rows=3)
+    with pytest.raises(RuntimeError, match="not base64"):
+        routed_experts_from_sglang("***", layout, rows=2)
+
+
+def test_routed_experts_pass_to_sglang_and_come_back_in_the_protocols_layout():
+    engine, fake = adapter()
+    assert engine.limits.routed_layout == RoutedLayout(num_hidden_layers=3, top_k=2, moe_layers=(1, 2))
+    prompt = (4, 9, 11, 2)
+
+    async def go():
+        whole = await engine.generate(request("w", prompt, SAMPLED, return_routed_experts=True))
+        tail = request("t", prompt, SAMPLED, return_routed_experts=True, routed_experts_start=3)
+        chunks = [chunk async for chunk in engine.generate_stream(tail)]
+        plain = await engine.generate(request("p", prompt))
+        return whole, chunks, plain
+
+    whole, chunks, plain = run(go())
+    fed = len(prompt) + SAMPLED.max_new_tokens - 1
+    np.testing.assert_array_equal(whole.routed_experts, fake_routing(fed))
+    assert all(c.routed_experts is None for c in chunks[:-1])
+    np.testing.assert_array_equal(chunks[-1].routed_experts, fake_routing(fed)[3:])
+    assert plain.routed_experts is None
+    assert fake.routing_asked == {"w": (True, 0), "t": (True, 3), "p": (False, 0)}
+
+    async def abort_mid_stream():
+        chunks = []
+        async for chunk in engine.generate_stream(request("a", (1,), LONG, return_routed_experts=True)):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                engine.abort("a")
+        return chunks[-1], sum((c.token_ids for c in chunks), ())
+
+    aborted, tokens = run(abort_mid_stream())
+    assert aborted.finish_reason == "abort" and (aborted.routed_experts == -1).all()  # SGLang sent none: unknown
+    assert aborted.routed_experts.shape == (len(tokens), 3, 2)  # prompt 1 + outputs - 1 fed positions
+
+
+def test_routed_experts_need_sglangs_capture_and_are_none_for_a_dense_model():
+    fake = FakeSGLangEngine()
+    fake.server_args.enable_return_routed_experts = False
+    engine, _ = adapter(fake)
+    with pytest.raises(ValueError, match="enable_return_routed_experts=True"):
+        run(engine.generate(request("r", return_routed_experts=True)))
+    assert run(engine.generate(request("ok"))).routed_experts is None
+    dense = FakeSGLangEngine()
+    dense.model_config.hf_text_config = SimpleNamespace(num_hidden_layers=3, num_experts_per_tok=None)
+    engine, _ = adapter(dense)
+    assert engine.limits.routed_layout is None
+    assert run(engine.generate(request("d", return_routed_experts=True))).routed_experts is None
+    args = dict(tp_size=1, base_gpu_id=0, dtype="bfloat16", max_running=8, max_total_tokens=0, seed=0)
+    assert sglang_engine_args(**args, return_routed_experts=True)["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in sglang_engine_args(**args)
+
+
+def test_routed_experts_through_the_sglang_standin_equal_the_models_own(tmp_path, monkeypatch):
+    """The adapter over gyre's SGLang stand-in (gyre.engine.sglang_standin, imported under another name so `sglang`
+    stays unimported here) on the tiny MoE: SGLang's encoding (int32, 0 at the dense layer) decodes to the shared
+    model's own routing of the same tokens (-1 at the dense layer)."""
+    import importlib.util
+
+    from gyre.engine.sglang_standin import PATH
+    from gyre.models.decoder import build_model
+    from gyre.models.hf_weights import save_pretrained
+    from gyre.models.moe import tiny_qwen3_moe_config
+
+    name = "gyre_test_sglang_standin"
+    spec = importlib.util.spec_from_file_location(
+        name, PATH / "sglang" / "__init__.py", submodule_search_locations=[str(PATH / "sglang")]
+    )
+    standin = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, standin)
+    spec.loader.exec_module(standin)
+    moe = build_model(tiny_qwen3_moe_config(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None), seed=3).eval()
+    save_pretrained(moe, tmp_path / "moe")
+    prompt = (3, 14, 15, 9, 2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=5)
+
+    async def go():
+        sgl = standin.Engine(
+            model_path=str(tmp_path / "moe"), skip_tokenizer_init=True, enable_return_routed_experts=True
+        )
+        engine = SGLangEngine(sgl, sglang_io=FAKE_IO, environ={})
+        assert engine.limits.routed_layout == RoutedLayout(num_hidden_layers=4, top_k=2, moe_layers=(1, 2, 3))
+        return await engine.generate(request("s", prompt, params, return_routed_experts=True, routed_experts_start=2))
+
+    result = run(go())
+    ids = [*prompt, *result.output_ids]
+    with torch.no_grad():
+        _, _, routed_1TLK = moe(torch.tensor([ids]), torch.arange(len(ids))[None], return_routed_experts=True)
+    np.testing.assert_array_equal(result.routed_experts, routed_1TLK[0, 2:-1].numpy())
+    assert (result.routed_experts[:, 0] == -1).all()

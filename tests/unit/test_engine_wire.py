@@ -208,3 +208,77 @@ def test_a_frame_can_extend_the_executions_last_prompt_and_an_unknown_base_is_re
         store.resolve("e", base)
     status, body = wire.error_status(wire.PromptBaseUnknown("gone"))
     assert status == 409 and isinstance(wire.error_from_wire(status, wire.dumps(body)), wire.PromptBaseUnknown)
+
+
+def test_routed_experts_travel_as_base64_int16_with_their_shape():
+    import base64
+
+    import numpy as np
+
+    routed = np.array([[[-1, -1], [3, 0]], [[-1, -1], [7, 32767]], [[-1, -1], [1, 2]]], dtype=np.int16)  # [T, L, K]
+    timings = GenerateTimings(queued_s=0.0, first_token_s=0.1, total_s=0.2)
+    result = GenerateResult(
+        request_id="r",
+        output_ids=(4, 5),
+        output_logprobs=(-0.5, -0.25),
+        finish_reason="length",
+        policy_version=1,
+        last_policy_version=1,
+        prompt_tokens=2,
+        cached_tokens=0,
+        timings=timings,
+        routed_experts=routed,
+    )
+    message = roundtrip(wire.result_to_wire(result))
+    assert message["routed_experts"]["shape"] == [3, 2, 2]
+    assert base64.b64decode(message["routed_experts"]["i16"]) == routed.astype("<i2").tobytes()  # 2 bytes an entry
+    back = wire.result_from_wire(message)
+    assert back == result and back.routed_experts.dtype == np.int16
+    np.testing.assert_array_equal(back.routed_experts, routed)
+    chunk = TokenChunk(
+        request_id="r",
+        index=2,
+        token_ids=(),
+        logprobs=(),
+        policy_version=1,
+        finish_reason="stop",
+        routed_experts=routed,
+    )
+    np.testing.assert_array_equal(wire.chunk_from_wire(roundtrip(wire.chunk_to_wire(chunk))).routed_experts, routed)
+    plain = TokenChunk(request_id="r", index=0, token_ids=(1,), logprobs=(-0.1,), policy_version=1)
+    assert wire.chunk_to_wire(plain) is plain  # no routing: orjson writes the dataclass itself, as before
+    assert wire.chunk_from_wire(roundtrip(plain)).routed_experts is None
+    for bad, match in [
+        ({"shape": [3, 2], "i16": ""}, "three non-negative"),
+        ({"shape": [3, 2, 2], "i16": "***"}, "base64"),
+        ({"shape": [3, 2, 2], "i16": "AAAA"}, "do not hold"),
+        ([1, 2], "null or"),
+    ]:
+        with pytest.raises(wire.WireError, match=match):
+            wire.result_from_wire({**message, "routed_experts": bad})
+
+    # a request's routing fields travel only when it asks, in JSON and in frames
+    asks = GenerateRequest(
+        request_id="r", execution_id="e", input_ids=[1, 2, 3], return_routed_experts=True, routed_experts_start=2
+    )
+    assert wire.request_from_wire(roundtrip(wire.request_to_wire(asks))) == asks
+    assert wire.generate_from_frame(wire.generate_to_frame(asks, stream=True, submission_id=None))[0] == asks
+    silent = GenerateRequest(request_id="r", execution_id="e", input_ids=[1])
+    assert "return_routed_experts" not in wire.request_to_wire(silent)
+
+    # a KV export's routing record is one more frame tensor
+    keys = (torch.randn(2, 3, 4),)
+    export = KVExport(
+        request_id="r",
+        execution_id="e",
+        token_ids=(1, 2, 3),
+        policy_version=0,
+        keys=keys,
+        values=keys,
+        routed_experts=torch.from_numpy(routed),
+    )
+    back = wire.kv_export_from_frame(wire.kv_export_to_frame(export))
+    assert back.routed_experts.dtype == torch.int16 and torch.equal(back.routed_experts, export.routed_experts)
+    assert torch.equal(back.values[0], keys[0]) and back.nbytes == export.nbytes
+    bare = wire.kv_export_from_frame(wire.kv_export_to_frame(KVExport(**{**export.__dict__, "routed_experts": None})))
+    assert bare.routed_experts is None and len(bare.values) == 1

@@ -7,9 +7,11 @@ the pinned wheel's source by tests/unit/test_engine_sglang_contract.py), backed 
 - `sglang.Engine(**server_args)`: the `ServerArgs` fields in `ACCEPTED_SERVER_ARGS` (others raise `TypeError`, as
   an unknown field does in SGLang); the checkpoint at `model_path` is loaded in a `NativeEngine` on the CPU;
   `tp_size` is recorded (one weight payload per tensor-parallel rank is expected), not run.
-- `Engine.async_generate(input_ids=, sampling_params=, return_logprob=True, stream=True, rid=)` streams SGLang's
+- `Engine.async_generate(input_ids=, sampling_params=, return_logprob=True, stream=True, rid=, ...)` streams SGLang's
   output dicts (`meta_info`: cumulative `output_token_logprobs` triples, `completion_tokens`, `cached_tokens`,
-  `finish_reason`). It stops at `stop_token_ids` only (SGLang also stops at the model's EOS ids).
+  `finish_reason`). It stops at `stop_token_ids` only (SGLang also stops at the model's EOS ids). With
+  `return_routed_experts=True, routed_experts_start_len=` and the server arg `enable_return_routed_experts`, the
+  final output carries `routed_experts` in SGLang's encoding (base64 of int32 rows, 0 at dense layers).
 - `tokenizer_manager`: `abort_request`, `pause_generation` / `continue_generation` (in place: outputs are held
   until continued; the native engine underneath finishes the step it is in, so a token sampled just before an
   update can reach the caller after it, where SGLang's scheduler stops between forwards),

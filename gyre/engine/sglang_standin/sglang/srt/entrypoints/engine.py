@@ -26,6 +26,7 @@ ACCEPTED_SERVER_ARGS = frozenset(
         "mem_fraction_static",
         "context_length",
         "log_level",
+        "enable_return_routed_experts",
     }
 )
 DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +47,7 @@ class Engine:
         if kwargs.get("dtype", "auto") not in DTYPES:
             raise ValueError(f"dtype={kwargs['dtype']!r}: the stand-in takes one of {sorted(DTYPES)}")
         defaults = {"tp_size": 1, "base_gpu_id": 0, "max_running_requests": None, "max_total_tokens": None}
+        defaults["enable_return_routed_experts"] = False
         self.server_args = SimpleNamespace(**{**defaults, "random_seed": None, **kwargs})
         model = load_pretrained(kwargs["model_path"], DTYPES[kwargs.get("dtype", "auto")], "cpu")
         if kwargs.get("random_seed") is not None:
@@ -70,14 +72,23 @@ class Engine:
                 out.write(line + "\n")
 
     async def async_generate(
-        self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False, stream=False, rid=None
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        return_logprob=False,
+        stream=False,
+        rid=None,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
     ):
         if prompt is not None or input_ids is None:
             raise ValueError("the SGLang stand-in takes input_ids (skip_tokenizer_init), not a prompt")
         if not (stream and return_logprob and isinstance(rid, str)):
             raise ValueError("the SGLang stand-in streams with log-probs under a rid (what gyre's adapter asks)")
         self._log("generate", rid=rid)
-        return self.tokenizer_manager._stream(list(input_ids), dict(sampling_params or {}), rid)
+        routed_from = routed_experts_start_len if return_routed_experts else None
+        return self.tokenizer_manager._stream(list(input_ids), dict(sampling_params or {}), rid, routed_from)
 
     def shutdown(self) -> None:
         self._log("shutdown")

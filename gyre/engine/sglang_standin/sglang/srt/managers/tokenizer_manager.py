@@ -4,7 +4,9 @@ engine's native engine (package docstring of `gyre.engine.sglang_standin`)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -21,7 +23,14 @@ class TokenizerManager:
         self._engine = engine
         self.server_args = engine.server_args
         config = engine.native.model.config
-        self.model_config = type("ModelConfig", (), {"vocab_size": config.vocab_size})()
+        hf_text_config = SimpleNamespace(  # what the adapter reads of SGLang's ModelConfig.hf_text_config
+            num_hidden_layers=config.num_hidden_layers,
+            num_experts=config.num_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            mlp_only_layers=list(config.mlp_only_layers),
+            decoder_sparse_step=config.decoder_sparse_step,
+        )
+        self.model_config = SimpleNamespace(vocab_size=config.vocab_size, hf_text_config=hf_text_config)
         self.context_len = config.max_position_embeddings
         self._running = asyncio.Event()  # cleared while paused in place
         self._running.set()
@@ -29,7 +38,9 @@ class TokenizerManager:
         self._in_flight: set[str] = set()
         self._groups: dict[str, list] = {}  # weight groups: one gloo backend per modelled TP worker
 
-    async def _stream(self, input_ids: list[int], sampling_params: dict, rid: str):
+    async def _stream(self, input_ids: list[int], sampling_params: dict, rid: str, routed_from: int | None = None):
+        """SGLang's outputs for one request; `routed_from`: `routed_experts_start_len` of a request that asked for
+        routed experts (recorded only with `enable_return_routed_experts`, as SGLang)."""
         from gyre.engine.protocol import GenerateRequest, SamplingParams
 
         greedy = sampling_params.get("temperature", 1.0) == 0
@@ -42,7 +53,15 @@ class TokenizerManager:
             stop_token_ids=tuple(sampling_params.get("stop_token_ids", ())),
             seed=sampling_params.get("sampling_seed"),
         )
-        request = GenerateRequest(request_id=rid, execution_id=rid, input_ids=tuple(input_ids), params=params)
+        routed = routed_from is not None and bool(self.server_args.enable_return_routed_experts)
+        request = GenerateRequest(
+            request_id=rid,
+            execution_id=rid,
+            input_ids=tuple(input_ids),
+            params=params,
+            return_routed_experts=routed,
+            routed_experts_start=min(routed_from, len(input_ids)) if routed else 0,
+        )
         triples: list[tuple[float, int, None]] = []
         self._in_flight.add(rid)
         try:
@@ -57,9 +76,18 @@ class TokenizerManager:
                     "cached_tokens": chunk.cached_tokens or 0,
                     "finish_reason": finish,
                 }
+                if chunk.routed_experts is not None:
+                    meta["routed_experts"] = self._sglang_routing(chunk.routed_experts)
                 yield {"meta_info": meta}
         finally:
             self._in_flight.discard(rid)
+
+    def _sglang_routing(self, routed) -> str:
+        """SGLang's encoding of routed experts: base64 of int32 rows, 0 (never written) at layers that do not route."""
+        config = self._engine.native.model.config
+        routed = routed.astype("<i4")
+        routed[:, [i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)]] = 0
+        return base64.b64encode(routed.tobytes()).decode("utf-8")
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
         rids = list(self._in_flight) if abort_all else [rid]
