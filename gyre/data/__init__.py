@@ -8,7 +8,7 @@
   held back in part), sets aside groups that fail a check, and closes the batch's stream after its
   B-th group.
 - `microstep`: `TokenRow` and `MicroStep`, the packed training input (flat tokens, row offsets, targets,
-  behavior log-probs, per-execution A_i, L_i, batch slot and split flag, B * N).
+  behavior log-probs, per-execution A_i, L_i, batch slot and split flag, B * N, the engine's routing for replay).
 - `queue`: `MicroStepQueue`, atomic disjoint claims by training cells.
 - `claim_units`: `ClaimUnitAssembler`, a pull's micro-steps linked by shared split executions as one claim unit.
 

@@ -23,6 +23,11 @@ of the E executions it touches (suffix `_E`). Conventions:
   shared mask m_i) cannot be computed from this micro-step alone, so `loss_inputs` requires `seq_ratio_E`
   when any is set.
 - `num_executions` is the batch's B * N raw executions, excluded ones included: the batch-mean denominator.
+- `routed_experts_ULK` (mixture-of-experts routing replay, `gyre.train.routing`, docs/moe.md): int16
+  `[U, num_hidden_layers, top_k]`, the experts the rollout's engine chose for each token, -1 where it routed none
+  (a row's last token; positions no recorded call routed). It is the rows' `routed_experts_TLK` concatenated; a
+  row without routing in a micro-step whose other rows have some is all -1 (its tokens are not replayed: the
+  Megatron trainer's routers choose for them). None when no row has routing.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from gyre.traj.record import NO_ROUTE
 
 __all__ = ["MicroStep", "TokenRow", "build_microstep"]
 
@@ -51,6 +58,7 @@ class TokenRow:
     advantage: float  # A_i of the execution
     execution_num_targets: int  # L_i: admitted targets of the execution over all its trajectories
     batch_execution: int  # the execution's slot in its batch, in [0, B * N) (see MicroStep.batch_execution_E)
+    routed_experts_TLK: np.ndarray | None = None  # int16 [T, L, K]: `TrajectoryTree.path_routing(leaf)`, or None
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +89,7 @@ class MicroStep:
     num_executions: int  # B * N raw executions of the batch
     batch_execution_E: np.ndarray  # int64 [E], slot of each execution in the batch, in [0, num_executions)
     split_E: np.ndarray  # bool [E], the execution's rows are in several micro-steps (s_i needs them all)
+    routed_experts_ULK: np.ndarray | None = None  # int16 [U, L, K], the engine's experts per token (module docstring)
 
     @property
     def num_rows(self) -> int:
@@ -164,7 +173,8 @@ def build_microstep(
     batch: int, index: int, rows: Sequence[TokenRow], num_executions: int, split: Collection[str] = ()
 ) -> MicroStep:
     """Concatenate `rows` (in the order given) into a micro-step; executions are numbered by first appearance.
-    `split`: the executions whose rows are in other micro-steps too (`split_E`)."""
+    `split`: the executions whose rows are in other micro-steps too (`split_E`). ValueError when rows' routing
+    disagrees in (layers, top_k) or in length with its row."""
     if not rows:
         raise ValueError("a micro-step needs at least one row")
     local: dict[str, int] = {}
@@ -203,4 +213,30 @@ def build_microstep(
         num_executions=num_executions,
         batch_execution_E=np.array(slots, dtype=np.int64),
         split_E=np.array([e in split for e in local], dtype=np.bool_),
+        routed_experts_ULK=_step_routing(rows),
+    )
+
+
+def _step_routing(rows: Sequence[TokenRow]) -> np.ndarray | None:
+    """The rows' routing concatenated (`MicroStep.routed_experts_ULK`): -1 for a row without any; None if none has."""
+    routed = [row for row in rows if row.routed_experts_TLK is not None]
+    if not routed:
+        return None
+    first = routed[0]
+    layers_topk = first.routed_experts_TLK.shape[1:]
+    for row in routed:
+        routes = row.routed_experts_TLK
+        if routes.ndim != 3 or routes.shape[1:] != layers_topk or routes.shape[0] != row.num_tokens:
+            raise ValueError(
+                f"row of execution {row.execution!r} (leaf {row.leaf}) has routing of shape {routes.shape}; expected "
+                f"[{row.num_tokens} tokens, {layers_topk[0]} layers, top-{layers_topk[1]}] (as the row of execution "
+                f"{first.execution!r}, leaf {first.leaf})"
+            )
+    return np.concatenate(
+        [
+            row.routed_experts_TLK.astype(np.int16, copy=False)
+            if row.routed_experts_TLK is not None
+            else np.full((row.num_tokens, *layers_topk), NO_ROUTE, dtype=np.int16)
+            for row in rows
+        ]
     )

@@ -26,9 +26,10 @@ Choices, written down (docs/data.md has the reasons):
   held back: a micro-step holding rows of an execution that is (partly) emitted is emitted too, and a
   split execution's micro-steps always are. The B-th group, `flush`, and `top_up` when the queue is short
   and no group is ready emit everything pending.
-- A ready group that fails a check (N, a row over the budget, targets that do not fit the path) is set
-  aside (`rejected_groups()`, logged) and the next ready group is pulled: one bad group never blocks the
-  stream. Checks run before the group joins the batch: a set-aside group adds nothing to it.
+- A ready group that fails a check (N, a row over the budget, targets that do not fit the path, routing of
+  other (layers, top_k) than the rows packed before) is set aside (`rejected_groups()`, logged) and the next
+  ready group is pulled: one bad group never blocks the stream. Checks run before the group joins the batch:
+  a set-aside group adds nothing to it.
 - Not thread-safe: the controller owns it; training cells only touch the queue.
 """
 
@@ -58,7 +59,8 @@ def materialize_group(
     """Token rows of a ready group: members in reward order, each member's trajectories in admission order.
 
     A row's `batch_execution` is `slot_offset` + its member's index (the packer passes the group's
-    position in the batch times N).
+    position in the batch times N). A row's `routed_experts_TLK` is its tree's `path_routing(leaf)`
+    (None when no call of the tree had routing).
 
     ValueError when rewards are missing, or a trajectory's targets do not fit its path (wrong length,
     or a target on a token that is not an engine-sampled token with a recorded log-prob).
@@ -104,6 +106,7 @@ def materialize_group(
                     advantage=float(advantage),
                     execution_num_targets=num_targets,
                     batch_execution=slot_offset + member,
+                    routed_experts_TLK=tree.path_routing(t.leaf),  # None when the tree has no routing
                 )
             )
     return rows
@@ -159,6 +162,7 @@ class StreamPackingBuffer:
         self._pending: list[tuple[TokenRow, ...]] = []  # packing units not yet emitted (whole executions)
         self._emitted = 0  # micro-steps emitted in the current batch
         self._rejected: list[tuple[int, str]] = []  # groups set aside by pull, with the reason
+        self._routing_layers_topk: tuple[int, ...] | None = None  # (layers, top_k) of the first routed row packed
 
     # -- state --------------------------------------------------------------------------------------
     @property
@@ -297,6 +301,7 @@ class StreamPackingBuffer:
                     f"than packing.max_tokens_per_microstep={budget}: a row is never split (its tail would lose "
                     "the context it was sampled under); raise the budget above the longest admitted path"
                 )
+        self._check_routing(rows)
         if not config.keep_executions_together:
             return [(row,) for row in rows], []
         by_execution: dict[str, list[TokenRow]] = {}
@@ -310,6 +315,24 @@ class StreamPackingBuffer:
             else:
                 split.append([(row,) for row in execution_rows])
         return whole, split
+
+    def _check_routing(self, rows: list[TokenRow]) -> None:
+        """Every routed row has the (layers, top_k) of the rows packed before (one model per run): else ValueError,
+        the group is set aside, rather than a micro-step that cannot be built later."""
+        expected = self._routing_layers_topk
+        for row in rows:
+            if row.routed_experts_TLK is None:
+                continue
+            layers_topk = tuple(row.routed_experts_TLK.shape[1:])
+            if expected is None:
+                expected = layers_topk
+            elif layers_topk != expected:
+                raise ValueError(
+                    f"the row of execution {row.execution!r} (leaf {row.leaf}) has routing of {layers_topk[0]} layers "
+                    f"x top-{layers_topk[1]}; other rows have {expected[0]} layers x top-{expected[1]} (one model "
+                    "per run)"
+                )
+        self._routing_layers_topk = expected  # the last check of `_units`: the group is packed
 
     def _emit(self, split: list[list[tuple[TokenRow, ...]]], *, everything: bool) -> int:
         """Pack and enqueue: each split execution's rows first into micro-steps of its own, then the pending

@@ -6,7 +6,9 @@ units*, and gives each cell leader an atomic claim (paper: "cells claim micro-st
 whenever compute frees up"). It also carries the step's membership: which prefix of cells trains this step.
 
 Keys of optimizer step `s` (under `gyre/step/{s}/`):
-- `unit/{i}`: the i-th claim unit, encoded (`encode_unit`), or `CLOSED` once the stream has ended before it.
+- `unit/{i}`: the i-th claim unit, encoded (`encode_unit`), or `CLOSED` once the stream has ended before it. A unit
+  over `STORE_VALUE_MAX_BYTES` travels in parts: `unit/{i}/{j}`, j = 0 .. k - 1, written first, then `unit/{i}` =
+  `PARTS` + k (routing replay makes a long micro-step tens of MB: ~0.8 KB per token at 48 layers x top-8).
 - `next`: the claim counter. A leader's `store.add(next, 1) - 1` is the index it owns: claims are disjoint and
   nothing is lost, because each index is handed out once and every index is eventually written (a unit or
   `CLOSED`).
@@ -27,7 +29,8 @@ put, `CLOSED` is written at n .. n + max_cells - 1: every outstanding claim gets
 after the close claims an index in that range and stops at once.
 
 Size. TCPStore's libuv backend (torch's default) drops the connection of a client that sets a value over 8 MiB
-(`STORE_VALUE_MAX_BYTES`), so `StepBoard` refuses a larger unit with a `ValueError` before it reaches the store.
+(`STORE_VALUE_MAX_BYTES`), so `StepBoard` cuts a larger unit into parts of at most that size (above), and the
+claimer joins them.
 
 Cell side. `claim_in_cell` is a claim for every rank of a cell: the leader claims, the other ranks get the index over
 the cell group and read the same unit. `gyre.distributed.step_pump` is the controller's pump from the packing
@@ -48,12 +51,23 @@ import torch.distributed as dist
 from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import MicroStep
 
-__all__ = ["CLOSED", "STORE_VALUE_MAX_BYTES", "StepBoard", "StepClaimer", "claim_in_cell", "decode_unit", "encode_unit"]
+__all__ = [
+    "CLOSED",
+    "PARTS",
+    "STORE_VALUE_MAX_BYTES",
+    "StepBoard",
+    "StepClaimer",
+    "claim_in_cell",
+    "decode_unit",
+    "encode_unit",
+]
 
 CLOSED = b"gyre:closed"
+PARTS = b"gyre:parts:"  # `unit/{i}` of a unit sent in parts: this prefix, then the number of parts (ASCII)
 STORE_VALUE_MAX_BYTES = 8 << 20  # TCPStore's libuv backend refuses a larger payload (torch 2.13, measured)
 _MAGIC = b"GYREUNIT1\n"
-_ARRAY_FIELDS = tuple(f.name for f in fields(MicroStep) if f.name.endswith(("_U", "_R", "_R1", "_E")))
+# Every array field; an optional one that is None (`routed_experts_ULK` of a dense run) is left out of the encoding.
+_ARRAY_FIELDS = tuple(f.name for f in fields(MicroStep) if f.name.endswith(("_U", "_R", "_R1", "_E", "_ULK")))
 _PLAIN_FIELDS = ("batch", "index", "num_executions", "execution_ids", "group_ids")
 
 
@@ -65,7 +79,8 @@ def _prefix(step: int) -> str:
 
 
 def encode_unit(unit: Sequence[MicroStep]) -> bytes:
-    """Micro-steps as bytes: a JSON header line (fields, dtypes, shapes) then the arrays' raw bytes, in order."""
+    """Micro-steps as bytes: a JSON header line (fields, dtypes, shapes) then the arrays' raw bytes, in order. An
+    array field that is None is not listed (it decodes to its default, None)."""
     if not unit:
         raise ValueError("a claim unit needs at least one micro-step")
     header: list[dict] = []
@@ -73,7 +88,10 @@ def encode_unit(unit: Sequence[MicroStep]) -> bytes:
     for step in unit:
         arrays = []
         for name in _ARRAY_FIELDS:
-            array = np.ascontiguousarray(getattr(step, name))
+            value = getattr(step, name)
+            if value is None:
+                continue
+            array = np.ascontiguousarray(value)
             arrays.append([name, array.dtype.str, list(array.shape)])
             blobs.append(array.tobytes())
         header.append({"plain": {name: getattr(step, name) for name in _PLAIN_FIELDS}, "arrays": arrays})
@@ -112,12 +130,22 @@ class StepBoard:
     """Controller side of one optimizer step: puts units, admits cells, closes the stream.
 
     store: a `torch.distributed.Store` every cell leader reaches. max_cells: the number of cells of the job (the
-    sentinel count). cells: training cells at the start of the step (the core alone is 1)."""
+    sentinel count). cells: training cells at the start of the step (the core alone is 1). part_bytes: the largest
+    value written; a larger unit goes in parts (module docstring)."""
 
-    def __init__(self, store, step: int, *, max_cells: int, cells: int = 1) -> None:
+    def __init__(
+        self, store, step: int, *, max_cells: int, cells: int = 1, part_bytes: int = STORE_VALUE_MAX_BYTES
+    ) -> None:
         if max_cells < 1 or not 1 <= cells <= max_cells:
             raise ValueError(f"need 1 <= cells <= max_cells, got cells={cells}, max_cells={max_cells}")
-        self.store, self.step, self.max_cells = store, step, max_cells
+        if (
+            isinstance(part_bytes, bool)
+            or not isinstance(part_bytes, int)
+            or not 64 <= part_bytes <= STORE_VALUE_MAX_BYTES
+        ):
+            raise ValueError(f"part_bytes: got {part_bytes!r}, expected 64 .. {STORE_VALUE_MAX_BYTES}")
+        self.store, self.step, self.max_cells, self.part_bytes = store, step, max_cells, part_bytes
+        self._parts: dict[int, int] = {}  # unit index -> number of parts, for the units sent in parts
         self._prefix = _prefix(step)
         self._assembler = ClaimUnitAssembler()
         self.num_units = 0
@@ -190,18 +218,24 @@ class StepBoard:
         can be MBs. The join keys stay (a few bytes each)."""
         for i in range(self.num_units + self.max_cells):
             self.store.delete_key(f"{self._prefix}unit/{i}")
+        for i, parts in self._parts.items():
+            for j in range(parts):
+                self.store.delete_key(f"{self._prefix}unit/{i}/{j}")
+        self._parts = {}
         for name in ("next", "cells"):
             self.store.delete_key(self._prefix + name)
 
     def _put_unit(self, unit: tuple[MicroStep, ...]) -> None:
         data = encode_unit(unit)
-        if len(data) > STORE_VALUE_MAX_BYTES:
-            raise ValueError(
-                f"step {self.step}: claim unit {self.num_units} (micro-steps {[s.index for s in unit]}) encodes to "
-                f"{len(data)} bytes, over the store's {STORE_VALUE_MAX_BYTES} per value; lower "
-                "packing.max_tokens_per_microstep"
-            )
-        self.store.set(f"{self._prefix}unit/{self.num_units}", data)
+        key = f"{self._prefix}unit/{self.num_units}"
+        if len(data) <= self.part_bytes:
+            self.store.set(key, data)
+        else:  # the parts first: a claimer that sees `key` finds them all
+            starts = range(0, len(data), self.part_bytes)
+            for j, start in enumerate(starts):
+                self.store.set(f"{key}/{j}", data[start : start + self.part_bytes])
+            self.store.set(key, PARTS + str(len(starts)).encode())
+            self._parts[self.num_units] = len(starts)
         self.num_units += 1
 
 
@@ -229,6 +263,8 @@ class StepClaimer:
         data = self.store.get(key)
         if data == CLOSED:
             return None
+        if data.startswith(PARTS):  # written before `key`: all there
+            data = b"".join(self.store.get(f"{key}/{j}") for j in range(int(data[len(PARTS) :])))
         self.claimed.append(index)
         return decode_unit(data)
 

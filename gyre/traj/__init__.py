@@ -1,6 +1,6 @@
 """Pure TITO records and trajectory trees (stdlib + numpy only; no IO beyond reading/writing records).
 
-- `record`: provenance, segments (keyed by a blake2b digest), responses, call metadata, validation.
+- `record`: provenance, segments (keyed by a blake2b digest), responses, call metadata, routing, validation.
 - `tree`: the per-execution trie over segments; insertion cost grows with new content only.
 - `store`: the append-only JSONL record format (one file per execution) and replay.
 - `roles`: the four role classes (Eq. 4) and the per-harness role classifiers.
@@ -12,7 +12,7 @@
 
 from gyre.traj.admission import DEFAULT_J_MAX, AdmittedTrajectory, admit
 from gyre.traj.dump import dump_tree
-from gyre.traj.record import CallMeta, CallRecord, Provenance, Response, Segment, segment_key
+from gyre.traj.record import NO_ROUTE, CallMeta, CallRecord, CallRouting, Provenance, Response, Segment, segment_key
 from gyre.traj.roles import PRIORITY, Role, RoleClassifier, classifier_for, classify_leaves
 from gyre.traj.store import FORMAT_VERSION, RecordWriter, load_tree
 from gyre.traj.tree import ROOT, PathTokens, TrajectoryTree, TreeStats
@@ -20,11 +20,13 @@ from gyre.traj.tree import ROOT, PathTokens, TrajectoryTree, TreeStats
 __all__ = [
     "DEFAULT_J_MAX",
     "FORMAT_VERSION",
+    "NO_ROUTE",
     "PRIORITY",
     "ROOT",
     "AdmittedTrajectory",
     "CallMeta",
     "CallRecord",
+    "CallRouting",
     "PathTokens",
     "Provenance",
     "RecordWriter",

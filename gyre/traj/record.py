@@ -18,7 +18,11 @@ node's content (provenance, length, ids) and rejects a mismatch.
 Ownership: `Segment` and `Response` copy the token/log-prob sequences they are given (a C-level
 copy of a few KB per segment), so a caller mutating its own array afterwards cannot change a stored
 record. The copies are owned by the `Segment`/`Response`; mutating `segment.ids` or
-`response.ids` in place is a caller bug.
+`response.ids` in place is a caller bug. `CallRouting` copies its experts into a read-only int16 array.
+
+Routing (mixture-of-experts routing replay, docs/moe.md): a call may carry `CallRouting`, the experts the
+engine chose for the positions `[start, len(context) + len(output) - 1)` of its full sequence (the last
+output token was never fed to the model, so it has none), `[n, num_hidden_layers, top_k]`, -1 at dense layers.
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 KEY_BYTES = 16
 _INT32_MAX = 2**31 - 1
+_INT16_MAX = 2**15 - 1
+NO_ROUTE = -1  # an expert id where the engine did not route (a dense layer, an unrouted position); gyre.train.routing
 
 
 class Provenance(enum.IntEnum):
@@ -150,12 +158,73 @@ class CallMeta:
 
 
 @dataclass(frozen=True, eq=False)
+class CallRouting:
+    """The experts the engine chose for one call's tokens (mixture-of-experts routing replay, docs/moe.md).
+
+    `experts[i, l, k]` is the k-th expert the engine routed position `start + i` of the call's full sequence
+    (context then output) to at layer l; -1 at layers without experts. It covers `[start, len(context) +
+    len(output) - 1)`: the last output token was never fed to the model. `start` is what the proxy asked the
+    engine for (`TrajectoryTree.routed_prefix_len`: positions before it are routed by earlier calls).
+
+    The constructor validates (ValueError naming the field) and copies `experts` into a read-only int16 array.
+    """
+
+    start: int
+    experts: np.ndarray  # int16 [n, num_hidden_layers, top_k], -1 where not routed
+
+    def __post_init__(self) -> None:
+        start = self.start
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(f"routing.start = {start!r}: expected an integer >= 0 (the first routed position)")
+        experts = np.asarray(self.experts)
+        if experts.ndim != 3 or experts.shape[1] < 1 or experts.shape[2] < 1:
+            raise ValueError(
+                f"routing.experts has shape {experts.shape}: expected [tokens, num_hidden_layers >= 1, top_k >= 1]"
+            )
+        if experts.dtype.kind not in "iu" and experts.size:  # an empty array of any dtype is no routing
+            raise TypeError(f"routing.experts has dtype {experts.dtype}: expected integer expert ids")
+        if experts.size:
+            low, high = int(experts.min()), int(experts.max())
+            if low < -1 or high > _INT16_MAX:
+                bad = low if low < -1 else high
+                raise ValueError(
+                    f"routing.experts holds {bad}: expert ids must lie in [0, {_INT16_MAX}], or -1 where not routed"
+                )
+        copy = np.array(experts, dtype=np.int16)  # always a copy: the record owns its routing
+        copy.flags.writeable = False
+        object.__setattr__(self, "start", int(start))
+        object.__setattr__(self, "experts", copy)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def end(self) -> int:
+        """One past the last routed position of the call's full sequence."""
+        return self.start + self.num_tokens
+
+    @property
+    def layers_topk(self) -> tuple[int, int]:
+        """(num_hidden_layers, top_k)."""
+        return int(self.experts.shape[1]), int(self.experts.shape[2])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CallRouting):
+            return NotImplemented
+        return self.start == other.start and np.array_equal(self.experts, other.experts)
+
+
+@dataclass(frozen=True, eq=False)
 class CallRecord:
-    """One recorded model call as the tree keeps it (and as one line of the store holds it).
+    """One recorded model call (and what one line of the store holds).
 
     `parent` is the deepest node that existed before this call and that `segments` extend: the
     call's exact context is `path(parent)` followed by `segments`. `context_node` is the node the
-    response hangs from and `response_node` the SAMPLED node holding the output.
+    response hangs from and `response_node` the SAMPLED node holding the output. `routing`: the
+    experts the engine chose (`CallRouting`), or None when the engine returned none. The tree keeps
+    its records without their routing (it lives in the tree's nodes, once per position); the record
+    `TrajectoryTree.insert` returns and hands to `before_commit` carries it for the record file.
     """
 
     index: int
@@ -165,6 +234,7 @@ class CallRecord:
     meta: CallMeta
     context_node: int
     response_node: int
+    routing: CallRouting | None = None
 
 
 def validate_ids(ids: array, vocab_size: int, what: str) -> None:

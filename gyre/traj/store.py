@@ -10,7 +10,10 @@ Contract:
   metadata. Node ids are deterministic in insertion order, so lines must be appended in the order
   the calls were inserted (the writer is called right after `TrajectoryTree.insert`).
 - `load_tree` replays the lines through `TrajectoryTree.insert` and yields a tree identical to the
-  one that wrote them (same node ids, same calls). A bad line raises ValueError naming file:line.
+  one that wrote them (same node ids, same calls, same routing). A bad line raises ValueError naming file:line.
+- A call that carries routing (`CallRecord.routing`) has an optional `routing` field: `{"start": s, "shape": [n,
+  layers, top_k], "int16_b64": base64 of the experts as little-endian int16}`. A compatible extension of v1 (the
+  format's rule for a new optional field): lines without it load as calls without routing.
 - Call indices must run 0, 1, 2, ... : a gap or a repeat means a lost or duplicated record
   (docs/architecture.md, contract 3) and is an error.
 - A torn final line (no newline: the writer died mid-line) is skipped with a warning, so a crash
@@ -30,6 +33,8 @@ line is detected.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import os
@@ -37,7 +42,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from gyre.traj.record import CallMeta, CallRecord, Provenance, Response, Segment
+import numpy as np
+
+from gyre.traj.record import CallMeta, CallRecord, CallRouting, Provenance, Response, Segment
 from gyre.traj.tree import TrajectoryTree
 
 FORMAT_VERSION = 1
@@ -52,26 +59,58 @@ def header_line(execution: str, vocab_size: int) -> str:
 def call_line(record: CallRecord) -> str:
     """One call as a JSON line (no trailing newline)."""
     meta, response = record.meta, record.response
-    return _dumps(
-        {
-            "v": FORMAT_VERSION,
-            "kind": "call",
-            "execution": meta.execution,
-            "call": record.index,
-            "parent": record.parent,
-            "segments": [{"p": segment.provenance.label, "ids": segment.ids.tolist()} for segment in record.segments],
-            "response": {
-                "ids": response.ids.tolist(),
-                "logprobs": response.logprobs.tolist(),
-                "finish": response.finish_reason,
-            },
-            "request_id": meta.request_id,
-            "policy_version": meta.policy_version,
-            "engine": meta.engine,
-            "timings": dict(meta.timings),
-            "role_signals": dict(meta.role_signals),
-        }
-    )
+    line: dict[str, Any] = {
+        "v": FORMAT_VERSION,
+        "kind": "call",
+        "execution": meta.execution,
+        "call": record.index,
+        "parent": record.parent,
+        "segments": [{"p": segment.provenance.label, "ids": segment.ids.tolist()} for segment in record.segments],
+        "response": {
+            "ids": response.ids.tolist(),
+            "logprobs": response.logprobs.tolist(),
+            "finish": response.finish_reason,
+        },
+        "request_id": meta.request_id,
+        "policy_version": meta.policy_version,
+        "engine": meta.engine,
+        "timings": dict(meta.timings),
+        "role_signals": dict(meta.role_signals),
+    }
+    if record.routing is not None:
+        line["routing"] = routing_field(record.routing)
+    return _dumps(line)
+
+
+def routing_field(routing: CallRouting) -> dict[str, Any]:
+    """A call's routing as its line's `routing` object: start, shape and the experts as base64 little-endian int16
+    (4/3 of L * K * 2 bytes per token: ~1 KB per routed token at 48 layers x top-8)."""
+    experts = routing.experts.astype("<i2", copy=False)
+    return {
+        "start": routing.start,
+        "shape": list(experts.shape),
+        "int16_b64": base64.b64encode(experts.tobytes()).decode("ascii"),
+    }
+
+
+def parse_routing(obj: dict[str, Any], where: str) -> CallRouting | None:
+    """The `CallRouting` of one call line's object, or None when the line has no `routing` field."""
+    if obj.get("routing") is None:
+        return None
+    raw = _field(obj, "routing", dict, where)
+    where = f"{where}: routing"
+    start = _field(raw, "start", int, where)
+    shape = _field(raw, "shape", list, where)
+    if len(shape) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ValueError(f"{where}: shape {shape!r}; expected [tokens, layers, top_k], three integers >= 0")
+    try:
+        data = base64.b64decode(_field(raw, "int16_b64", str, where), validate=True)
+    except binascii.Error as err:
+        raise ValueError(f"{where}: int16_b64 is not base64 ({err})") from None
+    expected = 2 * shape[0] * shape[1] * shape[2]
+    if len(data) != expected:
+        raise ValueError(f"{where}: int16_b64 holds {len(data)} bytes; shape {shape} needs {expected}")
+    return CallRouting(start, np.frombuffer(data, dtype="<i2").reshape(shape))
 
 
 def _dumps(obj: dict[str, Any]) -> str:
@@ -307,9 +346,10 @@ def load_tree(path: str | Path) -> TrajectoryTree:
             raise ValueError(f"{where}: expected kind 'call', got {obj.get('kind')!r}")
         try:
             index, parent, segments, response, meta = parse_call(obj, where)
+            routing = parse_routing(obj, where)
             if index != len(tree.calls):
                 raise ValueError(f"call index {index}, expected {len(tree.calls)} (a record is lost or duplicated)")
-            tree.insert(segments, response, meta, parent=parent)
+            tree.insert(segments, response, meta, parent=parent, routing=routing)
         except (ValueError, TypeError) as err:
             message = str(err)
             raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None

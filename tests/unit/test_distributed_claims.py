@@ -155,16 +155,28 @@ def test_flush_ends_a_held_run_and_claims_counts_the_counter(store):
     assert board.close() == 2
 
 
-def test_a_unit_over_the_store_value_limit_is_refused_before_it_is_sent(store):
-    from gyre.distributed.claims import STORE_VALUE_MAX_BYTES
+def test_a_unit_over_the_store_value_limit_travels_in_parts(store):
+    from gyre.distributed.claims import PARTS, STORE_VALUE_MAX_BYTES
 
     board = StepBoard(store, 6, max_cells=1)
     huge = build_microstep(7, 0, [row("e1", 1, length=STORE_VALUE_MAX_BYTES // 8)], num_executions=10)
-    with pytest.raises(ValueError, match=r"step 6: claim unit 0 \(micro-steps \[0\]\) encodes to .* lower packing"):
-        board.put(huge)
-    assert board.num_units == 0 and not store.check(["gyre/step/6/unit/0"])
+    size = len(encode_unit((huge,)))
+    board.put(huge)
     board.put(step(1, ["e2"]))  # the client is still connected
-    assert StepClaimer(store, 6, timeout_s=10).claim()[0] == 0
+    parts = -(-size // STORE_VALUE_MAX_BYTES)
+    assert size > 2 * STORE_VALUE_MAX_BYTES and store.get("gyre/step/6/unit/0") == PARTS + str(parts).encode()
+    claimer = StepClaimer(store, 6, timeout_s=10)
+    (back,) = claimer.claim()[1]
+    np.testing.assert_array_equal(back.ids_U, huge.ids_U)
+    assert claimer.claim()[0] == 1
+    board.close()
+    board.clear()
+    assert not store.check([f"gyre/step/6/unit/0/{j}" for j in range(parts)])
+
+
+def test_a_part_size_outside_the_store_limit_is_refused(store):
+    with pytest.raises(ValueError, match=r"part_bytes: got 9000000, expected 64 .. 8388608"):
+        StepBoard(store, 1, max_cells=1, part_bytes=9_000_000)
 
 
 def test_an_abandoned_step_answers_every_claim_not_yet_taken_with_closed(store):
