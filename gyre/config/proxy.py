@@ -97,6 +97,10 @@ class ProxyConfig:
     """How the model marks its reasoning, by SGLang's `--reasoning-parser` name: qwen3 (`<think>...</think>` when the
     output opens it), qwen3-thinking and deepseek-r1 (the output starts inside thinking); none or null: no split,
     all output is text."""
+    record_routed_experts: bool = False
+    """Ask the engines for the experts each token was routed to (a mixture-of-experts model) and record them with
+    each call, for routing replay in training (`python -m gyre.train` sets it with `trainer.routing_replay`); costs
+    num_hidden_layers x top_k x 2 bytes per token in the record and the tree (docs/moe.md, "Routing replay")."""
     thinking: str = "template"
     """Whether calls think, for chat templates that read Qwen3's `enable_thinking`: template (pass nothing: the
     template's default), enabled / disabled (every call), client (the request's own switch: Anthropic `thinking`,
@@ -109,6 +113,7 @@ class ProxyConfig:
 
     def __post_init__(self) -> None:
         require_choice("proxy.thinking", self.thinking, THINKING_MODES)
+        require_bool("proxy.record_routed_experts", self.record_routed_experts)
         require_choice(
             "proxy.tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSER_NAMES, note="SGLang's parser names"
         )

@@ -34,7 +34,8 @@ Contract
   Routing replay: `forward` and `final_hidden` take `routed_experts_BTLK`, integer `[B, T, num_hidden_layers, top_k]`
   expert ids (entries of the layers that are not MoE are ignored; SGLang writes -1 there); each MoE layer then uses
   those experts instead of its router's top-k, weighted by the router's softmax probabilities at those ids
-  (renormalized when `norm_topk_prob`), so the choice is replayed and the weights stay differentiable.
+  (renormalized when `norm_topk_prob`), so the choice is replayed and the weights stay differentiable; a token whose
+  ids at a layer are all -1 (not routed by the engine) takes the router's own top-k there.
   `forward(..., return_routed_experts=True)` returns a third value, the experts the routers chose (or replayed):
   int32 `[B, T, num_hidden_layers, top_k]`, -1 at layers that are not MoE. A dense model takes neither (ValueError);
   its path is unchanged. See docs/moe.md.
@@ -304,13 +305,17 @@ def route_tokens(
 
     Transformers' Qwen3MoeTopKRouter: softmax of the router logits in fp32, the top-k probabilities, divided by
     their sum when `norm_topk_prob`, cast back to the logits' dtype. With `routed_NK` (replay) the experts are
-    those ids and the weights the softmax probabilities at them, normalized alike: differentiable in the logits.
+    those ids and the weights the softmax probabilities at them, normalized alike: differentiable in the logits. A
+    token whose ids are all -1 (`NO_ROUTE`: the engine did not route it) takes the router's own top-k.
     """
     probs_NE = F.softmax(router_logits_NE, dim=-1, dtype=torch.float32)
     if routed_NK is None:
         weights_NK, experts_NK = torch.topk(probs_NE, top_k, dim=-1)
     else:
         experts_NK = routed_NK.long()
+        unrouted_N1 = (experts_NK < 0).all(dim=-1, keepdim=True)
+        if bool(unrouted_N1.any()):
+            experts_NK = torch.where(unrouted_N1, torch.topk(probs_NE, top_k, dim=-1).indices, experts_NK)
         weights_NK = probs_NE.gather(-1, experts_NK)
     if norm_topk_prob:
         weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
@@ -375,14 +380,16 @@ class SparseMoeBlock(nn.Module):
                 f"got {routed_NK.dtype} {tuple(routed_NK.shape)}"
             )
         sorted_NK = routed_NK.sort(dim=-1).values
+        routed_N = sorted_NK[:, -1] >= 0  # a row of all -1 is not routed: the router chooses (route_tokens)
         bad = (sorted_NK[:, 0] < 0) | (sorted_NK[:, -1] >= self.num_experts)
         if self.top_k > 1:
             bad |= (sorted_NK[:, 1:] == sorted_NK[:, :-1]).any(dim=-1)
+        bad &= routed_N
         if bool(bad.any()):
             row = int(bad.nonzero()[0, 0])
             raise ValueError(
                 f"routed experts {routed_NK[row].tolist()} (token {row} of the layer): expected {self.top_k} "
-                f"distinct expert ids in [0, {self.num_experts})"
+                f"distinct expert ids in [0, {self.num_experts}), or all -1 (not routed: the router chooses)"
             )
 
 

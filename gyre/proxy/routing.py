@@ -44,7 +44,8 @@ import logging
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from gyre.engine.errors import EngineUnreachable, RemoteEngineError
 from gyre.engine.protocol import Engine, EngineUnavailableError, GenerateRequest
@@ -84,6 +85,8 @@ class RoutedFinish:
     total_s: float
     continuation_cached_tokens: int = 0  # context tokens the continuations did not prefill (imported KV, prefix reuse)
     failed_over: int = 0  # times the call's engine was unreachable (died mid-call) and the call went on elsewhere
+    routed_experts: Any = field(default=None, compare=False)  # the last attempt's (it covers the request's whole
+    # span from routed_experts_start: a continuation asks from the same start); None unless asked
 
     @property
     def attempts(self) -> int:
@@ -445,7 +448,7 @@ async def generate_routed(
             table._track(
                 serial, CallInFlight(request.request_id, execution, name, sub.request_id, attempt, len(produced))
             )
-            before, finish, unreachable = len(produced), None, None
+            before, finish, unreachable, routed = len(produced), None, None, None
             try:
                 async for chunk in engine.generate_stream(sub):
                     if chunk.token_ids:
@@ -455,6 +458,7 @@ async def generate_routed(
                         yield RoutedTokens(chunk.token_ids, chunk.logprobs, chunk.policy_version, name)
                     finish = chunk.finish_reason
                     if finish is not None:
+                        routed = chunk.routed_experts
                         if attempt == 0:
                             cached = chunk.cached_tokens or 0
                         else:
@@ -489,6 +493,7 @@ async def generate_routed(
                 total_s=time.monotonic() - started,
                 continuation_cached_tokens=continuation_cached,
                 failed_over=failed_over,
+                routed_experts=routed,
             )
             return
         raise NoEngineError(f"call {request.request_id!r} was dropped by engines {max_attempts} times; giving up")

@@ -52,7 +52,7 @@ from gyre.proxy.sessions import (
 )
 from gyre.proxy.stats import ProxyStats, RouteCounters
 from gyre.proxy.template import RELEASE_GIL_CHARS
-from gyre.traj.record import CallMeta
+from gyre.traj.record import CallMeta, CallRouting
 from gyre.traj.roles import Role
 
 ROLE_LABELS = tuple(role.value for role in Role)
@@ -419,14 +419,38 @@ class _Call:
         self.engine = ""
         self.finish: RoutedFinish | None = None
         self.recorded = False
+        self.routed_start = 0  # routed_experts_start of the engine request
 
     def _engine_request(self) -> GenerateRequest:
+        routed = self.server.config.record_routed_experts
+        if routed:  # from the first position the tree has no routing for (the previous output's last token, mostly)
+            self.routed_start = self.session.routed_prefix_len(
+                self.prompt.segments, thread=thread_key(self.request.signals)
+            )
         return GenerateRequest(
             request_id=self.response_id,
             execution_id=self.session.execution,
             input_ids=self.prompt.input_ids,
             params=self.params,
+            return_routed_experts=routed,
+            routed_experts_start=self.routed_start,
         )
+
+    def _routing(self) -> CallRouting | None:
+        """The recorded call's routing: the engine's, when it covers the context and output exactly."""
+        experts = self.finish.routed_experts if self.finish is not None else None
+        if experts is None:
+            return None
+        expected = self.prompt.num_tokens + len(self.output_ids) - 1 - self.routed_start
+        if experts.shape[0] != expected:
+            log.warning(
+                "call %s: the engine's routing covers %d positions, not %d: recorded without routing",
+                self.response_id,
+                experts.shape[0],
+                expected,
+            )
+            return None
+        return CallRouting(self.routed_start, experts)
 
     async def _run(self):
         """Routed tokens -> output events; yields event lists, returns via `self.finish`/`self.output`."""
@@ -462,7 +486,9 @@ class _Call:
         )
         reason = finish.finish_reason if finish is not None else "abort"
         thread = thread_key(self.request.signals)
-        self.session.record(self.prompt.segments, self.output_ids, self.logprobs, reason, meta, thread=thread)
+        self.session.record(
+            self.prompt.segments, self.output_ids, self.logprobs, reason, meta, thread=thread, routing=self._routing()
+        )
         self.counters.recorded += 1
         self.server.heap.call_done()
         if finish is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.proxy.dialects.incremental import MessageCache
-from gyre.traj.record import CallMeta, CallRecord, Provenance, Response, Segment
+from gyre.traj.record import CallMeta, CallRecord, CallRouting, Provenance, Response, Segment
 from gyre.traj.store import RecordWriter
 from gyre.traj.tree import TrajectoryTree
 
@@ -150,6 +150,7 @@ class ExecutionSession:
         meta: CallMeta,
         *,
         thread: str = "main",
+        routing: CallRouting | None = None,
     ) -> CallRecord:
         """Insert one call into the tree and append it to the record file: both, or neither. Bad input is a
         ValueError; a line that cannot be written is a `RecordError` (the tree and the file stay as they were).
@@ -158,18 +159,30 @@ class ExecutionSession:
         our previous output), the tree is entered at that call's response node: only the new segments are walked,
         so recording costs the same at a 700K-token history as at a short one."""
         segments = list(segments)
-        parent, start = None, 0
-        last = self._last_calls.get(thread)
-        if last is not None and _extends(segments, last):
-            parent, start = last.response_node, len(last.segments) + 1
+        parent, start = self._entry(segments, thread)
         response = Response.build(output_ids, logprobs, finish_reason)
         write = None if self.writer is None else self._write
-        record = self.tree.insert(segments[start:], response, meta, parent=parent, before_commit=write)
+        record = self.tree.insert(segments[start:], response, meta, parent=parent, routing=routing, before_commit=write)
         self._last_calls[thread] = _LastCall(tuple(segments), record.response_node, record.response.ids)
         self.calls_recorded += 1
         if self.recorded_tally is not None:
             self.recorded_tally[self.execution] = self.calls_recorded
         return record
+
+    def _entry(self, segments: list[Segment], thread: str) -> tuple[int | None, int]:
+        """(node to enter the tree at, index of the first segment below it): the thread's previous call's response
+        node when `segments` extend that call, else (None, 0), the root."""
+        last = self._last_calls.get(thread)
+        if last is not None and _extends(segments, last):
+            return last.response_node, len(last.segments) + 1
+        return None, 0
+
+    def routed_prefix_len(self, segments: Sequence[Segment], *, thread: str = "main") -> int:
+        """How many leading tokens of a prompt of these segments the tree already has routing for: the
+        `routed_experts_start` to ask the engine for (docs/moe.md, "Routing replay"). O(new segments)."""
+        segments = list(segments)
+        parent, start = self._entry(segments, thread)
+        return self.tree.routed_prefix_len(segments[start:], parent=parent)
 
     def _write(self, record: CallRecord) -> None:
         """The call's line, written before the tree takes the call (`TrajectoryTree.insert(before_commit=)`)."""

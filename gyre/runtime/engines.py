@@ -97,6 +97,7 @@ def engine_factory(cfg: TrainConfig, model_dir: Path, version: int, *, cell_size
             max_total_tokens=e.max_total_tokens,
             seed=cfg.seed,
             extra=e.sglang_args,
+            return_routed_experts=cfg.trainer.routing_replay,
         )
         options = {"policy_version": version}
         return lambda: SGLangEngine.from_pretrained(str(model_dir), adapter_options=options, **args)

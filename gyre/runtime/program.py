@@ -33,7 +33,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +113,20 @@ def check_supported(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
+def proxy_config(cfg: TrainConfig):
+    """The proxy's config: `cfg.proxy`, recording each call's routed experts when the trainer replays them."""
+    if cfg.trainer.routing_replay and not cfg.proxy.record_routed_experts:
+        return replace(cfg.proxy, record_routed_experts=True)
+    return cfg.proxy
+
+
 def check_model_layout(cfg: TrainConfig, config) -> None:
     """A Megatron trainer can shard the model over the cell's ranks (heads, KV heads, vocabulary divisible by TP;
     layers by PP)."""
+    if cfg.trainer.routing_replay and not config.num_experts:
+        raise ProgramError(
+            f"trainer.routing_replay=true: the model ({config.model_type}) has no experts to route; leave it false"
+        )
     if cfg.trainer.backend != "megatron":
         return
     from gyre.train.model import validate_layout
@@ -500,7 +511,7 @@ async def _controller(
                 )
             table.add_engine(engine_name(cell), engines[cell])
         proxy, registry = await start_proxy(
-            cfg.proxy, model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
+            proxy_config(cfg), model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
         )
         metrics = build_metrics_logger(cfg.logging, run_dir, run_config=_plain(cfg))
         parts = ControllerParts(

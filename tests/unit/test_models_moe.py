@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from gyre.models import PAD_TOKEN, DecoderConfig, build_model, load_pretrained, load_tokenizer, save_pretrained
 from gyre.models.decoder import KVCache, SparseMoeBlock, route_tokens
 from gyre.models.hf_weights import split_fused_experts
-from gyre.models.moe import build_qwen3_moe_model
+from gyre.models.moe import build_qwen3_moe_model, tiny_qwen3_moe_config
 
 TOL = {"atol": 1e-5, "rtol": 0.0}  # as the dense parity tests (tests/unit/test_engine_model.py)
 # The cache paths attend through other kernels (one-query matmuls, a masked SDPA) than the full forward; with
@@ -387,3 +387,23 @@ def test_build_qwen3_moe_model(tmp_path):
     assert (out / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match="seed"):
         build_qwen3_moe_model(tmp_path / "c", seed=-1)
+
+
+def test_a_token_the_engine_did_not_route_takes_the_routers_own_experts():
+    """Rows of all -1 (NO_ROUTE: a position no recorded call fed) replay nothing: the router chooses there, so a
+    replay with gaps equals the router's forward at the gaps; a partly -1 row is refused."""
+    config = tiny_qwen3_moe_config(vocab_size=64, bos_token_id=None, eos_token_id=None)
+    model = build_model(config, seed=1).eval()
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        own, _, chosen = model(ids, positions, return_routed_experts=True)
+        gaps = chosen.clone()
+        gaps[0, 3:6] = -1  # three tokens not routed at any layer
+        replayed, _ = model(ids, positions, routed_experts_BTLK=gaps)
+    assert torch.equal(own, replayed)
+    partial = chosen.clone()
+    moe_layer = config.moe_layer_ids()[0]
+    partial[0, 2, moe_layer, 0] = -1
+    with pytest.raises(ValueError, match="or all -1"):
+        model(ids, positions, routed_experts_BTLK=partial)
