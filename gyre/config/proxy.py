@@ -100,7 +100,8 @@ class ProxyConfig:
     record_routed_experts: bool = False
     """Ask the engines for the experts each token was routed to (a mixture-of-experts model) and record them with
     each call, for routing replay in training (`python -m gyre.train` sets it with `trainer.routing_replay`); costs
-    num_hidden_layers x top_k x 2 bytes per token in the record and the tree (docs/moe.md, "Routing replay")."""
+    num_hidden_layers x top_k x 2 bytes per token in the tree, 4/3 of that in the record file (base64; docs/moe.md,
+    "Routing replay")."""
     thinking: str = "template"
     """Whether calls think, for chat templates that read Qwen3's `enable_thinking`: template (pass nothing: the
     template's default), enabled / disabled (every call), client (the request's own switch: Anthropic `thinking`,

@@ -613,6 +613,8 @@ class NativeEngine(AcceptingLifecycle):
             limit = min(len(prefix.token_ids), len(prompt) - 1)
             while reused < limit and prefix.token_ids[reused] == prompt[reused]:
                 reused += 1
+            if routed:
+                reused = _routed_reuse(prefix.buffer.routed_CLK, request.routed_experts_start, reused)
             if reused:
                 entry.buffer.copy_prefix_from(prefix.buffer, reused)
         entry.cached_tokens = reused
@@ -807,3 +809,16 @@ class NativeEngine(AcceptingLifecycle):
             entry.future.exception()  # mark retrieved: a streamed request's future is never awaited
         if entry.chunks is not None:
             entry.chunks.put_nowait(error)
+
+
+def _routed_reuse(routed_CLK: torch.Tensor | None, start: int, reused: int) -> int:
+    """How much of a cached prefix a request that asks for routing from `start` may reuse: up to its first position
+    at or after `start` whose routing the cache does not know (a request that did not ask filled that prefix, or an
+    export without routing came in). From there the prompt is computed again, so the gap is filled once instead of
+    being asked for again by every later call (found in review: such a gap made each call carry the whole history)."""
+    if reused <= start:
+        return reused
+    if routed_CLK is None:
+        return start
+    unknown = (routed_CLK[start:reused] == -1).flatten(1).all(dim=1).nonzero()
+    return start + int(unknown[0, 0]) if len(unknown) else reused

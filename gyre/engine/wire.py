@@ -281,8 +281,8 @@ def routed_experts_from_wire(message) -> np.ndarray | None:
     if not isinstance(message, Mapping) or set(message) != {"shape", "i16"}:
         raise WireError('routed_experts must be null or {"shape": [T, L, K], "i16": base64 of little-endian int16}')
     shape = message["shape"]
-    if not isinstance(shape, list) or len(shape) != 3 or not all(type(n) is int and n >= 0 for n in shape):
-        raise WireError(f"routed_experts.shape={shape!r}: expected three non-negative integers [T, L, K]")
+    if not isinstance(shape, list) or len(shape) != 3 or not all(type(n) is int and 0 <= n < 2**31 for n in shape):
+        raise WireError(f"routed_experts.shape={shape!r}: expected three integers in [0, 2**31) [T, L, K]")
     try:
         raw = base64.b64decode(message["i16"], validate=True)
     except (binascii.Error, ValueError, TypeError):

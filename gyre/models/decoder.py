@@ -313,7 +313,7 @@ def route_tokens(
         weights_NK, experts_NK = torch.topk(probs_NE, top_k, dim=-1)
     else:
         experts_NK = routed_NK.long()
-        unrouted_N1 = (experts_NK < 0).all(dim=-1, keepdim=True)
+        unrouted_N1 = (experts_NK == -1).all(dim=-1, keepdim=True)  # NO_ROUTE (gyre.train.routing)
         if bool(unrouted_N1.any()):
             experts_NK = torch.where(unrouted_N1, torch.topk(probs_NE, top_k, dim=-1).indices, experts_NK)
         weights_NK = probs_NE.gather(-1, experts_NK)
@@ -380,7 +380,7 @@ class SparseMoeBlock(nn.Module):
                 f"got {routed_NK.dtype} {tuple(routed_NK.shape)}"
             )
         sorted_NK = routed_NK.sort(dim=-1).values
-        routed_N = sorted_NK[:, -1] >= 0  # a row of all -1 is not routed: the router chooses (route_tokens)
+        routed_N = ~(routed_NK == -1).all(dim=-1)  # a row of all -1 is not routed: the router chooses (route_tokens)
         bad = (sorted_NK[:, 0] < 0) | (sorted_NK[:, -1] >= self.num_experts)
         if self.top_k > 1:
             bad |= (sorted_NK[:, 1:] == sorted_NK[:, :-1]).any(dim=-1)

@@ -39,6 +39,7 @@ from gyre.proxy.conversation import ApiError, ChatRequest, ToolCall, ToolSpec, T
 from gyre.proxy.payload import PayloadCache
 from gyre.proxy.template import (  # ChatTemplate is re-exported: callers build both from here
     TOOL_STUB,
+    USER_STUB,
     ChatTemplate,
     RenderError,
     common_prefix_len,
@@ -473,9 +474,10 @@ def _prefix_bound(template: ChatTemplate, prefix: list, tools, full: str) -> int
     if not (template.last_assistant_differs and prefix and prefix[-1].get("role") == "assistant"):
         return common_prefix_len(template.render(prefix, tools), full)
     # The template renders a last assistant message its own way (Qwen3: an empty thinking block first): render it
-    # followed by a tool stub, which changes nothing before it, and cut after its footer (the stub's head may
-    # share characters with the next message's).
-    shared = common_prefix_len(template.render([*prefix, TOOL_STUB], tools), full)
+    # followed by a stub and cut after its footer (the stub's head may share characters with the next message's).
+    # Two stubs, the longer match kept: Qwen3 shows an assistant's thinking only after the last user query, so a
+    # tool stub renders it as a turn with no user message after it would read, a user stub as one followed by one.
+    shared = max(common_prefix_len(template.render([*prefix, stub], tools), full) for stub in (TOOL_STUB, USER_STUB))
     footer = template.assistant_footer
     at = full.rfind(footer, 0, shared) if footer else -1
     return at + len(footer) if at >= 0 else 0

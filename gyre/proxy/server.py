@@ -442,15 +442,17 @@ class _Call:
         if experts is None:
             return None
         expected = self.prompt.num_tokens + len(self.output_ids) - 1 - self.routed_start
-        if experts.shape[0] != expected:
-            log.warning(
-                "call %s: the engine's routing covers %d positions, not %d: recorded without routing",
-                self.response_id,
-                experts.shape[0],
-                expected,
-            )
+        known = self.session.tree.routing_layers_topk
+        try:
+            if experts.shape[0] != expected:
+                raise ValueError(f"it covers {experts.shape[0]} positions, not {expected}")
+            routing = CallRouting(self.routed_start, experts)
+            if known is not None and routing.layers_topk != known:
+                raise ValueError(f"it has layers x top-k {routing.layers_topk}, the execution's earlier calls {known}")
+        except (ValueError, TypeError) as error:  # the call is recorded all the same, its routing left out
+            log.warning("call %s: the engine's routing is not recorded: %s", self.response_id, error)
             return None
-        return CallRouting(self.routed_start, experts)
+        return routing
 
     async def _run(self):
         """Routed tokens -> output events; yields event lists, returns via `self.finish`/`self.output`."""

@@ -22,6 +22,7 @@ from gyre.proxy.token_floor import bytes_per_token_bound, token_floor
 
 SENTINEL = "GYRE_SENTINEL_5f0c9a"
 TOOL_STUB = {"role": "tool", "content": "x", "tool_call_id": "x"}  # a message no template counts as a user query
+USER_STUB = {"role": "user", "content": "x"}
 # Texts this long are encoded with the GIL released (`encode_batch`); a build with this much new text runs on a worker
 # thread (gyre.proxy.server), where that frees the event loop (the tiny tokenizer encodes ~1 MB/s: ~30 ms).
 RELEASE_GIL_CHARS = 32 * 1024

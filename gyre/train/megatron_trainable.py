@@ -137,7 +137,7 @@ class MegatronTrainable:
     def logprobs(self, step: MicroStep) -> Tensor:
         if self.pipeline is not None:
             raise RuntimeError("a pipeline stage has no whole-model log-probs: run the step through its `pipeline`")
-        routes = step_routes(step) if self.routing_replay else None
+        routes = step_routes(step, self.model.decoder_config) if self.routing_replay else None
         return microstep_logprobs(self.model, step, chunk_tokens=self.chunk_tokens, routed_experts_ULK=routes)
 
     def parameters(self) -> list[Tensor]:

@@ -304,8 +304,9 @@ def build_gpt_model(
     recompute: str = "none",
     **config_overrides: Any,
 ) -> PositionIdGPTModel:
-    """The Megatron model of `config` for this rank (TP shard, PP stage), in eval mode. Weights are megatron's
-    random init: load real ones with `gyre.train.convert.load_hf_state_dict`. `recompute`: `RECOMPUTE`."""
+    """The Megatron model of `config` for this rank (TP shard, PP stage). Weights are megatron's random init: load
+    real ones with `gyre.train.convert.load_hf_state_dict`. `recompute`: `RECOMPUTE`. In eval mode, but in training
+    mode with recompute: megatron recomputes only there (dropout is 0 either way, so nothing else changes)."""
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "megatron parallel_state is not initialized: call gyre.train.model.init_model_parallel(...) (or "
@@ -356,7 +357,7 @@ def build_gpt_model(
         for param in model.parameters():
             if param.dtype != dtype:
                 param.data = param.data.to(dtype)
-    return model.eval()
+    return model.train() if recompute != "none" else model.eval()
 
 
 # Megatron's rank order, fastest-varying first: TP, then PP, then DP, so one model replica (TP x PP) is a block of

@@ -91,7 +91,7 @@ class NativeTrainable:
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, step: MicroStep) -> Tensor:
-        routes = step_routes(step) if self.routing_replay else None
+        routes = step_routes(step, self.model.config) if self.routing_replay else None
         return packed_logprobs(
             self.model, step, chunk_tokens=self.chunk_tokens, recompute=self.recompute, routed_experts_ULK=routes
         )

@@ -238,7 +238,8 @@ class StreamingPipeline:
         ids_1U = torch.from_numpy(step.ids_U).to(self.device)[None]
         if not self.first:
             self.model.set_input_tensor(input_BSH)
-        set_model_routing(self.model, step_routes(step) if self.routing_replay else None, U)
+        routes = step_routes(step, self.model.decoder_config) if self.routing_replay else None
+        set_model_routing(self.model, routes, U)
         params = thd_params(step.row_offsets_R1.tolist(), self.device)
         return self.model.final_hidden(ids_1U, positions_U[None], packed_seq_params=params)
 

@@ -11,20 +11,30 @@ the micro-step's. Pure: numpy only.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 __all__ = ["NO_ROUTE", "step_routes"]
 
+log = logging.getLogger(__name__)
+
 NO_ROUTE = -1  # a token's expert ids at a layer when the engine did not route it (the router's own top-k)
 
 
-def step_routes(step) -> np.ndarray:
-    """A micro-step's recorded routing for replay: its `routed_experts_ULK` (module docstring). ValueError when it
-    has none: a trainer that replays routes must not fall back to its own routers silently."""
+def step_routes(step, config) -> np.ndarray:
+    """A micro-step's recorded routing for replay: its `routed_experts_ULK` (module docstring). A micro-step of rows
+    none of whose calls kept routing (every call hung up mid-stream, or an engine's routing was refused) has none:
+    then every token is `NO_ROUTE`, so the routers choose, as they do for any token no call routed, with a warning
+    (rows with routing never reach this: they fill gaps with -1 themselves). `config`: the model's `DecoderConfig`."""
     routes = getattr(step, "routed_experts_ULK", None)
     if routes is None:
-        raise ValueError(
-            f"trainer.routing_replay=true but micro-step {step.index} of batch {step.batch} carries no routed experts "
-            "(routed_experts_ULK): the rollout's engine must record each token's experts"
+        log.warning(
+            "trainer.routing_replay=true but micro-step %d of batch %d carries no routed experts: its %d tokens are "
+            "routed by the trainer's own routers",
+            step.index,
+            step.batch,
+            step.num_tokens,
         )
+        return np.full((step.num_tokens, config.num_hidden_layers, config.num_experts_per_tok), NO_ROUTE, np.int16)
     return np.asarray(routes)

@@ -101,8 +101,10 @@ def serve(url: str, model_dir, tmp_path, client_calls, execution: str):
     return load_tree(tmp_path / f"{execution}.jsonl")
 
 
-def anthropic_session(url: str, key: str) -> None:
-    """Claude-Code-shaped: system blocks, tools, thinking on, tool_use / tool_result; thinking blocks not echoed."""
+def anthropic_session(url: str, key: str, *, echo_thinking: bool = False) -> None:
+    """Claude-Code-shaped: system blocks, tools, thinking on, tool_use / tool_result; thinking blocks not echoed
+    (`echo_thinking`: echoed verbatim with their signatures, and a `<system-reminder>` text block beside each tool
+    result, as Claude Code itself does: a user turn right after the tool result)."""
     client = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
     tools = [
         {"name": "bash", "description": "Run a command.", "input_schema": {"type": "object"}},
@@ -123,12 +125,13 @@ def anthropic_session(url: str, key: str) -> None:
         )
         kinds = [block.type for block in answer.content]
         assert kinds[0] == "thinking", kinds  # the engine's thinking reaches the harness
-        echoed = [block.model_dump(exclude_none=True) for block in answer.content if block.type != "thinking"]
-        messages.append({"role": "assistant", "content": echoed})  # the thinking is dropped from the history
+        kept = [block for block in answer.content if echo_thinking or block.type != "thinking"]
+        messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in kept]})
         if step in TOOL_RESULTS:
             (use,) = [block for block in answer.content if block.type == "tool_use"]
             result = {"type": "tool_result", "tool_use_id": use.id, "content": TOOL_RESULTS[step]}
-            messages.append({"role": "user", "content": [result]})
+            reminder = {"type": "text", "text": "<system-reminder>Keep going.</system-reminder>"}
+            messages.append({"role": "user", "content": [result, reminder] if echo_thinking else [result]})
 
 
 def openai_chat_session(url: str, key: str) -> None:
@@ -152,7 +155,17 @@ def openai_chat_session(url: str, key: str) -> None:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULTS[step]})
 
 
-@pytest.mark.parametrize("session", [anthropic_session, openai_chat_session], ids=["anthropic", "openai_chat"])
+def claude_code_session(url: str, key: str) -> None:
+    """Claude Code's own habit: the thinking blocks come back verbatim (Qwen3's template would drop the thinking of
+    turns before the last user query when it re-renders them; the prompt keeps the tokens produced)."""
+    anthropic_session(url, key, echo_thinking=True)
+
+
+@pytest.mark.parametrize(
+    "session",
+    [anthropic_session, openai_chat_session, claude_code_session],
+    ids=["anthropic", "openai_chat", "thinking_echoed"],
+)
 def test_history_without_thinking_stays_one_chain_with_the_generated_tokens(model_dir, scripted, tmp_path, session):
     url, generated, template = scripted
     generated.clear()

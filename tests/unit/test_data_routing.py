@@ -158,7 +158,7 @@ def test_packed_micro_steps_align_routing_with_their_tokens():
     assert [step.execution_ids for step in steps if step.routed_experts_ULK is None] == [("c",)]  # c's alone
     for step in routed:
         assert step.routed_experts_ULK.shape == (step.num_tokens, 2, 2)
-        assert step_routes(step) is step.routed_experts_ULK  # what a trainer under routing replay reads
+        assert step_routes(step, None) is step.routed_experts_ULK  # what a trainer under routing replay reads
         for r, (start, end) in enumerate(zip(step.row_offsets_R1[:-1], step.row_offsets_R1[1:], strict=True)):
             tree = trees[step.execution_ids[step.row_execution_R[r]]]
             want = tree.path_routing(int(step.row_leaf_R[r]))

@@ -251,3 +251,43 @@ def test_routing_is_asked_of_the_model_only_for_requests_that_want_it():
     assert first.routed_experts.shape == (4 + 12 - 1, 4, 2)
     assert aborted.finish_reason == "abort" and aborted.routed_experts.shape == (2, 4, 2)
     assert (aborted.routed_experts == -1).all()
+
+
+def test_a_cached_prefix_without_routing_is_computed_again_for_a_request_that_asks():
+    """Found in review: a prefix cached by a request that did not ask for routing was reused with -1 routing, so the
+    proxy asked from position 0 at every later call and each carried the whole history's routing. A request that
+    asks recomputes from the first position it asks for that the cache does not know; later calls reuse it."""
+    import numpy as np
+
+    from gyre.models.decoder import build_model
+    from gyre.models.moe import tiny_qwen3_moe_config
+
+    moe = build_model(tiny_qwen3_moe_config(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None), seed=3).eval()
+    params = SamplingParams(temperature=0.0, max_new_tokens=5)
+
+    async def main():
+        engine = NativeEngine(copy.deepcopy(moe))
+        context = [3, 1, 4, 1, 5, 9, 2, 6]
+        first = await engine.generate(
+            GenerateRequest(request_id="c0", execution_id="x", input_ids=context, params=params)
+        )
+        context += list(first.output_ids)
+        turns = []
+        for turn in range(1, 3):
+            context += [7, 7]
+            asked = GenerateRequest(
+                request_id=f"c{turn}",
+                execution_id="x",
+                input_ids=context,
+                params=params,
+                return_routed_experts=True,
+                routed_experts_start=0,
+            )
+            result = await engine.generate(asked)
+            turns.append((result.cached_tokens, np.flatnonzero((result.routed_experts == -1).all(axis=(1, 2)))))
+            context += list(result.output_ids)
+        return turns
+
+    (cached_1, unrouted_1), (cached_2, unrouted_2) = run(main())
+    assert cached_1 == 0 and cached_2 > 0  # recomputed once, then reused with its routing
+    assert len(unrouted_1) == 0 and len(unrouted_2) == 0

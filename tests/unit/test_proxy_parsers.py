@@ -109,6 +109,24 @@ def test_a_call_returned_as_text_is_logged_with_the_parser_and_the_reason(caplog
     assert "no </tool_call> before the end of the output" in caplog.records[0].getMessage()
 
 
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3"])
+def test_thousands_of_malformed_calls_in_one_output_cost_two_short_log_lines(caplog, parser):
+    """Found in review: one warning per malformed block let one output write thousands of lines, and a 200,000-
+    character function name went into the log whole. The first is logged (reason and excerpt cut), the rest counted."""
+    caplog.set_level(logging.WARNING, logger=PARSER_LOG)
+    block = {
+        "hermes": "<tool_call></tool_call>",
+        "qwen3_coder": "<tool_call>\n<function=" + "A" * 200_000 + ">\nnot a parameter\n</tool_call>",
+        "llama3": '<|python_tag|>{"name": 1}',
+    }[parser]
+    text = block * (3 if parser == "qwen3_coder" else 2000)
+    assert parse(text, tool_call_parser=parser).tool_calls == ()
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) <= 2 and all(len(message) < 600 for message in messages), [m[:200] for m in messages]
+    if parser != "llama3":  # llama3 reads one run of calls after its tag: the rest is the first's text
+        assert "more tool calls of this output returned as text" in messages[-1]
+
+
 # ----------------------------------------------------------------------------- llama3
 
 

@@ -213,3 +213,15 @@ def test_string_parameters_round_trip_at_any_chunking(parameters, text, cuts):
     )
     assert arguments(output) == [parameters]
     assert output.text == text.strip()
+
+
+def test_thousands_of_values_without_their_closing_tag_are_read_in_one_pass():
+    """Found in review: each value without `</parameter>` searched the rest of the body for it, so 4,096 such values
+    took 3.5 s on the event loop (169 s at 16,384). Each tag is now searched once per occurrence; the values are
+    as before (each cut at the next `<parameter=`)."""
+    n = 20_000
+    values = "".join(f"<parameter=p{i}>{i}" for i in range(n))
+    text = "<tool_call>\n<function=f>\n" + values + "\n</function>\n</tool_call>"
+    (call,) = parse(text).tool_calls
+    arguments = json.loads(call.arguments)
+    assert len(arguments) == n and arguments["p0"] == "0" and arguments[f"p{n - 1}"] == str(n - 1)

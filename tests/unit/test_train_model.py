@@ -233,3 +233,13 @@ def test_recompute_maps_to_megatrons_own_options():
     assert transformer_config(SMALL, **recompute_overrides("selective")).recompute_modules == ["core_attn"]
     with pytest.raises(ValueError, match="recompute='some' is not supported"):
         recompute_overrides("some")
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_model_built_to_recompute_is_in_training_mode(model_parallel, recompute):
+    """Megatron recomputes only in training mode: a model built with recompute must be in it, or trainer.recompute
+    would do nothing in the runtime's cells (found in issue 28; dropout is 0, so the mode changes nothing else)."""
+    from gyre.train.model import build_gpt_model
+
+    model = build_gpt_model(SMALL, recompute=recompute)
+    assert model.training is (recompute != "none")

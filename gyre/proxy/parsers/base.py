@@ -10,7 +10,8 @@ one contract:
   at once: a parser decides only on what it has seen, and holds back a suffix that may still change its meaning
   (the start of a tag, an unfinished call) until it can tell.
 - Never raises on model output: whatever cannot be parsed is content / text, its tags included. A tool call
-  returned as text is logged once as a warning naming the parser and the reason (`log_as_text`).
+  returned as text is logged as a warning naming the parser and the reason, the first of an output only, the
+  others counted (`Rejections`).
 """
 
 from __future__ import annotations
@@ -52,10 +53,35 @@ def partial_tag_len(text: str, tag: str) -> int:
     return 0
 
 
-def log_as_text(parser: str, reason: str, raw: str) -> None:
-    """The one warning for a tool call the model wrote that `parser` returns as text."""
-    excerpt = raw if len(raw) <= EXCERPT_CHARS else raw[: EXCERPT_CHARS - 40] + " ... " + raw[-35:]
-    log.warning("tool_call_parser=%s: a tool call is returned as text (%s): %r", parser, reason, excerpt)
+def _excerpt(text: str) -> str:
+    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 40] + " ... " + text[-35:]
+
+
+class Rejections:
+    """The warnings of one output's tool calls returned as text: the first is logged with its reason and an excerpt
+    (both cut to `EXCERPT_CHARS`), the others are counted and logged as one line at the output's end, so a model
+    writing thousands of malformed blocks costs two log lines."""
+
+    def __init__(self, parser: str):
+        self.parser = parser
+        self.count = 0
+
+    def add(self, reason: str, raw: str) -> None:
+        self.count += 1
+        if self.count == 1:
+            log.warning(
+                "tool_call_parser=%s: a tool call is returned as text (%s): %r",
+                self.parser,
+                _excerpt(reason),
+                _excerpt(raw),
+            )
+
+    def finish(self) -> None:
+        if self.count > 1:
+            log.warning(
+                "tool_call_parser=%s: %d more tool calls of this output returned as text", self.parser, self.count - 1
+            )
+        self.count = 0
 
 
 class TaggedBlockParser:
@@ -71,6 +97,7 @@ class TaggedBlockParser:
 
     def __init__(self, *, name: str):
         self.name = name
+        self._rejections = Rejections(name)
         self._buf = ""  # content not yet consumed: text, or the body of an open block
         self._in_block = False
         self._scan = 0  # position in the block's body up to which `_find_close` has looked
@@ -83,6 +110,8 @@ class TaggedBlockParser:
         items: list[ContentItem] = []
         while self._step(items, final):
             pass
+        if final:
+            self._rejections.finish()
         return [item for item in items if item != ""]
 
     def _step(self, items: list[ContentItem], final: bool) -> bool:
@@ -102,7 +131,7 @@ class TaggedBlockParser:
         if end is None:
             if final:
                 raw = self.open_tag + self._buf
-                log_as_text(self.name, f"no {self.close_tag} before the end of the output", raw)
+                self._rejections.add(f"no {self.close_tag} before the end of the output", raw)
                 items.append(raw)
                 self._buf, self._in_block = "", False
             return False
@@ -112,7 +141,7 @@ class TaggedBlockParser:
         parsed = self.parse_body(body)
         if isinstance(parsed, str):
             raw = self.open_tag + body + self.close_tag
-            log_as_text(self.name, parsed, raw)
+            self._rejections.add(parsed, raw)
             items.append(raw)
         else:
             items.extend(parsed)

@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 
 from gyre.proxy.conversation import ToolSpec
-from gyre.proxy.parsers.base import ContentItem, log_as_text, partial_tag_len
+from gyre.proxy.parsers.base import ContentItem, Rejections, partial_tag_len
 from gyre.proxy.parsers.json_call import parse_json_call
 
 PYTHON_TAG = "<|python_tag|>"
@@ -35,6 +35,7 @@ _START, _TEXT, _BETWEEN, _OBJECT = "start", "text", "between", "object"
 class Llama3Parser:
     def __init__(self, tools: Sequence[ToolSpec] = (), *, name: str = "llama3"):
         self.name = name  # the tools are not needed: arguments are JSON as written
+        self._rejections = Rejections(name)
         self._mode = _START
         self._buf = ""
         self._opener = ""  # what opened the current run, returned as text if its first object is no call
@@ -54,6 +55,8 @@ class Llama3Parser:
         }
         while step[self._mode](items, final):
             pass
+        if final:
+            self._rejections.finish()
         return [item for item in items if item != ""]
 
     def _step_start(self, items: list[ContentItem], final: bool) -> bool:
@@ -93,12 +96,12 @@ class Llama3Parser:
             if not final:
                 return False  # only separators so far
             if self._opener:  # a tag and no call at all
-                log_as_text(self.name, f"no call object after {PYTHON_TAG}", self._opener + self._buf)
+                self._rejections.add(f"no call object after {PYTHON_TAG}", self._opener + self._buf)
                 items.append(self._opener + self._buf)
             self._buf = ""  # separators after the last call are glue
             return False
         if self._opener:
-            log_as_text(self.name, f"no call object after {PYTHON_TAG}", self._opener + self._buf[: skip + 30])
+            self._rejections.add(f"no call object after {PYTHON_TAG}", self._opener + self._buf[: skip + 30])
             items.append(self._opener + self._buf[:skip])
         else:  # after a call its ";" are glue; the whitespace stays between the texts around the calls
             items.append(self._buf[:skip].replace(";", ""))
@@ -115,14 +118,14 @@ class Llama3Parser:
         if end is None:
             if final:
                 raw = self._opener + self._buf
-                log_as_text(self.name, "a call object unterminated at the end of the output", raw)
+                self._rejections.add("a call object unterminated at the end of the output", raw)
                 items.append(raw)
                 self._buf = ""
             return False
         obj, self._buf = self._buf[:end], self._buf[end:]
         call = parse_json_call(obj)
         if isinstance(call, str):
-            log_as_text(self.name, call, self._opener + obj)
+            self._rejections.add(call, self._opener + obj)
             items.append(self._opener + obj)
             self._opener, self._mode = "", _TEXT
         else:

@@ -16,8 +16,10 @@ Wire, as Qwen3-Coder's chat template renders a call:
 `<tool_call>` BODY `</tool_call>` anywhere in the content; the first `</tool_call>` closes the block (parameter
 values are raw text, not quoted). BODY is one or more `<function=NAME>` ... `</function>` (the last may lack its
 `</function>`), separated by whitespace; a function holds `<parameter=P>VALUE</parameter>` items separated by
-whitespace, where a value missing its `</parameter>` ends at the next `<parameter=` or `</function>` (as SGLang
-reads it). One "\\n" at each end of a value is template glue and removed; the rest is kept verbatim.
+whitespace. A value ends at the first `</parameter>`, `<parameter=` or `</function>` after it, whichever comes first
+(as SGLang reads it): so a value missing its `</parameter>` ends at the next tag, and a value that contains
+`<parameter=` or `</function>` as text is cut there (the model cannot write those inside a value). One "\\n" at each
+end of a value is template glue and removed; the rest is kept verbatim.
 
 Values are typed by the request's tool schema, as SGLang's detector does (the schema's `properties`, descending
 into anyOf/oneOf/allOf; a parameter's type from `type`, a type list's first non-null, anyOf/oneOf, enum values,
@@ -164,19 +166,34 @@ def _tag_name(body: str, i: int, prefix: str) -> tuple[str, int] | str:
     return match.group().strip(), match.end() + 1
 
 
-def _parameter_end(body: str, start: int) -> tuple[int, int]:
-    """(end of the value starting at `start`, index after its closing tag): `</parameter>`, else the next
-    `<parameter=` or `</function>`, else the end of the body (each later tag is looked for only before the
-    earliest found so far, so a function of many parameters is read in linear time)."""
+class _NextTag:
+    """Where each tag next occurs at or after a position, for positions that only grow (one left-to-right read of
+    a body): each tag is searched for once per occurrence, so a body is read in linear time however many of its
+    values lack their `</parameter>`."""
+
+    def __init__(self, body: str):
+        self.body = body
+        self._at: dict[str, int] = {}  # tag -> its first occurrence at or after the last start asked; -1: none
+
+    def __call__(self, tag: str, start: int) -> int:
+        at = self._at.get(tag)
+        if at is None or 0 <= at < start:
+            at = self._at[tag] = self.body.find(tag, start)
+        return at
+
+
+def _parameter_end(body: str, start: int, next_tag: _NextTag) -> tuple[int, int]:
+    """(end of the value starting at `start`, index after its closing tag): the first of `</parameter>`, the next
+    `<parameter=` or `</function>`, else the end of the body (SGLang's qwen3_coder cuts a value at each of them)."""
     end, after = len(body), len(body)
     for tag in (PARAMETER_CLOSE, PARAMETER_OPEN, FUNCTION_CLOSE):
-        at = body.find(tag, start, end)
-        if at >= 0:
+        at = next_tag(tag, start)
+        if 0 <= at < end:
             end, after = at, at + (len(tag) if tag == PARAMETER_CLOSE else 0)
     return end, after
 
 
-def _function(body: str, i: int) -> tuple[str, dict[str, str], int] | str:
+def _function(body: str, i: int, next_tag: _NextTag) -> tuple[str, dict[str, str], int] | str:
     """The function at `i` (which starts with `<function=`): (name, raw parameters, index after it) or a reason."""
     named = _tag_name(body, i, FUNCTION_OPEN)
     if isinstance(named, str):
@@ -195,7 +212,7 @@ def _function(body: str, i: int) -> tuple[str, dict[str, str], int] | str:
         if isinstance(named, str):
             return named
         parameter, start = named
-        end, i = _parameter_end(body, start)
+        end, i = _parameter_end(body, start, next_tag)
         value = body[start:end]
         value = value[1:] if value.startswith("\n") else value
         parameters[parameter] = value[:-1] if value.endswith("\n") else value
@@ -204,11 +221,12 @@ def _function(body: str, i: int) -> tuple[str, dict[str, str], int] | str:
 def parse_functions(body: str) -> list[tuple[str, dict[str, str]]] | str:
     """The functions of a block's body as (name, raw parameter texts), or why it is not a call."""
     functions: list[tuple[str, dict[str, str]]] = []
+    next_tag = _NextTag(body)
     i = _WS.match(body).end()
     while i < len(body):
         if not body.startswith(FUNCTION_OPEN, i):
             return f"expected {FUNCTION_OPEN}NAME>, got {body[i : i + 30]!r}"
-        parsed = _function(body, i)
+        parsed = _function(body, i, next_tag)
         if isinstance(parsed, str):
             return parsed
         name, parameters, i = parsed
