@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config import ConfigError, TrainConfig
+from gyre.config.proxy import ProxyConfig
 from gyre.config.train import check_context_limit, layout_fields
 from gyre.obs.timeline import preload_plotting
 from gyre.runtime.checkpoint import Checkpoint, StartingPoint
@@ -113,7 +114,7 @@ def check_supported(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def proxy_config(cfg: TrainConfig):
+def proxy_config(cfg: TrainConfig) -> ProxyConfig:
     """The proxy's config: `cfg.proxy`, recording each call's routed experts when the trainer replays them."""
     if cfg.trainer.routing_replay and not cfg.proxy.record_routed_experts:
         return replace(cfg.proxy, record_routed_experts=True)

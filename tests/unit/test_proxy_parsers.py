@@ -109,6 +109,22 @@ def test_a_call_returned_as_text_is_logged_with_the_parser_and_the_reason(caplog
     assert "no </tool_call> before the end of the output" in caplog.records[0].getMessage()
 
 
+def test_a_stray_quote_costs_its_own_call_not_the_later_ones():
+    """Found in review: `"it"s"` flipped the JSON-string tracking, so no later `</tool_call>` closed the block and
+    every later call of the output came back as text. The block now closes at the first `</tool_call>` skipped as
+    inside a string when the body up to the tracked one does not parse, or when the output ends without one."""
+    good = '<tool_call>\n{"name": "g", "arguments": {"n": 2}}\n</tool_call>'
+    bad = '<tool_call>\n{"name": "f", "arguments": {"q": "it"s"}}\n</tool_call>'
+    for text in (f"Now.\n{bad}\n{good}\n{good}", f"{bad}\n{good}"):
+        output = assert_every_chunking_agrees(text)
+        assert [call.name for call in output.tool_calls] == ["g"] * text.count(good)
+        assert bad in output.text
+    # a `</tool_call>` that really is inside a string still does not close its block
+    inside = '<tool_call>\n{"name": "echo", "arguments": {"s": "a</tool_call>b"}}\n</tool_call>'
+    (call,) = assert_every_chunking_agrees(inside).tool_calls
+    assert json.loads(call.arguments) == {"s": "a</tool_call>b"}
+
+
 @pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3"])
 def test_thousands_of_malformed_calls_in_one_output_cost_two_short_log_lines(caplog, parser):
     """Found in review: one warning per malformed block let one output write thousands of lines, and a 200,000-

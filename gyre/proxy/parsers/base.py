@@ -128,6 +128,8 @@ class TaggedBlockParser:
             self._buf = self._buf[len(self._buf) - keep :]
             return False
         end = self._find_close()
+        if end is None and final:
+            end = self._close_at_end()
         if end is None:
             if final:
                 raw = self.open_tag + self._buf
@@ -149,6 +151,11 @@ class TaggedBlockParser:
 
     def _start_block(self) -> None:
         """Reset a subclass's per-block scan state (called at each open tag)."""
+
+    def _close_at_end(self) -> int | None:
+        """Where the block closes when the output ended before `_find_close` found its closing tag (None: nowhere,
+        the block is unterminated)."""
+        return None
 
     def _find_close(self) -> int | None:
         """Index in the body buffer of the closing tag; None if it has not arrived yet."""

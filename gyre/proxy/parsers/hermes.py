@@ -4,8 +4,10 @@
 Wire: `<tool_call>` BODY `</tool_call>` anywhere in the content (Qwen's templates put "\\n" inside both tags and
 between blocks). BODY is one call object or a JSON array of them (`json_call.parse_json_calls`). When BODY starts
 with "{" or "[", a `</tool_call>` inside one of its JSON string literals does not close the block (the first one
-outside a string does); otherwise the first one closes it (Qwen's parser). A block that does not parse, or is
-unterminated at the end, is returned as text, tags included.
+outside a string does); otherwise the first one closes it (Qwen's parser). But when the body up to that one does not
+parse, or the output ends before it, and a `</tool_call>` was skipped as inside a string, the block closes at the
+first skipped one: a stray quote in one call's JSON (`"it"s"`) then costs that call, not every later one. A block
+that does not parse, or is unterminated at the end, is returned as text, tags included.
 
 SGLang's `qwen25` detector finds only blocks written with those newlines (`<tool_call>\\n...\\n</tool_call>`) and
 `hermes` parses an unterminated last block; both drop a block that does not parse and calls to tools the request
@@ -36,6 +38,10 @@ class HermesParser(TaggedBlockParser):
         self._json_body: bool | None = None  # the body's first non-whitespace character is "{" or "[" (None: unseen)
         self._in_string = False
         self._escaped = False
+        self._skipped = -1  # the first closing tag skipped as inside a JSON string (-1: none)
+
+    def _close_at_end(self) -> int | None:
+        return self._skipped if self._skipped >= 0 else None
 
     def _find_close(self) -> int | None:
         """Index of the closing tag, skipping tags inside JSON strings; None if not there yet."""
@@ -44,6 +50,11 @@ class HermesParser(TaggedBlockParser):
         while i < n:
             c = buf[i]
             if self._in_string:
+                if self._skipped < 0 and c == close[0]:
+                    if buf.startswith(close, i):
+                        self._skipped = i
+                    elif close.startswith(buf[i:]):
+                        break  # maybe a closing tag, cut by the chunking: wait for more (it is remembered)
                 if self._escaped:
                     self._escaped = False
                 elif c == "\\":
@@ -55,6 +66,8 @@ class HermesParser(TaggedBlockParser):
             if c == close[0]:
                 if buf.startswith(close, i):
                     self._scan = i
+                    if self._skipped >= 0 and isinstance(parse_json_calls(buf[:i]), str):
+                        return self._skipped  # the string tracking went wrong before it: close at the first
                     return i
                 if close.startswith(buf[i:]):
                     break  # maybe the closing tag, cut by the chunking: wait for more
