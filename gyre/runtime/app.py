@@ -106,12 +106,14 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         _run_error(exc, run_dir)
     if not isinstance(result, RunResult):  # a satellite rank under torchrun or srun: rank 0 reports
         return EXIT_STOPPED if result.get("stop_reason") == "stopped" else 0
-    _echo(ending_report(result))
+    trained_nothing = result.end.reason == "completed" and result.summary.get("training", {}).get("nothing", False)
+    end = "trained_nothing" if trained_nothing else result.end.reason
+    _echo(ending_report(result, end))
     passes = [line["pass_rate"] for line in result.held_out]
     print(
         json.dumps(
             {
-                "end": result.end.reason,
+                "end": end,
                 "steps": result.summary["steps"],
                 "held_out_pass_rate": {"first": passes[0] if passes else None, "last": passes[-1] if passes else None},
                 "run_dir": str(run_dir),
@@ -121,18 +123,32 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
     )
     if result.end.reason == "error":
         _run_error(result.end.error, run_dir)
+    if trained_nothing:
+        _exit("run error", nothing_trained_reason(result.summary, run_dir), EXIT_RUN_ERROR)
     return EXIT_STOPPED if result.end.reason == "stopped" else 0
 
 
-def ending_report(result) -> str:
-    """A few lines: the reward and held-out curves, and where the outputs are."""
+def nothing_trained_reason(summary: dict, run_dir: Path) -> str:
+    """One line: the run's steps trained no token, and how its executions ended (the scheduler's outcomes)."""
+    outcomes = ", ".join(f"{count} {name}" for name, count in sorted(summary.get("outcomes", {}).items()) if count)
+    return (
+        f"the run trained nothing: its {summary['steps']} steps had no target token (executions: {outcomes or 'none'});"
+        f" each execution's end is in {run_dir / 'executions.jsonl'}, the harnesses' output under "
+        f"{run_dir / 'executions'}"
+    )
+
+
+def ending_report(result, end: str | None = None) -> str:
+    """A few lines: the reward and held-out curves, and where the outputs are (`end`: the end to name, by default
+    the run's)."""
     from gyre.obs.progress import format_duration
 
     records = [line for line in _read_jsonl(result.run_dir / "metrics.jsonl")]
     rewards = " ".join("--" if r.get("reward_mean") is None else f"{r['reward_mean']:.2f}" for r in records)
     held = " ".join(f"v{line['version']}:{100 * line['pass_rate']:.0f}%" for line in result.held_out)
     lines = [
-        f"run {result.end.reason}: {result.summary['steps']} steps in {format_duration(result.end.wall_time_s)}",
+        f"run {(end or result.end.reason).replace('_', ' ')}: {result.summary['steps']} steps in "
+        f"{format_duration(result.end.wall_time_s)}",
         f"  reward per step: {rewards or '--'}",
         f"  held-out greedy pass rate: {held or '--'}",
         f"  outputs: {result.run_dir} (metrics.jsonl, held_out.jsonl, summary.json, role_timeline.png, policy/)",

@@ -660,6 +660,17 @@ def _plain(cfg: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(asdict(cfg), default=str))
 
 
+def trained_summary(records) -> dict[str, Any]:
+    """What the steps of this run trained: steps with target tokens, their tokens, and `nothing` when steps ran but
+    none trained a token (every execution failed, timed out or scored nothing: docs/runtime.md, "Outputs")."""
+    trained = [record.step for record in records if record.train_tokens > 0]
+    return {
+        "trained_steps": len(trained),
+        "train_tokens": int(sum(record.train_tokens for record in records)),
+        "nothing": bool(records) and not trained,
+    }
+
+
 def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end: RunEnd) -> dict[str, Any]:
     from gyre.obs.summary import build_summary, write_summary
     from gyre.sched.staleness import warmup_steps
@@ -689,6 +700,7 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
         outcomes=dict(sched.outcomes),
         utilization=utilization,
     )
+    summary["training"] = trained_summary(controller.records)
     write_summary(run_dir / SUMMARY_FILE, summary)
     try:
         write_summary(run_dir / TRACE_FILE, controller.trace.to_dict(end_s))  # the same atomic JSON write

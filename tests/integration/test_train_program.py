@@ -230,7 +230,9 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     assert end["held_out_pass_rate"] == {"first": held[0]["pass_rate"], "last": held[-1]["pass_rate"]}
 
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary) == SIM_SUMMARY_KEYS and summary["steps"] == 2 and summary["mode"] == "elastic"
+    # the simulator's keys, and what the real steps trained
+    assert set(summary) == SIM_SUMMARY_KEYS | {"training"} and summary["steps"] == 2 and summary["mode"] == "elastic"
+    assert summary["training"]["trained_steps"] == 2 and summary["training"]["nothing"] is False
     assert (run_dir / "role_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"
     use = summary["utilization"]
