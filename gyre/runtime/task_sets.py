@@ -9,7 +9,8 @@ docs/configuration.md).
   training pool left out (held-out problems are never trained on); ids `held-out-<seed>-<i>`.
 
 Contract: `load_task_sets` raises `TaskSetError` (a ValueError, one line naming the field) for a task directory
-that is missing, empty or holds an unreadable task; a task directory of held-out tasks in the general task format
+that is missing, empty or holds no task that loads (a task that does not load is logged once, naming its file, and
+skipped); a task directory of held-out tasks in the general task format
 is refused the same way, since this runtime evaluates held-out problems of the demo family only (its greedy
 player, `gyre.tasks.demo.warm_start.evaluate_greedy_model`, plays the demo's tool protocol without a harness).
 """
@@ -17,12 +18,15 @@ player, `gyre.tasks.demo.warm_start.evaluate_greedy_model`, plays the demo's too
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from gyre.config.tasks import TasksConfig
 from gyre.tasks.demo import DemoProblem, generate_demo_tasks, make_demo_problems
-from gyre.tasks.spec import TASK_FILE, Task, load_task
+from gyre.tasks.spec import TASK_FILE, Task, load_tasks
+
+log = logging.getLogger(__name__)
 
 __all__ = ["HELD_OUT_PREFIX", "TaskSetError", "TaskSets", "load_task_sets"]
 
@@ -42,18 +46,22 @@ class TaskSets:
 
 
 def _load_dir(field: str, directory: str) -> list[Task]:
+    """The tasks under `directory` (`gyre.tasks.spec.load_tasks`). A task that cannot be loaded (a bad task.toml, a
+    duplicate id) is logged once as a warning naming its file and skipped: it never stops the run, unless no task
+    is left."""
     root = Path(directory)
     if not root.is_dir():
         raise TaskSetError(f"{field}={directory!r}: not a directory (expected a directory of task directories)")
-    task_dirs = sorted(path for path in root.iterdir() if (path / TASK_FILE).is_file())
-    if not task_dirs:
+    try:
+        tasks, errors = load_tasks(root)
+    except OSError as error:
+        raise TaskSetError(f"{field}={directory!r}: cannot be read: {error}") from None
+    for error in errors:
+        log.warning("%s: skipped %s", field, error)
+    if not tasks:
+        if errors:
+            raise TaskSetError(f"{field}={directory!r}: no task loads ({len(errors)} refused; the first: {errors[0]})")
         raise TaskSetError(f"{field}={directory!r}: holds no task directory (none has a {TASK_FILE}; docs/tasks.md)")
-    tasks = []
-    for task_dir in task_dirs:
-        try:
-            tasks.append(load_task(task_dir))
-        except (ValueError, OSError) as error:
-            raise TaskSetError(f"{field}={directory!r}: task {task_dir.name}: {error}") from None
     return tasks
 
 

@@ -1,0 +1,40 @@
+"""The training run's task sets (`gyre.runtime.task_sets`): a task that does not load is reported once, naming its
+file, and skipped; it never stops the run unless no task is left (issue 29, deliverable 6)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from test_tasks_spec import GOOD, make_task
+
+from gyre.config.tasks import TasksConfig
+from gyre.runtime.task_sets import TaskSetError, load_task_sets
+
+
+def load(directory):
+    config = TasksConfig(task_dir=str(directory), num_held_out=0, eval_every=0)
+    return load_task_sets(config, directory.parent / "run", seed=0)
+
+
+def test_a_bad_task_is_reported_once_with_its_file_and_the_run_goes_on(tmp_path, caplog):
+    make_task(tmp_path / "tasks", name="a-good")
+    make_task(tmp_path / "tasks", "not toml [", name="b-bad")
+    make_task(tmp_path / "tasks", GOOD.replace("fix-add", "other"), name="c-good")
+    caplog.set_level(logging.WARNING, logger="gyre.runtime.task_sets")
+    sets = load(tmp_path / "tasks")
+    assert [task.id for task in sets.train] == ["fix-add", "other"]
+    (record,) = caplog.records
+    assert "tasks.task_dir: skipped task 'b-bad'" in record.getMessage()
+    assert str(tmp_path / "tasks" / "b-bad") in record.getMessage()
+
+
+def test_no_task_that_loads_is_one_line_naming_the_first_refusal(tmp_path):
+    make_task(tmp_path / "tasks", "not toml [", name="b-bad")
+    with pytest.raises(TaskSetError, match=r"no task loads \(1 refused; the first: task 'b-bad'"):
+        load(tmp_path / "tasks")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TaskSetError, match="holds no task directory"):
+        load(tmp_path / "empty")
+    with pytest.raises(TaskSetError, match="not a directory"):
+        load(tmp_path / "missing")
