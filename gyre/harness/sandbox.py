@@ -215,10 +215,12 @@ def chown_tree(top: Path, uid: int, gid: int) -> None:
 
 
 def unreachable_by_others(executable: str) -> Path | None:
-    """The first directory or file on the way to `executable` (symlinks resolved) that a uid other than its owner
-    cannot traverse or execute; None when an unrelated uid can run it."""
+    """The first directory or file on the way to `executable` (the directories of the path as given, then those of
+    its target, symlinks resolved) that a uid other than its owner cannot traverse or execute; None when an
+    unrelated uid can run it."""
+    given = Path(os.path.abspath(executable))
     target = Path(os.path.realpath(executable))
-    for path in (*reversed(target.parents), target):
+    for path in (*reversed(given.parents), *reversed(target.parents), target):
         if not path.stat().st_mode & 0o001:
             return path
     return None
@@ -438,7 +440,7 @@ ETC_RO_PATHS = (
 )
 
 
-def _install_prefix(executable: str) -> Path | None:
+def install_prefix(executable: str) -> Path | None:
     """The directory a harness binary needs read-only: an npm prefix (above node_modules) or its own directory."""
     path = Path(executable)
     if not path.is_absolute():
@@ -483,7 +485,7 @@ class BubblewrapSandbox(LocalSandbox):
                 argv += ["--ro-bind", path, path]
         argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # before the binds: /tmp would hide them
         extra = [Path(p).absolute() for p in (*self.ro_binds, *spec.ro_paths)]
-        prefix = _install_prefix(spec.argv[0])
+        prefix = install_prefix(spec.argv[0])
         if prefix is not None:
             extra.append(prefix)
         for path in extra:

@@ -12,11 +12,17 @@ Contract
       A line is written with one `write` call; a partial last line (a crash mid-write) is cut off when the file
       is opened again, so every line of the file parses. A failed write raises `MetricsWriteError` naming the
       file, the step and the OS error, and the sink refuses further writes (the line may be partial on disk).
-    * `WandbSink`: `wandb.init(mode=, dir=<run dir>, project=, entity=, name=)` at construction; each record is
-      logged at `step=record.step` with its numbers only (None dropped; roles as per-role counts, transitions as
-      count, total and max duration); `close()` calls `run.finish()` and `wandb.teardown()` (the service process
-      ends with the run, not at interpreter exit). Offline mode needs no network and writes under
-      `<run dir>/wandb`. Without the wandb package it raises `MetricsSinkError` saying how to fix it.
+    * `WandbSink`: `wandb.init(mode=, dir=<run dir>, project=, entity=, name=, group=, tags=, config=)` at
+      construction; each record is logged at `step=record.step` with its numbers only (None dropped; roles as
+      per-role counts, transitions as count, total and max duration); `close()` calls `run.finish()` and
+      `wandb.teardown()` (the service process ends with the run, not at interpreter exit). Offline mode needs no
+      network and writes under `<run dir>/wandb`. Without the wandb package it raises `MetricsSinkError` saying how
+      to fix it.
+    * One W&B run per run directory: the first sink in a run directory writes its W&B run id to
+      `<run dir>/wandb_run_id` (fsynced, replaced atomically); a sink started in a directory that has one (a
+      resumed run) passes `id=<that id>, resume="allow"`, so the W&B run goes on. Offline, wandb 0.31 writes each
+      part to its own `wandb/offline-run-<time>-<id>` directory, both under the one run id (tested). A file that
+      holds no valid id is a `MetricsSinkError` naming it (remove it for a new W&B run).
     * `MemorySink`: keeps the records in a list (tests, and the summary at the end of a run).
     * `MetricsLogger(sinks)`: writes each record to every sink in order; `close()` closes every sink even when one
       fails, then raises the first failure. `build_metrics_logger(config, run_dir)` makes the sinks a
@@ -29,7 +35,7 @@ import contextlib
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
@@ -38,6 +44,7 @@ from gyre.obs.record import StepRecord, json_ready
 
 __all__ = [
     "METRICS_FILE",
+    "WANDB_RUN_ID_FILE",
     "JsonlSink",
     "MemorySink",
     "MetricSink",
@@ -50,6 +57,8 @@ __all__ = [
 ]
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_RUN_ID_FILE = "wandb_run_id"
+_WANDB_ID_RESERVED = ":;,#?/'"  # characters wandb 0.31 refuses in a run id (wandb_settings.validate_run_id)
 
 
 class MetricsSinkError(RuntimeError):
@@ -173,6 +182,8 @@ class WandbSink:
         project: str,
         entity: str = "",
         name: str = "",
+        group: str = "",
+        tags: Sequence[str] = (),
         config: Mapping[str, Any] | None = None,
     ) -> None:
         if mode not in ("offline", "online"):
@@ -185,14 +196,27 @@ class WandbSink:
                 "logging.wandb=disabled"
             ) from error
         run_dir = Path(run_dir)
+        id_file = run_dir / WANDB_RUN_ID_FILE
+        resumed_id = _read_wandb_run_id(id_file)
+        resume = {"id": resumed_id, "resume": "allow"} if resumed_id is not None else {}
         self._run: Any = wandb.init(
             mode=mode,
             dir=str(run_dir),
             project=project,
             entity=entity or None,
             name=name or run_dir.name,
+            group=group or None,
+            tags=list(tags) or None,
             config=dict(config) if config is not None else None,
+            **resume,
         )
+        self.run_id: str = self._run.id
+        if resumed_id is None:
+            try:
+                _write_wandb_run_id(id_file, self.run_id)
+            except OSError as error:
+                self.close()
+                raise MetricsSinkError(f"cannot write the W&B run id to {id_file}: {error}") from error
 
     def write(self, record: StepRecord) -> None:
         if self._run is None:
@@ -209,6 +233,33 @@ class WandbSink:
             import wandb
 
             wandb.teardown()
+
+
+def _read_wandb_run_id(path: Path) -> str | None:
+    """The W&B run id a previous part of this run wrote to `path`, or None when there is no such file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise MetricsSinkError(f"cannot read the W&B run id in {path}: {error}") from error
+    run_id = text.strip()
+    if not run_id or any(c.isspace() or c in _WANDB_ID_RESERVED for c in run_id):
+        raise MetricsSinkError(
+            f"{path} holds {text[:80]!r}, not a W&B run id (non-empty, no whitespace, none of {_WANDB_ID_RESERVED}); "
+            "remove the file to start a new W&B run"
+        )
+    return run_id
+
+
+def _write_wandb_run_id(path: Path, run_id: str) -> None:
+    """Write `run_id` to `path` whole or not at all: a temporary file, fsynced, then renamed over it."""
+    staging = path.with_name(path.name + ".tmp")
+    with open(staging, "w", encoding="utf-8") as file:
+        file.write(run_id + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(staging, path)
 
 
 class MetricsLogger:
@@ -274,6 +325,8 @@ def build_metrics_logger(
                     project=config.wandb_project,
                     entity=config.wandb_entity,
                     name=config.wandb_name,
+                    group=config.wandb_group,
+                    tags=config.wandb_tags,
                     config=run_config,
                 )
             )

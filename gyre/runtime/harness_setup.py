@@ -9,18 +9,28 @@ sandboxes themselves: docs/harness.md).
   `executions/`): plain processes (`local`: an own uid per execution when the controller runs as root),
   bubblewrap, or a container; the run's records directory is made private to the harnesses. `isolate_user`
   resolves `harness.isolate_user`'s null (auto).
-- `check_harness(runner, sandbox)`: the runner's binary or SDK and the sandbox are usable, checked once at start so
-  a missing CLI or bwrap is one line before any execution starts (`HarnessSetupError`).
+- `check_harness(runner, sandbox, tasks)`: the runner's binary or SDK and the sandbox are usable, and the harness's
+  program and the evaluators' interpreter run as the sandbox will run them (an own uid, bubblewrap's binds): checked
+  once at start, so a missing CLI or bwrap, or a binary under a home directory that every execution would fail to
+  start, is one line before any execution starts (`HarnessSetupError`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from gyre.config.harness import ExecutionLimits, HarnessConfig
+from gyre.harness.protocol import ExecutionContext
 from gyre.harness.sandbox import BubblewrapSandbox, ContainerSandbox, LocalSandbox, unreachable_by_others
+from gyre.tasks.spec import PythonEvaluatorSpec, Task
 
 __all__ = ["HarnessSetupError", "check_harness", "isolate_user", "make_runner", "make_sandbox"]
+
+PROBE_ID = "preflight"  # the probe's execution id: its directories (executions/preflight.evaluate/) are removed after
+PROBE_TIMEOUT_S = 20.0  # a `--version` of a node CLI on a loaded machine takes seconds; a start refused, none
 
 
 class HarnessSetupError(RuntimeError):
@@ -68,18 +78,17 @@ def make_sandbox(
     return LocalSandbox(**common, isolate_user=isolate_user(harness, demo_tasks=demo_tasks))
 
 
-def check_harness(runner, sandbox) -> None:
-    """The runner and the sandbox can start executions here; HarnessSetupError naming what is missing (and, for an
-    own uid per execution, an interpreter closed to other users, which every execution would fail on)."""
-    interpreter = getattr(runner, "python", None)  # the builtin harness's
-    if getattr(sandbox, "isolate_user", False) and interpreter and sandbox.name == "local":
-        closed = unreachable_by_others(interpreter)
-        if closed is not None:
-            raise HarnessSetupError(
-                f"harness.isolate_user: each execution runs under its own uid, which cannot run {interpreter} "
-                f"({closed} is closed to other users); install gyre where all users may read it, or set "
-                "harness.isolate_user=false (or harness.sandbox=bubblewrap)"
-            )
+def check_harness(runner, sandbox, tasks: Sequence[Task] = (), *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """The runner and the sandbox can start executions here, and their evaluators; HarnessSetupError (one line: what
+    cannot run, under which uid or sandbox, and how to fix it) otherwise.
+
+    First each part's own `check` (the CLI, SDK or bwrap is installed). Then, where an execution runs as another uid
+    or in another filesystem view than the controller's (an own uid per execution, bubblewrap), the harness's program
+    and, for `tasks` with an evaluator in a child process, the evaluator's interpreter (the controller's Python) are
+    run once through that same sandbox, as an execution and an evaluation are (`SandboxHost`: the same uid, paths,
+    binds and environment): `<cli> --version`, `<python> -c "import sys"`, or for a `command` harness a shell test
+    that its program may be read and executed. A plain local sandbox runs both as the controller, which `check`
+    covered; a container's filesystem is its image's (not probed)."""
     for part, what in ((runner, f"harness {getattr(runner, 'name', '?')}"), (sandbox, f"sandbox {sandbox.name}")):
         check = getattr(part, "check", None)
         if check is None:
@@ -88,3 +97,101 @@ def check_harness(runner, sandbox) -> None:
             check()
         except Exception as error:  # each part raises its own kind (not found, not permitted, ...)
             raise HarnessSetupError(f"{what}: {error}") from None
+    if sandbox.name == "container" or (sandbox.name == "local" and not sandbox.isolate_user):
+        return
+    argv, env, ro_paths = _harness_probe(runner, sandbox)
+    _probe(sandbox, f"harness {runner.name}", argv, env, ro_paths, timeout_s)
+    evaluated = [task for task in tasks if _evaluator_runs_python(task)]
+    if evaluated:
+        from gyre.harness.evaluation import evaluator_read_paths
+        from gyre.tasks.evaluate import _child_env
+
+        argv = (sys.executable, "-c", "import sys")
+        ro_paths = evaluator_read_paths(evaluated[0].task_dir)
+        _probe(sandbox, "the evaluators' interpreter", argv, _child_env(), ro_paths, timeout_s)
+
+
+def _evaluator_runs_python(task: Task) -> bool:
+    """Whether `task`'s evaluator starts the controller's Python in the sandbox (a python evaluator in a child
+    process, or a command evaluator with `{python}`); an inline one runs in the controller."""
+    spec = task.evaluator
+    if isinstance(spec, PythonEvaluatorSpec):
+        return spec.isolation != "inline"
+    return any("{python}" in arg for arg in spec.argv)
+
+
+def _harness_probe(runner, sandbox) -> tuple[tuple[str, ...], dict[str, str], tuple[Path, ...]]:
+    """The smallest harmless command of `runner`'s program, with the environment and read-only paths its executions
+    get (from its own `launch_spec`, so a CLI's `#!/usr/bin/env node` finds node on the same PATH)."""
+    from gyre.harness.builtin.runner import BuiltinRunner
+    from gyre.harness.runners import ClaudeCodeRunner, CodexRunner
+    from gyre.harness.sandbox import install_prefix
+
+    home = sandbox.root / PROBE_ID
+    context = ExecutionContext(
+        execution_id=PROBE_ID,
+        task_prompt="",
+        workspace=home / "workspace",
+        home=home / "home",
+        log_dir=home / "logs",
+        anthropic_base_url="http://127.0.0.1:9",
+        openai_base_url="http://127.0.0.1:9/v1",
+        api_key="preflight",
+        model="preflight",
+    )
+    spec = runner.launch_spec(context)
+    program, ro_paths = spec.argv[0], tuple(spec.ro_paths)
+    if isinstance(runner, ClaudeCodeRunner | CodexRunner):
+        argv: tuple[str, ...] = (program, "--version")
+    elif isinstance(runner, BuiltinRunner) or os.path.basename(program).startswith("python"):
+        argv = (program, "-c", "import sys")
+    else:  # an agent of the user's: never started for real here; its file must be readable and executable
+        argv = ("/bin/sh", "-c", 'test -r "$0" && test -x "$0" || { echo "$0: permission denied" >&2; exit 126; }')
+        argv += (program,)
+        prefix = install_prefix(program)
+        ro_paths += (prefix,) if prefix is not None else ()
+    return argv, dict(spec.env), ro_paths
+
+
+def _probe(sandbox, what: str, argv, env: dict[str, str], ro_paths, timeout_s: float) -> None:
+    """Run `argv` once through `sandbox` as an execution of its own; HarnessSetupError naming the program, the
+    sandbox or uid and the fix when it cannot start, fails or does not answer within `timeout_s`."""
+    from gyre.harness.evaluation import SandboxHost
+    from gyre.tasks.evaluate import EvaluatorStartError
+
+    program = argv[-1] if argv[0] == "/bin/sh" else argv[0]
+    if sandbox.isolate_user and os.path.isabs(program) and (closed := unreachable_by_others(program)) is not None:
+        raise HarnessSetupError(_own_uid_problem(what, program, "", f"{closed} is closed to other users"))
+    host = SandboxHost(sandbox, PROBE_ID, ro_paths=ro_paths)
+    try:
+        uid = sandbox.uid_of(host.evaluation_id)
+        cwd = host.directory / "cwd"
+        cwd.mkdir(exist_ok=True)
+        try:
+            code, _out, err = host.run(list(argv), cwd=cwd, env=env, timeout_s=timeout_s)
+        except (OSError, EvaluatorStartError) as error:
+            code, err = -1, str(error)
+    finally:
+        host.close()
+    if code == 0:
+        return
+    why = f"no answer within {timeout_s:g} s" if code is None else _last_line(err) or f"exit status {code}"
+    if uid is not None:
+        raise HarnessSetupError(_own_uid_problem(what, program, f"{uid}, ", why))
+    raise HarnessSetupError(
+        f"{what}: {program} cannot run inside harness.sandbox={sandbox.name}: {why}; install it (and what it loads) "
+        "outside a home directory, e.g. under /usr or /opt, or set harness.sandbox=local"
+    )
+
+
+def _own_uid_problem(what: str, program: str, uid: str, why: str) -> str:
+    return (
+        f"{what}: {program} cannot run as an execution's own uid ({uid}harness.isolate_user): {why}; make it and the "
+        "directories above it readable and executable by other users (chmod o+rx), install it outside a home "
+        "directory, or set harness.isolate_user=false"
+    )
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""

@@ -283,7 +283,7 @@ def prepare(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> Pre
     except TaskSetError as error:
         raise ProgramError(str(error)) from None
     try:
-        check_harness(make_runner(cfg.harness, task_sets.train[0]), _sandbox(cfg, run_dir))
+        check_harness(make_runner(cfg.harness, task_sets.train[0]), _sandbox(cfg, run_dir), task_sets.train)
     except HarnessSetupError as error:
         raise ProgramError(str(error)) from None
     return Prepared(model_dir=model_dir, task_sets=task_sets, checkpoint=checkpoint)

@@ -1,10 +1,9 @@
-"""Metric sinks: JSONL (durable lines), W&B (offline, lazily imported), memory, and the fan-out (gyre/obs/sinks.py)."""
+"""Metric sinks: JSONL (durable lines), memory, the fan-out, W&B's numbers (the W&B run: test_obs_wandb.py)."""
 
 import json
 import os
 import subprocess
 import sys
-import types
 from contextlib import closing
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from gyre.obs.sinks import (
     MetricsLogger,
     MetricsSinkError,
     MetricsWriteError,
-    WandbSink,
     build_metrics_logger,
     wandb_numbers,
 )
@@ -139,68 +137,3 @@ def test_wandb_numbers_flattens_roles_and_transitions():
     assert numbers["grad_norm"] == 0.5 and numbers["loss/loss"] == 0.25 and numbers["reward_mean"] == 0.1
     assert "step" not in numbers and "pass_rate" not in numbers  # the step is W&B's step; None is dropped
     assert all(isinstance(v, int | float) for v in numbers.values())
-
-
-class FakeWandb(types.ModuleType):
-    """A stand-in for the wandb package (named as such: used where wandb is not installed), recording its calls."""
-
-    def __init__(self):
-        super().__init__("wandb")
-        self.inits, self.logged, self.finished, self.torn_down = [], [], 0, 0
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-        fake = self
-
-        class Run:
-            def log(self, data, step):
-                fake.logged.append((step, data))
-
-            def finish(self):
-                fake.finished += 1
-
-        return Run()
-
-    def teardown(self):
-        self.torn_down += 1
-
-
-def test_wandb_sink_calls_init_log_finish(tmp_path, monkeypatch):
-    fake = FakeWandb()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    run_dir = tmp_path / "2026-12-02_01-00-00"
-    run_dir.mkdir()
-    logger = build_metrics_logger(LoggingConfig(wandb="offline", wandb_project="p"), run_dir, run_config={"seed": 1})
-    logger.write(record(0))
-    logger.close()
-    assert fake.inits == [
-        {"mode": "offline", "dir": str(run_dir), "project": "p", "entity": None, "name": run_dir.name,
-         "config": {"seed": 1}}
-    ]  # fmt: skip
-    assert fake.logged == [(0, wandb_numbers(record(0)))] and fake.finished == 1
-    assert fake.torn_down == 1  # its service process ends with the run (a forked worker runs no atexit)
-
-
-def test_wandb_sink_without_the_package_says_how_to_fix(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
-    with pytest.raises(MetricsSinkError, match=r"wandb=offline needs the wandb package.*wandb=disabled"):
-        WandbSink(mode="offline", run_dir=tmp_path, project="gyre")
-    with pytest.raises(ValueError, match="mode='disabled' is not allowed"):
-        WandbSink(mode="disabled", run_dir=tmp_path, project="gyre")
-
-
-def test_wandb_offline_real_run_writes_under_the_run_dir(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb", reason="wandb is not installed in this environment")
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    try:
-        sink = WandbSink(mode="offline", run_dir=tmp_path, project="gyre-test", name="t")
-    except Exception as error:  # wandb's own start-up (its service process) failing here is not gyre's to test
-        pytest.skip(f"wandb could not start offline here: {error}")
-    try:
-        sink.write(record(0))
-        sink.write(record(1))
-        sink.close()
-        assert list((tmp_path / "wandb").glob("offline-run-*")), list(tmp_path.rglob("*"))
-    finally:
-        wandb.teardown()
