@@ -286,6 +286,23 @@ def check_elastic_run(results, elastic, reference, initial, seed, mu, joins) -> 
     assert by_satellites > 0, f"no satellite processed a unit (joins {joins}, {results}): the test exercised nothing"
 
 
+ATTEMPTS = 3  # runs of the streaming job before "no satellite processed a unit" fails a test (module docstring)
+
+
+def run_streaming(world_size: int, cell_size: int, kwargs: dict, **options) -> list[dict]:
+    """The streaming job's results, each with its cell; run again (at most `ATTEMPTS` times) while no satellite
+    processed a unit: whether a satellite's claim beats the core's depends on timing, and on a loaded machine (the
+    full suite on 2 cores) the core claimed all 7 units of a one-step run before its satellite had pulled the
+    weights (seen once in 2,320 tests; alone it passes, 4 of 4). Every attempt is checked the same way after."""
+    for _ in range(ATTEMPTS):
+        results = run_local(f"{__file__}:stream_worker", world_size, kwargs=kwargs, timeout_s=TIMEOUT_S, **options)
+        for rank, result in enumerate(results):
+            result["cell"] = rank // cell_size
+        if any(units for result in results if result["cell"] > 0 for units in result["processed"].values()):
+            break
+    return results
+
+
 def join_plan(seed: int, mu: int, num_cells: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [sorted(rng.sample(range(4), rng.randint(1, num_cells - 1))) for _ in range(mu)]  # before micro-step 4
@@ -298,14 +315,7 @@ def test_satellites_joining_mid_batch_give_the_one_process_update(tmp_path, worl
     joins = join_plan(seed, mu, world_size)
     out = tmp_path / "core.pt"
     kwargs = {"seed": seed, "mu": mu, "joins": joins, "out": str(out)}
-    results = run_local(
-        f"{__file__}:stream_worker",
-        world_size,
-        kwargs={**kwargs, "transport_kind": transport_kind},
-        timeout_s=TIMEOUT_S,
-    )
-    for rank, r in enumerate(results):
-        r["cell"] = rank
+    results = run_streaming(world_size, 1, {**kwargs, "transport_kind": transport_kind})
     reference = make_trainable()
     initial = hf_parameters(reference)
     run_reference(reference, seed, mu)
@@ -319,15 +329,8 @@ def test_megatron_cells_of_two_tensor_parallel_ranks(tmp_path, mu, seed):
     joins = join_plan(seed, mu, 2)
     out, reference_out = tmp_path / "core.pt", tmp_path / "reference.pt"
     common = {"seed": seed, "mu": mu}
-    results = run_local(
-        f"{__file__}:stream_worker",
-        4,
-        kwargs={**common, "joins": joins, "out": str(out), "backend": "megatron", "cell_size": 2},
-        timeout_s=TIMEOUT_S,
-        env={"PYTHONWARNINGS": "ignore"},
-    )
-    for rank, r in enumerate(results):
-        r["cell"] = rank // 2
+    kwargs = {**common, "joins": joins, "out": str(out), "backend": "megatron", "cell_size": 2}
+    results = run_streaming(4, 2, kwargs, env={"PYTHONWARNINGS": "ignore"})
     run_local(
         f"{__file__}:reference_worker",
         1,
