@@ -6,7 +6,8 @@ uses), the routing table, the proxy's sessions, the harness executions and their
 packing buffers, the role trace and the metrics. Every scheduler action is applied and every outcome is reported
 back through the scheduler's events; nothing moves without an action:
 
-- `Dispatch`: a task drawn per group from the training set; the group's `GroupOutcomes`; the buffer's group.
+- `Dispatch`: a task drawn per group from the training set, each once per epoch (`gyre.tasks.draws.TaskDeck`);
+  the group's `GroupOutcomes`; the buffer's group.
 - `Start`: the execution's key, its engine (`RoutingTable.assign`: the scheduler's placement, never a choice of
   the table's), `run_episode` with the configured harness; reported: `harness_ended` at harness end,
   `execution_closed`, then the group's verdict (`group_accepted` or `group_rejected` once all its executions
@@ -96,6 +97,7 @@ from gyre.sched import (
     spec_from_config,
 )
 from gyre.sched.checkpoint import resume, resumed_scheduler, scheduler_state
+from gyre.tasks.draws import TaskDeck
 from gyre.train.publish import engine_weights, publish_to_engines
 from gyre.traj.outcomes import GroupOutcomes
 from gyre.traj.outcomes_state import group_outcomes_state, restored_group_outcomes
@@ -188,6 +190,7 @@ class Controller:
         self.buffer = TrajectoryBuffer()
         self.packer = StreamPackingBuffer(self.buffer, cfg.packing)
         self.rng = random.Random(cfg.seed)
+        self.deck = TaskDeck(len(self.tasks), self.rng)  # the training tasks, each once per epoch
         self.trace = RoleTrace(cfg.cluster.num_cells)
         self.executions = ExecutionLog(run_dir / EXECUTIONS_FILE)
         self.records: list[StepRecord] = []
@@ -392,7 +395,7 @@ class Controller:
     def dispatch(self, action: Dispatch) -> None:
         for group in range(action.first_group, action.first_group + action.count):
             names = self.names(group)
-            self.task_of[group] = self.rng.choice(self.tasks)
+            self.task_of[group] = self.tasks[self.deck.draw()]
             self.outcomes[group] = GroupOutcomes(self.cfg.algo.group_size, names)
             self.buffer.add_group(group, action.version, names, self.cfg.algo.group_size)
 
@@ -670,7 +673,7 @@ class Controller:
         """The controller's state at a step's end, before `step_finished` (docs/runtime.md, "Checkpoints and
         resume"): the scheduler's (`gyre.sched.checkpoint.scheduler_state`), every open or ready group's task and
         outcomes (their finished executions' calls are their record files), the executions' reruns, the task
-        sampler's RNG, the step records, the packer's batch, the clock."""
+        sampler's RNG and its epoch's remaining draws (`TaskDeck`), the step records, the packer's batch, the clock."""
         sched = scheduler_state(self.sched)
         groups = {}
         for group in range(len(self.sched.groups)):
@@ -685,6 +688,7 @@ class Controller:
             "groups": groups,
             "reruns": {str(e): k for e, k in sorted(self.reruns.items())},
             "task_rng": [version, list(internal), gauss],
+            "task_deck": self.deck.state(),
             "records": [record.to_dict() for record in self.records],
             "bursts": self.bursts + (1 if sched["step_in_burst"] == 0 else 0),  # a burst's end counts its publication
             "packer_batch": self.packer.batch,
@@ -764,6 +768,8 @@ class Controller:
             self.reruns[execution] = self.reruns.get(execution, 0) + 1
         version, internal, gauss = state["task_rng"]
         self.rng.setstate((version, tuple(internal), gauss))
+        if "task_deck" in state and not self.deck.restore(state["task_deck"]):
+            log.warning("the checkpoint's task draws were of another task set: a new epoch of draws begins")
         self.records = [record_from_dict(record) for record in state["records"]]
         self.bursts = state["bursts"]
         self.packer.resume_at(state["packer_batch"])
