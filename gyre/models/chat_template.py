@@ -44,9 +44,9 @@ _TOOLS_FOOTER = (
 )
 
 
-def _tojson(value: Any) -> str:
-    # Same as transformers' `tojson` filter (jinja2's own escapes <, >, & and ' as \u003c...).
-    return json.dumps(value, ensure_ascii=False)
+def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+    """transformers' `tojson` filter (jinja2's own escapes <, >, & and ' as \\u003c...)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _text(message: Mapping[str, Any], key: str, index: int) -> str:
@@ -62,7 +62,7 @@ def _tool_call_text(call: Mapping[str, Any]) -> str:
     name, arguments = call.get("name"), call.get("arguments")
     if not isinstance(name, str):
         raise TypeError(f"tool call name: expected str, got {type(name).__name__}")
-    args = arguments if isinstance(arguments, str) else _tojson(arguments)
+    args = arguments if isinstance(arguments, str) else tojson(arguments)
     return '\n<tool_call>\n{"name": "' + name + '", "arguments": ' + args + "}\n</tool_call>"
 
 
@@ -79,7 +79,7 @@ def render_chat(
         if first_is_system:
             parts.append(_text(messages[0], "content", 0) + "\n\n")
         parts.append(_TOOLS_HEADER)
-        parts.extend("\n" + _tojson(dict(tool)) for tool in tools)
+        parts.extend("\n" + tojson(dict(tool)) for tool in tools)
         parts.append(_TOOLS_FOOTER)
     elif first_is_system:
         parts.append("<|im_start|>system\n" + _text(messages[0], "content", 0) + "<|im_end|>\n")
@@ -119,15 +119,15 @@ def _raise_exception(message: str) -> None:
 
 
 @cache
-def _compiled_template() -> Any:
+def compiled_jinja(template: str) -> Any:
+    """`template` compiled in the environment `transformers.apply_chat_template` builds (needs jinja2)."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    # The environment transformers.apply_chat_template builds.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
-    return env.from_string(CHAT_TEMPLATE)
+    return env.from_string(template)
 
 
 def render_chat_jinja(
@@ -136,6 +136,6 @@ def render_chat_jinja(
     add_generation_prompt: bool = True,
 ) -> str:
     """Render with the Jinja `CHAT_TEMPLATE` (needs `jinja2`); the reference `render_chat` is tested against."""
-    return _compiled_template().render(
+    return compiled_jinja(CHAT_TEMPLATE).render(
         messages=list(messages), tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt
     )

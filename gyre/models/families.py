@@ -29,7 +29,7 @@ docs/models.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,15 +100,16 @@ def write_random_model(
         (out / GENERATION_CONFIG_FILE).write_text(json.dumps(dict(generation), indent=2, sort_keys=True) + "\n")
 
 
-def prepare_out_dir(out: Path) -> Path:
-    """`out`, created if absent; a ValueError if it is a file or holds files a build does not write."""
+def prepare_out_dir(out: Path, files: Sequence[str] = MODEL_FILES, *, build: str = "a model build") -> Path:
+    """`out`, created if absent; a ValueError if it is a file or holds anything but `files` (what `build` writes:
+    a build never deletes a user's checkpoint)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {out} exists and is not a directory")
     if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in MODEL_FILES)
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in files)
         if foreign:
             raise ValueError(
-                f"out_dir {out} holds files a model build does not write ({', '.join(foreign[:5])}"
+                f"out_dir {out} holds files {build} does not write ({', '.join(foreign[:5])}"
                 f"{', ...' if len(foreign) > 5 else ''}); use an empty or new directory"
             )
     try:

@@ -149,7 +149,7 @@ def render_llama3_chat_jinja(
     messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, bos_token: str = LLAMA3_BOS
 ) -> str:
     """Render with the Jinja `LLAMA3_CHAT_TEMPLATE` in transformers' environment (needs jinja2)."""
-    from gyre.models.qwen3_chat_template import compiled_jinja
+    from gyre.models.chat_template import compiled_jinja
 
     return compiled_jinja(LLAMA3_CHAT_TEMPLATE).render(
         messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos_token

@@ -15,14 +15,13 @@ Importing this module imports neither torch nor tokenizers. See docs/moe.md.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from gyre.config.checks import is_int
 from gyre.models.decoder_config import DecoderConfig
-from gyre.models.tiny import CONFIG_FILE, _prepare_out_dir
-from gyre.models.tokenizer import BOS_TOKEN, DEFAULT_VOCAB_SIZE, EOS_TOKEN, PAD_TOKEN, build_tokenizer
+from gyre.models.families import prepare_out_dir
+from gyre.models.tiny import MODEL_FILES, write_with_tiny_tokenizer
+from gyre.models.tokenizer import DEFAULT_VOCAB_SIZE
 
 
 def tiny_qwen3_moe_config(*, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None) -> DecoderConfig:
@@ -58,26 +57,7 @@ def tiny_qwen3_moe_config(*, vocab_size: int, bos_token_id: int | None, eos_toke
 def build_qwen3_moe_model(out_dir: str | Path, seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
     """Write the tiny tokenizer (`vocab_size` entries asked for) and a seeded random-init tiny Qwen3-MoE into
     `out_dir` (HF layout); returns `out_dir`. ValueError for a bad seed or an unusable `out_dir`."""
-    from gyre.models.decoder import build_model
-    from gyre.models.hf_weights import save_pretrained
-    from gyre.models.tokenizer import load_tokenizer
-
     if not is_int(seed) or seed < 0:
         raise ValueError(f"seed={seed!r}: expected an int >= 0")
-    out = _prepare_out_dir(Path(out_dir))
-    build_tokenizer(out, vocab_size=vocab_size)
-    tokenizer = load_tokenizer(out)
-    ids = {token: tokenizer.token_to_id(token) for token in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)}
-    assert all(i is not None for i in ids.values()), ids  # build_tokenizer always adds the special tokens
-    config = tiny_qwen3_moe_config(
-        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        bos_token_id=ids[BOS_TOKEN],
-        eos_token_id=ids[EOS_TOKEN],
-    )
-    save_pretrained(build_model(config, seed=seed), out)
-    # DecoderConfig has no pad id; transformers and the engine read it from config.json (from_hf ignores it).
-    config_path = out / CONFIG_FILE
-    hf_config: dict[str, Any] = json.loads(config_path.read_text())
-    hf_config["pad_token_id"] = ids[PAD_TOKEN]
-    config_path.write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    return out
+    out = prepare_out_dir(Path(out_dir), MODEL_FILES, build="a tiny-model build")
+    return write_with_tiny_tokenizer(out, tiny_qwen3_moe_config, vocab_size, seed=seed)

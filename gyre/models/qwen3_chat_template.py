@@ -38,11 +38,11 @@ escaping). Tests: tests/unit/test_models_qwen_chat_template.py.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any
+
+from gyre.models.chat_template import compiled_jinja, tojson
 
 TEMPLATE_PATH = Path(__file__).with_name("qwen3_chat_template.jinja")
 QWEN3_CHAT_TEMPLATE: str = TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -59,11 +59,6 @@ _TOOLS_FOOTER = (
 )
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 EMPTY_THINKING = "<think>\n\n</think>\n\n"
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
-    # transformers' `tojson` filter (jinja2's own escapes <, >, & and ').
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _text(message: Mapping[str, Any]) -> str:
@@ -102,7 +97,7 @@ def _tool_call_text(call: Mapping[str, Any], index: int) -> str:
         raise TypeError(f"messages[{index}].tool_calls: name expected str, got {type(name).__name__}")
     if "arguments" not in call:
         raise TypeError(f"messages[{index}].tool_calls: a call to {name!r} has no arguments")
-    args = arguments if isinstance(arguments, str) else _tojson(arguments)
+    args = arguments if isinstance(arguments, str) else tojson(arguments)
     return '<tool_call>\n{"name": "' + name + '", "arguments": ' + args + "}\n</tool_call>"
 
 
@@ -124,7 +119,7 @@ def render_qwen3_chat(
         if has_system:
             parts.append(messages[0]["content"] + "\n\n")
         parts.append(_TOOLS_HEADER)
-        parts.extend("\n" + _tojson(tool) for tool in tools)
+        parts.extend("\n" + tojson(tool) for tool in tools)
         parts.append(_TOOLS_FOOTER)
     elif has_system:
         parts.append("<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n")
@@ -162,22 +157,6 @@ def render_qwen3_chat(
         if enable_thinking is False:
             parts.append(EMPTY_THINKING)
     return "".join(parts)
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(message)
-
-
-@cache
-def compiled_jinja(template: str) -> Any:
-    """`template` compiled in the environment `transformers.apply_chat_template` builds (needs jinja2)."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
 
 
 def render_qwen3_chat_jinja(

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 from gyre.config.checks import is_int
 from gyre.config.model import TinyModelSpec
 from gyre.models.chat_template import TEMPLATE_PATH
+from gyre.models.families import prepare_out_dir
 from gyre.models.tokenizer import (
     BOS_TOKEN,
     CORPUS_DIR,
@@ -78,23 +80,28 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, see
 
     Raises ValueError if `out_dir` is a file or a directory holding anything but the files a build writes.
     """
-    from gyre.models.decoder import build_model
-    from gyre.models.hf_weights import save_pretrained
-    from gyre.models.tokenizer import load_tokenizer
-
     spec = TinyModelSpec() if spec is None else spec
     if not isinstance(spec, TinyModelSpec):
         raise TypeError(f"spec: expected a TinyModelSpec, got {type(spec).__name__}")
     if not is_int(seed) or seed < 0:
         raise ValueError(f"seed={seed!r}: expected an int >= 0")
-    out = _prepare_out_dir(Path(out_dir))
+    out = prepare_out_dir(Path(out_dir), MODEL_FILES, build="a tiny-model build")
+    return write_with_tiny_tokenizer(out, lambda **ids: decoder_config(spec, **ids), spec.vocab_size, seed=seed)
 
-    build_tokenizer(out, vocab_size=spec.vocab_size)
+
+def write_with_tiny_tokenizer(out: Path, make_config: Callable[..., Any], vocab_size: int, *, seed: int) -> Path:
+    """Into the prepared `out`: the tiny BPE tokenizer of `vocab_size` entries, and a seeded random-init decoder of
+    `make_config(vocab_size=, bos_token_id=, eos_token_id=)` (a `DecoderConfig` with the tokenizer's ids), its
+    `config.json` carrying the pad id too. Returns `out`."""
+    from gyre.models.decoder import build_model
+    from gyre.models.hf_weights import save_pretrained
+    from gyre.models.tokenizer import load_tokenizer
+
+    build_tokenizer(out, vocab_size=vocab_size)
     tokenizer = load_tokenizer(out)
     ids = {token: tokenizer.token_to_id(token) for token in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)}
     assert all(i is not None for i in ids.values()), ids  # build_tokenizer always adds the special tokens
-    config = decoder_config(
-        spec,
+    config = make_config(
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         bos_token_id=ids[BOS_TOKEN],
         eos_token_id=ids[EOS_TOKEN],
@@ -180,23 +187,6 @@ def tiny_model_dir(cache_root: str | Path | None = None, spec: TinyModelSpec | N
 
 def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in MODEL_FILES)
-
-
-def _prepare_out_dir(out: Path) -> Path:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out_dir {out} exists and is not a directory")
-    if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in MODEL_FILES)
-        if foreign:
-            raise ValueError(
-                f"out_dir {out} holds files a tiny-model build does not write ({', '.join(foreign[:5])}"
-                f"{', ...' if len(foreign) > 5 else ''}); use an empty or new directory"
-            )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"out_dir {out} cannot be created: {err.strerror or err}") from err
-    return out
 
 
 def _version(package: str) -> str:
