@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+collect_ignore = ["data"]  # tests/data holds repositories with test files of their own (the SWE-style import's rows)
+
 WARM_START = """
 import logging
 import torch

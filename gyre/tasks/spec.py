@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 TASK_FILE = "task.toml"
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FUNCTION_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 SCORE_PARSERS = ("pytest", "fraction", "float")
 ISOLATIONS = ("subprocess", "inline")
@@ -221,7 +221,7 @@ def load_task(task_dir: str | Path) -> Task:
         raise TaskError(name, None, f"malformed TOML: {e}", path=toml_path) from None
     fields = _Fields(name, toml_path, data, "", _TOP_FIELDS)
     task_id = fields.require("id", str, "a task id (letters, digits, '.', '_', '-')")
-    if not _ID_RE.match(task_id):
+    if not TASK_ID_RE.match(task_id):
         fields.fail(
             "id", f"expected letters, digits, '.', '_', '-' (at most 128, not starting with a symbol), got {task_id!r}"
         )

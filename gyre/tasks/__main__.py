@@ -1,0 +1,43 @@
+"""Command line of the task tools: `python -m gyre.tasks import-swe ROWS.jsonl OUT_DIR [--overwrite]`.
+
+`import-swe` turns SWE-bench-style rows (local files only) into task directories (`gyre.tasks.swe_import`,
+docs/tasks.md "Importing SWE-style rows"), prints one line per task written and a last line with the count.
+Exit codes: 0 imported; 2 a bad row or an unusable OUT_DIR (one line per problem on stderr, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+PROG = "python -m gyre.tasks"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description="gyre's task tools (docs/tasks.md)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    swe = commands.add_parser("import-swe", help="SWE-bench-style JSONL rows -> task directories")
+    swe.add_argument("rows", help="a JSONL file, one row per line (paths in it are relative to its directory)")
+    swe.add_argument("out_dir", help="where the task directories go (created if absent)")
+    swe.add_argument("--overwrite", action="store_true", help="replace tasks of the same id in OUT_DIR")
+    args = parser.parse_args(argv)
+    from gyre.tasks.swe_import import SweImportError, import_rows, read_rows
+
+    try:
+        written = import_rows(read_rows(args.rows), args.out_dir, overwrite=args.overwrite)
+    except SweImportError as error:
+        for problem in error.problems:
+            print(f"{PROG} import-swe: {problem}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"{PROG} import-swe: {args.out_dir}: cannot write ({error.strerror or error})", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(f"imported {len(written)} task{'s' if len(written) != 1 else ''} into {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,9 @@
+"""A small calculator module."""
+
+
+def add(a, b):
+    return a - b
+
+
+def sub(a, b):
+    return a - b

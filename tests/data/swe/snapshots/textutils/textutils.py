@@ -1,0 +1,9 @@
+"""Text helpers."""
+
+
+def slugify(text):
+    raise NotImplementedError
+
+
+def shout(text):
+    return text.upper() + "!"
