@@ -64,14 +64,22 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def read_state_dict(path: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint by HF name, cast to `dtype` on `device`; a name in two files is an error."""
+    """All tensors of a checkpoint by HF name, cast to `dtype` on `device`, each in memory of its own; a name in two
+    files is an error.
+
+    Of its own: safetensors 0.8 hands out CPU tensors at the file's byte offsets, not 64-byte aligned, and torch's
+    vectorized CPU kernels then sum in another order: a reloaded model's logits differed from the saved model's by
+    ~1e-6 (tests/unit/test_models_moe.py, "the checkpoint round trip"). A tensor `.to` did not copy is cloned into
+    torch's own (aligned) allocation, so a checkpoint computes exactly what the model that wrote it did."""
     state: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as reader:
             for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name in state:
                     raise ValueError(f"tensor {name!r} appears in more than one file of {path} (last: {file.name})")
-                state[name] = reader.get_tensor(name).to(device=device, dtype=dtype)
+                raw = reader.get_tensor(name)
+                tensor = raw.to(device=device, dtype=dtype)
+                state[name] = tensor.clone() if tensor.data_ptr() == raw.data_ptr() else tensor
     return split_fused_experts(state)
 
 
