@@ -151,9 +151,9 @@ def microstep(rows):
 
 
 def megatron(config, hf_state, dtype: torch.dtype, device: torch.device):
-    from gyre.train.convert import load_hf_state_dict
-    from gyre.train.megatron_trainable import MegatronTrainable
-    from gyre.train.model import build_gpt_model
+    from gyre.trainer.convert import load_hf_state_dict
+    from gyre.trainer.megatron_trainable import MegatronTrainable
+    from gyre.trainer.model import build_gpt_model
 
     model = build_gpt_model(config, dtype=dtype)
     load_hf_state_dict(model, hf_state, config)
@@ -161,8 +161,8 @@ def megatron(config, hf_state, dtype: torch.dtype, device: torch.device):
 
 
 def trainer_steps(config, model, rows, device: torch.device) -> dict[str, Any]:
-    from gyre.train.model import init_model_parallel
-    from gyre.train.offload import TrainerState
+    from gyre.trainer.model import init_model_parallel
+    from gyre.trainer.offload import TrainerState
 
     init_model_parallel(1, 1, seed=0)
     step = microstep(rows)

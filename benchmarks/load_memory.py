@@ -6,7 +6,7 @@ checkpoints are stored, is written once to a temporary directory in files of at 
 each loader and TP size, one fresh run of `gyre.distributed.local` ranks over gloo, each of which builds its
 Megatron shard in fp32 (the trainer's dtype on CPU) and fills it:
 
-- `sharded` (what the runtime does, `gyre.train.shard_loading.load_hf_checkpoint`): the model built without random
+- `sharded` (what the runtime does, `gyre.trainer.shard_loading.load_hf_checkpoint`): the model built without random
   init, then each tensor's share for this rank read from its file slice by slice;
 - `whole` (what it did before): every rank reads the whole checkpoint in fp32 (`load_pretrained`), converts it and
   loads its shard (`load_hf_state_dict`).
@@ -87,19 +87,19 @@ def load_worker(rank: int, world_size: int, *, loader: str, path: str) -> dict:
     import torch
 
     from gyre.models.hf_weights import load_pretrained, read_config
-    from gyre.train.model import build_gpt_model, init_model_parallel
+    from gyre.trainer.model import build_gpt_model, init_model_parallel
 
     init_model_parallel(tensor_parallel_size=world_size, seed=0)
     config = read_config(path)
     before = resident_bytes("VmRSS")
     started = time.perf_counter()
     if loader == "sharded":
-        from gyre.train.shard_loading import load_hf_checkpoint
+        from gyre.trainer.shard_loading import load_hf_checkpoint
 
         model = build_gpt_model(config, perform_initialization=False)
         load_hf_checkpoint(model, path, config)
     else:
-        from gyre.train.convert import load_hf_state_dict
+        from gyre.trainer.convert import load_hf_state_dict
 
         model = build_gpt_model(config)
         native = load_pretrained(path, torch.float32, "cpu")

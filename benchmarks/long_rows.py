@@ -71,13 +71,13 @@ def step_worker(rank: int, world_size: int, *, trainer: str, tokens: int, vocab:
     config = model_config(vocab, max(tokens, 4096))
     native = build_model(config, seed=0)
     if trainer == "native":
-        from gyre.train.native_trainable import NativeTrainable
+        from gyre.trainer.native_trainable import NativeTrainable
 
         trainable = NativeTrainable(native, lr=1e-4, chunk_tokens=CHUNK_TOKENS, recompute=recompute)
     else:
-        from gyre.train.convert import load_hf_state_dict
-        from gyre.train.megatron_trainable import MegatronTrainable
-        from gyre.train.model import build_gpt_model, init_model_parallel
+        from gyre.trainer.convert import load_hf_state_dict
+        from gyre.trainer.megatron_trainable import MegatronTrainable
+        from gyre.trainer.model import build_gpt_model, init_model_parallel
 
         init_model_parallel(tensor_parallel_size=world_size, seed=0)
         model = build_gpt_model(config, recompute=recompute)

@@ -36,11 +36,11 @@ from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.models.decoder import build_model
 from gyre.models.hf_weights import load_pretrained, read_config, read_state_dict
 from gyre.models.tiny import tiny_model_dir
-from gyre.train.convert import gather_hf_state_dict, load_hf_state_dict
-from gyre.train.logprobs import packed_logprobs
-from gyre.train.megatron_trainable import MegatronTrainable
-from gyre.train.model import build_gpt_model, init_model_parallel
-from gyre.train.offload import TrainerState
+from gyre.trainer.convert import gather_hf_state_dict, load_hf_state_dict
+from gyre.trainer.logprobs import packed_logprobs
+from gyre.trainer.megatron_trainable import MegatronTrainable
+from gyre.trainer.model import build_gpt_model, init_model_parallel
+from gyre.trainer.offload import TrainerState
 
 PROMPT = list(range(5, 37))  # 32 token ids of the tiny vocabulary
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)

@@ -8,15 +8,15 @@ both sides and Eq. 5's mask is not degenerate). Both sides start from the tiny d
 same number of optimizer updates on the same batches; which side goes first rotates per step.
 
 - streaming: rows packed first-fit decreasing (`gyre.data.packing.first_fit_decreasing`, executions are single rows so
-  none is split) into micro-steps of at most `--budget` tokens, then `gyre.train.streaming.train_step` with
+  none is split) into micro-steps of at most `--budget` tokens, then `gyre.trainer.streaming.train_step` with
   `MegatronTrainable` on one process (one cell, TP 1), claim units from `gyre.data.ClaimUnitAssembler`. A
-  micro-step feeds exactly its U tokens, no padding (`gyre.train.logprobs.packed_logprobs`: one forward per row, so
+  micro-step feeds exactly its U tokens, no padding (`gyre.trainer.logprobs.packed_logprobs`: one forward per row, so
   attention costs the sum of the rows' squared lengths, not U^2).
 - plain: the slime/verl-style loop: the rows in batch order, fixed micro-batches of `--micro-batch-rows` rows, each
   right-padded to the longest row of its micro-batch ([B, S] input, positions 0..S-1, causal mask), through
   megatron's `get_forward_backward_func` with a `forward_step_func` whose loss is the same `gyre.rl.policy_loss`
   (its batch share; times num_microbatches because the schedule divides by it), megatron's
-  `DistributedDataParallel` and `get_megatron_optimizer` (Adam, clip 1.0; CPU patches of `gyre.train.cpu_patch`).
+  `DistributedDataParallel` and `get_megatron_optimizer` (Adam, clip 1.0; CPU patches of `gyre.trainer.cpu_patch`).
 
 tokens/s = non-pad tokens trained / wall seconds of the measured steps (a warm-up step per side is excluded). Packing
 efficiency = non-pad / tokens fed to the model; for streaming also the fill of the token budget (tokens / (micro-steps
@@ -86,7 +86,7 @@ def with_behavior(rows, model) -> list:
     """The rows with behavior log-probs = `model`'s log-probs at their targets (on-policy), one no-grad pass."""
     import dataclasses
 
-    from gyre.train.logprobs import packed_logprobs
+    from gyre.trainer.logprobs import packed_logprobs
 
     out = []
     with torch.no_grad():
@@ -114,7 +114,7 @@ def fixed_batches(rows, micro_batch_rows: int) -> list[list]:
 
 def streaming_step(trainable, micro_steps, loss_config) -> float:
     from gyre.data.claim_units import ClaimUnitAssembler
-    from gyre.train.streaming import train_step
+    from gyre.trainer.streaming import train_step
 
     assembler = ClaimUnitAssembler()
     units = [u for ms in micro_steps for u in assembler.add(ms)] + assembler.flush()
@@ -216,9 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gyre.config.loss import LossConfig
     from gyre.models.hf_weights import read_config, read_state_dict
     from gyre.models.tiny import tiny_model_dir
-    from gyre.train.convert import load_hf_state_dict
-    from gyre.train.megatron_trainable import MegatronTrainable
-    from gyre.train.model import build_gpt_model, init_model_parallel
+    from gyre.trainer.convert import load_hf_state_dict
+    from gyre.trainer.megatron_trainable import MegatronTrainable
+    from gyre.trainer.model import build_gpt_model, init_model_parallel
 
     model_dir = tiny_model_dir()
     config = read_config(model_dir)
@@ -367,7 +367,7 @@ def main() -> None:
             },
             "streaming_budget_tokens": args.budget,
             "plain_micro_batch_rows": args.micro_batch_rows,
-            "streaming_logprobs": "gyre.train.logprobs.packed_logprobs (one forward per row of a micro-step)",
+            "streaming_logprobs": "gyre.trainer.logprobs.packed_logprobs (one forward per row of a micro-step)",
             "plain_padding": "right-padded to the longest row of each micro-batch",
             "measured_steps": args.steps,
             "warmup_steps": 1,

@@ -17,6 +17,7 @@ from gyre.config.model import ModelConfig, TinyModelSpec
 from gyre.config.obs import LoggingConfig
 from gyre.config.packing import PackingConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.config.recipe import RecipeConfig
 from gyre.config.serve import ServeConfig
 from gyre.config.sim import SimConfig, async_train_cells
 from gyre.config.tasks import TasksConfig
@@ -42,6 +43,7 @@ __all__ = [
     "MooncakeConfig",
     "PackingConfig",
     "ProxyConfig",
+    "RecipeConfig",
     "ResourceLimits",
     "SamplingConfig",
     "ServeConfig",
@@ -90,5 +92,6 @@ def register_configs() -> None:
     cs.store(group="mooncake", name="base_mooncake", node=MooncakeConfig)
     cs.store(group="harness", name="base_harness", node=HarnessConfig)
     cs.store(group="tasks", name="base_tasks", node=TasksConfig)
+    cs.store(group="recipe", name="base_recipe", node=RecipeConfig)
     cs.store(group="logging", name="base_logging", node=LoggingConfig)
     cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)

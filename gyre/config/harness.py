@@ -130,6 +130,12 @@ class HarnessConfig:
     """builtin, claude_code, codex: flags added to the harness's command line."""
     env: dict[str, str] = field(default_factory=dict)
     """Fixed additions to the harness's environment (it inherits nothing of the controller's)."""
+    instructions_file: str = ""
+    """claude_code, codex: a text file of project instructions written into each execution's private HOME as
+    ~/.claude/CLAUDE.md or $CODEX_HOME/AGENTS.md (a task's metadata.instructions follows it); empty: none."""
+    settings_file: str = ""
+    """claude_code: a JSON object written as the execution's ~/.claude/settings.json; codex: TOML lines added to the
+    config.toml gyre writes per execution; empty: none. Read and checked at start (exit 2 with one line)."""
     sandbox: str = "local"
     """local (plain processes, an own uid per execution as root), bubblewrap or container."""
     container_engine: str = "docker"
@@ -161,6 +167,8 @@ class HarnessConfig:
             self.env,
             "a mapping of variable names to strings",
         )
+        for name in ("instructions_file", "settings_file"):
+            require(isinstance(getattr(self, name), str), f"harness.{name}", getattr(self, name), "a file path or ''")
         require_choice("harness.sandbox", self.sandbox, SANDBOXES)
         require_choice("harness.container_engine", self.container_engine, CONTAINER_ENGINES)
         require(isinstance(self.container_image, str), "harness.container_image", self.container_image, "a string")

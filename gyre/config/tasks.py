@@ -63,14 +63,14 @@ class TasksConfig:
             )
 
     @property
-    def uses_demo(self) -> bool:
-        """Training tasks come from the demo family."""
+    def uses_recipe_tasks(self) -> bool:
+        """Training tasks come from the recipe (task_dir empty): the demo family's generated problems by default."""
         return not self.task_dir
 
     @property
     def evaluates(self) -> bool:
         """A held-out evaluation runs (a held-out set exists and eval_every > 0)."""
-        return self.eval_every > 0 and (bool(self.held_out_dir) or self.uses_demo)
+        return self.eval_every > 0 and (bool(self.held_out_dir) or self.uses_recipe_tasks)
 
 
 def _normalized(path: str) -> str:

@@ -28,6 +28,7 @@ from gyre.config.model import ModelConfig
 from gyre.config.obs import LoggingConfig
 from gyre.config.packing import PackingConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.config.recipe import RecipeConfig
 from gyre.config.sim import check_capacity
 from gyre.config.tasks import TasksConfig
 from gyre.config.trainer import TrainerConfig, device_kind
@@ -87,6 +88,8 @@ class TrainConfig:
     """The policy loss's thresholds (Eq. 5-6)."""
     harness: HarnessConfig = field(default_factory=lambda: HarnessConfig(backend=DEMO_HARNESS_BACKEND))
     """Which harness runs each execution, in which sandbox (the builtin one on the OpenAI SDK: the lighter start)."""
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    """Where the starting model and the tasks come from when model.model_dir and tasks.task_dir are empty."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     """The training task set, the held-out set and the evaluation interval."""
     limits: ExecutionLimits = field(default_factory=ExecutionLimits)
@@ -211,7 +214,7 @@ def check_packing_matches_algo(packing: PackingConfig, algo: AlgoConfig) -> None
 
 def check_behavior_sampling(sampling: SamplingConfig) -> None:
     """Rollouts sample one distribution the trainer can score: temperature T > 0, no top-p or top-k filter (the
-    trainer's log-probs are log_softmax(logits / T), gyre.train.logprobs), and no client may change T."""
+    trainer's log-probs are log_softmax(logits / T), gyre.trainer.logprobs), and no client may change T."""
     require(
         sampling.temperature > 0,
         "proxy.sampling.temperature",
@@ -279,7 +282,7 @@ def check_engine_slots(engine: EngineConfig, cluster: ClusterConfig) -> None:
 
 def check_tiny_model_layout(cfg: TrainConfig) -> None:
     """The tiny model splits evenly over the trainer's TP x PP (a checkpoint's config.json is checked by the
-    trainer when it builds the model: gyre.train.model.validate_layout)."""
+    trainer when it builds the model: gyre.trainer.model.validate_layout)."""
     spec, tp, pp = cfg.model.tiny, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
     for name in ("num_attention_heads", "num_key_value_heads"):
         value = getattr(spec, name)

@@ -1,8 +1,8 @@
 """Config of the trainer a cell runs in the training role: backend, parallel layout, optimizer.
 
-`backend` picks the `gyre.train.streaming.Trainable`: `native` (`gyre.train.native_trainable.NativeTrainable`, the
-shared decoder in plain torch, one rank per cell) or `megatron` (`gyre.train.megatron_trainable.MegatronTrainable`
-on a Megatron-core `GPTModel`, `gyre.train.model.build_gpt_model`, sharded TP x PP over the cell's ranks, a
+`backend` picks the `gyre.trainer.streaming.Trainable`: `native` (`gyre.trainer.native_trainable.NativeTrainable`, the
+shared decoder in plain torch, one rank per cell) or `megatron` (`gyre.trainer.megatron_trainable.MegatronTrainable`
+on a Megatron-core `GPTModel`, `gyre.trainer.model.build_gpt_model`, sharded TP x PP over the cell's ranks, a
 mixture of experts' experts over EP of them: `cell_size`, `check_expert_layout`, docs/moe.md). Both
 take `lr`, `weight_decay` and `max_grad_norm` as given here; the log-prob temperature is the rollouts' own
 (`proxy.sampling.temperature`), so sampling and training score one distribution (docs/training.md).
@@ -20,7 +20,7 @@ from gyre.config.checks import require, require_bool, require_choice, require_in
 TRAINER_BACKENDS = ("native", "megatron")
 TRAINER_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")
-RECOMPUTE_CHOICES = ("none", "selective", "full")  # gyre.models.decoder.RECOMPUTE, gyre.train.model.RECOMPUTE
+RECOMPUTE_CHOICES = ("none", "selective", "full")  # gyre.models.decoder.RECOMPUTE, gyre.trainer.model.RECOMPUTE
 WEIGHT_TRANSPORTS = ("store", "mooncake", "auto")  # gyre.distributed.transport.ONE_SIDED_KINDS (config imports no
 # other gyre package; tests/unit/test_config_train.py holds them equal)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")  # the links gyre.distributed.transport_mooncake starts a Transfer Engine on

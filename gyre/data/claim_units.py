@@ -2,7 +2,7 @@
 
 A split execution (rows in several micro-steps, `MicroStep.split_E`) needs s_i (Eq. 5) over all its micro-steps
 before any of them computes its loss, so all of them must be in one unit: the claiming cell takes s_i in a no-grad
-pass over the unit first (`gyre.train.streaming.accumulate_unit`). The rule (docs/data.md, "Claim units"):
+pass over the unit first (`gyre.trainer.streaming.accumulate_unit`). The rule (docs/data.md, "Claim units"):
 
 - A unit is a connected component of the micro-steps fed since the last `flush`, two micro-steps being linked when
   they share a split execution (union-find over split execution ids; a micro-step splitting x and y links both

@@ -23,7 +23,7 @@ of the E executions it touches (suffix `_E`). Conventions:
   shared mask m_i) cannot be computed from this micro-step alone, so `loss_inputs` requires `seq_ratio_E`
   when any is set.
 - `num_executions` is the batch's B * N raw executions, excluded ones included: the batch-mean denominator.
-- `routed_experts_ULK` (mixture-of-experts routing replay, `gyre.train.routing`, docs/moe.md): int16
+- `routed_experts_ULK` (mixture-of-experts routing replay, `gyre.trainer.routing`, docs/moe.md): int16
   `[U, num_hidden_layers, top_k]`, the experts the rollout's engine chose for each token, -1 where it routed none
   (a row's last token; positions no recorded call routed). It is the rows' `routed_experts_TLK` concatenated; a
   row without routing in a micro-step whose other rows have some is all -1 (its tokens are not replayed: the

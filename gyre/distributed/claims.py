@@ -303,7 +303,7 @@ def claim_in_cell(
     """One claim for every rank of a cell: the leader (global rank `leader_rank`) claims the next index, the cell's
     other ranks get it by a broadcast over `cell_group` and every rank reads the same unit from the store. A cell of
     one rank passes `cell_group=None` (no broadcast). Returns (index, unit), or None on every rank once the step's
-    stream is done; `train_step`'s `claim` (gyre.train.streaming)."""
+    stream is done; `train_step`'s `claim` (gyre.trainer.streaming)."""
     if cell_group is None:
         return claimer.claim()
     is_leader = dist.get_rank() == leader_rank

@@ -11,7 +11,7 @@ Contract
 - Such a group's name hashes its ranks with the number of groups the creating rank already holds, so its
   members must hold equally many. Groups created before (Megatron's: a pipeline stage holds more than another)
   would give members different names and a hang: `build_process_groups` refuses to run when any group but the
-  default one exists (RuntimeError). Megatron's groups come after it (`gyre.train.model`,
+  default one exists (RuntimeError). Megatron's groups come after it (`gyre.trainer.model`,
   `build_process_groups_and_model_parallel`).
 - `ProcessGroups.prefix_group(k)` is the group over which the k cells training sum gradients, for this rank's
   in-cell coordinate: None when k == 1 (nothing to sum across cells); a `ValueError` when this rank is not in

@@ -12,7 +12,7 @@ A target that needs a TCPStore of its own (what the program's control plane and 
 `shared_store()`: rank 0 hosts it on a port the kernel picks when it binds, and the port reaches the other ranks
 through the group.
 
-The ranks fork from multiprocessing's forkserver, which imports torch, gyre.train (its megatron patch) and
+The ranks fork from multiprocessing's forkserver, which imports torch, gyre.trainer (its megatron patch) and
 megatron-core once, the first time this process runs anything on it (`PRELOAD`): a rank started as
 `python -m ...` paid those imports itself, ~2 CPU s for torch and ~5 more for megatron, on every rank of every
 call (docs/testing.md). A rank is a clean process nonetheless: nothing of the caller is inherited but its
@@ -78,9 +78,9 @@ def resolve(target: str) -> Callable[..., Any]:
     return getattr(module, name)
 
 
-# In this order: gyre.train installs the patch megatron needs. torch._dynamo: what a torch optimizer's first
+# In this order: gyre.trainer installs the patch megatron needs. torch._dynamo: what a torch optimizer's first
 # construction imports (torch._compile's disable wrapper), 2-5 CPU s a rank paid at its first step otherwise.
-PRELOAD = ["torch", "torch._dynamo", "gyre.train", "megatron.core"]
+PRELOAD = ["torch", "torch._dynamo", "gyre.trainer", "megatron.core"]
 
 
 def run_local(

@@ -25,7 +25,7 @@
   `render_llama3_chat`, `LLAMA3_CHAT_TEMPLATE` (`llama3`): the same for Llama 3 (the `llama-models` package).
 
 Importing this package imports neither `torch`, `tokenizers` nor `jinja2`; building, Jinja rendering or the
-first access to a model name does. This package imports nothing of `gyre.engine`, `gyre.train`, `gyre.proxy` or
+first access to a model name does. This package imports nothing of `gyre.engine`, `gyre.trainer`, `gyre.proxy` or
 `gyre.tasks`: they import it. See docs/native-model.md and docs/tiny-model.md.
 """
 

@@ -1,7 +1,7 @@
 """The decoder both sides run: a pure-torch Llama/Qwen2/Qwen3-style causal LM (dense, or Qwen3-MoE / Qwen2-MoE
 sparse) with an explicit KV cache.
 
-The trainer (`gyre.train`) and the native engine (`gyre.engine`) import this one module; it imports neither.
+The trainer (`gyre.trainer`) and the native engine (`gyre.engine`) import this one module; it imports neither.
 
 Contract
 - `DecoderLM(config)(input_ids_BT, positions_BT, kv_cache=None, attention_mask=None)` returns
@@ -25,7 +25,7 @@ Contract
   itself carries no inference trick.
 - Training: `DecoderLM.final_hidden(input_ids_BT, positions_BT, recompute=)` is the causal forward without a
   cache up to the final norm (`[B, T, hidden]`; `output_weight` projects it to logits), so a trainer can take
-  log-probs a chunk of tokens at a time (`gyre.train.chunked`). `recompute` (`RECOMPUTE`): none; selective (each
+  log-probs a chunk of tokens at a time (`gyre.trainer.chunked`). `recompute` (`RECOMPUTE`): none; selective (each
   layer's attention block runs under `torch.utils.checkpoint`: its activations are recomputed in the backward);
   full (each whole layer).
 - Mixture of experts (`config.num_experts > 0`): layer i carries a `SparseMoeBlock` where `config.is_moe_layer(i)`
@@ -313,7 +313,7 @@ def route_tokens(
         weights_NK, experts_NK = torch.topk(probs_NE, top_k, dim=-1)
     else:
         experts_NK = routed_NK.long()
-        unrouted_N1 = (experts_NK == -1).all(dim=-1, keepdim=True)  # NO_ROUTE (gyre.train.routing)
+        unrouted_N1 = (experts_NK == -1).all(dim=-1, keepdim=True)  # NO_ROUTE (gyre.trainer.routing)
         if bool(unrouted_N1.any()):
             experts_NK = torch.where(unrouted_N1, torch.topk(probs_NE, top_k, dim=-1).indices, experts_NK)
         weights_NK = probs_NE.gather(-1, experts_NK)

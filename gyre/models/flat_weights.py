@@ -1,6 +1,6 @@
 """Flat weights: many named tensors in one contiguous byte buffer, described by a manifest.
 
-The one format every weight move speaks: the trainer publishes it (`gyre.train.publish`), the transports move it
+The one format every weight move speaks: the trainer publishes it (`gyre.trainer.publish`), the transports move it
 (`gyre.distributed.transport*`), the engines' `update_weights` take it (`gyre.engine.protocol`), and the engine
 endpoint frames it (`gyre.engine.wire`). It lives beside the model, not in any of those, so none of them imports
 another to speak it.

@@ -10,9 +10,11 @@ decoder from `TinyModelSpec` and the tokenizer's vocabulary, initializes it with
 - the same spec and seed give byte-identical files (for one version of torch, safetensors and tokenizers);
 - `out_dir` must be absent, empty, or hold only the files a build writes: a build never deletes a user's
   checkpoint (`save_pretrained` removes `*.safetensors` it finds).
-`tiny_model_dir(cache_root=None, spec=None, seed=0)` builds once per (spec, seed, tokenizer inputs, library
-versions) under a cache root and returns the directory; concurrent callers are safe (staging directory, then
-an atomic rename). Importing this module imports neither torch nor tokenizers. See docs/tiny-model.md.
+`tiny_model_dir(cache_root=None, spec=None, seed=0, ends_turns=False)` builds once per (spec, seed, tokenizer inputs,
+library versions) under a cache root and returns the directory (`ends_turns`: biased toward ending its turn,
+`bias_toward_end_of_turn`, for harnesses that treat a capped answer as an error); concurrent callers are safe
+(staging directory, then an atomic rename). Importing this module imports neither torch nor tokenizers. See
+docs/tiny-model.md.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from gyre.models.tokenizer import (
     BOS_TOKEN,
     CORPUS_DIR,
     EOS_TOKEN,
+    IM_END,
     PAD_TOKEN,
     build_tokenizer,
 )
@@ -159,21 +162,56 @@ def default_cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "gyre"
 
 
-def tiny_model_dir(cache_root: str | Path | None = None, spec: TinyModelSpec | None = None, seed: int = 0) -> Path:
-    """The cached tiny model directory `<cache_root>/tiny-<spec_hash>`, built on first use.
+def bias_toward_end_of_turn(model_dir: str | Path, token: str = IM_END) -> None:
+    """Edit a tiny model's tied embedding in place so that it ends its turn (samples `token`) with probability
+    ~0.2-0.3 at every position, whatever the input: a random-init model almost never does (~1 / vocabulary), so every
+    answer ran to the output cap, which Claude Code and Codex report as an error ("exceeded the output token
+    maximum", "Incomplete response"). Every row gets a shared component `4 e_0`, so the final hidden state after
+    RMSNorm points along e_0; the logits of all tokens shift alike except `token`'s, whose row gets `0.4 e_0` more:
+    it leads by up to 0.4 sqrt(hidden) (5.5 at hidden 192). Measured on random prompts: p 0.20-0.29 per position
+    (tests/integration/test_harness_clis.py)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from gyre.models.tokenizer import load_tokenizer
+
+    token_id = load_tokenizer(model_dir).token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"{model_dir}: the tokenizer has no {token!r}")
+    weights_file = Path(model_dir) / WEIGHTS_FILE
+    state = load_file(str(weights_file))
+    embed = state["model.embed_tokens.weight"]
+    direction = torch.zeros(embed.shape[1], dtype=embed.dtype)
+    direction[0] = 1.0
+    embed += 4.0 * direction
+    embed[token_id] += 0.4 * direction
+    save_file(state, str(weights_file), metadata={"format": "pt"})
+
+
+def tiny_model_dir(
+    cache_root: str | Path | None = None,
+    spec: TinyModelSpec | None = None,
+    seed: int = 0,
+    *,
+    ends_turns: bool = False,
+) -> Path:
+    """The cached tiny model directory `<cache_root>/tiny-<spec_hash>`, built on first use; `ends_turns`: with
+    `bias_toward_end_of_turn` applied (`tiny-<spec_hash>-ends-turns`).
 
     A builder writes into a private staging directory next to the target and renames it into place; `rename`
     of a directory is atomic on one filesystem, so a reader sees either no directory or a complete one. When
     several processes or threads race, each builds, one rename wins and the others discard their copy.
     """
     root = default_cache_root() if cache_root is None else Path(cache_root)
-    target = root / f"{CACHE_PREFIX}{spec_hash(spec, seed)}"
+    target = root / f"{CACHE_PREFIX}{spec_hash(spec, seed)}{'-ends-turns' if ends_turns else ''}"
     if _is_complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-{os.getpid()}-", dir=root))
     try:
         build_tiny_model(staging, spec=spec, seed=seed)
+        if ends_turns:
+            bias_toward_end_of_turn(staging)
         try:
             os.rename(staging, target)
         except OSError:

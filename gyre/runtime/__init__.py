@@ -1,7 +1,7 @@
 """The training runtime's pieces (docs/runtime.md): what joins the scheduler, the proxy, the harnesses, the buffers,
 the trainer and the engines into one RL loop — the only package where engines and trainers meet.
 
-So far:
+Among them:
 
 - `launch`: how the SPMD job starts (torchrun, srun, or a plain run launching its own workers);
 - `ids`: the scheduler's integer execution and engine ids <-> the string ids of the proxy's sessions, the record
@@ -11,7 +11,9 @@ So far:
 - `local_claims`: lazy claims in one process (the scheduler's `claim_group`, the packer's pull, claim units),
   composed with the rest by tests/integration/test_rl_loop.py;
 - `transitions`: a cell's engine leaving rollout (`leave_rollout`: stop accepting, drain, release) and returning with
-  the core's publication (`return_to_rollout`: resume, load the published version, then accept).
-
-The multi-process controller, the cell workers and `python -m gyre.train` are still being built (issue 14).
+  the core's publication (`return_to_rollout`: resume, load the published version, then accept), and the publication
+  to the engines that stayed (`publish_to_engines`);
+- `program`, `controller`, `cell_worker`, `job`: the SPMD job itself (docs/runtime.md, "The program");
+- `recipe`: what the runtime takes from a recipe (`Recipe`: a starting model, `TaskSets`, checks); the recipes live
+  in `gyre.recipes` and the app `python -m gyre.train` (`gyre.train.app`) picks one. This package imports none.
 """

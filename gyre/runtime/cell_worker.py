@@ -21,7 +21,7 @@ and wait in the rollout role (docs/runtime.md, "Who serves in a cell"). The rank
 - `role` (cell, to="rollout"): a satellite's trainer stops training (its weights are stale from now on; the core's
   stay the run's weights); ack;
 - `gather` (the core's ranks only): the core's whole weights gathered over its tensor-parallel group, with rank 0
-  (`gyre.train.publish.engine_weights`, for a publication, the held-out evaluation or the policy directory);
+  (`gyre.trainer.publish.engine_weights`, for a publication, the held-out evaluation or the policy directory);
 - `save_optimizer` (path; the core's ranks only): this rank's optimizer state written into the checkpoint being
   written (`gyre.runtime.trainers.save_optimizer`), then ack: the controller completes the checkpoint after;
 - `stop`: leave the loop; the engine is stopped.
@@ -82,8 +82,8 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) ->
     """The loop of one rank (module docstring), its engine on `start.engine_dir` and its trainer built from
     `start.trainer_dir` (a resumed run's checkpoint); returns what it did."""
     from gyre.models.hf_weights import read_config
-    from gyre.train.publish import engine_weights
-    from gyre.train.streaming import train_claimed_step
+    from gyre.trainer.publish import engine_weights
+    from gyre.trainer.streaming import train_claimed_step
 
     cell, is_core = job.groups.cell, job.groups.cell == 0
     model_config = read_config(start.trainer_dir)

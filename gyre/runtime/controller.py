@@ -53,7 +53,6 @@ from pathlib import Path
 import torch
 
 from gyre.config import TrainConfig
-from gyre.config.harness import ExecutionLimits
 from gyre.data import StreamPackingBuffer, TrajectoryBuffer
 from gyre.distributed.claims import StepBoard
 from gyre.distributed.control import STOP, ControlPublisher
@@ -71,6 +70,7 @@ from gyre.proxy.routing import RoutingTable
 from gyre.rl.loss_metrics import LossMetricSums
 from gyre.runtime.checkpoint import Checkpoint, CheckpointError, discard_staging, stage_checkpoint, write_checkpoint
 from gyre.runtime.execution_log import EXECUTIONS_FILE, ExecutionLine, ExecutionLog
+from gyre.runtime.harness_setup import task_limits
 from gyre.runtime.held_out import HeldOutEvaluator
 from gyre.runtime.ids import ExecutionIds, engine_name
 from gyre.runtime.job import Job, ack_key, step_stats_key
@@ -80,7 +80,7 @@ from gyre.runtime.policy_dir import write_policy
 from gyre.runtime.trace import RoleTrace
 from gyre.runtime.trainer_thread import TrainerThread
 from gyre.runtime.trainers import GATHER, SAVE_OPTIMIZER, policy_model, trainer_layout
-from gyre.runtime.transitions import leave_rollout, return_to_rollout
+from gyre.runtime.transitions import leave_rollout, publish_to_engines, return_to_rollout
 from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import (
     BeginStep,
@@ -98,7 +98,7 @@ from gyre.sched import (
 )
 from gyre.sched.checkpoint import resume, resumed_scheduler, scheduler_state
 from gyre.tasks.draws import TaskDeck
-from gyre.train.publish import engine_weights, publish_to_engines
+from gyre.trainer.publish import engine_weights
 from gyre.traj.outcomes import GroupOutcomes
 from gyre.traj.outcomes_state import group_outcomes_state, restored_group_outcomes
 from gyre.traj.roles import classifier_for
@@ -195,7 +195,7 @@ class Controller:
         self.executions = ExecutionLog(run_dir / EXECUTIONS_FILE)
         self.records: list[StepRecord] = []
         self.proxy_access = ProxyAccess(
-            anthropic_base_url=parts.proxy.url, openai_base_url=parts.proxy.url + "/v1", model="gyre"
+            anthropic_base_url=parts.proxy.url, openai_base_url=parts.proxy.url + "/v1", model=cfg.proxy.model_names[0]
         )
         self.store = parts.job.store()  # the loop thread's client: boards, the control log, acks
         self.control = ControlPublisher(self.store)
@@ -430,7 +430,7 @@ class Controller:
             runner=self.parts.make_runner(task),
             sandbox=self.parts.sandbox,
             proxy=self.proxy_access,
-            limits=self._limits(task),
+            limits=task_limits(self.cfg.limits, task),
             group=self.outcomes[group],
             cancel_event=self.cancels[execution],
             on_harness_end=harness_ended,
@@ -449,19 +449,6 @@ class Controller:
             self.apply(self.sched.execution_closed(self.now(), execution, outcome, tokens))
         if self.sched.group_state(group) is GroupState.JUDGING:
             self.judge(group)
-
-    def _limits(self, task) -> ExecutionLimits:
-        """The run's ceilings with the task's own budgets inside them."""
-        limits = self.cfg.limits
-        harness_s = min(limits.harness_timeout_s, task.harness_timeout_s or limits.harness_timeout_s)
-        overall_s = min(limits.overall_timeout_s, task.overall_timeout_s or limits.overall_timeout_s)
-        return ExecutionLimits(
-            harness_timeout_s=harness_s,
-            overall_timeout_s=max(overall_s, harness_s),
-            grace_period_s=limits.grace_period_s,
-            kill_wait_s=limits.kill_wait_s,
-            resources=limits.resources,
-        )
 
     def judge(self, group: int) -> None:
         trees = {name: self._tree(name) for name in self.names(group)}

@@ -1,10 +1,12 @@
 """The configured harness and sandbox of a training run (`HarnessConfig`, docs/configuration.md; the runners and
 sandboxes themselves: docs/harness.md).
 
-- `make_runner(harness, task)`: the runner of one execution. `builtin` is configured from the task's metadata
-  (`BuiltinRunner.for_task`: the demo family's calculator tool, system prompt and answer file), with the config's
-  backend, turn budget and extra flags; `command`, `claude_code` and `codex` take the config's argv, binary, extra
-  flags and environment as they are.
+- `harness_provisioning(harness)`: `harness.instructions_file` and `harness.settings_file`, read and checked once at
+  start; `make_runner` hands them (with a task's `metadata.instructions`) to the claude_code and codex runners.
+- `make_runner(harness, task, provisioning)`: the runner of one execution. `builtin` is configured from the task's
+  metadata (`BuiltinRunner.for_task`: the demo family's calculator tool, system prompt and answer file), with the
+  config's backend, turn budget and extra flags; `command`, `claude_code` and `codex` take the config's argv, binary,
+  extra flags and environment as they are.
 - `make_sandbox(harness, limits, root=, protected=)`: where the executions run, under `root` (the run directory's
   `executions/`): plain processes (`local`: an own uid per execution when the controller runs as root),
   bubblewrap, or a container; the run's records directory is made private to the harnesses. `isolate_user`
@@ -17,17 +19,33 @@ sandboxes themselves: docs/harness.md).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from gyre.config.harness import ExecutionLimits, HarnessConfig
 from gyre.harness.protocol import ExecutionContext
 from gyre.harness.sandbox import BubblewrapSandbox, ContainerSandbox, LocalSandbox, unreachable_by_others
 from gyre.tasks.spec import PythonEvaluatorSpec, Task
 
-__all__ = ["HarnessSetupError", "check_harness", "isolate_user", "make_runner", "make_sandbox"]
+__all__ = [
+    "HarnessSetupError",
+    "Provisioning",
+    "check_harness",
+    "harness_provisioning",
+    "isolate_user",
+    "make_runner",
+    "make_sandbox",
+    "task_limits",
+]
 
 PROBE_ID = "preflight"  # the probe's execution id: its directories (executions/preflight.evaluate/) are removed after
 PROBE_TIMEOUT_S = 20.0  # a `--version` of a node CLI on a loaded machine takes seconds; a start refused, none
@@ -37,8 +55,63 @@ class HarnessSetupError(RuntimeError):
     """The configured harness or sandbox cannot run here (one line naming what is missing)."""
 
 
-def make_runner(harness: HarnessConfig, task):
-    """The runner of one execution of `task` (module docstring)."""
+@dataclass(frozen=True)
+class Provisioning:
+    """What the claude_code and codex runners write into each execution's private HOME: project instructions
+    (`harness.instructions_file`'s text) and settings (`harness.settings_file`'s: Claude Code's settings JSON, or
+    TOML lines for Codex's config.toml)."""
+
+    instructions: str = ""
+    settings: str = ""
+
+
+def harness_provisioning(harness: HarnessConfig) -> Provisioning:
+    """The files `harness.instructions_file` and `harness.settings_file` name, read and checked once at start
+    (`HarnessSetupError`, one line naming the field): instructions are UTF-8 text; Claude Code's settings a JSON
+    object; Codex's settings TOML that, put into the config gyre writes, still parses."""
+    texts = {}
+    for field_name in ("instructions_file", "settings_file"):
+        path = getattr(harness, field_name)
+        if not path:
+            texts[field_name] = ""
+            continue
+        try:
+            texts[field_name] = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            why = error.strerror if isinstance(error, OSError) and error.strerror else error
+            raise HarnessSetupError(f"harness.{field_name}={path!r}: cannot be read as UTF-8 text ({why})") from None
+    settings = texts["settings_file"]
+    if settings and harness.name == "claude_code":
+        try:
+            ok = isinstance(json.loads(settings), dict)
+        except ValueError as error:
+            raise HarnessSetupError(f"harness.settings_file={harness.settings_file!r}: not JSON ({error})") from None
+        if not ok:
+            raise HarnessSetupError(
+                f"harness.settings_file={harness.settings_file!r}: expected a JSON object (Claude Code's settings)"
+            )
+    elif settings and harness.name == "codex":
+        from gyre.harness.runners.codex import codex_config_toml
+
+        try:
+            tomllib.loads(codex_config_toml(model="gyre", base_url="http://127.0.0.1:1/v1", settings=settings))
+        except tomllib.TOMLDecodeError as error:
+            raise HarnessSetupError(
+                f"harness.settings_file={harness.settings_file!r}: not TOML that Codex's config can hold ({error}; "
+                "it may not set model, model_provider or model_providers.gyre)"
+            ) from None
+    elif settings or texts["instructions_file"]:
+        field_name = "settings_file" if settings else "instructions_file"
+        raise HarnessSetupError(
+            f"harness.{field_name}={getattr(harness, field_name)!r}: only the claude_code and codex harnesses take it "
+            f"(harness.name={harness.name})"
+        )
+    return Provisioning(instructions=texts["instructions_file"], settings=settings)
+
+
+def make_runner(harness: HarnessConfig, task, provisioning: Provisioning | None = None):
+    """The runner of one execution of `task` (module docstring). claude_code and codex get the provisioning (read
+    from the config's files when None) with the task's own `metadata.instructions` after the config's."""
     from gyre.harness.builtin.runner import BuiltinRunner
     from gyre.harness.runners import runner_for
 
@@ -48,17 +121,39 @@ def make_runner(harness: HarnessConfig, task):
         )
     if harness.name == "command":
         return runner_for("command", argv=tuple(harness.argv), env=dict(harness.env))
+    provisioning = provisioning if provisioning is not None else harness_provisioning(harness)
+    own = task.metadata.get("instructions") if isinstance(task.metadata.get("instructions"), str) else ""
+    instructions = "\n\n".join(text.strip("\n") for text in (provisioning.instructions, own) if text.strip())
     return runner_for(
-        harness.name, binary=harness.binary or None, extra_args=tuple(harness.extra_args), env=dict(harness.env)
+        harness.name,
+        binary=harness.binary or None,
+        extra_args=tuple(harness.extra_args),
+        env=dict(harness.env),
+        instructions=instructions + "\n" if instructions else "",
+        settings=provisioning.settings,
     )
 
 
-def isolate_user(harness: HarnessConfig, *, demo_tasks: bool) -> bool | None:
-    """`harness.isolate_user`, with null resolved: no own uid for the builtin harness on the bundled demo family (its
-    agent has only the calculator tool), else LocalSandbox's rule (None: an own uid exactly when root)."""
+def isolate_user(harness: HarnessConfig, *, trusted_tasks: bool) -> bool | None:
+    """`harness.isolate_user`, with null resolved: no own uid for the builtin harness on tasks its recipe generated
+    itself (the demo's: its agent has only the calculator tool), else LocalSandbox's rule (None: an own uid exactly
+    when root)."""
     if harness.isolate_user is not None:
         return harness.isolate_user
-    return False if harness.name == "builtin" and demo_tasks else None
+    return False if harness.name == "builtin" and trusted_tasks else None
+
+
+def task_limits(limits: ExecutionLimits, task: Task) -> ExecutionLimits:
+    """The run's ceilings with the task's own budgets inside them (a task's `[timeouts]`, docs/tasks.md)."""
+    harness_s = min(limits.harness_timeout_s, task.harness_timeout_s or limits.harness_timeout_s)
+    overall_s = min(limits.overall_timeout_s, task.overall_timeout_s or limits.overall_timeout_s)
+    return ExecutionLimits(
+        harness_timeout_s=harness_s,
+        overall_timeout_s=max(overall_s, harness_s),
+        grace_period_s=limits.grace_period_s,
+        kill_wait_s=limits.kill_wait_s,
+        resources=limits.resources,
+    )
 
 
 def make_sandbox(
@@ -66,7 +161,7 @@ def make_sandbox(
     limits: ExecutionLimits,
     *,
     root: Path,
-    demo_tasks: bool,
+    trusted_tasks: bool,
     protected: tuple[Path, ...] = (),
 ):
     """The executions' sandbox under `root` (module docstring)."""
@@ -75,7 +170,7 @@ def make_sandbox(
         return BubblewrapSandbox(**common)
     if harness.sandbox == "container":
         return ContainerSandbox(**common, engine=harness.container_engine, image=harness.container_image)
-    return LocalSandbox(**common, isolate_user=isolate_user(harness, demo_tasks=demo_tasks))
+    return LocalSandbox(**common, isolate_user=isolate_user(harness, trusted_tasks=trusted_tasks))
 
 
 def check_harness(runner, sandbox, tasks: Sequence[Task] = (), *, timeout_s: float = PROBE_TIMEOUT_S) -> None:

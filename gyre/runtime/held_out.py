@@ -3,11 +3,13 @@
 
 `HeldOutEvaluator.evaluate(policy, version=, wall_time_s=)` takes the policy now (a copy of a `DecoderLM`'s
 weights, or a checkpoint directory to load) and returns an awaitable that plays every held-out problem greedily
-(temperature 0) with its own native engine on a worker thread (`gyre.tasks.demo.warm_start.evaluate_greedy_model`,
-the evaluation the warm start reports, so the curve's first point is the warm start's pass rate), then appends one
-line to `<run dir>/held_out.jsonl` and prints one console line. Evaluations run one at a time, in the order asked.
+(temperature 0) on a worker thread with the recipe's player (`gyre.runtime.recipe.HeldOutSet.play`; the demo
+recipe's is the evaluation its warm start reports, so the curve's first point is the warm start's pass rate), then
+appends one line to `<run dir>/held_out.jsonl` and prints one console line. Evaluations run one at a time, in the
+order asked.
 
-A line: `{"version": v, "wall_time_s": t, "pass_rate": p, "tool_call_rate": q, "episodes": n, "seconds": s}`,
+A line: `{"version": v, "wall_time_s": t, "pass_rate": p, "tool_call_rate": q, "episodes": n, "seconds": s}`
+(`tool_call_rate` from the demo's player; a held-out task directory's has `mean_score` and `failed` instead),
 `version` the policy version (0: the starting policy; v: after v optimizer steps), flushed and fsynced.
 """
 
@@ -18,34 +20,24 @@ import copy
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from gyre.tasks.demo import DEMO_MAX_TURNS, DemoProblem
+from gyre.runtime.recipe import HeldOutSet
 
 __all__ = ["HELD_OUT_FILE", "HeldOutEvaluator"]
 
 HELD_OUT_FILE = "held_out.jsonl"
-MAX_NEW_TOKENS = 64  # as the warm start's report (evaluate_greedy's defaults): the curve starts at its figure
-MAX_CALLS = DEMO_MAX_TURNS  # as the builtin harness plays a demo task (its metadata.max_turns)
+OPTIONAL_KEYS = ("mean_score", "tool_call_rate", "failed")  # a player's report may hold them: kept in the line
 
 
 class HeldOutEvaluator:
-    """Greedy pass rate of policies on `problems`, one JSON line each in `out_path`."""
+    """Greedy pass rate of policies on a recipe's held-out set, one JSON line each in `out_path`."""
 
-    def __init__(
-        self,
-        problems: Sequence[DemoProblem],
-        template,
-        *,
-        out_path: Path,
-        max_running: int = 32,
-        echo: Callable[[str], None] = print,
-    ) -> None:
-        if not problems:
+    def __init__(self, held_out: HeldOutSet, template, *, out_path: Path, echo: Callable[[str], None] = print) -> None:
+        if held_out.size < 1:
             raise ValueError("HeldOutEvaluator needs at least one held-out problem")
-        self.problems, self.template, self.out_path = list(problems), template, Path(out_path)
-        self.max_running, self.echo = max_running, echo
+        self.held_out, self.template, self.out_path, self.echo = held_out, template, Path(out_path), echo
         self.results: list[dict] = []
         self._lock = asyncio.Lock()
 
@@ -57,12 +49,12 @@ class HeldOutEvaluator:
     async def _run(self, policy, version: int, wall_time_s: float) -> dict:
         async with self._lock:
             started = time.monotonic()
-            report = await asyncio.to_thread(self._play, policy)
+            report = await asyncio.to_thread(self._play, policy, version)
             line = {
                 "version": version,
                 "wall_time_s": round(wall_time_s, 3),
                 "pass_rate": report["success_rate"],
-                "tool_call_rate": report["tool_call_rate"],
+                **{key: report[key] for key in OPTIONAL_KEYS if key in report},
                 "episodes": report["episodes"],
                 "seconds": round(time.monotonic() - started, 3),
             }
@@ -71,24 +63,19 @@ class HeldOutEvaluator:
                 out.flush()
                 os.fsync(out.fileno())
             self.results.append(line)
-            self.echo(
-                f"held-out: policy version {version}: pass {100 * line['pass_rate']:.1f}% "
-                f"(tool calls {100 * line['tool_call_rate']:.1f}%, {line['episodes']} problems, {line['seconds']:.1f}s)"
-            )
+            said = [f"{line['episodes']} problems", f"{line['seconds']:.1f}s"]
+            if "tool_call_rate" in line:
+                said.insert(0, f"tool calls {100 * line['tool_call_rate']:.1f}%")
+            if "mean_score" in line:
+                said.insert(0, f"mean score {line['mean_score']:.2f}")
+            if line.get("failed"):
+                said.insert(0, f"{line['failed']} without a valid score")
+            self.echo(f"held-out: policy version {version}: pass {100 * line['pass_rate']:.1f}% ({', '.join(said)})")
             return line
 
-    def _play(self, policy) -> dict:
-        from gyre.tasks.demo.warm_start import evaluate_greedy_model
-
+    def _play(self, policy, version: int) -> dict:
         if isinstance(policy, (str, Path)):
             from gyre.models.hf_weights import load_pretrained
 
             policy = load_pretrained(policy)
-        return evaluate_greedy_model(
-            policy,
-            self.template,
-            self.problems,
-            max_new_tokens=MAX_NEW_TOKENS,
-            max_calls=MAX_CALLS,
-            max_running=self.max_running,
-        )
+        return self.held_out.play(policy, self.template, version=version)

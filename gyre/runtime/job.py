@@ -273,7 +273,7 @@ def open_job(cfg: TrainConfig) -> Job:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = Layout(**layout_fields(cfg, world_size))
     if cfg.trainer.backend == "megatron":
-        from gyre.train.model import build_process_groups_and_model_parallel
+        from gyre.trainer.model import build_process_groups_and_model_parallel
 
         t = cfg.trainer
         groups = build_process_groups_and_model_parallel(

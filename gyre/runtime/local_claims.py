@@ -2,7 +2,7 @@
 
 The simulator's rule, which the supply check depends on (docs/scheduler.md): a training cell claims a group only
 when its local micro-steps run out, so groups stay in the scheduler's ready set until training needs them.
-`LocalClaims.next_unit()` is the claim of `gyre.train.streaming.train_step` for a trainer in the controller's own
+`LocalClaims.next_unit()` is the claim of `gyre.trainer.streaming.train_step` for a trainer in the controller's own
 process (K = 1 colocate, the first stage of the runtime; the multi-process runtime moves the same units onto the
 step's board with `gyre.distributed.step_pump.StepPump`):
 

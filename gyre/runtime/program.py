@@ -1,8 +1,10 @@
 """One training run, from a checked `TrainConfig` to the run directory's outputs (docs/runtime.md, "The program").
 
-`run_training(cfg, run_dir)` starts the SPMD job: under torchrun or srun this process is one of its ranks; run
-plainly, a job of one rank runs here and a job of more starts its own workers (`launch_workers`, after the checks
-and the warm start ran here once, so errors are one line before any worker starts). Every rank then runs
+`run_training(cfg, run_dir, recipe)` starts the SPMD job of `recipe` (`gyre.runtime.recipe.Recipe`: the starting
+model when `model.model_dir` is empty, the task sets, the recipe's checks; docs/recipes.md): under torchrun or srun
+this process is one of its ranks; run plainly, a job of one rank runs here and a job of more starts its own workers
+(`launch_workers`, after the checks and the recipe's preparation ran here once, so errors are one line before any
+worker starts). Every rank then runs
 `run_rank`: the process groups and the runtime store (`gyre.runtime.job`), the starting checkpoint's path from
 rank 0, then rank 0's controller or a satellite's cell loop (`gyre.runtime.cell_worker`).
 
@@ -14,8 +16,9 @@ endpoint, every cell's engine reached with a `RemoteEngine`, `start_proxy` over 
 Errors a user can fix before anything runs raise `ProgramError` (one line naming the field): a layout this runtime
 does not drive yet (a separate rollout pool), an engine backend that cannot run here (SGLang not installed, or asked
 to serve on a CPU), a model a Megatron cell cannot shard, a resumed checkpoint of another trainer layout, a missing
-model directory or task directory, a harness or sandbox missing here.
-The app (`gyre.runtime.app`) prints that line and exits 2.
+model directory or task directory, a held-out task that is also a training task, what the recipe refuses, a harness
+or sandbox missing here.
+The app (`gyre.train.app`) prints that line and exits 2.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ from gyre.config.train import check_context_limit, layout_fields
 from gyre.obs.timeline import preload_plotting
 from gyre.runtime.checkpoint import Checkpoint, StartingPoint
 from gyre.runtime.controller import SLOW_STOP_S, Controller, ControllerParts, RunEnd
-from gyre.runtime.held_out import HeldOutEvaluator
+from gyre.runtime.held_out import HELD_OUT_FILE, HeldOutEvaluator
 from gyre.runtime.launch import job_env, launch_workers
 from gyre.runtime.lifeline import RankLost
-from gyre.runtime.task_sets import TaskSetError, TaskSets, load_task_sets
+from gyre.runtime.recipe import Recipe, RecipeError, TaskSets
+from gyre.runtime.task_sets import TaskSetError
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +134,7 @@ def check_model_layout(cfg: TrainConfig, config) -> None:
         )
     if cfg.trainer.backend != "megatron":
         return
-    from gyre.train.model import validate_layout
+    from gyre.trainer.model import validate_layout
 
     t = cfg.trainer
     tp, pp, ep = t.tensor_parallel_size, t.pipeline_parallel_size, t.expert_parallel_size
@@ -142,8 +146,9 @@ def check_model_layout(cfg: TrainConfig, config) -> None:
         raise ProgramError(f"{fields}: {error}") from None
 
 
-def resolve_model_dir(cfg: TrainConfig, echo: Callable[[str], None] = print) -> Path:
-    """The starting checkpoint: `model.model_dir`, or the tiny model (warm-started, or its random init), cached."""
+def resolve_model_dir(cfg: TrainConfig, recipe: Recipe, echo: Callable[[str], None] = print) -> Path:
+    """The starting checkpoint: `model.model_dir`, or the recipe's starting model; checked against the config's
+    context limit, the trainer's layout and the recipe's own rules."""
     from gyre.models.hf_weights import read_config
 
     if cfg.model.model_dir:
@@ -153,47 +158,22 @@ def resolve_model_dir(cfg: TrainConfig, echo: Callable[[str], None] = print) -> 
                 f"model.model_dir={cfg.model.model_dir!r}: no config.json there (expected an HF-layout checkpoint "
                 "directory: config.json, safetensors, tokenizer files with a chat template)"
             )
-    elif cfg.model.init == "warm_start":
-        from gyre.tasks.demo.warm_start import read_meta, warm_start_dir
-
-        echo("warm start of the tiny model (cached after the first run; a few minutes of CPU the first time) ...")
-        model_dir = warm_start_dir(config=cfg.model.warm_start, seed=cfg.model.warm_start_seed)
-        meta = read_meta(model_dir) or {}
-        echo(f"warm start: {model_dir} (steps {meta.get('steps_done')}, final loss {meta.get('final_loss')})")
     else:
-        from gyre.models.tiny import tiny_model_dir
-
-        model_dir = tiny_model_dir(spec=cfg.model.tiny)
+        try:
+            model_dir = Path(recipe.starting_model(cfg, echo))
+        except RecipeError as error:
+            raise ProgramError(str(error)) from None
     config = read_config(model_dir)
     try:
         limit = check_context_limit(cfg, config.max_position_embeddings)
     except ConfigError as error:
         raise ProgramError(str(error)) from None
     check_model_layout(cfg, config)
-    check_demo_context(cfg, model_dir, limit, config.max_position_embeddings)
+    try:
+        recipe.check(cfg, model_dir, limit)
+    except RecipeError as error:
+        raise ProgramError(str(error)) from None
     return model_dir
-
-
-def check_demo_context(cfg: TrainConfig, model_dir: Path, limit: int, max_positions: int) -> None:
-    """With `tasks.demo.context_words`, a demo episode's longest call fits the context limit: the system prompt with
-    its notes (counted with the model's tokenizer) and every turn's new tokens. Otherwise the proxy would refuse
-    every call and no step would train anything."""
-    demo = cfg.tasks.demo
-    if not (cfg.tasks.uses_demo and demo.context_words):
-        return
-    from gyre.models.tokenizer import load_tokenizer
-    from gyre.tasks.demo import DEMO_MAX_TURNS, make_demo_problems, system_prompt
-
-    (problem,) = make_demo_problems(1, cfg.seed, demo)
-    tokens = len(load_tokenizer(model_dir).encode(system_prompt(problem, demo)).ids)
-    needed = tokens + DEMO_MAX_TURNS * cfg.proxy.sampling.max_new_tokens
-    if needed > limit:
-        raise ProgramError(
-            f"tasks.demo.context_words={demo.context_words}: the system prompt with its notes is {tokens} tokens of "
-            f"this model's tokenizer, {needed} with {DEMO_MAX_TURNS} turns of proxy.sampling.max_new_tokens="
-            f"{cfg.proxy.sampling.max_new_tokens}, over the context limit {limit}: lower context_words, or raise "
-            f"proxy.context_limit and packing.max_tokens_per_microstep (at most the model's {max_positions})"
-        )
 
 
 def check_proxy_port(host: str, port: int) -> None:
@@ -269,27 +249,46 @@ def resolve_checkpoint(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], No
     return checkpoint
 
 
-def prepare(cfg: TrainConfig, run_dir: Path, echo: Callable[[str], None]) -> Prepared:
-    """The checks that need no process group, the starting checkpoint, the checkpoint to resume and the task sets
-    (ProgramError)."""
-    from gyre.runtime.harness_setup import HarnessSetupError, check_harness, make_runner
+def prepare(cfg: TrainConfig, recipe: Recipe, run_dir: Path, echo: Callable[[str], None]) -> Prepared:
+    """The checks that need no process group, the checkpoint to resume, the recipe's task sets, the harness
+    preflight, then the starting checkpoint (ProgramError)."""
+    from gyre.runtime.harness_setup import HarnessSetupError, check_harness, harness_provisioning, make_runner
 
     check_run_dir(run_dir)
     check_proxy_port(cfg.proxy.host, cfg.proxy.port)
     checkpoint = resolve_checkpoint(cfg, run_dir, echo)
-    model_dir = resolve_model_dir(cfg, echo)
     try:
-        task_sets = load_task_sets(cfg.tasks, run_dir, seed=cfg.seed)
-    except TaskSetError as error:
+        task_sets = recipe.task_sets(cfg, run_dir)
+    except (RecipeError, TaskSetError) as error:
         raise ProgramError(str(error)) from None
+    if not task_sets.train:
+        raise ProgramError(f"recipe.name={recipe.name!r}: the recipe gave no training task")
+    held_out_dir_tasks = []
+    if cfg.tasks.held_out_dir and cfg.tasks.eval_every > 0 and task_sets.held_out is None:
+        from gyre.runtime.held_out_tasks import load_held_out_tasks
+
+        try:
+            held_out_dir_tasks = load_held_out_tasks(cfg, task_sets.train)
+        except TaskSetError as error:
+            raise ProgramError(str(error)) from None
+    # The harness before the starting model: a harness that cannot run is one line now, not after a warm start.
     try:
-        check_harness(make_runner(cfg.harness, task_sets.train[0]), _sandbox(cfg, run_dir), task_sets.train)
+        sandbox = _sandbox(cfg, run_dir, trusted_tasks=task_sets.trusted)
+        held_out = task_sets.held_out.tasks if task_sets.held_out is not None else held_out_dir_tasks
+        provisioning = harness_provisioning(cfg.harness)
+        runner = make_runner(cfg.harness, task_sets.train[0], provisioning)
+        check_harness(runner, sandbox, [*task_sets.train, *held_out])
     except HarnessSetupError as error:
         raise ProgramError(str(error)) from None
+    model_dir = resolve_model_dir(cfg, recipe, echo)
+    if held_out_dir_tasks:
+        from gyre.runtime.held_out_tasks import held_out_tasks
+
+        task_sets = replace(task_sets, held_out=held_out_tasks(cfg, run_dir, held_out_dir_tasks, model_dir))
     return Prepared(model_dir=model_dir, task_sets=task_sets, checkpoint=checkpoint)
 
 
-def _sandbox(cfg: TrainConfig, run_dir: Path):
+def _sandbox(cfg: TrainConfig, run_dir: Path, *, trusted_tasks: bool):
     from gyre.runtime.harness_setup import make_sandbox
 
     (run_dir / RECORDS_DIR).mkdir(parents=True, exist_ok=True)
@@ -297,13 +296,13 @@ def _sandbox(cfg: TrainConfig, run_dir: Path):
         cfg.harness,
         cfg.limits,
         root=run_dir / EXECUTIONS_DIR,
-        demo_tasks=cfg.tasks.uses_demo,
+        trusted_tasks=trusted_tasks,
         protected=(run_dir / RECORDS_DIR,),
     )
 
 
-def run_training(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None] = print) -> RunResult:
-    """One run (module docstring); returns rank 0's `RunResult`. `ProgramError` before anything runs."""
+def run_training(cfg: TrainConfig, run_dir: Path, recipe: Recipe, *, echo: Callable[[str], None] = print) -> RunResult:
+    """One run of `recipe` (module docstring); returns rank 0's `RunResult`. `ProgramError` before anything runs."""
     from gyre.runtime.job import job_secret
 
     run_dir = Path(run_dir)
@@ -315,17 +314,17 @@ def run_training(cfg: TrainConfig, run_dir: Path, *, echo: Callable[[str], None]
     except ValueError as error:
         raise ProgramError(str(error)) from None
     if launched is None and world_size > 1:
-        prepare(cfg, run_dir, echo)  # one line for a mistake, and the warm start once, before any worker
+        prepare(cfg, recipe, run_dir, echo)  # one line for a mistake, and the warm start once, before any worker
         cells = (
             f"{cfg.cluster.num_cells} cells of {cfg.cluster.cell_size} rank{'s' if cfg.cluster.cell_size > 1 else ''}"
         )
         echo(f"starting {world_size} worker processes ({cells}) ...")
-        results = launch_workers("gyre.runtime.program:run_worker", [cfg, str(run_dir)], world_size)
+        results = launch_workers("gyre.runtime.program:run_worker", [cfg, str(run_dir), recipe], world_size)
         return results[0]
-    return run_rank(cfg, run_dir, echo=echo)
+    return run_rank(cfg, run_dir, recipe, echo=echo)
 
 
-def run_worker(cfg: TrainConfig, run_dir: str) -> RunResult | dict:
+def run_worker(cfg: TrainConfig, run_dir: str, recipe: Recipe) -> RunResult | dict:
     """A worker of a plainly launched job: its logging, its signals, its rank's part (`run_rank`)."""
     from gyre.obs.logging import setup_logging
 
@@ -335,7 +334,7 @@ def run_worker(cfg: TrainConfig, run_dir: str) -> RunResult | dict:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack on stderr
     try:
         # The launcher ran the checks and printed the warm start's lines already: here they go to train.log only.
-        result = run_rank(cfg, Path(run_dir), echo=_printer if rank == 0 else log.info, prepare_echo=log.info)
+        result = run_rank(cfg, Path(run_dir), recipe, echo=_printer if rank == 0 else log.info, prepare_echo=log.info)
     except BaseException as error:  # the traceback into train.log; the launcher names the error
         log.error("rank %d failed:\n%s", rank, "".join(traceback.format_exception(error)))
         raise
@@ -376,6 +375,7 @@ def _printer(line: str) -> None:
 def run_rank(
     cfg: TrainConfig,
     run_dir: Path,
+    recipe: Recipe,
     *,
     echo: Callable[[str], None] = print,
     prepare_echo: Callable[[str], None] | None = None,
@@ -392,7 +392,7 @@ def run_rank(
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     completed, reason = False, "error"
     try:
-        prepared = prepare(cfg, run_dir, prepare_echo or echo) if job.rank == 0 else None
+        prepared = prepare(cfg, recipe, run_dir, prepare_echo or echo) if job.rank == 0 else None
         shared: list[StartingPoint | None] = [None]
         if prepared is not None:
             from gyre.runtime.resume import starting_point
@@ -428,7 +428,7 @@ class CoreStep:
 
     def __call__(self, trainer, step: int, final: bool, version: int):
         from gyre.runtime.cell_worker import weights_transport
-        from gyre.train.streaming import train_claimed_step
+        from gyre.trainer.streaming import train_claimed_step
 
         if self.transport is None:
             self.store = self.job.store()
@@ -465,7 +465,7 @@ async def _controller(
     from gyre.proxy.render import ChatTemplate
     from gyre.proxy.routing import RoutingTable
     from gyre.runtime.engines import engine_factory, join_weight_group, start_timeout_s, uses_weight_groups
-    from gyre.runtime.harness_setup import make_runner
+    from gyre.runtime.harness_setup import harness_provisioning, make_runner
     from gyre.runtime.ids import engine_name
     from gyre.runtime.job import engine_key
     from gyre.runtime.resume import prepare_run_dir
@@ -475,9 +475,10 @@ async def _controller(
     if cfg.logging.timeline:  # now, before anything is served: the run's end (Ctrl-C too) writes the PNG sooner
         preload_plotting()
     model_dir, task_sets, checkpoint = prepared.model_dir, prepared.task_sets, prepared.checkpoint
-    echo(f"tasks: {len(task_sets.train)} training tasks, {len(task_sets.held_out)} held-out problems")
+    held_out_size = task_sets.held_out.size if task_sets.held_out else 0
+    echo(f"tasks: {len(task_sets.train)} training tasks, {held_out_size} held-out problems")
     template = ChatTemplate.from_pretrained(model_dir)
-    sandbox = _sandbox(cfg, run_dir)
+    sandbox = _sandbox(cfg, run_dir, trusted_tasks=task_sets.trusted)
     sandbox.check()
     kept = None
     if checkpoint is not None:
@@ -522,7 +523,7 @@ async def _controller(
             registry=registry,
             table=table,
             sandbox=sandbox,
-            make_runner=lambda task: make_runner(cfg.harness, task),
+            make_runner=functools.partial(make_runner, cfg.harness, provisioning=harness_provisioning(cfg.harness)),
             make_trainer=lambda: _core_trainer(cfg, start),
             core_step=CoreStep(cfg, job),
             model_dir=model_dir,
@@ -534,8 +535,8 @@ async def _controller(
             engine_dir=start.engine_dir,
         )
         held_out = None
-        if task_sets.held_out:
-            held_out = HeldOutEvaluator(task_sets.held_out, template, out_path=run_dir / "held_out.jsonl", echo=echo)
+        if task_sets.held_out is not None:
+            held_out = HeldOutEvaluator(task_sets.held_out, template, out_path=run_dir / HELD_OUT_FILE, echo=echo)
             held_out.results = list(kept["held_out"]) if kept else []
         controller = Controller(
             cfg,

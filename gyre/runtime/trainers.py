@@ -6,12 +6,12 @@ role, on the thread that will train (rank 0: the core's trainer thread; every ot
 
 - `trainer.backend=native`: the starting checkpoint as a `DecoderLM` in a `NativeTrainable` (one rank per cell);
 - `trainer.backend=megatron`: a Megatron-core `GPTModel` for this rank's tensor-parallel shard of its pipeline
-  stage (`gyre.train.model.build_gpt_model`; Megatron's `parallel_state` was initialized by `open_job`), this
-  rank's shard of the starting checkpoint read straight from its files (`gyre.train.shard_loading.
+  stage (`gyre.trainer.model.build_gpt_model`; Megatron's `parallel_state` was initialized by `open_job`), this
+  rank's shard of the starting checkpoint read straight from its files (`gyre.trainer.shard_loading.
   load_hf_checkpoint`: no rank holds the whole model), in a `MegatronTrainable`; at PP > 1 with the stage's
   `StreamingPipeline` (the step's 1F1B schedule over the cell's stages, `cfg.loss`).
 
-The core's whole model in HF names is `gyre.train.publish.engine_weights(trainable, config)`: local for a native
+The core's whole model in HF names is `gyre.trainer.publish.engine_weights(trainable, config)`: local for a native
 trainer, a collective over the core cell's tensor- and pipeline-parallel groups for a Megatron one, so every rank
 of the core calls it at the same point of its work; the controller tells the core's other ranks with a `gather`
 decision.
@@ -69,9 +69,9 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
     """This rank's trainer on the starting checkpoint (module docstring), seeded with `cfg.seed`."""
     t = cfg.trainer
     torch.manual_seed(cfg.seed)
-    dtype = getattr(torch, t.dtype)  # bf16: the model computes in it, the update is fp32 (gyre.train.precision)
+    dtype = getattr(torch, t.dtype)  # bf16: the model computes in it, the update is fp32 (gyre.trainer.precision)
     if not uses_megatron(cfg):
-        from gyre.train.native_trainable import NativeTrainable
+        from gyre.trainer.native_trainable import NativeTrainable
 
         return NativeTrainable(
             load_pretrained(model_dir, dtype, t.device),
@@ -82,9 +82,9 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
             recompute=t.recompute,
             routing_replay=t.routing_replay,
         )
-    from gyre.train.megatron_trainable import MegatronTrainable
-    from gyre.train.model import build_gpt_model
-    from gyre.train.shard_loading import load_hf_checkpoint
+    from gyre.trainer.megatron_trainable import MegatronTrainable
+    from gyre.trainer.model import build_gpt_model
+    from gyre.trainer.shard_loading import load_hf_checkpoint
 
     config = read_config(model_dir)
     # No random init: every parameter is then read from the checkpoint, this rank's shard only.
@@ -94,7 +94,7 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
         model = model.to(t.device)
     pipeline = None
     if t.pipeline_parallel_size > 1:
-        from gyre.train.pipeline import StreamingPipeline
+        from gyre.trainer.pipeline import StreamingPipeline
 
         pipeline = StreamingPipeline(model, config=cfg.loss, chunk_tokens=t.logprob_chunk_tokens)
     return MegatronTrainable(

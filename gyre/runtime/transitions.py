@@ -9,8 +9,12 @@
   `resume_memory` (the engine's memory was released while the cell trained, and `update_weights` refuses released
   weights), `update_weights(weights, version=)`, then `resume_accepting`: the engine takes no request before it
   holds the published version. `Publish(version)` and the cell's `BeginTransition(ROLLOUT)` arrive in one action
-  list; the controller runs this for the returning cell and `gyre.train.publish.publish_to_engines` for the engines
-  that stayed in rollout.
+  list; the controller runs this for the returning cell and `publish_to_engines` for the engines that stayed in
+  rollout.
+- `publish_to_engines(engines, weights, version=)`: the core's publication (`gyre.trainer.publish.engine_weights`)
+  handed to each engine that stayed in rollout (`Engine.update_weights`: in process, or over HTTP through
+  `RemoteEngine`), concurrently; every engine checks names, shapes and the version before applying anything. One
+  rank of the core publishes.
 
 Failures leave the engine not accepting: if `update_weights` refuses (an unknown name, a wrong shape, an older
 version: `ValueError`, nothing applied), its error propagates with the memory resumed and the engine still not
@@ -24,7 +28,9 @@ they import no engine module.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gyre.config.checks import require_duration
@@ -33,7 +39,7 @@ if TYPE_CHECKING:
     from gyre.engine.protocol import Engine
     from gyre.models.flat_weights import FlatWeights
 
-__all__ = ["leave_rollout", "return_to_rollout"]
+__all__ = ["leave_rollout", "publish_to_engines", "return_to_rollout"]
 
 
 async def leave_rollout(engine: Engine, *, drain_s: float) -> dict[str, float]:
@@ -59,3 +65,14 @@ async def return_to_rollout(engine: Engine, weights: FlatWeights, *, version: in
     await engine.update_weights(weights, version=version)
     engine.resume_accepting()
     return {"resume": resumed - started, "load_weights": time.monotonic() - resumed}
+
+
+async def publish_to_engines(engines: Sequence[Engine], weights: FlatWeights, *, version: int) -> None:
+    """`update_weights(weights, version=version)` on every engine at once; the first failure is raised after all
+    finished (an engine that refused keeps its previous weights and version)."""
+    results = await asyncio.gather(
+        *(engine.update_weights(weights, version=version) for engine in engines), return_exceptions=True
+    )
+    for engine, result in zip(engines, results, strict=True):
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"publishing version {version} to {engine!r} failed: {result}") from result

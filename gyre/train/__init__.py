@@ -1,23 +1,3 @@
-"""Training side of gyre: Megatron-core model build from a `DecoderConfig`, HF <-> Megatron weights, per-token
-log-probs of packed micro-steps (see docs/training.md).
-
-Importing the package imports neither torch nor megatron: `python -m gyre.train` imports it first, and a config
-mistake is reported before torch loads. It installs patch 5 of the CPU patches (`gyre.train.jit_patch`, an
-import hook that must be in place before megatron is imported). The megatron modules (`gyre.train.model`,
-`gyre.train.convert`, `gyre.train.logprobs`, `gyre.train.pipeline`) install the other CPU patches megatron-core
-needs on a CPU-only torch when they are imported (`apply_cpu_patches`, idempotent, a no-op when CUDA is available).
-"""
-
-from gyre.train.jit_patch import install_jit_fuser_patch
-
-install_jit_fuser_patch()
-
-__all__ = ["apply_cpu_patches", "cpu_device_mode"]
-
-
-def __getattr__(name: str):
-    if name in __all__:  # torch is imported here, on first use, not with the package
-        from gyre.train import cpu_patch
-
-        return getattr(cpu_patch, name)
-    raise AttributeError(f"module 'gyre.train' has no attribute {name!r}")
+"""`python -m gyre.train`: the training app (`gyre.train.app`), above the runtime (`gyre.runtime`) and the recipes
+(`gyre.recipes`) it picks from. The trainers themselves are `gyre.trainer`. Importing this package imports no torch:
+a config mistake is reported before torch loads (docs/runtime.md, "The program")."""

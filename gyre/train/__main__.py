@@ -1,6 +1,6 @@
-"""`python -m gyre.train [hydra overrides]`: the training program (see `gyre.runtime.app`, docs/runtime.md)."""
+"""`python -m gyre.train [hydra overrides]`: the training program (see `gyre.train.app`, docs/runtime.md)."""
 
-from gyre.runtime.app import main
+from gyre.train.app import main
 
 if __name__ == "__main__":
     main()

@@ -40,7 +40,7 @@ import numpy as np
 KEY_BYTES = 16
 _INT32_MAX = 2**31 - 1
 _INT16_MAX = 2**15 - 1
-NO_ROUTE = -1  # an expert id where the engine did not route (a dense layer, an unrouted position); gyre.train.routing
+NO_ROUTE = -1  # an expert id where the engine did not route (a dense layer, an unrouted position); gyre.trainer.routing
 
 
 class Provenance(enum.IntEnum):

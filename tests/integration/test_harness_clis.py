@@ -112,33 +112,11 @@ def codex_bin() -> Path:
     return _install_cli(*CODEX)
 
 
-def _make_turns_end_early(model_dir: Path, end_of_turn_id: int) -> None:
-    """Edit the tied embedding so that `end_of_turn_id` is sampled with probability ~0.2 at every position.
-
-    Every row gets a shared large component `offset * e_0`, so the residual stream, and the final hidden state
-    after RMSNorm, point along e_0 whatever the input; the logits of all tokens shift alike, except the
-    end-of-turn row's, which gets `extra` more along e_0: it leads the others by up to `extra * sqrt(hidden)`
-    (5.5 at hidden 192). Measured on random prompts: p(end of turn) 0.20-0.29 per position, so an answer
-    reaches the 48-token cap with probability ~1e-5.
-    """
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    offset, extra = 4.0, 0.4
-    weights_file = model_dir / "model.safetensors"
-    state = load_file(str(weights_file))
-    embed = state["model.embed_tokens.weight"]
-    direction = torch.zeros(embed.shape[1], dtype=embed.dtype)
-    direction[0] = 1.0
-    embed += offset * direction
-    embed[end_of_turn_id] += extra * direction
-    save_file(state, str(weights_file), metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="session")
 def long_context_model(tmp_path_factory) -> Path:
     from gyre.config import TinyModelSpec
-    from gyre.models.tiny import build_tiny_model
+    from gyre.models.tiny import bias_toward_end_of_turn, build_tiny_model
+    from gyre.models.tokenizer import load_tokenizer
     from gyre.proxy.render import ChatTemplate
 
     # One layer, not the default four: the CLIs' 48K-token prefill is attention-bound, so it costs a quarter, and a
@@ -151,7 +129,8 @@ def long_context_model(tmp_path_factory) -> Path:
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32_768}
     (model_dir / "config.json").write_text(json.dumps(config))
     (end_of_turn_id,) = ChatTemplate.from_pretrained(model_dir).end_of_turn_ids
-    _make_turns_end_early(model_dir, end_of_turn_id)
+    assert load_tokenizer(model_dir).id_to_token(end_of_turn_id) == "<|im_end|>"
+    bias_toward_end_of_turn(model_dir)
     return model_dir
 
 

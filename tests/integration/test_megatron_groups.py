@@ -64,7 +64,7 @@ def group_counter() -> int:
 def cells_worker(rank: int, world_size: int) -> dict:
     """2 cells x TP 2 through the one entry point, then the same cells re-initialized as PP 2 (TP 1)."""
     from gyre.distributed.layout import Layout
-    from gyre.train.model import build_process_groups_and_model_parallel, init_model_parallel
+    from gyre.trainer.model import build_process_groups_and_model_parallel, init_model_parallel
 
     layout = Layout(world_size=world_size, num_cells=2, cell_size=2)
     groups = build_process_groups_and_model_parallel(layout, tensor_parallel_size=2, pipeline_parallel_size=1, seed=1)
@@ -109,7 +109,7 @@ def pool_worker(rank: int, world_size: int) -> dict:
     """1 cell x TP 2 and one separate rollout rank (world 3, not divisible by TP)."""
     from gyre.distributed.layout import Layout
     from gyre.models.decoder_config import DecoderConfig
-    from gyre.train.model import build_gpt_model, build_process_groups_and_model_parallel
+    from gyre.trainer.model import build_gpt_model, build_process_groups_and_model_parallel
 
     layout = Layout(world_size=world_size, num_cells=1, cell_size=2, num_rollout_ranks=1)
     groups = build_process_groups_and_model_parallel(layout, tensor_parallel_size=2)
@@ -155,7 +155,7 @@ def refusals_worker(rank: int, world_size: int) -> dict:
 
     from gyre.distributed.groups import build_process_groups
     from gyre.distributed.layout import Layout
-    from gyre.train.model import build_process_groups_and_model_parallel, init_model_parallel
+    from gyre.trainer.model import build_process_groups_and_model_parallel, init_model_parallel
 
     result = {}
     try:

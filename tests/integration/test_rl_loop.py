@@ -69,9 +69,9 @@ from gyre.sched import (
 )
 from gyre.serve.stack import start_proxy
 from gyre.tasks.demo import generate_demo_tasks
-from gyre.train.native_trainable import NativeTrainable
-from gyre.train.publish import engine_weights
-from gyre.train.streaming import train_step
+from gyre.trainer.native_trainable import NativeTrainable
+from gyre.trainer.publish import engine_weights
+from gyre.trainer.streaming import train_step
 from gyre.traj.outcomes import GroupOutcomes
 from gyre.traj.roles import classifier_for
 from gyre.traj.store import load_tree

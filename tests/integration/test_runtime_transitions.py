@@ -21,8 +21,8 @@ from gyre.engine.remote import RemoteEngine
 from gyre.models.hf_weights import load_pretrained
 from gyre.models.tiny import tiny_model_dir
 from gyre.runtime.transitions import leave_rollout, return_to_rollout
-from gyre.train.native_trainable import NativeTrainable
-from gyre.train.publish import engine_weights
+from gyre.trainer.native_trainable import NativeTrainable
+from gyre.trainer.publish import engine_weights
 
 PROMPTS = ([1, 2, 3], [5, 9, 11, 4], [7])
 

@@ -1,7 +1,7 @@
 """The Megatron trainer's long-row path against the path it replaced, at TP = 1 and TP = 2 (real gloo ranks).
 
 New: one forward per micro-step over the packed rows in THD form, gyre's SDPA core attention, log-probs from the
-final hidden states a chunk of tokens at a time (`gyre.train.logprobs`). Old: one forward per row under a dense
+final hidden states a chunk of tokens at a time (`gyre.trainer.logprobs`). Old: one forward per row under a dense
 `L x L` mask through megatron's own `DotProductAttention`, the full vocab-parallel logits, megatron's cross
 entropy. Same weights: the log-probs and every gradient shard agree to 1e-5 (fp32), with recompute none,
 selective and full.
@@ -25,9 +25,9 @@ def compare_worker(rank: int, world_size: int, *, recompute: str) -> dict:
 
     from gyre.models.decoder import build_model
     from gyre.models.decoder_config import DecoderConfig
-    from gyre.train.convert import load_hf_state_dict
-    from gyre.train.logprobs import block_causal_mask, packed_logprobs, packed_positions
-    from gyre.train.model import build_gpt_model, init_model_parallel
+    from gyre.trainer.convert import load_hf_state_dict
+    from gyre.trainer.logprobs import block_causal_mask, packed_logprobs, packed_positions
+    from gyre.trainer.model import build_gpt_model, init_model_parallel
 
     init_model_parallel(tensor_parallel_size=world_size, seed=0)
     config = DecoderConfig(

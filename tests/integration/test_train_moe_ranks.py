@@ -72,7 +72,7 @@ def _native_update(native, step, weights_U, config):
     """The native model's gradients (HF names) and weights after one AdamW update of the same loss."""
     import torch
 
-    from gyre.train.native_trainable import NativeTrainable
+    from gyre.trainer.native_trainable import NativeTrainable
 
     trainable = NativeTrainable(native, lr=LR, max_grad_norm=1.0, routing_replay=True)
     (trainable.logprobs(step) * weights_U).sum().backward()
@@ -89,12 +89,12 @@ def moe_worker(rank: int, world_size: int) -> dict:
     import torch
 
     from gyre.models.decoder import build_model
-    from gyre.train.convert import gather_hf_state_dict, gather_hf_tensors, load_hf_state_dict
-    from gyre.train.logprobs import packed_logprobs
-    from gyre.train.megatron_trainable import MegatronTrainable
-    from gyre.train.model import build_gpt_model, init_model_parallel
-    from gyre.train.moe import moe_layers
-    from gyre.train.native_trainable import packed_logprobs as native_logprobs
+    from gyre.trainer.convert import gather_hf_state_dict, gather_hf_tensors, load_hf_state_dict
+    from gyre.trainer.logprobs import packed_logprobs
+    from gyre.trainer.megatron_trainable import MegatronTrainable
+    from gyre.trainer.model import build_gpt_model, init_model_parallel
+    from gyre.trainer.moe import moe_layers
+    from gyre.trainer.native_trainable import packed_logprobs as native_logprobs
 
     config = moe_config()
     native = build_model(config, seed=7)  # the same weights in both processes
@@ -211,7 +211,7 @@ def groups_worker(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from gyre.distributed.layout import Layout
-    from gyre.train.model import build_process_groups_and_model_parallel, dense_replica_group
+    from gyre.trainer.model import build_process_groups_and_model_parallel, dense_replica_group
 
     def members(group):
         return None if group is None else dist.get_process_group_ranks(group)
@@ -265,9 +265,9 @@ def files_worker(rank: int, world_size: int, model_dir: str) -> dict:
     from safetensors.torch import load_file
 
     from gyre.models.hf_weights import read_config
-    from gyre.train.convert import gather_hf_state_dict
-    from gyre.train.model import build_gpt_model, init_model_parallel
-    from gyre.train.shard_loading import load_hf_checkpoint
+    from gyre.trainer.convert import gather_hf_state_dict
+    from gyre.trainer.model import build_gpt_model, init_model_parallel
+    from gyre.trainer.shard_loading import load_hf_checkpoint
 
     config = read_config(model_dir)
     init_model_parallel(1, 1, expert_parallel_size=2)

@@ -1,4 +1,4 @@
-"""The streaming 1F1B pipeline (`gyre.train.pipeline`) on real gloo processes: PP 2, PP 3, TP 2 x PP 2 against PP 1.
+"""The streaming 1F1B pipeline (`gyre.trainer.pipeline`) on real gloo processes: PP 2, PP 3, TP 2 x PP 2 against PP 1.
 
 PP x TP processes hold the stages (and tensor shards) of one Megatron GPTModel (weights of a native
 `build_model(seed=...)` through `load_hf_state_dict`) and stream one batch of micro-steps of different lengths,
@@ -89,8 +89,8 @@ def batch_units(seed: int) -> list[tuple[int, tuple]]:
 def build_stage(tied: bool, pipeline_parallel: int, tensor_parallel: int = 1):
     """This rank's stage (and TP shard) of the Megatron model with the native model's weights (seed 3)."""
     from gyre.models.decoder import build_model
-    from gyre.train.convert import load_hf_state_dict
-    from gyre.train.model import build_gpt_model, init_model_parallel
+    from gyre.trainer.convert import load_hf_state_dict
+    from gyre.trainer.model import build_gpt_model, init_model_parallel
 
     init_model_parallel(tensor_parallel, pipeline_parallel)
     model = build_gpt_model(model_config(tied))
@@ -103,7 +103,7 @@ def hf_gradients(model, tied: bool) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from gyre.train.convert import megatron_to_hf
+    from gyre.trainer.convert import megatron_to_hf
 
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in model.named_parameters()}
     pp, tp = (
@@ -129,8 +129,8 @@ def loss_config():
 
 def reference_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: str) -> float:
     """PP = 1: `accumulate_unit` over the batch's units in order ("plain"), and over its first unit alone ("one")."""
-    from gyre.train.megatron_trainable import MegatronTrainable, global_grad_norm
-    from gyre.train.streaming import accumulate_unit
+    from gyre.trainer.megatron_trainable import MegatronTrainable, global_grad_norm
+    from gyre.trainer.streaming import accumulate_unit
 
     trainable = MegatronTrainable(build_stage(tied, 1), lr=1e-2)
     losses = {}
@@ -159,7 +159,7 @@ PAUSES = [0, 2, 0, 1, 3, 1]  # WAIT answers before each claim (a slow stream): 7
 
 def stream(units: list, pauses: list[int]):
     """A claim callable over `units`: before the i-th claim, `pauses[i]` times 50 ms of nothing (WAIT)."""
-    from gyre.train.pipeline import WAIT
+    from gyre.trainer.pipeline import WAIT
 
     plan: list = []
     for i in range(len(units) + 1):
@@ -180,8 +180,8 @@ def pipeline_worker(rank: int, world_size: int, *, seed: int, tied: bool, out: s
     """PP = world_size / TP: the batch streamed plain, with pauses, then only its first unit (fewer micro-steps
     than the first stage's warm-up at PP 3), then an empty batch; gradients zeroed between. At TP > 1 every TP
     rank of the first stage claims the same units (as a cell leader's broadcast gives them)."""
-    from gyre.train.megatron_trainable import global_grad_norm
-    from gyre.train.pipeline import StreamingPipeline
+    from gyre.trainer.megatron_trainable import global_grad_norm
+    from gyre.trainer.pipeline import StreamingPipeline
 
     model = build_stage(tied, world_size // tensor_parallel, tensor_parallel)
     pipeline = StreamingPipeline(model, config=loss_config())

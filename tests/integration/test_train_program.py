@@ -18,8 +18,8 @@ demo tasks, 4 cells on 4 gloo worker processes started by the program itself (do
   broadcast by rank 0 over it (`update_weights_from_distributed`).
 - A user's mistakes exit 2 with one line naming the field: a world size that does not fit the cells (under
   torchrun's variables), pipeline stages the model's layers do not split into, a model a Megatron cell cannot
-  shard, a model directory without a checkpoint, a bad value, a held-out task directory, a `$GYRE_JOB_SECRET` that
-  cannot be sent (named, its value not shown), a busy proxy port.
+  shard, a model directory without a checkpoint, a bad value, a held-out directory that is not there, a recipe
+  that does not exist, a `$GYRE_JOB_SECRET` that cannot be sent (named, its value not shown), a busy proxy port.
 """
 
 from __future__ import annotations
@@ -409,8 +409,10 @@ TORCHRUN_3 = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": 
         (["steps=0"], None, "steps"),
         (["packing.group_size=3"], None, "packing.group_size"),
         (["harness.isolate_user=maybe"], None, "harness.isolate_user"),
-        (["tasks.held_out_dir=/tmp"], None, "tasks.held_out_dir"),
+        (["tasks.held_out_dir=/nonexistent/held_out"], None, "tasks.held_out_dir"),
         (["tasks.demo.context_words=900"], None, "tasks.demo.context_words"),  # 2,892 tokens of notes > 1,024
+        (["recipe=nope"], None, "recipe"),  # no conf/recipe/nope.yaml
+        (["recipe.name=gyre.nowhere:Recipe"], None, "recipe.name"),  # a recipe of one's own that does not import
         ([], {"GYRE_JOB_SECRET": "two words"}, "GYRE_JOB_SECRET"),  # the line names it, never shows its value
     ],
 )

@@ -4,7 +4,7 @@ Cells of one rank each: rank 0 is the controller and the core; the controller's 
 micro-steps onto the step's board in the TCPStore (`gyre.distributed.step_pump`) as they become ready, slowly,
 while the core trains, and admits satellites at random micro-steps; a satellite pulls the core's weights of that
 step over a one-sided transport (Mooncake, else the store snapshot) and claims from the same board
-(`gyre.train.streaming.train_claimed_step`). After a burst of mu steps, the core's parameters must equal one
+(`gyre.trainer.streaming.train_claimed_step`). After a burst of mu steps, the core's parameters must equal one
 process running the same claim units in order (fp32: relative 1e-5), and every unit must have been processed
 exactly once, some of them by satellites.
 """
@@ -50,12 +50,12 @@ def make_trainable(backend: str = "native", tensor_parallel: int = 1):
 
     native = build_model(model_config(), seed=3)
     if backend == "native":
-        from gyre.train.native_trainable import NativeTrainable
+        from gyre.trainer.native_trainable import NativeTrainable
 
         return NativeTrainable(native, lr=LR, max_grad_norm=1.0)
-    from gyre.train.convert import load_hf_state_dict
-    from gyre.train.megatron_trainable import MegatronTrainable
-    from gyre.train.model import build_gpt_model, init_model_parallel
+    from gyre.trainer.convert import load_hf_state_dict
+    from gyre.trainer.megatron_trainable import MegatronTrainable
+    from gyre.trainer.model import build_gpt_model, init_model_parallel
 
     init_model_parallel(tensor_parallel, 1)
     model = build_gpt_model(model_config())
@@ -122,7 +122,7 @@ def units_of(seed: int, step: int) -> list:
 
 def run_reference(trainable, seed: int, mu: int) -> None:
     """One process: every claim unit of every step in order, one update per step."""
-    from gyre.train.streaming import train_step
+    from gyre.trainer.streaming import train_step
 
     for step in range(mu):
         queue = list(enumerate(units_of(seed, step)))
@@ -148,7 +148,7 @@ def reference_worker(rank: int, world_size: int, *, seed: int, mu: int, out: str
 def hf_parameters(trainable) -> dict[str, torch.Tensor]:
     """The whole model in HF names (Megatron shards gathered), to compare layouts."""
     if hasattr(trainable, "model") and not hasattr(trainable.model, "lm_head"):
-        from gyre.train.convert import gather_hf_state_dict
+        from gyre.trainer.convert import gather_hf_state_dict
 
         return gather_hf_state_dict(trainable.model, model_config())
     return {name: p.detach().clone() for name, p in trainable.model.state_dict().items()}
@@ -221,7 +221,7 @@ def stream_worker(
     from gyre.distributed.groups import build_process_groups
     from gyre.distributed.layout import Layout
     from gyre.distributed.transport import one_sided_transport
-    from gyre.train.streaming import train_claimed_step
+    from gyre.trainer.streaming import train_claimed_step
 
     num_cells = world_size // cell_size
     groups = build_process_groups(Layout(world_size=world_size, num_cells=num_cells, cell_size=cell_size))

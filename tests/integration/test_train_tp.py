@@ -1,4 +1,4 @@
-"""gyre.train across 2 real gloo processes on 127.0.0.1: a TP=2 model loaded from HF shards gives the log-probs of
+"""gyre.trainer across 2 real gloo processes on 127.0.0.1: a TP=2 model loaded from HF shards gives the log-probs of
 TP=1 (1e-5) and of the native engine (1e-4), and gathering the shards (TP=2, and the stages at PP=2) returns the HF
 tensors bit-identical. The test starts this file as a script in two processes with torchrun's environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), bounded by timeouts; a straggler is killed by its PID. Three updates of
@@ -51,9 +51,9 @@ def worker(out_dir: Path) -> None:
     from gyre.engine.protocol import SamplingParams
     from gyre.engine.sampling import sequence_logprobs
     from gyre.models.decoder import build_model
-    from gyre.train.convert import gather_hf_state_dict, load_hf_state_dict
-    from gyre.train.logprobs import packed_logprobs
-    from gyre.train.model import build_gpt_model, init_model_parallel
+    from gyre.trainer.convert import gather_hf_state_dict, load_hf_state_dict
+    from gyre.trainer.logprobs import packed_logprobs
+    from gyre.trainer.model import build_gpt_model, init_model_parallel
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
@@ -108,9 +108,9 @@ def worker(out_dir: Path) -> None:
 
 def updated(model, ids, offsets, config) -> dict:
     """`model`'s HF weights after three `MegatronTrainable` updates on the sum of its packed log-probs."""
-    from gyre.train.convert import gather_hf_state_dict
-    from gyre.train.logprobs import packed_logprobs
-    from gyre.train.megatron_trainable import MegatronTrainable
+    from gyre.trainer.convert import gather_hf_state_dict
+    from gyre.trainer.logprobs import packed_logprobs
+    from gyre.trainer.megatron_trainable import MegatronTrainable
 
     trainer = MegatronTrainable(model, lr=1e-2, max_grad_norm=0.0)
     for _ in range(3):

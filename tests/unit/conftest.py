@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory):
-    from gyre.train.model import init_model_parallel  # before megatron: gyre.train's import patch (cpu_patch)
+    from gyre.trainer.model import init_model_parallel  # before megatron: gyre.trainer's import patch (cpu_patch)
 
     from megatron.core import parallel_state  # isort: skip
 

@@ -69,7 +69,7 @@ def test_defaults_are_the_cpu_demo():
     assert (cfg.packing.group_size, cfg.packing.batch_groups) == (8, 4)
     assert cfg.model.uses_tiny and cfg.model.init == "warm_start"
     assert (cfg.trainer.backend, cfg.harness.name, cfg.harness.sandbox) == ("native", "builtin", "local")
-    assert cfg.tasks.uses_demo and cfg.tasks.evaluates
+    assert cfg.tasks.uses_recipe_tasks and cfg.tasks.evaluates
     assert cfg.logging.wandb == "offline"
     assert check_context_limit(cfg, cfg.model.tiny.max_position_embeddings) == 1024
 
@@ -85,7 +85,7 @@ def test_a_checkpoint_and_its_task_directories_construct():
         tasks=TasksConfig(task_dir="/data/tasks", held_out_dir="/data/held_out", num_held_out=0),
         proxy=proxy(context_limit=0),  # the checkpoint's limit: checked once its config.json is read
     )
-    assert not cfg.model.uses_tiny and not cfg.tasks.uses_demo and cfg.tasks.evaluates
+    assert not cfg.model.uses_tiny and not cfg.tasks.uses_recipe_tasks and cfg.tasks.evaluates
     assert TasksConfig(task_dir="/data/tasks", eval_every=0).evaluates is False
 
 
@@ -416,4 +416,4 @@ def test_the_recompute_choices_are_the_trainers_own():
     from gyre.config.trainer import RECOMPUTE_CHOICES
     from gyre.models.decoder import RECOMPUTE
 
-    assert RECOMPUTE_CHOICES == RECOMPUTE  # gyre.train.model.RECOMPUTE too: tests/unit/test_train_model.py
+    assert RECOMPUTE_CHOICES == RECOMPUTE  # gyre.trainer.model.RECOMPUTE too: tests/unit/test_train_model.py

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gyre.config import PackingConfig
 from gyre.data import MicroStep, StreamPackingBuffer, TokenRow, TrajectoryBuffer, build_microstep, materialize_group
 from gyre.distributed.claims import StepBoard, StepClaimer, decode_unit, encode_unit
-from gyre.train.routing import step_routes
+from gyre.trainer.routing import step_routes
 from gyre.traj import CallMeta, CallRouting, Provenance, Response, Segment, TrajectoryTree
 from gyre.traj.admission import AdmittedTrajectory
 

@@ -106,14 +106,8 @@ def test_command_runner_rejects_unknown_placeholders_and_reports_a_missing_progr
 def test_claude_code_runner_uses_the_offline_switches_and_the_served_model(tmp_path, fake_cli):
     context = make_context(tmp_path)
     spec = ClaudeCodeRunner(binary=str(fake_cli), extra_args=["--max-turns", "3"]).launch_spec(context)
-    assert spec.argv == (
-        str(fake_cli),
-        "-p",
-        context.task_prompt,
-        "--dangerously-skip-permissions",
-        "--max-turns",
-        "3",
-    )
+    assert spec.argv == (str(fake_cli), "-p", "--dangerously-skip-permissions", "--max-turns", "3")
+    assert spec.stdin == context.task_prompt and not spec.files  # the task on stdin: never on argv (ps, ARG_MAX)
     assert spec.env["IS_SANDBOX"] == "1"
     assert spec.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
     for key in ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
@@ -135,17 +129,38 @@ def test_codex_runner_writes_its_provider_config_under_the_private_home(tmp_path
         "check_for_update_on_startup=false",
         "--disable",
         "plugins",
-        context.task_prompt,
+        "--dangerously-bypass-approvals-and-sandbox",  # gyre sandboxes the execution; Codex's own is read-only
+        "-",
     )
     codex_home = context.home / ".codex"
     assert spec.env["CODEX_HOME"] == str(codex_home)
-    assert spec.stdin is None  # /dev/null: codex exec would otherwise read the task from a terminal
+    assert spec.stdin == context.task_prompt  # `-`: the task on stdin, never on argv (ps, ARG_MAX)
+    assert set(spec.files) == {codex_home / "config.toml"}
     tomllib = pytest.importorskip("tomllib", reason="tomllib is stdlib from Python 3.11")
     config = tomllib.loads(spec.files[codex_home / "config.toml"])
     provider = config["model_providers"][config["model_provider"]]
     assert config["model"] == "gyre"
     assert provider["base_url"] == "http://127.0.0.1:8080/v1" and provider["wire_api"] == "responses"
     assert spec.env[provider["env_key"]] == "sk-exec-7"
+
+
+def test_provisioning_writes_instructions_and_settings_into_the_private_home(tmp_path, fake_cli):
+    context = make_context(tmp_path, model="Qwen3-8B")
+    claude = ClaudeCodeRunner(binary=str(fake_cli), instructions="Run the tests.\n", settings='{"x": 1}')
+    spec = claude.launch_spec(context)
+    assert spec.files == {
+        context.home / ".claude" / "CLAUDE.md": "Run the tests.\n",
+        context.home / ".claude" / "settings.json": '{"x": 1}',
+    }
+    assert spec.env["ANTHROPIC_MODEL"] == "Qwen3-8B"
+    codex = CodexRunner(binary=str(fake_cli), instructions="Run the tests.\n", settings='approval_policy = "never"\n')
+    spec = codex.launch_spec(context)
+    home = context.home / ".codex"
+    assert spec.files[home / "AGENTS.md"] == "Run the tests.\n"
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is stdlib from Python 3.11")
+    config = tomllib.loads(spec.files[home / "config.toml"])
+    assert config["approval_policy"] == "never" and config["model"] == "Qwen3-8B"
+    assert config["model_providers"]["gyre"]["wire_api"] == "responses"
 
 
 def test_missing_cli_binaries_say_what_to_install(tmp_path):

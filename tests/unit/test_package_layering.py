@@ -1,7 +1,9 @@
 """The layering between gyre's packages (docs/architecture.md, "Import rules"), checked in fresh interpreters.
 
 Engines and trainers meet only through the shared model package (`gyre.models`) and the runtime; the proxy, a
-light process, loads no torch. Each case imports a package and every module under it (`__main__` aside) alone in
+light process, loads no torch; the runtime trains a model on task sets with a harness and loads no recipe, no demo
+family and not the app that picks a recipe (issue 29: `python -m gyre.train` is the app package `gyre.train`, the
+trainers are `gyre.trainer`). Each case imports a package and every module under it (`__main__` aside) alone in
 a new interpreter, with a timeout, so another test's imports cannot hide a dependency, and lists the modules that
 were loaded. (`gyre.config` loading no torch, hydra or numpy is checked in test_pure_packages.py.)
 """
@@ -14,7 +16,7 @@ import sys
 
 import pytest
 
-IMPORT_TIMEOUT_S = 300  # gyre.train imports megatron-core, which takes a while on a shared machine
+IMPORT_TIMEOUT_S = 300  # gyre.trainer imports megatron-core, which takes a while on a shared machine
 
 PROBE = """
 import importlib, json, pkgutil, sys
@@ -28,9 +30,12 @@ print(json.dumps(sorted(sys.modules)))
 # package -> top-level modules or gyre packages that importing it (every module of it) must not load
 FORBIDDEN = {
     "gyre.proxy": ("torch",),  # the server included: the engine protocol and its errors are stdlib
-    "gyre.train": ("gyre.engine",),
-    "gyre.engine": ("gyre.train",),
-    "gyre.models": ("gyre.engine", "gyre.train", "gyre.proxy", "gyre.tasks"),
+    "gyre.trainer": ("gyre.engine", "gyre.runtime"),  # trainers and engines meet only in the runtime
+    "gyre.engine": ("gyre.trainer", "gyre.runtime"),
+    "gyre.models": ("gyre.engine", "gyre.trainer", "gyre.proxy", "gyre.tasks"),
+    # The runtime trains "a model, task sets, a harness": recipes (and the demo family they build on) sit above it,
+    # as does the app (`python -m gyre.train`) that picks a recipe.
+    "gyre.runtime": ("gyre.recipes", "gyre.tasks.demo", "gyre.train"),
 }
 
 

@@ -1,5 +1,5 @@
-"""The training run's task sets (`gyre.runtime.task_sets`): a task that does not load is reported once, naming its
-file, and skipped; it never stops the run unless no task is left (issue 29, deliverable 6)."""
+"""A run's task directory (`gyre.runtime.task_sets.load_task_dir`): a task that does not load is reported once, naming
+its file, and skipped; it never stops the run unless no task is left (issue 29, deliverable 6)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import logging
 import pytest
 from test_tasks_spec import GOOD, make_task
 
-from gyre.config.tasks import TasksConfig
-from gyre.runtime.task_sets import TaskSetError, load_task_sets
+from gyre.runtime.task_sets import TaskSetError, load_task_dir
 
 
 def load(directory):
-    config = TasksConfig(task_dir=str(directory), num_held_out=0, eval_every=0)
-    return load_task_sets(config, directory.parent / "run", seed=0)
+    return load_task_dir("tasks.task_dir", str(directory))
 
 
 def test_a_bad_task_is_reported_once_with_its_file_and_the_run_goes_on(tmp_path, caplog):
@@ -22,8 +20,8 @@ def test_a_bad_task_is_reported_once_with_its_file_and_the_run_goes_on(tmp_path,
     make_task(tmp_path / "tasks", "not toml [", name="b-bad")
     make_task(tmp_path / "tasks", GOOD.replace("fix-add", "other"), name="c-good")
     caplog.set_level(logging.WARNING, logger="gyre.runtime.task_sets")
-    sets = load(tmp_path / "tasks")
-    assert [task.id for task in sets.train] == ["fix-add", "other"]
+    tasks = load(tmp_path / "tasks")
+    assert [task.id for task in tasks] == ["fix-add", "other"]
     (record,) = caplog.records
     assert "tasks.task_dir: skipped task 'b-bad'" in record.getMessage()
     assert str(tmp_path / "tasks" / "b-bad") in record.getMessage()

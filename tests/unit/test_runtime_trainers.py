@@ -18,8 +18,8 @@ from gyre.data.microstep import TokenRow, build_microstep
 from gyre.models.hf_weights import read_config
 from gyre.models.tiny import build_tiny_model
 from gyre.runtime.trainers import build_trainable, policy_model
-from gyre.train.native_trainable import NativeTrainable
-from gyre.train.publish import engine_weights
+from gyre.trainer.native_trainable import NativeTrainable
+from gyre.trainer.publish import engine_weights
 
 
 def test_the_core_weights_make_a_model_with_the_trainers_logits(tmp_path):

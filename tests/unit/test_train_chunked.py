@@ -1,4 +1,4 @@
-"""Log-probs a chunk of tokens at a time (`gyre.train.chunked`) and the native trainer's long-row path: the same
+"""Log-probs a chunk of tokens at a time (`gyre.trainer.chunked`) and the native trainer's long-row path: the same
 values and gradients as the full `[tokens, vocab]` logits (fp32: 1e-6 relative for the chunking alone, 1e-5
 against the dense-mask forward), whatever the chunk size, with and without activation recompute."""
 
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from gyre.models.decoder import block_causal_mask, build_model, segments_from_positions
 from gyre.models.decoder_config import DecoderConfig
-from gyre.train.chunked import chunked_token_logprobs
-from gyre.train.native_trainable import packed_logprobs
+from gyre.trainer.chunked import chunked_token_logprobs
+from gyre.trainer.native_trainable import packed_logprobs
 
 CONFIG = DecoderConfig(
     model_type="qwen3",

@@ -1,4 +1,4 @@
-"""gyre.train.convert: HF <-> Megatron state dicts. Round trips are bit-identical at every TP x PP layout, the TP
+"""gyre.trainer.convert: HF <-> Megatron state dicts. Round trips are bit-identical at every TP x PP layout, the TP
 shards are the documented slices (q/k/v interleaved per KV group, gate and up split separately), and missing,
 unexpected or mis-shaped tensors are refused with one ValueError before anything is loaded."""
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from gyre.models.decoder import build_model
 from gyre.models.decoder_config import DecoderConfig
-from gyre.train.convert import (
+from gyre.trainer.convert import (
     gather_hf_state_dict,
     hf_to_megatron,
     load_hf_state_dict,
@@ -20,7 +20,7 @@ from gyre.train.convert import (
     to_local_names,
     to_model_names,
 )
-from gyre.train.model import build_gpt_model, init_model_parallel
+from gyre.trainer.model import build_gpt_model, init_model_parallel
 
 CONFIG = DecoderConfig(
     model_type="qwen3",

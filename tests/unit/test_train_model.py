@@ -1,4 +1,4 @@
-"""gyre.train model build and packed log-probs (one process, TP=1 on a one-rank gloo group): a Megatron GPTModel
+"""gyre.trainer model build and packed log-probs (one process, TP=1 on a one-rank gloo group): a Megatron GPTModel
 loaded from a native `DecoderLM`'s HF state dict gives the native model's teacher-forced log-probs (fp32: 1e-4),
 packed rows give what each row gives alone, and layouts megatron cannot build are refused before building."""
 
@@ -15,9 +15,9 @@ from gyre.models.decoder import build_model
 from gyre.models.decoder_config import DecoderConfig, RopeScaling
 from gyre.models.hf_weights import read_config, read_state_dict
 from gyre.models.tiny import tiny_model_dir
-from gyre.train.convert import load_hf_state_dict
-from gyre.train.logprobs import packed_logprobs
-from gyre.train.model import build_gpt_model, transformer_config, validate_layout
+from gyre.trainer.convert import load_hf_state_dict
+from gyre.trainer.logprobs import packed_logprobs
+from gyre.trainer.model import build_gpt_model, transformer_config, validate_layout
 
 pytestmark = pytest.mark.slow  # megatron import and model builds: several seconds
 
@@ -165,7 +165,7 @@ def test_cpu_patches_allow_a_training_step(model_parallel):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from gyre.train import apply_cpu_patches, cpu_patch
+    from gyre.trainer import apply_cpu_patches, cpu_patch
 
     assert apply_cpu_patches() is True and apply_cpu_patches() is True  # idempotent
     assert getattr(get_megatron_optimizer, "_gyre_cpu_device_mode", False)
@@ -208,14 +208,14 @@ def test_cpu_patches_allow_a_training_step(model_parallel):
 
 
 def test_megatron_imported_after_gyre_train_loads_no_compiler_stack():
-    """Patch 5 (gyre/train/cpu_patch.py): on a CPU-only torch, megatron's fusion functions are not wrapped in
+    """Patch 5 (gyre/trainer/cpu_patch.py): on a CPU-only torch, megatron's fusion functions are not wrapped in
     `torch.compile` at import, so torch's compiler stack (dynamo, inductor) is not imported. A fresh process: this
     one may have imported them for other tests."""
     import subprocess
     import sys
 
     code = (
-        "import sys, gyre.train, megatron.core, megatron.core.jit as jit; "
+        "import sys, gyre.trainer, megatron.core, megatron.core.jit as jit; "
         "print(jit.jit_fuser is jit.noop_decorator, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
@@ -225,7 +225,7 @@ def test_megatron_imported_after_gyre_train_loads_no_compiler_stack():
 
 def test_recompute_maps_to_megatrons_own_options():
     from gyre.config.trainer import RECOMPUTE_CHOICES
-    from gyre.train.model import RECOMPUTE, recompute_overrides
+    from gyre.trainer.model import RECOMPUTE, recompute_overrides
 
     assert RECOMPUTE == RECOMPUTE_CHOICES
     assert recompute_overrides("none") == {}
@@ -239,7 +239,7 @@ def test_recompute_maps_to_megatrons_own_options():
 def test_a_model_built_to_recompute_is_in_training_mode(model_parallel, recompute):
     """Megatron recomputes only in training mode: a model built with recompute must be in it, or trainer.recompute
     would do nothing in the runtime's cells (found in issue 28; dropout is 0, so the mode changes nothing else)."""
-    from gyre.train.model import build_gpt_model
+    from gyre.trainer.model import build_gpt_model
 
     model = build_gpt_model(SMALL, recompute=recompute)
     assert model.training is (recompute != "none")

@@ -16,9 +16,9 @@ import torch
 from gyre.config.trainer import TrainerConfig, dense_replicas
 from gyre.models.decoder import build_model, route_tokens
 from gyre.models.moe import tiny_qwen3_moe_config
-from gyre.train.convert import hf_to_megatron, load_hf_state_dict, megatron_to_hf
-from gyre.train.model import build_gpt_model, cell_ranks, transformer_config, validate_layout
-from gyre.train.moe import check_routed_experts, moe_layers
+from gyre.trainer.convert import hf_to_megatron, load_hf_state_dict, megatron_to_hf
+from gyre.trainer.model import build_gpt_model, cell_ranks, transformer_config, validate_layout
+from gyre.trainer.moe import check_routed_experts, moe_layers
 
 QWEN3_MOE = tiny_qwen3_moe_config(vocab_size=96, bos_token_id=None, eos_token_id=None)
 QWEN2_MOE = dataclasses.replace(
@@ -200,8 +200,8 @@ def _rows_step(config, lengths, seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [QWEN3_MOE, QWEN2_MOE], ids=["qwen3_moe", "qwen2_moe"])
 def test_one_rank_megatron_moe_equals_the_native_model(model_parallel, config):
-    from gyre.train.logprobs import packed_logprobs
-    from gyre.train.native_trainable import packed_logprobs as native_logprobs
+    from gyre.trainer.logprobs import packed_logprobs
+    from gyre.trainer.native_trainable import packed_logprobs as native_logprobs
 
     native = build_model(config, seed=5)
     rows, step = _rows_step(config, (6, 11, 4), seed=6)
@@ -232,7 +232,7 @@ def test_one_rank_megatron_moe_equals_the_native_model(model_parallel, config):
 def test_native_trainable_replays_and_routes_a_step_without_routes_itself(caplog):
     """A micro-step none of whose calls kept routing (found in review: it trained or raised depending on what it
     was packed with) is routed by the trainer's own routers, with a warning, as any token no call routed."""
-    from gyre.train.native_trainable import NativeTrainable
+    from gyre.trainer.native_trainable import NativeTrainable
 
     native = build_model(QWEN3_MOE, seed=5)
     _, step = _rows_step(QWEN3_MOE, (5, 3), seed=2)
@@ -258,7 +258,7 @@ def test_native_trainable_replays_and_routes_a_step_without_routes_itself(caplog
 
 def test_sharded_loading_reads_each_ranks_experts(tmp_path):
     from gyre.models.hf_weights import save_pretrained
-    from gyre.train.shard_loading import read_megatron_shard
+    from gyre.trainer.shard_loading import read_megatron_shard
 
     native = build_model(QWEN3_MOE, seed=3)
     save_pretrained(native, tmp_path)

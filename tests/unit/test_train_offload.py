@@ -1,4 +1,4 @@
-"""gyre.train.offload on a tiny Megatron GPTModel (TP=1, one-rank gloo group): offload frees every device storage of
+"""gyre.trainer.offload on a tiny Megatron GPTModel (TP=1, one-rank gloo group): offload frees every device storage of
 params, grads and AdamW state into one host buffer; restore brings the same tensor objects back bit-identical; the
 next step equals that of a run that never offloaded; misuse raises RuntimeError naming the state;
 a restore that fails part way can be called again."""
@@ -10,12 +10,12 @@ import torch
 
 from gyre.models.decoder import build_model
 from gyre.models.decoder_config import DecoderConfig
-from gyre.train import offload
-from gyre.train.convert import gather_hf_state_dict, load_hf_state_dict
-from gyre.train.logprobs import packed_logprobs
-from gyre.train.megatron_trainable import MegatronTrainable
-from gyre.train.model import build_gpt_model
-from gyre.train.offload import TrainerState
+from gyre.trainer import offload
+from gyre.trainer.convert import gather_hf_state_dict, load_hf_state_dict
+from gyre.trainer.logprobs import packed_logprobs
+from gyre.trainer.megatron_trainable import MegatronTrainable
+from gyre.trainer.model import build_gpt_model
+from gyre.trainer.offload import TrainerState
 
 pytestmark = pytest.mark.slow  # megatron import and model builds: several seconds
 

@@ -1,4 +1,4 @@
-"""gyre.train.precision: a bf16 model trains with fp32 main weights, gradients and optimizer state. Micro-steps'
+"""gyre.trainer.precision: a bf16 model trains with fp32 main weights, gradients and optimizer state. Micro-steps'
 gradients add up in fp32 exactly, the model holds the main weights rounded, an update smaller than bf16's spacing
 still accumulates, and the Megatron trainer does the same with its TP attributes kept (so its gradient norm
 counts alike)."""
@@ -12,8 +12,8 @@ from test_train_streaming_unit import CONFIG, rows
 
 from gyre.data.microstep import build_microstep
 from gyre.models.decoder import build_model
-from gyre.train.native_trainable import NativeTrainable
-from gyre.train.precision import MainWeights
+from gyre.trainer.native_trainable import NativeTrainable
+from gyre.trainer.precision import MainWeights
 
 
 def microstep(seed: int):
@@ -82,9 +82,9 @@ def test_updates_below_bf16_spacing_still_accumulate():
 
 
 def test_megatron_bf16_trains_with_fp32_main_weights(model_parallel):
-    from gyre.train.convert import load_hf_state_dict
-    from gyre.train.megatron_trainable import MegatronTrainable, global_grad_norm
-    from gyre.train.model import build_gpt_model
+    from gyre.trainer.convert import load_hf_state_dict
+    from gyre.trainer.megatron_trainable import MegatronTrainable, global_grad_norm
+    from gyre.trainer.model import build_gpt_model
 
     native = build_model(CONFIG, seed=1)
     fp32, bf16 = build_gpt_model(CONFIG), build_gpt_model(CONFIG, dtype=torch.bfloat16)

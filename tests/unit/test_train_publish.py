@@ -1,4 +1,4 @@
-"""gyre.train.publish: weights trained by Megatron reach a native engine, which then generates exactly what an
+"""gyre.trainer.publish: weights trained by Megatron reach a native engine, which then generates exactly what an
 engine built from the same weights generates; a refused publication changes nothing. The native trainable
 publishes through the same call, without loading Megatron (checked in a fresh interpreter)."""
 
@@ -42,9 +42,10 @@ async def greedy(engine: NativeEngine, name: str) -> list[list[int]]:
 
 
 def test_trained_weights_reach_the_engine(model_parallel):
-    from gyre.train.convert import load_hf_state_dict
-    from gyre.train.model import build_gpt_model
-    from gyre.train.publish import engine_weights, publish_to_engines
+    from gyre.runtime.transitions import publish_to_engines
+    from gyre.trainer.convert import load_hf_state_dict
+    from gyre.trainer.model import build_gpt_model
+    from gyre.trainer.publish import engine_weights
 
     native = build_model(CONFIG, seed=5)
     model = build_gpt_model(CONFIG)
@@ -78,10 +79,10 @@ def test_trained_weights_reach_the_engine(model_parallel):
 def test_engine_behavior_logprobs_equal_the_trainers_after_a_round_trip(model_parallel):
     """docs/architecture.md contract 5 end to end: HF -> Megatron -> HF -> engine; the engine samples (temperature 1)
     and reports behavior log-probs; the trainer's log-probs of the same tokens agree within 1e-4 (fp32)."""
-    from gyre.train.convert import load_hf_state_dict
-    from gyre.train.logprobs import packed_logprobs
-    from gyre.train.model import build_gpt_model
-    from gyre.train.publish import engine_weights
+    from gyre.trainer.convert import load_hf_state_dict
+    from gyre.trainer.logprobs import packed_logprobs
+    from gyre.trainer.model import build_gpt_model
+    from gyre.trainer.publish import engine_weights
 
     model = build_gpt_model(CONFIG)
     load_hf_state_dict(model, build_model(CONFIG, seed=9).state_dict(), CONFIG)
@@ -113,8 +114,9 @@ def test_engine_behavior_logprobs_equal_the_trainers_after_a_round_trip(model_pa
 
 
 def test_native_trainable_publishes_a_copy_of_its_weights_in_the_engines_names():
-    from gyre.train.native_trainable import NativeTrainable
-    from gyre.train.publish import engine_weights, publish_to_engines
+    from gyre.runtime.transitions import publish_to_engines
+    from gyre.trainer.native_trainable import NativeTrainable
+    from gyre.trainer.publish import engine_weights
 
     trainable = NativeTrainable(build_model(CONFIG, seed=3), lr=1e-3)
     weights = engine_weights(trainable)
@@ -145,8 +147,8 @@ def test_native_trainable_publishes_a_copy_of_its_weights_in_the_engines_names()
 
 
 def test_engine_weights_names_what_it_takes():
-    from gyre.train.native_trainable import NativeTrainable
-    from gyre.train.publish import engine_weights
+    from gyre.trainer.native_trainable import NativeTrainable
+    from gyre.trainer.publish import engine_weights
 
     with pytest.raises(TypeError, match="needs its DecoderConfig"):  # not the native decoder: a Megatron model
         engine_weights(torch.nn.Linear(2, 2))
@@ -161,8 +163,8 @@ NATIVE_PUBLICATION = """
 import json, sys
 from gyre.models.decoder import build_model
 from gyre.models.decoder_config import DecoderConfig
-from gyre.train.native_trainable import NativeTrainable
-from gyre.train.publish import engine_weights, publish_to_engines
+from gyre.trainer.native_trainable import NativeTrainable
+from gyre.trainer.publish import engine_weights
 config = DecoderConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=8)
 weights = engine_weights(NativeTrainable(build_model(config, seed=0), lr=1e-3))
@@ -172,7 +174,7 @@ print(json.dumps({"tensors": len(weights.manifest), "modules": sorted(sys.module
 
 def test_a_native_publication_loads_no_megatron():
     """In a fresh interpreter, so another test's imports cannot hide it: a native run's publication path (the
-    trainable, `engine_weights`) loads neither megatron nor gyre.train.convert, nor any gyre.engine module."""
+    trainable, `engine_weights`) loads neither megatron nor gyre.trainer.convert, nor any gyre.engine module."""
     out = subprocess.run(
         [sys.executable, "-c", NATIVE_PUBLICATION], capture_output=True, text=True, timeout=300, check=False
     )
@@ -180,6 +182,6 @@ def test_a_native_publication_loads_no_megatron():
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["tensors"] > 0
     loaded = report["modules"]
-    for forbidden in ("megatron", "transformer_engine", "gyre.train.convert", "gyre.train.model", "gyre.engine"):
+    for forbidden in ("megatron", "transformer_engine", "gyre.trainer.convert", "gyre.trainer.model", "gyre.engine"):
         bad = [m for m in loaded if m == forbidden or m.startswith(forbidden + ".")]
         assert bad == [], f"a native publication loads {forbidden}: {bad[:10]}"

@@ -1,4 +1,4 @@
-"""gyre.train.shard_loading: a rank's Megatron shard read straight from safetensors slices equals `hf_to_megatron`
+"""gyre.trainer.shard_loading: a rank's Megatron shard read straight from safetensors slices equals `hf_to_megatron`
 of the whole checkpoint, at every TP x PP rank, from one file or several, in the file's dtype; bad checkpoints are
 refused before any parameter is written; a model filled this way gives the same log-probs as one loaded whole."""
 
@@ -14,11 +14,11 @@ from test_train_convert import CONFIG, LAYOUTS, hf_state
 
 from gyre.models.decoder import DecoderLM
 from gyre.models.hf_weights import read_state_dict, save_pretrained
-from gyre.train.convert import chunk_bounds, hf_to_megatron, load_hf_state_dict
-from gyre.train.model import build_gpt_model
-from gyre.train.shard_loading import load_hf_checkpoint, read_megatron_shard
+from gyre.trainer.convert import chunk_bounds, hf_to_megatron, load_hf_state_dict
+from gyre.trainer.model import build_gpt_model
+from gyre.trainer.shard_loading import load_hf_checkpoint, read_megatron_shard
 
-# Layouts a config.json can state: Qwen3 has one attention_bias for q/k/v and o_proj (gyre.train refuses an o_proj
+# Layouts a config.json can state: Qwen3 has one attention_bias for q/k/v and o_proj (gyre.trainer refuses an o_proj
 # bias), so its biases are off; Qwen2 carries the q/k/v biases.
 QWEN3 = dataclasses.replace(CONFIG, attention_qkv_bias=False)
 QWEN2 = dataclasses.replace(CONFIG, model_type="qwen2", qk_norm=False)

@@ -1,4 +1,4 @@
-"""gyre.train.streaming.accumulate_unit: a claim unit holding a split execution gives the gradient of one loss call
+"""gyre.trainer.streaming.accumulate_unit: a claim unit holding a split execution gives the gradient of one loss call
 over the whole batch (s_i of Eq. 5 taken over all the execution's micro-steps by the no-grad pass)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from gyre.data.microstep import TokenRow, build_microstep
 from gyre.models.decoder import build_model
 from gyre.models.decoder_config import DecoderConfig
 from gyre.rl import policy_loss
-from gyre.train.native_trainable import NativeTrainable
-from gyre.train.streaming import accumulate_unit
+from gyre.trainer.native_trainable import NativeTrainable
+from gyre.trainer.streaming import accumulate_unit
 
 CONFIG = DecoderConfig(
     model_type="qwen2",

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-import gyre.train.routing
+import gyre.trainer.routing
 from gyre.traj import (
     NO_ROUTE,
     CallMeta,
@@ -80,7 +80,8 @@ def test_call_routing_copies_into_a_read_only_int16_array():
         routing.experts[0, 0, 0] = 5
     assert routing == CallRouting(4, [[[1, 2]], [[3, -1]]]) and routing != CallRouting(3, source)
     assert (
-        NO_ROUTE == gyre.train.routing.NO_ROUTE == -1 and CallRouting(0, np.zeros((0, 3, 2), np.int32)).num_tokens == 0
+        NO_ROUTE == gyre.trainer.routing.NO_ROUTE == -1
+        and CallRouting(0, np.zeros((0, 3, 2), np.int32)).num_tokens == 0
     )
 
 

@@ -1,9 +1,13 @@
 """The `claude_code` runner: Claude Code's CLI in print mode against the proxy's Anthropic Messages API, offline.
 
-As docs/harness.md records (Claude Code 2.1.197): `claude -p "<task>" --dangerously-skip-permissions` with
-ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY, IS_SANDBOX=1 (as root it refuses the flag without it) and
-CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 (no telemetry, update checks or title request: the proxy is the
-only peer). Every model the CLI may ask for (main, small/fast, sub-agent) is set to the served model.
+As docs/harness.md records (Claude Code 2.1.197): `claude -p --dangerously-skip-permissions` with the task on
+standard input (not argv: no length limit, not shown by `ps`), ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY, IS_SANDBOX=1
+(as root it refuses the flag without it) and CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 (no telemetry, update checks
+or title request: the proxy is the only peer). Every model the CLI may ask for (main, small/fast, sub-agent) is set
+to the served model name.
+Provisioning, per execution under its private HOME: `instructions` become the user memory `~/.claude/CLAUDE.md`
+(read as project instructions, the workspace left as the task made it), `settings` (a JSON object's text) the user
+settings `~/.claude/settings.json`.
 
 The binary: `binary=` if given; else `claude` on the controller's PATH; else the npm install the tests make
 (`$GYRE_TEST_CLI_CACHE` or ~/.cache/gyre-test-clis, `@anthropic-ai__claude-code@<version>`).
@@ -50,6 +54,8 @@ class ClaudeCodeRunner:
     extra_args: Sequence[str] = ()  # appended after the standard flags (e.g. "--max-turns", "50")
     env: Mapping[str, str] = field(default_factory=dict)  # fixed additions
     path: str = DEFAULT_PATH
+    instructions: str = ""  # written as ~/.claude/CLAUDE.md ("": none)
+    settings: str = ""  # a JSON object, written as ~/.claude/settings.json ("": none)
 
     def _executable(self) -> str | None:
         return find_cli(self.binary, "claude", CLAUDE_CODE_PACKAGE, CLAUDE_CODE_VERSION)
@@ -78,5 +84,10 @@ class ClaudeCodeRunner:
             }
         )
         env.update(self.env)
-        argv = (executable, "-p", context.task_prompt, "--dangerously-skip-permissions", *self.extra_args)
-        return LaunchSpec(argv=argv, env=env)
+        argv = (executable, "-p", "--dangerously-skip-permissions", *self.extra_args)
+        files = {}
+        if self.instructions:
+            files[context.home / ".claude" / "CLAUDE.md"] = self.instructions
+        if self.settings:
+            files[context.home / ".claude" / "settings.json"] = self.settings
+        return LaunchSpec(argv=argv, env=env, files=files, stdin=context.task_prompt)

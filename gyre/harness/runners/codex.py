@@ -1,10 +1,14 @@
 """The `codex` runner: Codex CLI's `exec` mode against the proxy's OpenAI Responses API, offline.
 
 As docs/harness.md records (Codex 0.171.0, Responses API only): a provider in `$CODEX_HOME/config.toml`
-(`wire_api = "responses"`, the key read from the env var `env_key` names), then
-`codex exec --skip-git-repo-check -c analytics.enabled=false -c check_for_update_on_startup=false
---disable plugins "<task>" < /dev/null`; those switches remove all other outbound traffic.
-CODEX_HOME is `<home>/.codex`, private to the execution. `codex` is a node script: node must be installed.
+(`wire_api = "responses"`, the key read from the env var `env_key` names), then `codex exec --skip-git-repo-check
+-c analytics.enabled=false -c check_for_update_on_startup=false --disable plugins
+--dangerously-bypass-approvals-and-sandbox -` with the task on standard input (not argv: no length limit, not shown
+by `ps`). Those switches remove all other outbound traffic, and the bypass leaves sandboxing to gyre's (Codex's
+default, read-only, would keep the agent from changing the workspace). CODEX_HOME is `<home>/.codex`, private to
+the execution; it holds the config written per execution (`config.toml`: the served model name, then `settings`,
+the user's TOML, then the proxy as the only provider) and `instructions` as `AGENTS.md` (Codex's global
+instructions, so the workspace stays as the task made it). `codex` is a node script: node must be installed.
 """
 
 from __future__ import annotations
@@ -31,12 +35,17 @@ def _toml_str(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string
 
 
-def codex_config_toml(*, model: str, base_url: str) -> str:
-    """Codex's config.toml: the proxy as the only model provider, on the Responses wire API."""
+def codex_config_toml(*, model: str, base_url: str, settings: str = "") -> str:
+    """Codex's config.toml: the served model and the proxy as the only model provider, on the Responses wire API.
+    `settings` (the user's TOML: top-level keys and tables) goes between gyre's top-level keys and the provider's
+    table, so both stay what they are; a key of gyre's set again there makes the file invalid (checked at start,
+    `gyre.runtime.harness_setup.harness_provisioning`)."""
+    user = settings.strip("\n") + "\n\n" if settings.strip() else ""
     return (
         f"model = {_toml_str(model)}\n"
         f"model_provider = {_toml_str(PROVIDER)}\n"
         "\n"
+        f"{user}"
         f"[model_providers.{PROVIDER}]\n"
         f"name = {_toml_str(PROVIDER)}\n"
         f"base_url = {_toml_str(base_url)}\n"
@@ -53,6 +62,8 @@ class CodexRunner:
     extra_args: Sequence[str] = ()  # inserted before the task (e.g. "-c", "model_reasoning_effort=low")
     env: Mapping[str, str] = field(default_factory=dict)
     path: str = DEFAULT_PATH
+    instructions: str = ""  # written as $CODEX_HOME/AGENTS.md ("": none)
+    settings: str = ""  # TOML lines added to config.toml ("": none)
 
     def _executable(self) -> str | None:
         return find_cli(self.binary, "codex", CODEX_PACKAGE, CODEX_VERSION)
@@ -91,8 +102,14 @@ class CodexRunner:
             "check_for_update_on_startup=false",
             "--disable",
             "plugins",
+            # gyre's sandbox is the execution's (own uid or bubblewrap): Codex's own would leave the workspace
+            # read-only (`codex exec`'s default), so the agent could not change what gets scored.
+            "--dangerously-bypass-approvals-and-sandbox",
             *self.extra_args,
-            context.task_prompt,
+            "-",  # the task on standard input
         )
-        files = {codex_home / "config.toml": codex_config_toml(model=context.model, base_url=context.openai_base_url)}
-        return LaunchSpec(argv=argv, env=env, files=files)
+        config = codex_config_toml(model=context.model, base_url=context.openai_base_url, settings=self.settings)
+        files = {codex_home / "config.toml": config}
+        if self.instructions:
+            files[codex_home / "AGENTS.md"] = self.instructions
+        return LaunchSpec(argv=argv, env=env, files=files, stdin=context.task_prompt)

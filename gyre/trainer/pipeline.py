@@ -27,9 +27,9 @@ Pauses: a WAIT from `claim` is forwarded down the pipeline and counted; every st
 in a blocking receive, with its in-flight activations kept: nothing is drained or re-warmed. WAIT messages keep the
 downstream receives inside the process group's timeout during long pauses; a `claim` that blocks instead works too.
 
-Contract: the gradients accumulated in `.grad` equal those of `gyre.train.streaming.accumulate_unit` over the same
+Contract: the gradients accumulated in `.grad` equal those of `gyre.trainer.streaming.accumulate_unit` over the same
 claim units at PP = 1 (up to summation order): the last stage computes per-token log-probs with megatron's
-vocab-parallel cross entropy (as `gyre.train.logprobs`) and `gyre.rl.policy_loss` with the micro-step's
+vocab-parallel cross entropy (as `gyre.trainer.logprobs`) and `gyre.rl.policy_loss` with the micro-step's
 `loss_inputs`, and backpropagates the loss unscaled. A unit with split executions first sends all its micro-steps
 as SCORE messages; the last stage accumulates `sequence_log_ratio_sums` and finalizes s_i before the unit's TRAIN
 micro-steps reach it (they follow the SCOREs in the same FIFO).
@@ -38,7 +38,7 @@ The loss and its metrics are the last stage's: after the drain it broadcasts the
 stage's `StepResult` has them (the cell leader, on the first stage, reports the cell's share of a step).
 
 Tensor parallelism: each TP rank of the first stage must get the same units from `claim` (the cell's leader
-claims and broadcasts over `claim_group`, the first stage's TP group, as `gyre.train.streaming.train_claimed_step`
+claims and broadcasts over `claim_group`, the first stage's TP group, as `gyre.trainer.streaming.train_claimed_step`
 does); headers and activations then travel along each TP rank's own pipeline group. Sequence parallelism is
 rejected (the activation would be `[U / tp, 1, hidden]`). Run here at PP 2, PP 3 and TP 2 x PP 2
 (tests/integration/test_train_pipeline.py), and in the program at PP 2 (cells of 2 stages, a satellite beside the
@@ -63,11 +63,11 @@ from gyre.data.microstep import MicroStep
 from gyre.distributed.claims import decode_unit, encode_unit
 from gyre.rl import finalize_sequence_ratio, policy_loss
 from gyre.rl.loss_metrics import LossMetricSums
-from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
-from gyre.train.cpu_patch import apply_cpu_patches
-from gyre.train.logprobs import logprobs_from_hidden, packed_positions, set_model_routing, thd_params
-from gyre.train.routing import step_routes
-from gyre.train.streaming import StepResult, add_sequence_sums, loss_inputs_on
+from gyre.trainer.chunked import DEFAULT_CHUNK_TOKENS
+from gyre.trainer.cpu_patch import apply_cpu_patches
+from gyre.trainer.logprobs import logprobs_from_hidden, packed_positions, set_model_routing, thd_params
+from gyre.trainer.routing import step_routes
+from gyre.trainer.streaming import StepResult, add_sequence_sums, loss_inputs_on
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
@@ -114,9 +114,9 @@ class _InFlight:
 class StreamingPipeline:
     """The streaming 1F1B schedule of one pipeline stage; `run(claim)` accumulates one batch's gradients.
 
-    model: this rank's stage of a megatron `GPTModel` (`gyre.train.model.build_gpt_model`, `parallel_state`
+    model: this rank's stage of a megatron `GPTModel` (`gyre.trainer.model.build_gpt_model`, `parallel_state`
     initialized with PP > 1). config: the loss. temperature: logits are divided by it before the log-softmax.
-    chunk_tokens: the last stage's log-probs a chunk of tokens at a time (`gyre.train.chunked`)."""
+    chunk_tokens: the last stage's log-probs a chunk of tokens at a time (`gyre.trainer.chunked`)."""
 
     def __init__(
         self,
@@ -231,7 +231,7 @@ class StreamingPipeline:
     # --- compute ------------------------------------------------------------------------------------------------
 
     def _stage_forward(self, step: MicroStep, input_BSH: Tensor | None) -> Tensor:
-        """This stage's forward over the packed rows in THD form (as `gyre.train.logprobs.packed_logprobs`):
+        """This stage's forward over the packed rows in THD form (as `gyre.trainer.logprobs.packed_logprobs`):
         hidden states `[U, 1, hidden]`, the final-normed ones on the last stage."""
         U = step.num_tokens
         positions_U = packed_positions(step.row_offsets_R1, U).to(self.device)
@@ -244,7 +244,7 @@ class StreamingPipeline:
         return self.model.final_hidden(ids_1U, positions_U[None], packed_seq_params=params)
 
     def _logprobs(self, step: MicroStep, hidden_U1C: Tensor) -> Tensor:
-        """fp32 `[U]` log-probs from the last stage's hidden states (`gyre.train.logprobs.logprobs_from_hidden`)."""
+        """fp32 `[U]` log-probs from the last stage's hidden states (`gyre.trainer.logprobs.logprobs_from_hidden`)."""
         ids_U = torch.from_numpy(step.ids_U).to(self.device)
         positions_U = packed_positions(step.row_offsets_R1, step.num_tokens).to(self.device)
         return logprobs_from_hidden(

@@ -1,29 +1,23 @@
-"""After the final update of a burst the core publishes its weights to the rollout engines (flat buffer + manifest +
-version), in the engines' own parameter names (HF layout).
+"""What the core publishes to the rollout engines after the final update of a burst: its weights as one flat buffer
+and manifest, in the engines' own parameter names (HF layout).
 
 `engine_weights(trainable)` is the one call for both trainables (docs/training.md, "Publication"):
-- a native trainable (`gyre.train.native_trainable.NativeTrainable`, or its `DecoderLM`): the model's own
+- a native trainable (`gyre.trainer.native_trainable.NativeTrainable`, or its `DecoderLM`): the model's own
   `state_dict`, whose names are the HF names the engines take (the shared decoder, `gyre.models.decoder`); local,
   no collective, and Megatron is never imported;
-- a Megatron trainable (`gyre.train.megatron_trainable.MegatronTrainable`, or its `GPTModel`), with the model's
+- a Megatron trainable (`gyre.trainer.megatron_trainable.MegatronTrainable`, or its `GPTModel`), with the model's
   `DecoderConfig`: collective over the core cell (it gathers TP shards and PP stages, `gather_hf_state_dict`, imported
   on this first call): every rank of the core calls it; all get the same `FlatWeights`.
 The result is a copy (one contiguous buffer): later updates of the trainer do not reach what was published.
 
-`publish_to_engines` then hands it to each engine (`Engine.update_weights`: in process, or over HTTP through
-`RemoteEngine`), concurrently; every engine checks names, shapes and the version before applying anything
-(gyre.engine.protocol). One rank of the core publishes. A cell that returns to rollout takes the publication through
-`gyre.runtime.transitions.return_to_rollout` instead (its memory is released while it trains).
-
-Importing this module loads neither Megatron nor any gyre.engine module (tests/unit/test_train_publish.py checks it
-in a fresh interpreter).
+The runtime hands it to the engines (`gyre.runtime.transitions.publish_to_engines`): trainers and engines meet only
+there. Importing this module loads neither Megatron nor any gyre.engine module (tests/unit/test_train_publish.py
+checks it in a fresh interpreter).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -31,10 +25,7 @@ from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights, flatten_weights
 
-if TYPE_CHECKING:  # the trainer meets engines only through this protocol's methods; it loads no gyre.engine module
-    from gyre.engine.protocol import Engine
-
-__all__ = ["engine_weights", "publish_to_engines"]
+__all__ = ["engine_weights"]
 
 
 class HasModel(Protocol):
@@ -65,20 +56,9 @@ def engine_weights(
                 f"engine_weights: config={config!r} is not allowed for a {type(model).__name__}: a Megatron model "
                 "needs its DecoderConfig (the HF layout it is gathered into)"
             )
-        from gyre.train.convert import gather_hf_state_dict  # Megatron, only on this path
+        from gyre.trainer.convert import gather_hf_state_dict  # Megatron, only on this path
 
         tensors = gather_hf_state_dict(model, config)
     if dtype is not None:
         tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
     return flatten_weights(tensors)
-
-
-async def publish_to_engines(engines: Sequence[Engine], weights: FlatWeights, *, version: int) -> None:
-    """`update_weights(weights, version=version)` on every engine at once; the first failure is raised after all
-    finished (an engine that refused keeps its previous weights and version)."""
-    results = await asyncio.gather(
-        *(engine.update_weights(weights, version=version) for engine in engines), return_exceptions=True
-    )
-    for engine, result in zip(engines, results, strict=True):
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"publishing version {version} to {engine!r} failed: {result}") from result

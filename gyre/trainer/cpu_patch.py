@@ -22,22 +22,22 @@ megatron-core assumes a CUDA device in a few places the forward, backward, optim
    the last stage's copy with `.cuda()` before all-reducing it), the `step` of `MixedPrecisionOptimizer`,
    `FP32Optimizer` and `ChainedOptimizer` (`DistributedOptimizer` inherits the first) and the three
    `forward_backward_*` functions that `get_forward_backward_func` returns. A `get_megatron_optimizer` imported
-   by name BEFORE the patch stays unwrapped: call `apply_cpu_patches()` first (importing `gyre.train.model`,
+   by name BEFORE the patch stays unwrapped: call `apply_cpu_patches()` first (importing `gyre.trainer.model`,
    `.convert` or `.logprobs` does).
 4. `Tensor.type()` string checks: the optimizers accept a parameter only if `param.type()` is
    `torch.cuda.FloatTensor` (or Half/BFloat16), and `clip_grads` asserts it. Inside `cpu_device_mode()` a CPU
    tensor's `type()` (no arguments) answers the `torch.cuda.*` name of its dtype.
 
-5. Installed on import of `gyre.train` (and of this module), before megatron is imported, on a CPU-only torch
+5. Installed on import of `gyre.trainer` (and of this module), before megatron is imported, on a CPU-only torch
    build: `megatron.core.jit` loads with `jit_fuser` the no-op decorator (`disable_jit_fuser()`, megatron's own
    switch). Megatron decorates its fusion functions with `torch.compile` when its modules load, which imports
    torch's compiler stack (dynamo, inductor: ~2.7 of the ~7.5 CPU seconds of `import megatron.core`, measured);
-   on CPU the fusion flags are off, so nothing of it is used (`gyre.train.jit_patch`, free of torch;
+   on CPU the fusion flags are off, so nothing of it is used (`gyre.trainer.jit_patch`, free of torch;
    docs/training.md, "CPU patches").
 
 Not patched (not needed here): the fused kernels and `torch.compile` paths (leave the fusion flags off) and the
 default causal mask built on "cuda" in `fused_softmax` / `transformer.utils` (always pass an attention mask on
-CPU, as `gyre.train.logprobs` does).
+CPU, as `gyre.trainer.logprobs` does).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gyre.train.jit_patch import install_jit_fuser_patch
+from gyre.trainer.jit_patch import install_jit_fuser_patch
 
 logger = logging.getLogger(__name__)
 
@@ -199,4 +199,4 @@ def apply_cpu_patches() -> bool:
     return True
 
 
-install_jit_fuser_patch()  # patch 5 (gyre.train.jit_patch); the package installs it too, before this module
+install_jit_fuser_patch()  # patch 5 (gyre.trainer.jit_patch); the package installs it too, before this module

@@ -4,6 +4,8 @@
 Contract
     * Configuration comes from `conf/` and Hydra overrides only, checked by converting it to
       `gyre.config.TrainConfig` (the dataclasses' checks) and then by the runtime (`gyre.runtime.program`).
+    * `recipe.name` (the Hydra group `recipe=demo|repo`) picks the recipe (`gyre.recipes.load_recipe`): where the
+      starting model and the tasks come from when the config leaves them empty. The runtime imports no recipe.
     * A config the user can fix (a bad value, an unknown field, a world size this runtime does not run, a missing
       model or task directory, a harness or sandbox missing here, a run directory that cannot be written) prints
       ONE line `gyre.train: config error: ...` to stderr and exits 2. A run that fails prints
@@ -36,6 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from gyre.config import ConfigError, TrainConfig, register_configs
 from gyre.config.hydra_errors import CONF_DIR, describe_config_error, to_config
 from gyre.obs.logging import setup_logging
+from gyre.recipes import load_recipe
 from gyre.runtime.launch import LaunchError, LaunchStopped, WorkerFailed, fixed_run_dir_overrides, job_env
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,10 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         train_cfg = to_config(cfg, TrainConfig)
     except ConfigError as exc:
         _exit("config error", str(exc), EXIT_CONFIG_ERROR)  # before torch is imported: at once
+    try:
+        recipe = load_recipe(train_cfg.recipe.name)
+    except ValueError as exc:
+        _exit("config error", str(exc), EXIT_CONFIG_ERROR)
     from gyre.runtime.program import ProgramError, RunResult, run_training
 
     job = job_env(os.environ)
@@ -90,7 +97,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         _exit("config error", f"hydra.run.dir={str(run_dir)!r}: expected a writable directory ({exc})", 2)
     log.info("training -> %s", run_dir)
     try:
-        result = run_training(train_cfg, run_dir, echo=_echo)
+        result = run_training(train_cfg, run_dir, recipe, echo=_echo)
     except (ProgramError, ConfigError) as exc:
         _exit("config error", str(exc), EXIT_CONFIG_ERROR)
     except WorkerFailed as exc:  # a worker of a plainly launched job failed: the job was stopped

@@ -1,16 +1,16 @@
 """A Megatron-core `GPTModel` with the architecture of a native `DecoderConfig` (dense Llama/Qwen2/Qwen3, and the
-Qwen3-MoE / Qwen2-MoE mixtures of experts with expert parallelism: `gyre.train.moe`).
+Qwen3-MoE / Qwen2-MoE mixtures of experts with expert parallelism: `gyre.trainer.moe`).
 
 Contract
 - `build_gpt_model(config)` builds the model for this rank's tensor- and pipeline-parallel coordinate.
   Megatron's `parallel_state` must already be initialized by the caller (`init_model_parallel` does it on an
   existing torch.distributed group, e.g. a one-process gloo group in tests). Layer spec: megatron's local
   modules with gyre's `SDPACoreAttention` in the core-attention slot (memory linear in a row's length, packed
-  rows in THD form; `gyre.train.attention`); TransformerEngine's when `transformer_engine` imports and CUDA is
+  rows in THD form; `gyre.trainer.attention`); TransformerEngine's when `transformer_engine` imports and CUDA is
   present (`layer_spec="auto"`).
 - `model.final_hidden(ids, positions, packed_seq_params=)`: the forward up to the final norm, `[S, 1, hidden]`
   (any pipeline stage); `model.output_logits(h_NC)`: the vocab-parallel logits `[N, V / tp]` of some of them.
-  `gyre.train.logprobs` takes log-probs through these a chunk at a time instead of the model's full logits.
+  `gyre.trainer.logprobs` takes log-probs through these a chunk at a time instead of the model's full logits.
 - `recompute` (`RECOMPUTE`): none, selective (megatron recomputes the core attention in the backward) or full
   (every layer's activations recomputed: megatron's "full" granularity, uniform, one layer per checkpoint).
 - Megatron's groups agree with gyre's (docs/distributed.md, Megatron's groups): every rank calls
@@ -39,7 +39,7 @@ Contract
 - RoPE angles come from the caller's `position_ids` (megatron's own GPTModel uses 0..S-1 and ignores them), so a
   packed row whose positions restart at every sub-row rotates each sub-row exactly as if it ran alone.
 - fp32 on CPU (`use_cpu_initialization`); fusions off (they need CUDA or torch.compile). Importing this module
-  installs megatron's CPU patches (`gyre.train.cpu_patch`) on a CPU-only torch.
+  installs megatron's CPU patches (`gyre.trainer.cpu_patch`) on a CPU-only torch.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.models.decoder import rope_inv_freq
 from gyre.models.decoder_config import DecoderConfig
-from gyre.train.attention import SDPACoreAttention
-from gyre.train.cpu_patch import apply_cpu_patches
-from gyre.train.moe import TokenSplitMoELayer, moe_overrides
+from gyre.trainer.attention import SDPACoreAttention
+from gyre.trainer.cpu_patch import apply_cpu_patches
+from gyre.trainer.moe import TokenSplitMoELayer, moe_overrides
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
@@ -108,9 +108,9 @@ def validate_layout(
             f"expected a multiple of {pp} (equal layers per stage)"
         )
     if config.attention_out_bias:
-        raise ValueError("attention_out_bias=True is not supported by gyre.train: expected False (no o_proj bias)")
+        raise ValueError("attention_out_bias=True is not supported by gyre.trainer: expected False (no o_proj bias)")
     if config.mlp_bias:
-        raise ValueError("mlp_bias=True is not supported by gyre.train: expected False (no MLP biases)")
+        raise ValueError("mlp_bias=True is not supported by gyre.trainer: expected False (no MLP biases)")
     _validate_experts(config, tp, pp, expert_parallel_size)
     scaling = config.rope_scaling
     if scaling.rope_type == "llama3":
@@ -305,11 +305,11 @@ def build_gpt_model(
     **config_overrides: Any,
 ) -> PositionIdGPTModel:
     """The Megatron model of `config` for this rank (TP shard, PP stage). Weights are megatron's random init: load
-    real ones with `gyre.train.convert.load_hf_state_dict`. `recompute`: `RECOMPUTE`. In eval mode, but in training
+    real ones with `gyre.trainer.convert.load_hf_state_dict`. `recompute`: `RECOMPUTE`. In eval mode, but in training
     mode with recompute: megatron recomputes only there (dropout is 0 either way, so nothing else changes)."""
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
-            "megatron parallel_state is not initialized: call gyre.train.model.init_model_parallel(...) (or "
+            "megatron parallel_state is not initialized: call gyre.trainer.model.init_model_parallel(...) (or "
             "megatron.core.parallel_state.initialize_model_parallel) after torch.distributed.init_process_group"
         )
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -332,7 +332,7 @@ def build_gpt_model(
         max_sequence_length=config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True,  # logits stay vocab-parallel; gyre.train.logprobs uses vocab-parallel CE
+        parallel_output=True,  # logits stay vocab-parallel; gyre.trainer.logprobs uses vocab-parallel CE
         share_embeddings_and_output_weights=config.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=config.rope_theta,
@@ -345,7 +345,7 @@ def build_gpt_model(
         # engine and the native trainer use too (`_preprocess` rotates by them).
         rope = model.rotary_pos_emb
         rope.inv_freq = rope_inv_freq(config, device=rope.inv_freq.device)
-    model.decoder_config = config  # routing replay checks routes against it (gyre.train.logprobs)
+    model.decoder_config = config  # routing replay checks routes against it (gyre.trainer.logprobs)
     for module in model.modules():
         # Megatron's TransformerLayer hands its process groups only to the MoE classes it knows by identity, so the
         # layers are built as MoELayer and become gyre's subclass here (methods only: no state of its own).

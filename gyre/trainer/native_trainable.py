@@ -3,7 +3,7 @@
 For CPU runs, tests of the streaming step and a reference the Megatron trainable is compared with. Parameters are
 the module's own tensors (no tensor parallelism). A mixture of experts with `routing_replay` replays each
 micro-step's recorded routing (`step.routed_experts_ULK`, integer `[U, num_hidden_layers, top_k]` aligned with
-`step.ids_U`, as `gyre.train.megatron_trainable`) through the shared model's `routed_experts_BTLK`; a row's last
+`step.ids_U`, as `gyre.trainer.megatron_trainable`) through the shared model's `routed_experts_BTLK`; a row's last
 token is then left out of its forward (its hidden state feeds no log-prob, and the engine never routed it).
 """
 
@@ -20,9 +20,9 @@ from torch import Tensor
 
 from gyre.data.microstep import MicroStep
 from gyre.models.decoder import DecoderLM
-from gyre.train.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
-from gyre.train.precision import MainWeights
-from gyre.train.routing import step_routes
+from gyre.trainer.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
+from gyre.trainer.precision import MainWeights
+from gyre.trainer.routing import step_routes
 
 __all__ = ["NativeTrainable", "packed_logprobs"]
 
@@ -38,7 +38,7 @@ def packed_logprobs(
     """`[U]` log-probs of every token given the tokens before it in its row (0 at each row's first token).
     One causal forward per row (SDPA's fused kernel: memory linear in the row's length; a dense mask over the
     packed tokens would cost U^2), log-probs from its final hidden states a chunk of tokens at a time
-    (`gyre.train.chunked`: the row's `[L, vocab]` logits never exist whole). `routed_experts_ULK`: routing replay
+    (`gyre.trainer.chunked`: the row's `[L, vocab]` logits never exist whole). `routed_experts_ULK`: routing replay
     (module docstring)."""
     device = model.output_weight.device
     routes = None if routed_experts_ULK is None else torch.as_tensor(np.asarray(routed_experts_ULK))

@@ -1,4 +1,4 @@
-"""Per-token log-probs of a packed micro-step from a Megatron `GPTModel` (`gyre.train.model`).
+"""Per-token log-probs of a packed micro-step from a Megatron `GPTModel` (`gyre.trainer.model`).
 
 Contract (the conventions of `gyre.data.microstep`)
 - Input: one packed row of U tokens `ids_U` holding R rows back to back, `row_offsets_R1` (R + 1 offsets, first 0,
@@ -7,20 +7,20 @@ Contract (the conventions of `gyre.data.microstep`)
   `cu_seqlens` = the row offsets, no attention mask. Megatron rotates each token by its own position (the model's
   RoPE table has one entry per packed token: megatron's offset-based THD mapping) and the core attention is
   causal within each row: TransformerEngine's varlen kernels under its layer spec, gyre's
-  `SDPACoreAttention` (`gyre.train.attention`) under the local one. Nothing is `U x U`: no mask is built, and
+  `SDPACoreAttention` (`gyre.trainer.attention`) under the local one. Nothing is `U x U`: no mask is built, and
   attention memory is linear in each row's length.
-- Log-probs from the final hidden states a chunk of tokens at a time (`gyre.train.chunked`): the `[U, vocab]`
+- Log-probs from the final hidden states a chunk of tokens at a time (`gyre.trainer.chunked`): the `[U, vocab]`
   logits never exist whole (`chunk_tokens` per chunk, fp32 inside it, recomputed chunk by chunk in the backward).
 - Output: `logp_U[u] = log p(ids_U[u] | the tokens of its row before u)`, from the hidden state at u - 1, in fp32;
   0.0 at each row's first token (it has no context in its row). With `temperature != 1` the logits are divided by
   it first (the distribution a sampler at that temperature drew from; no top-k/top-p).
 - Tensor parallel: the logits stay vocab-parallel and the log-prob is minus megatron's
   `vocab_parallel_cross_entropy` (an autograd function: gradients flow to the model). Every TP rank gets the
-  same `logp_U`. Pipeline parallel forwards go through `gyre.train.pipeline` (the same THD forward per stage and
+  same `logp_U`. Pipeline parallel forwards go through `gyre.trainer.pipeline` (the same THD forward per stage and
   `logprobs_from_hidden` on the last), not this function (ValueError).
 - Mixture of experts, routing replay: `routed_experts_ULK` (integer `[U, num_hidden_layers, top_k]`, aligned with
   `ids_U`: the experts the engine chose for each token at each layer, entries of dense layers ignored, all -1 for a
-  token it did not route) makes every MoE layer use those experts (`gyre.train.moe.set_routing_replay`); None:
+  token it did not route) makes every MoE layer use those experts (`gyre.trainer.moe.set_routing_replay`); None:
   the routers choose. Either way the choice holds for this forward and its backward's recompute.
 - `block_causal_mask` builds the dense mask the old path used; tests compare against it on short rows.
 """
@@ -35,9 +35,9 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from gyre.data.microstep import MicroStep
-from gyre.train.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
-from gyre.train.cpu_patch import apply_cpu_patches
-from gyre.train.moe import set_routing_replay
+from gyre.trainer.chunked import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
+from gyre.trainer.cpu_patch import apply_cpu_patches
+from gyre.trainer.moe import set_routing_replay
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
@@ -72,7 +72,7 @@ def gpt_model_of(model: torch.nn.Module) -> torch.nn.Module:
     while not hasattr(inner, "final_hidden") and isinstance(getattr(inner, "module", None), torch.nn.Module):
         inner = inner.module
     if not hasattr(inner, "final_hidden"):
-        raise TypeError(f"{type(model).__name__}: expected gyre.train.model.PositionIdGPTModel (or a wrapper of it)")
+        raise TypeError(f"{type(model).__name__}: expected gyre.trainer.model.PositionIdGPTModel (or a wrapper of it)")
     return inner
 
 
@@ -97,7 +97,7 @@ def packed_logprobs(
     """fp32 `[U]`: log-prob of every token given its row before it (0.0 at row starts); see the module docstring."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(
-            "pipeline_model_parallel_size > 1: run the forward through gyre.train.pipeline; "
+            "pipeline_model_parallel_size > 1: run the forward through gyre.trainer.pipeline; "
             "packed_logprobs handles PP = 1 only"
         )
     if not temperature > 0:

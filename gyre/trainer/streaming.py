@@ -13,7 +13,7 @@ That holds because the loss of a micro-step is its share of the batch loss (`gyr
 execution's micro-steps arrive as one claim unit (`gyre.distributed.claims`) so s_i (Eq. 5) is computed over all of
 them.
 
-The model side is a `Trainable` (a torch module here, Megatron in `gyre.train.megatron_trainable`); this module
+The model side is a `Trainable` (a torch module here, Megatron in `gyre.trainer.megatron_trainable`); this module
 owns the order of operations, not the math of the model. `train_step` takes its claims as callables;
 `train_claimed_step` is the same step wired to the job: claims from the step's `StepBoard` in the job's store
 (`gyre.distributed.claims`), a satellite's admission and its pull of the core's weights (docs/training.md).
@@ -71,7 +71,7 @@ class Trainable(Protocol):
 
     def gradients(self) -> list[Tensor]:
         """The gradients accumulated since the last update, one dense tensor per parameter in the same order (fp32
-        main gradients under mixed precision: `gyre.train.precision`); `reduce_gradients` sums into them in place."""
+        main gradients under mixed precision: `gyre.trainer.precision`); `reduce_gradients` sums into them in place."""
         ...
 
     def drop_gradients(self) -> None:
@@ -221,7 +221,7 @@ def train_step(
     is_core: this rank belongs to the core cell (it owns the optimizer). core_rank: the core's global rank at this
     rank's coordinate (the source of the parameter broadcast). final: the last step of the burst (no broadcast:
     satellites return to rollout and the core publishes to engines instead). pipeline: a cell with PP > 1 passes
-    its `gyre.train.pipeline.StreamingPipeline`, which runs the claim loop as one continuous 1F1B pipeline (one
+    its `gyre.trainer.pipeline.StreamingPipeline`, which runs the claim loop as one continuous 1F1B pipeline (one
     warm-up and one drain per step); at PP = 1 the units are accumulated one after another here.
     """
     if pipeline is not None:

@@ -1,4 +1,4 @@
-"""A Megatron-core `GPTModel` as a `gyre.train.streaming.Trainable`: packed-row log-probs, TP-aware clipping, AdamW.
+"""A Megatron-core `GPTModel` as a `gyre.trainer.streaming.Trainable`: packed-row log-probs, TP-aware clipping, AdamW.
 
 The streaming step reduces gradients over prefix groups of cells that change from step to step, which Megatron's
 DDP (one fixed data-parallel group, set at start-up) cannot do; so the model is used without DDP and the update is
@@ -9,19 +9,19 @@ does; the global norm counts each tensor-parallel shard once and each replicated
 and a tied embedding's pipeline copy not at all (as Megatron's own `clip_grads` does), summed over the cell's
 model-parallel group; then clip and `torch.optim.AdamW`. Only the core's ranks call `update`.
 
-At PP > 1 the model is one stage and a step streams through the cell's `pipeline` (`gyre.train.pipeline.
-StreamingPipeline`, which `gyre.train.streaming.train_claimed_step` runs); `logprobs` is then not the whole
+At PP > 1 the model is one stage and a step streams through the cell's `pipeline` (`gyre.trainer.pipeline.
+StreamingPipeline`, which `gyre.trainer.streaming.train_claimed_step` runs); `logprobs` is then not the whole
 model's and is refused.
 
-Mixture of experts (`gyre.train.moe`, docs/moe.md): every rank of a cell sees the micro-step's tokens and the MoE
+Mixture of experts (`gyre.trainer.moe`, docs/moe.md): every rank of a cell sees the micro-step's tokens and the MoE
 layers split them over the expert-parallel (EP) group, so a routed expert's gradient is complete on the one rank
 that holds it, and a router's gradient is this rank's tokens' share: summed over the EP group in `update`. The
 global norm adds the experts' squares over megatron's expert model-parallel group (EP x PP, each expert once) to
 the dense squares over the model-parallel group (as megatron's chained optimizer does for its expert and dense
 optimizers). A cell with R = EP / TP > 1 copies of the dense model averages each dense gradient over its copies
-(`gyre.train.model.dense_replica_group`) before the update, so the copies stay identical. With `routing_replay`,
+(`gyre.trainer.model.dense_replica_group`) before the update, so the copies stay identical. With `routing_replay`,
 `logprobs(step)` replays the micro-step's recorded routing (`step.routed_experts_ULK`, integer `[U,
-num_hidden_layers, top_k]` aligned with `step.ids_U`; `gyre.train.routing`) in the forward and in its
+num_hidden_layers, top_k]` aligned with `step.ids_U`; `gyre.trainer.routing`) in the forward and in its
 backward's recompute.
 """
 
@@ -37,12 +37,12 @@ from megatron.core.transformer.module import param_is_not_shared
 from torch import Tensor
 
 from gyre.data.microstep import MicroStep
-from gyre.train.chunked import DEFAULT_CHUNK_TOKENS
-from gyre.train.logprobs import gpt_model_of, microstep_logprobs
-from gyre.train.model import dense_replica_group
-from gyre.train.moe import is_expert_param, is_router_param
-from gyre.train.precision import MainWeights
-from gyre.train.routing import step_routes
+from gyre.trainer.chunked import DEFAULT_CHUNK_TOKENS
+from gyre.trainer.logprobs import gpt_model_of, microstep_logprobs
+from gyre.trainer.model import dense_replica_group
+from gyre.trainer.moe import is_expert_param, is_router_param
+from gyre.trainer.precision import MainWeights
+from gyre.trainer.routing import step_routes
 
 __all__ = ["MegatronTrainable", "all_reduce_grads", "global_grad_norm", "sum_head_shares"]
 
@@ -102,7 +102,7 @@ def sum_head_shares(params: list[Tensor]) -> None:
 
 class MegatronTrainable:
     """AdamW on a (TP-sharded) GPTModel; `update` clips the global gradient norm to `max_grad_norm` (0: off).
-    `chunk_tokens`: log-probs a chunk of tokens at a time (`gyre.train.logprobs`). `pipeline`: the stage's
+    `chunk_tokens`: log-probs a chunk of tokens at a time (`gyre.trainer.logprobs`). `pipeline`: the stage's
     `StreamingPipeline` when the model is one pipeline stage of several (module docstring)."""
 
     def __init__(

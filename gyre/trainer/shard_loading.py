@@ -5,7 +5,7 @@ the routed experts, from `parallel_state`) from the HF-layout directory `path` (
 sharded with an index or not). Each tensor is read with `safe_open(...).get_slice`: a TP rank reads its own rows
 or columns of a split tensor (its KV groups of q, k and v), a PP stage only its own layers, an EP rank only its
 experts; a slice is cast as it is copied into its parameter, one tensor at a time, so the extra memory is one
-tensor's share in the file's dtype. The mapping is `gyre.train.convert.megatron_tensors`, the one `hf_to_megatron`
+tensor's share in the file's dtype. The mapping is `gyre.trainer.convert.megatron_tensors`, the one `hf_to_megatron`
 uses, so both give the same shard (tested).
 
 Strict, as `load_hf_state_dict` is: the files' tensor names and shapes (read from their headers) are checked
@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.hf_weights import IGNORED_SUFFIXES, checkpoint_files, state_mismatch
-from gyre.train.convert import (
+from gyre.trainer.convert import (
     EXTRA_STATE,
     HFSource,
     StateDictSource,

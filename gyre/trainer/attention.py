@@ -2,7 +2,7 @@
 
 Megatron's local layer spec computes attention as `softmax(QK^T) V` with the full `[b, heads, s, s]` score matrix
 (`megatron.core.transformer.dot_product_attention.DotProductAttention`), and refuses packed (THD) input.
-`SDPACoreAttention` takes its place in the spec (`gyre.train.model.build_gpt_model`): same constructor and
+`SDPACoreAttention` takes its place in the spec (`gyre.trainer.model.build_gpt_model`): same constructor and
 `forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)`, same output.
 
 Contract
@@ -13,7 +13,7 @@ Contract
   megatron's convention (True = masked out), as the local spec's module. Output `[s, b, heads / tp * d]`.
 - GQA: each key/value head serves `heads / groups` query heads in megatron's (and HF's) order.
 - Scale `softmax_scale`, else `1 / sqrt(d)` (megatron's default); no dropout (gyre trains with 0); no attention
-  bias, no context parallelism (TransformerEngine's attention does that: `gyre.train.model`).
+  bias, no context parallelism (TransformerEngine's attention does that: `gyre.trainer.model`).
 - Memory: without a mask SDPA runs a fused kernel (flash attention on CPU and CUDA) that never forms the score
   matrix; measured by `benchmarks/long_rows.py`.
 """

@@ -1,13 +1,13 @@
-"""Patch 5 of the CPU patches (`gyre.train.cpu_patch`, docs/training.md, "CPU patches"), kept free of torch.
+"""Patch 5 of the CPU patches (`gyre.trainer.cpu_patch`, docs/training.md, "CPU patches"), kept free of torch.
 
-Installed when `gyre.train` is imported, before megatron is: when `megatron.core.jit` loads on a CPU-only torch
+Installed when `gyre.trainer` is imported, before megatron is: when `megatron.core.jit` loads on a CPU-only torch
 build, `disable_jit_fuser()` (megatron's own switch) runs right after it, so `jit_fuser` is the no-op decorator
 before the fusion modules read it. Megatron decorates its fusion functions with `torch.compile` when its modules
 load, which imports torch's compiler stack (dynamo, inductor: ~2.7 of the ~7.5 CPU seconds of
 `import megatron.core`, measured); on CPU the fusion flags are off, so nothing of it is used.
 
-This module imports no torch: `python -m gyre.train` imports the `gyre.train` package first, and a user's config
-mistake is then reported before torch is loaded (~1.5 CPU s instead of ~3.4). The build is asked when
+This module imports no torch: importing the `gyre.trainer` package stays light, and `python -m gyre.train` reports a
+user's config mistake before torch is loaded (~1.5 CPU s instead of ~3.4). The build is asked when
 `megatron.core.jit` loads (torch is imported by then); not `torch.cuda.is_available()`, which would initialize
 CUDA in every process that imports megatron.
 """

@@ -36,7 +36,7 @@ Per MoE layer, HF `model.layers.i.mlp.` -> Megatron `decoder.layers.j.mlp.`:
 | `shared_expert_gate.weight` `[1, H]` | `shared_experts.gate_weight` | replicated |
 
 A cell's in-stage rank s holds the dense shard of TP rank s mod TP and the experts of EP rank s mod EP
-(`gyre.train.model`: EP folds over the TP ranks, or the cell holds EP / TP copies of them).
+(`gyre.trainer.model`: EP folds over the TP ranks, or the cell holds EP / TP copies of them).
 
 Contract: `hf_to_megatron` and `load_hf_state_dict` are strict. Missing, unexpected or mis-shaped HF tensors, and a
 converted dict that does not match the model's parameters, raise one ValueError listing them before anything is
@@ -61,9 +61,9 @@ from gyre.config.trainer import dense_replicas
 from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.hf_weights import state_mismatch, without_tolerated
-from gyre.train.cpu_patch import apply_cpu_patches
-from gyre.train.model import validate_layout
-from gyre.train.moe import is_expert_param
+from gyre.trainer.cpu_patch import apply_cpu_patches
+from gyre.trainer.model import validate_layout
+from gyre.trainer.moe import is_expert_param
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 

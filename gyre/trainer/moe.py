@@ -15,7 +15,7 @@ Contract
   of a forward evenly over the EP group before the router and gathers the layer's output after it, so every
   token is routed, dispatched (alltoall over the EP group) and computed by its experts exactly once, and every
   rank ends with the whole output. Gradients: each expert's are complete on its rank; the router's are this
-  rank's tokens' share, summed over the EP group by `gyre.train.megatron_trainable` (as megatron sums the
+  rank's tokens' share, summed over the EP group by `gyre.trainer.megatron_trainable` (as megatron sums the
   replicated norms' under sequence parallelism). qwen2_moe's shared expert runs on all tokens (it is
   tensor-parallel like the dense MLP).
 - Routing replay: `set_routing_replay(model, routed_experts_ULK)` hands every MoE layer of `model` its column of
@@ -48,7 +48,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from gyre.models.decoder_config import DecoderConfig
-from gyre.train.routing import NO_ROUTE
+from gyre.trainer.routing import NO_ROUTE
 
 __all__ = [
     "TokenSplitMoELayer",
