@@ -299,14 +299,32 @@ def _run_cli(runner, served, execution: str, base: Path):
 @pytest.mark.harness
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("GYRE_SKIP_HARNESS_TESTS") == "1", reason="GYRE_SKIP_HARNESS_TESTS=1")
-def test_claude_code_through_run_harness(claude_bin, served, base):
-    calls = _run_cli(ClaudeCodeRunner(binary=str(claude_bin)), served, "exec-00000", base)
+def test_claude_code_through_run_harness(claude_bin, served, base, long_context_model):
+    runner = ClaudeCodeRunner(binary=str(claude_bin), instructions=f"{INSTRUCTIONS}\n")
+    calls = _run_cli(runner, served, "exec-00000", base)
     assert any(c.get("role_signals", {}).get("user-agent", "").startswith("claude-cli/") for c in calls)
+    assert_provisioned(calls, long_context_model)
 
 
 @pytest.mark.harness
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("GYRE_SKIP_HARNESS_TESTS") == "1", reason="GYRE_SKIP_HARNESS_TESTS=1")
-def test_codex_through_run_harness(codex_bin, served, base):
-    calls = _run_cli(CodexRunner(binary=str(codex_bin)), served, "exec-00001", base)
+def test_codex_through_run_harness(codex_bin, served, base, long_context_model):
+    runner = CodexRunner(binary=str(codex_bin), instructions=f"{INSTRUCTIONS}\n")
+    calls = _run_cli(runner, served, "exec-00001", base)
     assert any(c.get("role_signals", {}).get("request_kind") == "turn" for c in calls)
+    assert_provisioned(calls, long_context_model)
+
+
+INSTRUCTIONS = "Project rule 7: name every new file in lower case."  # docs/harness.md, "Provisioning"
+
+
+def assert_provisioned(calls: list[dict], model_dir: Path) -> None:
+    """The first call's prompt holds the task (it came on stdin) and the instructions file written into the
+    execution's private HOME (~/.claude/CLAUDE.md, $CODEX_HOME/AGENTS.md)."""
+    from gyre.models.tokenizer import load_tokenizer
+
+    first = next(c for c in calls if c.get("kind") == "call")
+    ids = [i for segment in first["segments"] for i in segment["ids"]]
+    prompt = load_tokenizer(model_dir).decode(ids, skip_special_tokens=False)
+    assert clis.TASK in prompt and INSTRUCTIONS in prompt, prompt[-2000:]

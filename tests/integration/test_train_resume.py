@@ -125,9 +125,16 @@ def test_the_controller_killed_mid_burst_resumes_from_its_checkpoint_and_finishe
     # Every execution finished before the checkpoint: trained, or in the buffer with its outcome, never again.
     groups_after = final["scheduler"]["groups"]
     lines: dict[str, int] = {}
+    task_of_group: dict[int, set[str]] = {}
     for line in (run_dir / "executions.jsonl").read_text().splitlines():
-        name = json.loads(line)["execution"]
-        lines[name] = lines.get(name, 0) + 1
+        record = json.loads(line)
+        lines[record["execution"]] = lines.get(record["execution"], 0) + 1
+        task_of_group.setdefault(record["group"], set()).add(record["task"])
+    # Tasks are drawn without replacement across the resume (the deck's remaining draws are in the checkpoint): a
+    # group keeps its task when its executions run again, and no task comes twice within the pool's first epoch.
+    assert all(len(tasks) == 1 for tasks in task_of_group.values()), task_of_group
+    drawn = [next(iter(tasks)) for tasks in task_of_group.values()]
+    assert len(drawn) < 64 and len(set(drawn)) == len(drawn), drawn  # SMALL: tasks.num_demo_tasks=64
     finished_before = 0
     per, closed = saved["executions_per_group"], set(saved["scheduler"]["closed"])
     for key, group in saved["groups"].items():
