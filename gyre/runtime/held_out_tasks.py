@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gyre.config import TrainConfig
+from gyre.runtime.controller import PASS_REWARD
 from gyre.runtime.recipe import HeldOutSet
 from gyre.runtime.task_sets import TaskSetError, load_task_dir
 from gyre.tasks.spec import Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PASS_REWARD", "TaskPlayer", "held_out_tasks", "load_held_out_tasks"]
+__all__ = ["TaskPlayer", "held_out_tasks", "load_held_out_tasks"]
 
-PASS_REWARD = 1.0  # an execution passed when its reward reaches this
 HELD_OUT_EXECUTIONS_DIR = "held_out_executions"
 
 
@@ -84,7 +85,9 @@ class TaskPlayer:
             proxy, registry = await start_proxy(
                 config, model_dir=self.model_dir, table=table, records_dir=None, template=template
             )
-            sandbox = make_sandbox(cfg.harness, cfg.limits, root=self.root / f"v{version}", trusted_tasks=False)
+            root = self.root / f"v{version}"
+            shutil.rmtree(root, ignore_errors=True)  # an evaluation of this version cut off before a resume
+            sandbox = make_sandbox(cfg.harness, cfg.limits, root=root, trusted_tasks=False)
             access = ProxyAccess(
                 anthropic_base_url=proxy.url, openai_base_url=proxy.url + "/v1", model=cfg.proxy.model_names[0]
             )
