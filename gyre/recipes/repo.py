@@ -7,7 +7,8 @@ pass, scored by pytest with partial credit.
   every answer runs to the output cap, and both CLIs report a capped answer as an error). It learns nothing useful:
   the recipe's CPU run proves the loop (calls recorded, rows trained); a real run names a `model.model_dir`.
 - Training tasks: `tasks.task_dir`, or the shipped family (`gyre/recipes/repo_tasks/rows.jsonl`: small Python
-  repositories, SWE-style rows with hidden tests) imported into `<run dir>/tasks/train` with the SWE-style importer
+  repositories, SWE-style rows whose hidden tests are the snapshot's own `tests/`, copied back over the agent's edits
+  before scoring) imported into `<run dir>/tasks/train` with the SWE-style importer
   (`gyre.tasks.swe_import`); a rerun in the same run directory loads them back.
 - Held-out: a `tasks.held_out_dir` (played through the harness by the runtime); none of its own.
 """

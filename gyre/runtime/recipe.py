@@ -14,7 +14,7 @@ plain fields.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -48,7 +48,6 @@ class TaskSets:
     train: list[Task]
     held_out: HeldOutSet | None = None  # None: no held-out evaluation
     trusted: bool = False  # the recipe generated the tasks itself: the builtin harness may run them under our uid
-    notes: list[str] = field(default_factory=list)  # lines for the console at start (what was loaded or skipped)
 
 
 class Recipe(Protocol):
