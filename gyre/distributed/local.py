@@ -34,6 +34,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -53,10 +54,33 @@ class LocalRunError(RuntimeError):
 
 
 def free_port(host: str = HOST) -> int:
-    """A TCP port free on `host` now (another process may still take it before it is used)."""
+    """A TCP port free on `host` now, for a process started later to listen on (torchrun's MASTER_PORT).
+
+    Another process may still take it before it is used, so it is drawn below the kernel's ephemeral range: the
+    ports the kernel hands to `bind(0)` and to every outgoing connection (gloo opens many) come from that range,
+    and a port picked there by `bind(0)` was taken again within seconds on a busy test machine (EADDRINUSE)."""
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12_000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's `ip_local_port_range` (32768-60999 unless changed); the same default where it cannot be read."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def resolve(target: str) -> Callable[..., Any]:

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from types import SimpleNamespace
 import pytest
 from test_train_program import PAIRS, SMALL, left_of, pid_of_rank, train
 
-from gyre.distributed.local import HOST
+from gyre.distributed.local import HOST, free_port
 
 pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,12 +48,6 @@ SMOKE = [
     "logging.wandb=disabled",
 ]  # held-out evals: the plain 2-step run
 DEATH_BOUND_S = 30.0  # a rank's death ends the job within this
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 class Nodes:

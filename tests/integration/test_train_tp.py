@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from gyre.distributed.local import free_port
 
 WORLD_SIZE = 2
 TIMEOUT_S = 180
@@ -118,12 +119,6 @@ def updated(model, ids, offsets, config) -> dict:
         trainer.update()
     with torch.no_grad():
         return gather_hf_state_dict(model, config)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
