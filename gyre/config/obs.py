@@ -19,8 +19,8 @@ class LoggingConfig:
     """Console progress, metrics.jsonl, Weights & Biases and role_timeline.png of one run."""
 
     progress_every_s: float = 10.0
-    """Seconds between console progress lines (step, reward, pass rate, roles, waterlevel, ETA); a line is also
-    printed at every step's end. 0: only at step ends."""
+    """Seconds between the console's live lines (the step running, executions, model calls in prefill and decoding,
+    roles, waterlevel, ETA); every step's end prints its own line (reward, pass rate). 0: only at step ends."""
     metrics_jsonl: bool = True
     """Write one JSON line of metrics per step to `<run dir>/metrics.jsonl`."""
     wandb: str = "offline"

@@ -89,6 +89,12 @@ class ProxyConfig:
     body_timeout_s: float = 120.0
     """A request's whole body must arrive within this long of its head, else 408 in the dialect's shape and nothing
     is recorded (64 MiB at 10 MB/s takes 7 s)."""
+    stream_keepalive_s: float = 10.0
+    """A streamed call with no first token this long after it was admitted (a long prefill: ~48K tokens on a CPU
+    take minutes) starts its stream and gets the dialect's keep-alive this often until its first tokens (Anthropic
+    `ping` events, an SSE comment for OpenAI), so a harness's idle-connection timers do not end it; an engine
+    failure after that is the dialect's in-stream error event instead of an HTTP error. 0: nothing is sent before
+    the first tokens. docs/proxy.md, "Long prefills"."""
     tool_call_parser: str = "hermes"
     """How the model writes tool calls, by SGLang's `--tool-call-parser` name: hermes (= qwen25, qwen: Qwen2.5, Qwen3,
     gyre's tiny model), qwen3_coder (Qwen3-Coder's XML-like tags), llama3 (Llama 3.x JSON). docs/proxy.md,
@@ -128,6 +134,7 @@ class ProxyConfig:
         require_duration("proxy.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
         require_duration("proxy.request_head_timeout_s", self.request_head_timeout_s)
         require_duration("proxy.body_timeout_s", self.body_timeout_s)
+        require_duration("proxy.stream_keepalive_s", self.stream_keepalive_s, allow_zero=True, note="0 = off")
         require(
             len(self.model_names) >= 1 and all(isinstance(n, str) and n for n in self.model_names),
             "proxy.model_names",

@@ -2,8 +2,10 @@
 
 Role
     `format_progress` turns the latest `gyre.obs.record.StepRecord` into one line for the console (the runtime
-    logs it at every step's end and every `logging.progress_every_s`; docs/runtime.md, "Outputs"). Pure: no IO,
-    no clock (the caller passes the elapsed time).
+    logs it at every step's end); `format_live` says what runs now, between step ends (every
+    `logging.progress_every_s`: executions, the model calls in prefill and decoding, the call that has waited
+    longest for its first token; docs/runtime.md, "Outputs"). Pure: no IO, no clock (the caller passes the
+    elapsed time).
 
 Contract
     * The line reads `step 4/10 | reward 0.412 | pass 37.5% | roles TTRR | waterlevel 0.83 | elapsed 2m00s |
@@ -11,16 +13,22 @@ Contract
     * Roles are one letter per cell, by cell index: R rollout, T training, t to training, r to rollout.
     * ETA = remaining steps x the mean step time so far (elapsed / steps done), where steps done = `step + 1`
       (steps count from 0) and elapsed defaults to the record's `wall_time_s`; 0 once the last step is done.
+    * The live line reads `step 2/10 running | executions 8 | calls 6 awaiting a first token (longest 48,042
+      tokens, 1m40s), 2 decoding | roles TR | waterlevel 0.83 | elapsed 4m10s | ETA 3m00s`: the step in progress
+      (counted from 1), the executions running, the calls waiting for their first token (queued or in prefill) and
+      the longest such wait with its prompt length (left out when none waits), the calls past it; the ETA of the
+      last finished step's record (`--` before the first).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from gyre.config.checks import is_int
 from gyre.obs.record import StepRecord
 
-__all__ = ["ROLE_LETTERS", "format_duration", "format_progress"]
+__all__ = ["ROLE_LETTERS", "LiveState", "format_duration", "format_live", "format_progress"]
 
 ROLE_LETTERS = {"rollout": "R", "training": "T", "to_training": "t", "to_rollout": "r"}
 
@@ -66,6 +74,41 @@ def format_progress(record: StepRecord, total_steps: int, *, elapsed_s: float | 
         f"waterlevel {_number(record.waterlevel, '.2f')}",
         f"elapsed {format_duration(elapsed)}",
         f"ETA {format_duration(eta_s(record, total_steps, elapsed))}",
+    ]
+    return " | ".join(parts)
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """What runs now (the module docstring's live line)."""
+
+    steps_done: int
+    roles: tuple[str, ...]
+    waterlevel: float | None
+    executions: int  # running now
+    waiting: int  # model calls waiting for their first token
+    decoding: int  # model calls past their first token
+    longest_wait_s: float = 0.0  # of the call waiting longest for its first token
+    longest_wait_prompt_tokens: int = 0  # that call's prompt length
+
+
+def format_live(state: LiveState, total_steps: int, *, elapsed_s: float, last: StepRecord | None = None) -> str:
+    """The live line (module docstring); `last`: the last finished step's record, for the ETA."""
+    if not is_int(total_steps) or total_steps < 1:
+        raise ValueError(f"format_live total_steps={total_steps!r} is not allowed: expected an integer >= 1")
+    calls = f"calls {state.waiting} awaiting a first token"
+    if state.waiting:
+        calls += f" (longest {state.longest_wait_prompt_tokens:,} tokens, {format_duration(state.longest_wait_s)})"
+    calls += f", {state.decoding} decoding"
+    eta = None if last is None else eta_s(last, total_steps, max(elapsed_s, last.wall_time_s))
+    parts = [
+        f"step {min(state.steps_done + 1, total_steps)}/{total_steps} running",
+        f"executions {state.executions}",
+        calls,
+        f"roles {''.join(ROLE_LETTERS[role] for role in state.roles) or '--'}",
+        f"waterlevel {_number(state.waterlevel, '.2f')}",
+        f"elapsed {format_duration(elapsed_s)}",
+        f"ETA {format_duration(eta)}",
     ]
     return " | ".join(parts)
 

@@ -39,6 +39,7 @@ from gyre.proxy.dialects import DIALECTS, Dialect
 from gyre.proxy.dialects.fields import json_type, nesting_depth_exceeds
 from gyre.proxy.dialects.protocol import StreamWriter
 from gyre.proxy.heap import HeapFreezer
+from gyre.proxy.in_flight import InFlight
 from gyre.proxy.output import OutputDecoder, prompt_opens_thinking
 from gyre.proxy.render import PromptTooLong
 from gyre.proxy.routing import NoEngineError, RoutedFinish, RoutedTokens, RoutingTable, generate_routed
@@ -121,6 +122,8 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
         self.heap = HeapFreezer(config.gc_freeze_every, config.gc_full_every_s)
         self.counters = ProxyStats()
+        self.in_flight = InFlight()  # the calls being served now (progress lines read it on this loop)
+        self.stopping = False
         self.app = web.Application(client_max_size=config.max_body_bytes)
         routes = [
             web.get("/", self._root),  # aiohttp answers HEAD / with the same handler
@@ -180,6 +183,7 @@ class ProxyServer:
         return self.url
 
     async def stop(self) -> None:
+        self.stopping = True
         await self.heap.stop()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -263,13 +267,18 @@ class ProxyServer:
             return self.error_response(dialect, error)
         counters.admitted += 1
         call = _Call(self, dialect, session, request, prompt, params)
+        self.in_flight.add(call.response_id, execution=session.execution, prompt_tokens=prompt.num_tokens, now=call.t0)
         session.begin_call()  # an admin close waits for this call to end (docs/proxy.md, routes)
         try:
             if request.stream:
                 return await call.stream(http)
             return await call.complete()
+        except _HANG_UPS:
+            call.log_hang_up()
+            raise
         finally:
             session.end_call()
+            self.in_flight.remove(call.response_id)
 
     async def _count_tokens(self, http: web.Request, dialect: Dialect, counters: RouteCounters) -> web.Response:
         try:
@@ -399,6 +408,8 @@ class _Call:
         self.request, self.prompt, self.params = request, prompt, params
         self.response_id = _new_id(dialect.response_prefix)
         self.created = int(time.time())
+        self.t0 = time.monotonic()
+        self.first_token_at: float | None = None
         config = server.config
         self.decoder = OutputDecoder(
             server.template.tokenizer,
@@ -459,6 +470,9 @@ class _Call:
         routed = generate_routed(self.server.table, self._engine_request(), wait_s=self.server.config.engine_wait_s)
         async for item in routed:
             if isinstance(item, RoutedTokens):
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                    self.server.in_flight.first_token(self.response_id, self.first_token_at)
                 self.output_ids.extend(item.token_ids)
                 self.logprobs.extend(item.logprobs)
                 self.versions.append(item.policy_version)
@@ -469,6 +483,32 @@ class _Call:
                 self.counters.finished(item.attempts, item.continuation_cached_tokens, item.failed_over)
         events, self.output = self.decoder.finish(self.finish.finish_reason)
         yield events
+
+    def log_hang_up(self) -> None:
+        """Say in the log that the harness went away (or the proxy stopped) mid-call, and, before the first token,
+        how long the prefill had run: a harness's own per-call timeout is what ends a long CPU prefill."""
+        if self.server.stopping:
+            return
+        waited = time.monotonic() - self.t0
+        if self.first_token_at is None:
+            log.warning(
+                "call %s of execution %s: the harness hung up after %.0f s without a first token (a %d-token prompt "
+                "in prefill): a long prefill outlasted the harness's own timeout (streamed calls are kept alive by "
+                'proxy.stream_keepalive_s, others wait as long as the harness lets them; docs/proxy.md, "Long '
+                'prefills")',
+                self.response_id,
+                self.session.execution,
+                waited,
+                self.prompt.num_tokens,
+            )
+        else:
+            log.info(
+                "call %s of execution %s: the harness hung up after %.0f s (%d tokens sampled)",
+                self.response_id,
+                self.session.execution,
+                waited,
+                len(self.output_ids),
+            )
 
     def _usage(self) -> Usage:
         cached = self.finish.cached_tokens if self.finish is not None else 0
@@ -536,20 +576,50 @@ class _Call:
             self.request, response_id=self.response_id, created=self.created, input_tokens=self.prompt.num_tokens
         )
 
-    async def stream(self, http: web.Request) -> web.StreamResponse:
-        events = self._run()
-        try:  # up to the first tokens before any byte is sent: a call that fails at once gets a plain HTTP error
-            first = await events.__anext__()
-        except _CALL_ERRORS as error:
-            return self._error_response(_api_error(error))
-        writer = self._writer()
-        failed: ApiError | None = None
+    async def _start_stream(self, http: web.Request, writer: StreamWriter, batch=()) -> web.StreamResponse:
+        """Send the headers and the dialect's opening events, with the first `batch` of events in the same write."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
         )
+        await response.prepare(http)
+        opening = writer.start()
+        await response.write(opening + b"".join(writer.event(event) for event in batch))
+        return response
+
+    async def _first_tokens(self, first: asyncio.Future, http: web.Request, writer: StreamWriter):
+        """Wait for the call's first events (`first`). Past `proxy.stream_keepalive_s` without them (a long
+        prefill), start the stream and send the dialect's keep-alive every as long until they come, so a harness's
+        idle-connection timers see bytes (docs/proxy.md, "Long prefills"). The response if the stream started."""
+        every = self.server.config.stream_keepalive_s
+        if every <= 0:
+            await asyncio.wait({first})
+            return None
+        done, _ = await asyncio.wait({first}, timeout=every)
+        if done:
+            return None
+        response = await self._start_stream(http, writer)
+        while not done:
+            await response.write(writer.keepalive())
+            done, _ = await asyncio.wait({first}, timeout=every)
+        return response
+
+    async def stream(self, http: web.Request) -> web.StreamResponse:
+        events = self._run()
+        first = asyncio.ensure_future(events.__anext__())
+        writer = self._writer()
+        failed: ApiError | None = None
+        response = None
         try:
-            await response.prepare(http)
-            await response.write(writer.start() + b"".join(writer.event(event) for event in first))
+            response = await self._first_tokens(first, http, writer)
+            if response is None:  # no byte sent yet: a call that failed at once gets a plain HTTP error
+                try:
+                    batch = first.result()
+                except _CALL_ERRORS as error:
+                    return self._error_response(_api_error(error))
+                response = await self._start_stream(http, writer, batch)
+            else:
+                batch = first.result()  # an error now ends the started stream below
+                await response.write(b"".join(writer.event(event) for event in batch))
             async for batch in events:
                 data = b"".join(writer.event(event) for event in batch)
                 if data:
@@ -563,6 +633,11 @@ class _Call:
             failed = _api_error(error)
             await response.write(writer.error(failed))
         finally:
+            if not first.done():  # the harness went away (or a write failed) before the first tokens
+                first.cancel()
+                await asyncio.wait({first})
+            if not first.cancelled():
+                first.exception()  # retrieved (it was answered above, or the call is going away)
             await events.aclose()  # a harness that went away: the engine call is aborted
             self._record_once()  # what was sampled is recorded (finish "abort" when the call did not end)
         await response.write_eof()

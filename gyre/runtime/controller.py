@@ -19,7 +19,8 @@ back through the scheduler's events; nothing moves without an action:
   `transition_finished`; a satellite the scheduler lets into the step in flight is admitted to the step's board.
 - `BeginStep`: the step's board and pump (`gyre.distributed.step_pump`: groups claimed from the scheduler lazily,
   as the simulator's cells claim), the `step` decision, the core's `train_claimed_step` on the trainer thread;
-  the record, the progress line; `step_finished`.
+  the record, the step's progress line; `step_finished`. Between step ends, every `logging.progress_every_s`,
+  the live line (`live_line`: executions, the proxy's calls in prefill and decoding).
 - `Publish(v)`: the core's weights as version v, `<run dir>/policy/`, the engines still in rollout updated;
   `publish_finished`.
 - `BeginTransition(c, ROLLOUT)`: after the publication, `return_to_rollout` with the published version (the
@@ -41,7 +42,6 @@ buffer entries, the executions it dispatches again under their next rerun's id.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import random
@@ -62,7 +62,7 @@ from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights
 from gyre.models.hf_weights import load_pretrained
-from gyre.obs.progress import format_progress
+from gyre.obs.progress import LiveState, format_live, format_progress
 from gyre.obs.record import StepRecord, TransitionRecord, record_from_dict
 from gyre.obs.sinks import MetricsLogger
 from gyre.proxy.reroute import reroute_execution
@@ -332,14 +332,25 @@ class Controller:
             return
         while True:
             await asyncio.sleep(every)
-            if self.records and self.now() - self.last_progress >= every:
-                now = dataclasses.replace(  # the last step's metrics, the roles and waterlevel of now
-                    self.records[-1],
-                    roles=tuple(role.value for role in self.sched.roles),
-                    waterlevel=float(self.sched.waterlevel),
-                )
-                self.echo(format_progress(now, self.cfg.steps, elapsed_s=self.now()))
+            if self.now() - self.last_progress >= every:
+                self.echo(self.live_line())
                 self.last_progress = self.now()
+
+    def live_line(self) -> str:
+        """What runs now: executions, the model calls in prefill and decoding (a long CPU prefill says so here)."""
+        calls = self.parts.proxy.in_flight.summary(time.monotonic())
+        state = LiveState(
+            steps_done=len(self.records),
+            roles=tuple(role.value for role in self.sched.roles),
+            waterlevel=float(self.sched.waterlevel),
+            executions=sum(not task.done() for task in self.episodes.values()),
+            waiting=calls.waiting,
+            decoding=calls.decoding,
+            longest_wait_s=calls.longest_wait_s,
+            longest_wait_prompt_tokens=calls.longest_wait_prompt_tokens,
+        )
+        last = self.records[-1] if self.records else None
+        return format_live(state, self.cfg.steps, elapsed_s=self.now(), last=last)
 
     async def _cancel_executions(self) -> None:
         for execution, task in self.episodes.items():

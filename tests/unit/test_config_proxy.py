@@ -15,6 +15,8 @@ from gyre.config.proxy import REASONING_PARSER_NAMES, THINKING_MODES, TOOL_CALL_
         ("reasoning_parser", "think", "proxy.reasoning_parser='think'"),
         ("thinking", "off", "proxy.thinking='off'"),
         ("thinking", False, "proxy.thinking=False"),
+        ("stream_keepalive_s", -1.0, "proxy.stream_keepalive_s=-1.0"),
+        ("stream_keepalive_s", float("inf"), "proxy.stream_keepalive_s=inf"),
     ],
 )
 def test_an_unknown_name_is_one_line_naming_the_field_and_the_choices(field, value, named):

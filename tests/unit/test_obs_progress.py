@@ -1,10 +1,10 @@
-"""The console progress line (gyre/obs/progress.py): hand-computed lines."""
+"""The console progress lines (gyre/obs/progress.py): hand-computed lines."""
 
 import math
 
 import pytest
 
-from gyre.obs.progress import eta_s, format_duration, format_progress
+from gyre.obs.progress import LiveState, eta_s, format_duration, format_live, format_progress
 from gyre.obs.record import StepRecord
 
 
@@ -47,3 +47,28 @@ def test_bad_arguments():
         format_progress(record, 0)
     with pytest.raises(ValueError, match=r"elapsed_s=5\.0 is not allowed: expected seconds >= the record's"):
         format_progress(record, 2, elapsed_s=5.0)
+
+
+def test_the_live_line_names_the_longest_prefill_and_takes_the_eta_of_the_last_step():
+    state = LiveState(
+        steps_done=1, roles=("training", "rollout"), waterlevel=0.0, executions=8, waiting=6, decoding=2,
+        longest_wait_s=100.0, longest_wait_prompt_tokens=48042,
+    )  # fmt: skip
+    last = StepRecord(step=0, wall_time_s=60.0)
+    # 1 step done, 110 s elapsed now: 110 s a step, 1 left -> 110 s.
+    assert format_live(state, 2, elapsed_s=110.0, last=last) == (
+        "step 2/2 running | executions 8 | calls 6 awaiting a first token (longest 48,042 tokens, 1m40s), 2 decoding"
+        " | roles TR | waterlevel 0.00 | elapsed 1m50s | ETA 1m50s"
+    )
+
+
+def test_the_live_line_before_the_first_step_and_with_no_prefill():
+    state = LiveState(steps_done=0, roles=(), waterlevel=None, executions=0, waiting=0, decoding=3)
+    assert format_live(state, 16, elapsed_s=5.0) == (
+        "step 1/16 running | executions 0 | calls 0 awaiting a first token, 3 decoding | roles -- | waterlevel --"
+        " | elapsed 5s | ETA --"
+    )
+    done = LiveState(steps_done=16, roles=(), waterlevel=None, executions=0, waiting=0, decoding=0)
+    assert format_live(done, 16, elapsed_s=5.0).startswith("step 16/16 running")  # the final step's last moments
+    with pytest.raises(ValueError, match="total_steps=0 is not allowed"):
+        format_live(state, 0, elapsed_s=1.0)

@@ -412,6 +412,11 @@ class StreamWriter:
         }
         return _event({"type": "message_start", "message": message}) + _event({"type": "ping"})
 
+    def keepalive(self) -> bytes:
+        """Anthropic's own keep-alive event (its API sends `ping` events while a response is slow to come)."""
+        assert self.started and not self.done, "keepalive() outside start() ... finish()/error()"
+        return _event({"type": "ping"})
+
     def _close(self) -> bytes:
         if self.open_kind is None:
             return b""

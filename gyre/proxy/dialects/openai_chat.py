@@ -36,7 +36,7 @@ from gyre.proxy.conversation import (
 from gyre.proxy.dialects.fields import FieldChecks, Spelling, header_signals, json_type
 from gyre.proxy.dialects.incremental import MessageCache
 from gyre.proxy.dialects.protocol import stated_role_signals, unsent_events
-from gyre.proxy.dialects.sse import sse_event
+from gyre.proxy.dialects.sse import KEEPALIVE_COMMENT, sse_event
 
 # ApiError.kind -> (OpenAI error type, code). OpenAI clients key off `code` (Codex: "context_length_exceeded").
 ERROR_TYPES: dict[str, tuple[str, str | None]] = {
@@ -329,6 +329,9 @@ class StreamWriter:
 
     def start(self) -> bytes:
         return self._chunk({"role": "assistant", "content": ""})
+
+    def keepalive(self) -> bytes:
+        return KEEPALIVE_COMMENT
 
     def event(self, ev: OutputEvent) -> bytes:
         if isinstance(ev, TextDelta):

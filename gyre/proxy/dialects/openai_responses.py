@@ -513,6 +513,11 @@ class StreamWriter:
             "response.in_progress", response=self._snapshot("in_progress")
         )
 
+    def keepalive(self) -> bytes:
+        """`response.in_progress` again: Codex times an idle stream by its events (an SSE comment does not count:
+        with one every 2 s its 5-s `stream_idle_timeout_ms` still fired), and the event says only what is true."""
+        return self._event("response.in_progress", response=self._snapshot("in_progress"))
+
     def _open_item(self, kind: str) -> bytes:
         out = self._close_item()
         index = len(self._items)

@@ -33,9 +33,12 @@ from gyre.traj.roles import is_claude_code_summary_request
 class StreamWriter(Protocol):
     """The SSE bytes of one streamed response: `start()` once, `event()` per output event, then exactly one of
     `finish()` (the answer is complete: `output` is what the events added up to) or `error()` (a failure after
-    the stream started; nothing follows it)."""
+    the stream started; nothing follows it). `keepalive()` may come between `start()` and the first `event()`,
+    while the first tokens are awaited (a long prefill: docs/proxy.md, "Long prefills")."""
 
     def start(self) -> bytes: ...
+
+    def keepalive(self) -> bytes: ...
 
     def event(self, ev: OutputEvent) -> bytes: ...
 

@@ -7,6 +7,10 @@ from typing import Any
 
 import orjson
 
+# An SSE comment: SSE parsers skip it (the OpenAI SDKs' included) while its bytes reset a client's idle-connection
+# timers; a client that times events instead (Codex) needs an event (openai_responses's keepalive).
+KEEPALIVE_COMMENT = b": keepalive\n\n"
+
 
 def sse_event(payload: Any, event: str | None = None) -> bytes:
     """One SSE record; orjson, or ASCII-escaped JSON for text orjson refuses (a lone surrogate)."""
