@@ -16,8 +16,9 @@ Contract
     * The live line reads `step 2/10 running | executions 8 | calls 6 awaiting a first token (longest 48,042
       tokens, 1m40s), 2 decoding | roles TR | waterlevel 0.83 | elapsed 4m10s | ETA 3m00s`: the step in progress
       (counted from 1), the executions running, the calls waiting for their first token (queued or in prefill) and
-      the longest such wait with its prompt length (left out when none waits), the calls past it; the ETA of the
-      last finished step's record (`--` before the first).
+      the longest such wait with its prompt length (left out when none waits), the calls past it. ETA: the steps
+      left times the mean time of the finished ones, less the time the running step has had so far (`--` before
+      the first step ends; never below 0).
 """
 
 from __future__ import annotations
@@ -100,7 +101,10 @@ def format_live(state: LiveState, total_steps: int, *, elapsed_s: float, last: S
     if state.waiting:
         calls += f" (longest {state.longest_wait_prompt_tokens:,} tokens, {format_duration(state.longest_wait_s)})"
     calls += f", {state.decoding} decoding"
-    eta = None if last is None else eta_s(last, total_steps, max(elapsed_s, last.wall_time_s))
+    eta = None
+    if last is not None:
+        into_step = max(0.0, elapsed_s - last.wall_time_s)
+        eta = max(0.0, eta_s(last, total_steps) - into_step)
     parts = [
         f"step {min(state.steps_done + 1, total_steps)}/{total_steps} running",
         f"executions {state.executions}",

@@ -525,6 +525,8 @@ class _Call:
             engine=",".join(finish.engines) if finish is not None else self.engine,
             timings={"first_token_s": finish.first_token_s or 0.0, "total_s": finish.total_s} if finish else {},
             role_signals=self.dialect.role_signals(self.request),
+            # cached_tokens: the prompt's KV the engine reused (its prefix cache; docs/proxy.md, "Long prefills")
+            usage={"prompt_tokens": self.prompt.num_tokens, "cached_tokens": finish.cached_tokens} if finish else {},
         )
         reason = finish.finish_reason if finish is not None else "abort"
         thread = thread_key(self.request.signals)

@@ -155,6 +155,7 @@ class CallMeta:
     engine: str = ""
     timings: Mapping[str, float] = field(default_factory=dict)  # seconds, e.g. queued_s, first_token_s, total_s
     role_signals: Mapping[str, Any] = field(default_factory=dict)
+    usage: Mapping[str, int] = field(default_factory=dict)  # tokens: prompt_tokens, cached_tokens (empty: unknown)
 
 
 @dataclass(frozen=True, eq=False)

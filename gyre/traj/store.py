@@ -77,6 +77,8 @@ def call_line(record: CallRecord) -> str:
         "timings": dict(meta.timings),
         "role_signals": dict(meta.role_signals),
     }
+    if meta.usage:
+        line["usage"] = dict(meta.usage)
     if record.routing is not None:
         line["routing"] = routing_field(record.routing)
     return _dumps(line)
@@ -324,8 +326,18 @@ def parse_call(obj: dict[str, Any], where: str) -> tuple[int, int, list[Segment]
         engine=_field(obj, "engine", str, where),
         timings=_field(obj, "timings", dict, where),
         role_signals=_field(obj, "role_signals", dict, where),
+        usage=_usage(obj.get("usage", {}), where),
     )
     return index, parent, segments, response, meta
+
+
+def _usage(value: Any, where: str) -> dict[str, int]:
+    """A call line's optional `usage`: token counts by name (non-negative integers)."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and type(v) is int and v >= 0 for k, v in value.items()
+    ):
+        raise ValueError(f"{where}: field 'usage' = {value!r} is not an object of token counts")
+    return value
 
 
 def load_tree(path: str | Path) -> TrajectoryTree:

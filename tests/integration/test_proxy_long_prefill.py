@@ -1,4 +1,4 @@
-"""Long prefills behind the proxy (docs/proxy.md, "Long prefills"), over real HTTP on 127.0.0.1.
+"""Long prefills behind the proxy (docs/proxy.md, "Long prefills"), over real HTTP on 127.0.0.1; and the prefix cache.
 
 A streamed call whose first token takes longer than `proxy.stream_keepalive_s` gets its stream started and the
 dialect's keep-alive until the tokens come (Anthropic `ping` events, an SSE comment for OpenAI chat,
@@ -10,6 +10,8 @@ the prefill of a started stream ends it with the dialect's in-stream error event
 
 The engine is `ScriptedEngine` (a stand-in, named as such) behind a real endpoint, its first token
 `first_token_delay_s` late. The CLIs themselves against a slow first token were measured by hand (docs/proxy.md).
+Last, the embedded native engine (the tiny model): a session's second call prefills only its new tokens, and the
+answer's usage and the record's `usage` say how many were served from the prefix cache.
 Every wait is bounded; every server is stopped.
 """
 
@@ -195,3 +197,28 @@ def test_an_engine_lost_during_a_started_prefill_ends_the_stream_with_an_error_e
         thread.stop()
     assert b"event: error" in data, data[-800:]
     assert total["failed"] and total["answered"] == 0, total
+
+
+def test_a_later_call_of_a_session_prefills_only_its_new_tokens_and_its_record_says_so(tmp_path):
+    """The embedded native engine (the tiny model): the second call extends the first call's prompt and answer, the
+    engine reuses their KV, the answer's usage and the record's `usage` report it."""
+    from gyre.traj.store import load_tree
+
+    cfg = ServeConfig(proxy=ProxyConfig(sampling=SamplingConfig(max_new_tokens=8, seed=0)), executions=0)
+    stack = StackThread(cfg, tmp_path / "records")
+    url, key = f"http://{stack.host}:{stack.port}", stack.session.key
+    try:
+        claude = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
+        history = [{"role": "user", "content": "What is 2 + 3? Use the calculator."}]
+        first = claude.messages.create(model="gyre", max_tokens=8, messages=history)
+        history += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "Go on."}]
+        second = claude.messages.create(model="gyre", max_tokens=8, messages=history)
+    finally:
+        stack.stop()
+    tree = load_tree(tmp_path / "records" / f"{stack.session.execution}.jsonl")
+    usage = [call.meta.usage for call in tree.calls]
+    assert usage[0]["cached_tokens"] == 0 and usage[0]["prompt_tokens"] == first.usage.input_tokens
+    assert usage[1]["cached_tokens"] >= usage[0]["prompt_tokens"], usage  # the first prompt's KV, at least
+    assert usage[1]["prompt_tokens"] - usage[1]["cached_tokens"] < 40, usage  # the answer and the new turn only
+    assert second.usage.cache_read_input_tokens == usage[1]["cached_tokens"]
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == usage[1]["prompt_tokens"]

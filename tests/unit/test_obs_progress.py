@@ -55,11 +55,12 @@ def test_the_live_line_names_the_longest_prefill_and_takes_the_eta_of_the_last_s
         longest_wait_s=100.0, longest_wait_prompt_tokens=48042,
     )  # fmt: skip
     last = StepRecord(step=0, wall_time_s=60.0)
-    # 1 step done, 110 s elapsed now: 110 s a step, 1 left -> 110 s.
+    # 1 step done in 60 s, 1 left: 60 s, of which the running step has had 50 s -> 10 s.
     assert format_live(state, 2, elapsed_s=110.0, last=last) == (
         "step 2/2 running | executions 8 | calls 6 awaiting a first token (longest 48,042 tokens, 1m40s), 2 decoding"
-        " | roles TR | waterlevel 0.00 | elapsed 1m50s | ETA 1m50s"
+        " | roles TR | waterlevel 0.00 | elapsed 1m50s | ETA 10s"
     )
+    assert format_live(state, 2, elapsed_s=200.0, last=last).endswith("ETA 0s")  # a step slower than the mean
 
 
 def test_the_live_line_before_the_first_step_and_with_no_prefill():

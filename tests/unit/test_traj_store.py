@@ -25,7 +25,10 @@ SYS, USR, TOOL, OUT = Provenance.SYSTEM, Provenance.USER, Provenance.TOOL, Prove
 
 def write_small(path) -> TrajectoryTree:
     tree = TrajectoryTree("ex", 100)
-    meta = CallMeta("ex", "r0", policy_version=3, engine="cell-1", timings={"total_s": 0.5}, role_signals={"a": 1})
+    meta = CallMeta(
+        "ex", "r0", policy_version=3, engine="cell-1", timings={"total_s": 0.5}, role_signals={"a": 1},
+        usage={"prompt_tokens": 3, "cached_tokens": 0},
+    )  # fmt: skip
     with RecordWriter(path, "ex", 100) as writer:
         writer.append(tree.insert([Segment(SYS, [1, 2]), Segment(USR, [10])], Response.build([20], [-0.25], "x"), meta))
         full = [Segment(SYS, [1, 2]), Segment(USR, [10]), Segment(OUT, [20]), Segment(TOOL, [30, 31])]
@@ -63,6 +66,8 @@ def test_replay_rebuilds_an_identical_tree(tmp_path):
     assert dump_tree(loaded) == dump_tree(tree)
     assert [loaded.call_tokens(i) for i in range(2)] == [tree.call_tokens(i) for i in range(2)]
     assert loaded.calls[0].meta == tree.calls[0].meta
+    assert loaded.calls[0].meta.usage == {"prompt_tokens": 3, "cached_tokens": 0}
+    assert loaded.calls[1].meta.usage == {}  # absent: unknown
     assert loaded.calls[1].response == tree.calls[1].response
 
 
@@ -113,6 +118,11 @@ def corrupt(path, lineno, edit) -> None:
         (lambda line: line.replace('"v":1', '"v":2'), ":3: record format version 2"),
         (lambda line: line.replace('"ids":[30,31]', '"ids":[30,3.5]'), ":3: tool segment: token ids must be integers"),
         (lambda line: line.replace('"request_id":"r1"', '"request_id":7'), ":3: field 'request_id' = 7"),
+        (
+            lambda line: line.replace('"role_signals":{}', '"role_signals":{},"usage":{"cached_tokens":-1}'),
+            ":3: field 'usage'",
+        ),
+        (lambda line: line.replace('"role_signals":{}', '"role_signals":{},"usage":[1]'), ":3: field 'usage' = [1]"),
     ],
 )
 def test_bad_lines_name_file_and_line(tmp_path, edit, message):
