@@ -3,9 +3,9 @@
 Role
     `format_progress` turns the latest `gyre.obs.record.StepRecord` into one line for the console (the runtime
     logs it at every step's end); `format_live` says what runs now, between step ends (every
-    `logging.progress_every_s`: executions, the model calls in prefill and decoding, the call that has waited
-    longest for its first token; docs/runtime.md, "Outputs"). Pure: no IO, no clock (the caller passes the
-    elapsed time).
+    `logging.progress_every_s`: executions, the model calls awaiting a first token and decoding, the call that has
+    waited longest for its first token; docs/runtime.md, "Outputs"). Pure: no IO, no clock (the caller passes
+    the elapsed time).
 
 Contract
     * The line reads `step 4/10 | reward 0.412 | pass 37.5% | roles TTRR | waterlevel 0.83 | elapsed 2m00s |

@@ -8,10 +8,11 @@ One call, in order: read the body (size cap -> 413, time limit -> 408), authenti
 parse the dialect (4xx in its own shape), check the model name (404), build the prompt with TITO reuse
 (`gyre.proxy.render`; a big build on a worker thread, a prompt past the context limit refused as soon as its token
 floor or count shows it: 400 "prompt is too long"), run the call through the routing table with transparent
-retry (`gyre.proxy.routing`), turn output ids into the dialect's structures as they come
-(`gyre.proxy.output`), record the call once into the execution's tree and file (`gyre.proxy.sessions`), and
-remember our exact output for the payload cache. A client error is answered and nothing is recorded; an engine
-failure after the stream started ends the stream with the dialect's error event.
+retry (`gyre.proxy.routing`; a streamed call still without a first token after `proxy.stream_keepalive_s` has its
+stream started and kept alive meanwhile: docs/proxy.md, "Long prefills"), turn output ids into the dialect's
+structures as they come (`gyre.proxy.output`), record the call once into the execution's tree and file
+(`gyre.proxy.sessions`), and remember our exact output for the payload cache. A client error is answered and
+nothing is recorded; an engine failure after the stream started ends the stream with the dialect's error event.
 
 Admin routes (for `gyre.serve` and the runtime; they need the admin key as a Bearer token or `x-api-key`: without a
 key 401 `authentication_error`, with another key 403 `permission_error`):
