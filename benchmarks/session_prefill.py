@@ -81,7 +81,8 @@ def record_session(claude: str, model_dir: Path, workspace: Path) -> list[tuple[
     )
     stack = asyncio.run_coroutine_threadsafe(build_stack(cfg, records_dir=None), loop).result(120)
     session = stack.registry.issue("session")
-    home = Path(tempfile.mkdtemp(prefix="gyre-bench-home-"))
+    home_dir = tempfile.TemporaryDirectory(prefix="gyre-bench-home-")  # the CLI's private HOME, removed after
+    home = Path(home_dir.name)
     env = {
         "PATH": f"{os.path.dirname(claude)}:/usr/local/bin:/usr/bin:/bin",
         "HOME": str(home),
@@ -109,6 +110,7 @@ def record_session(claude: str, model_dir: Path, workspace: Path) -> list[tuple[
         asyncio.run_coroutine_threadsafe(stack.close(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
         thread.stop()
+        home_dir.cleanup()
     return [(list(r.input_ids), out) for r, out in zip(requests, replies, strict=True)]
 
 

@@ -66,17 +66,23 @@ def format_progress(record: StepRecord, total_steps: int, *, elapsed_s: float | 
             f"({record.wall_time_s})"
         )
     elapsed = record.wall_time_s if elapsed_s is None else elapsed_s
-    roles = "".join(ROLE_LETTERS[role] for role in record.roles) or "--"
     parts = [
         f"step {record.step + 1}/{total_steps}",
         f"reward {_number(record.reward_mean, '.3f')}",
         f"pass {_percent(record.pass_rate)}",
-        f"roles {roles}",
-        f"waterlevel {_number(record.waterlevel, '.2f')}",
-        f"elapsed {format_duration(elapsed)}",
-        f"ETA {format_duration(eta_s(record, total_steps, elapsed))}",
+        *_state_parts(record.roles, record.waterlevel, elapsed, eta_s(record, total_steps, elapsed)),
     ]
     return " | ".join(parts)
+
+
+def _state_parts(roles: tuple[str, ...], waterlevel: float | None, elapsed_s: float, eta: float | None) -> list[str]:
+    """The tail both lines share: roles, waterlevel, elapsed, ETA."""
+    return [
+        f"roles {''.join(ROLE_LETTERS[role] for role in roles) or '--'}",
+        f"waterlevel {_number(waterlevel, '.2f')}",
+        f"elapsed {format_duration(elapsed_s)}",
+        f"ETA {format_duration(eta)}",
+    ]
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,7 @@ def format_live(state: LiveState, total_steps: int, *, elapsed_s: float, last: S
         f"step {min(state.steps_done + 1, total_steps)}/{total_steps} running",
         f"executions {state.executions}",
         calls,
-        f"roles {''.join(ROLE_LETTERS[role] for role in state.roles) or '--'}",
-        f"waterlevel {_number(state.waterlevel, '.2f')}",
-        f"elapsed {format_duration(elapsed_s)}",
-        f"ETA {format_duration(eta)}",
+        *_state_parts(state.roles, state.waterlevel, elapsed_s, eta),
     ]
     return " | ".join(parts)
 
