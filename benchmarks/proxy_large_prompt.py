@@ -9,10 +9,13 @@ from another (a git revision, checked out into a temporary worktree, or a direct
    was in flight;
 3. the server's resident memory (VmRSS) after the warm-up calls and after the big calls (and a 2 s settle).
 
-Issue 13's acceptance: a 400 within 2 s, a concurrent small call within 100 ms of its normal time, RSS after 20 big
-calls within 200 MB of the start. Prints one JSON object (last line).
+Issue 13's acceptance (`--route messages`): a 400 within 2 s, a concurrent small call within 100 ms of its normal
+time, RSS after 20 big calls within 200 MB of the start. Issue 30's (`--route count_tokens`, the big calls go to
+`/v1/messages/count_tokens`): an answer within 1 s, < 50 ms added to the small calls, < 100 MB of RSS growth.
+Prints one JSON object (last line).
 
-    python benchmarks/proxy_large_prompt.py [--baseline REV_OR_DIR] [--big 20] [--megabytes 10] [--out results/...]
+    python benchmarks/proxy_large_prompt.py [--route messages|count_tokens] [--baseline REV_OR_DIR] [--big 20]
+        [--megabytes 10] [--out results/...]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 from report import emit
 from serve_startup import _head, baseline_tree
 
+ROUTES = {"messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
 READY_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 600.0
 
@@ -62,12 +66,10 @@ class Served:
         self.stop()
         raise RuntimeError(f"gyre.serve from {tree} exited or timed out before printing ready")
 
-    def post(self, key: str, body: bytes) -> tuple[int, float]:
+    def post(self, key: str, body: bytes, path: str = "/v1/messages") -> tuple[int, float]:
         started = time.perf_counter()
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=CALL_TIMEOUT_S)
-        connection.request(
-            "POST", "/v1/messages", body=body, headers={"content-type": "application/json", "x-api-key": key}
-        )
+        connection.request("POST", path, body=body, headers={"content-type": "application/json", "x-api-key": key})
         response = connection.getresponse()
         response.read()
         connection.close()
@@ -94,7 +96,7 @@ def big_body(megabytes: float, i: int) -> bytes:
     return json.dumps({"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": text}]}).encode()
 
 
-def measure(tree: Path, big: int, small: int, megabytes: float) -> dict:
+def measure(tree: Path, big: int, small: int, megabytes: float, route: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="gyre-bench-large-") as run_dir:
         served = Served(tree, run_dir)
         try:
@@ -107,7 +109,9 @@ def measure(tree: Path, big: int, small: int, megabytes: float) -> dict:
             for i in range(big):
                 body = big_body(megabytes, i)
                 result: dict = {}
-                thread = threading.Thread(target=lambda b=body, r=result: r.update(answer=served.post(key_big, b)))
+                thread = threading.Thread(
+                    target=lambda b=body, r=result: r.update(answer=served.post(key_big, b, ROUTES[route]))
+                )
                 thread.start()
                 n = 0
                 while thread.is_alive():
@@ -141,6 +145,7 @@ def main() -> None:
     parser.add_argument("--big", type=int, default=20, help="big calls per tree")
     parser.add_argument("--small", type=int, default=20, help="small calls for the normal time")
     parser.add_argument("--megabytes", type=float, default=10.0)
+    parser.add_argument("--route", choices=sorted(ROUTES), default="messages", help="where the big calls go")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.big < 1 or args.small < 1 or args.megabytes <= 0:
@@ -152,7 +157,7 @@ def main() -> None:
             if args.baseline:
                 trees["baseline"] = baseline_tree(args.baseline, Path(scratch))
             for name, (tree, source) in trees.items():
-                results[name] = {"source": source, **measure(tree, args.big, args.small, args.megabytes)}
+                results[name] = {"source": source, **measure(tree, args.big, args.small, args.megabytes, args.route)}
         finally:
             if "baseline" in trees and trees["baseline"][1].startswith("git "):
                 root = Path(__file__).resolve().parents[1]
@@ -160,7 +165,9 @@ def main() -> None:
     emit(
         {
             "benchmark": "proxy_large_prompt",
-            "what": f"{args.megabytes:g} MB user message x {args.big} on key A of gyre.serve (tiny model, CPU) "
+            "route": ROUTES[args.route],
+            "what": f"{args.megabytes:g} MB user message x {args.big} to {ROUTES[args.route]} on key A of gyre.serve "
+            "(tiny model, CPU) "
             "while key B sends small calls back to back",
             "trees": results,
         },

@@ -54,6 +54,7 @@ from gyre.proxy.sessions import (
 )
 from gyre.proxy.stats import ProxyStats, RouteCounters
 from gyre.proxy.template import RELEASE_GIL_CHARS
+from gyre.proxy.token_estimate import estimate_tokens, request_texts
 from gyre.traj.record import CallMeta, CallRouting
 from gyre.traj.roles import Role
 
@@ -70,6 +71,12 @@ MAX_BODY_DEPTH = 128
 # A build that renders and encodes this many new characters runs on a worker thread, so the event loop goes on serving
 # every other execution meanwhile; its long texts are encoded with the GIL released (one threshold for both).
 OFF_THE_LOOP_CHARS = RELEASE_GIL_CHARS
+
+# count_tokens counts exactly a prompt of at most this many characters per token of the context limit: every
+# prompt the model can take in text of natural density (3-5 characters a token; code and CJK fewer). Beyond it, or
+# past the limit, it answers an estimate, marked in this header (docs/proxy.md, "Counting tokens").
+EXACT_COUNT_CHARS_PER_TOKEN = 8
+TOKEN_COUNT_HEADER = "gyre-token-count"
 
 
 async def _off_the_loop_if_big(
@@ -282,20 +289,40 @@ class ProxyServer:
             self.in_flight.remove(call.response_id)
 
     async def _count_tokens(self, http: web.Request, dialect: Dialect, counters: RouteCounters) -> web.Response:
+        """The exact count of a prompt the model can take; beyond the context limit an estimate from a bounded
+        sample of its text, so no body a client chooses costs more than a prompt at the limit does
+        (`gyre.proxy.token_estimate`; docs/proxy.md, "Counting tokens")."""
         try:
             session = self._authenticate(http)
             body = await self._read_json(http)
             request = dialect.parse_count_tokens(body, _headers(http), dict(http.query))
             self._check_model(request.model)
             _check_stated_role(request)
-            builder = session.make_builder(session.payload)  # a throwaway builder: no cache churn, no lock
-            thinking = self.config.enable_thinking(request.thinking)
-            prompt = await _off_the_loop_if_big(builder, request, enable_thinking=thinking)
+            limit = self.context_limit
+            texts = request_texts(request)
+            floor = self.template.prompt_floor(request.turns)
+            if floor > limit or sum(map(len, texts)) > EXACT_COUNT_CHARS_PER_TOKEN * limit:
+                count, exact = await asyncio.to_thread(self._estimate_beyond, texts, floor), False
+            else:
+                builder = session.make_builder(session.payload)  # a throwaway builder: no cache churn, no lock
+                thinking = self.config.enable_thinking(request.thinking)
+                try:
+                    prompt = await _off_the_loop_if_big(builder, request, max_tokens=limit, enable_thinking=thinking)
+                    count, exact = prompt.num_tokens, True
+                except PromptTooLong as error:
+                    count, exact = await asyncio.to_thread(self._estimate_beyond, texts, error.at_least), False
         except ApiError as error:
             counters.ended_with(error)
             return self.error_response(dialect, error)
         counters.answered += 1
-        return _json(dialect.count_tokens_body(prompt.num_tokens))
+        answer = _json(dialect.count_tokens_body(count))
+        answer.headers[TOKEN_COUNT_HEADER] = "exact" if exact else "estimate"
+        return answer
+
+    def _estimate_beyond(self, texts: list[str], at_least: int) -> int:
+        """A count for a prompt past the context limit (or too long to count): the sampled estimate, never below
+        what is known of it."""
+        return max(at_least, estimate_tokens(texts, self.template.encode_many))
 
     async def _admit(self, http: web.Request, dialect: Dialect) -> tuple[ExecutionSession, ChatRequest]:
         session = self._authenticate(http)

@@ -26,6 +26,7 @@ class StackThread:
         self.thread.start()
         self.stack = self.call(build_stack(cfg, records_dir=records_dir))
         self.session = self.stack.registry.issue("fuzz")
+        self.last_headers: dict[str, str] = {}  # of the last `post`'s answer, names lower-cased
         address = urlparse(self.stack.proxy.url)
         self.host, self.port = address.hostname, address.port
 
@@ -41,6 +42,7 @@ class StackThread:
         response = connection.getresponse()
         data = response.read()
         connection.close()
+        self.last_headers = {name.lower(): value for name, value in response.getheaders()}
         if response.getheader("content-type", "").startswith("text/event-stream"):
             assert data.endswith(b"\n\n")  # a (fuzzed) streaming request that was valid: a complete SSE stream
             return response.status, {}

@@ -145,8 +145,9 @@ def test_a_closed_pipe_is_not_an_error(tmp_path):
     with RecordWriter(path, execution.execution, execution.vocab_size) as writer:
         for call in execution.calls[:40]:
             writer.append(tree.insert(call.context, call.response, call.meta))
-    # Far more output than a pipe buffers (64 KiB), so the writer is still writing when the pipe closes.
-    args = [sys.executable, "-m", "gyre.traj.inspect", "--dump", *[str(path)] * 200]
+    # More output than a pipe buffers (16 dumps of ~13 KB, three times 64 KiB): the writer is still writing when the
+    # pipe closes. Each copy is loaded and summarized before anything is printed, so more copies only cost time.
+    args = [sys.executable, "-m", "gyre.traj.inspect", "--dump", *[str(path)] * 16]
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
         assert process.stdout is not None and process.stderr is not None
         first = process.stdout.readline()
