@@ -975,6 +975,7 @@ def run_shape(cfg: TrainConfig) -> dict:
         "algo.mode": algo.mode,
         "cluster.num_cells": cl.num_cells,
         "cluster.cell_capacity": cl.cell_capacity,
+        "cluster.separate_capacity": cl.separate_capacity,  # the ledger's C_s (a checkpoint without it: not compared)
         "algo.group_size": algo.group_size,
         "algo.oversample": algo.oversample,
         "algo.batch_groups": algo.batch_groups,
