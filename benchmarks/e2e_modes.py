@@ -17,10 +17,15 @@ destination with their KV instead of recomputing their prefix.
 
     python benchmarks/e2e_modes.py [--steps 8] [--seed 0] [--cell-capacity 4] [--group-size 4] [--batch-groups 2]
         [--work-dir /tmp/gyre-e2e] [--modes elastic,colocate,async] [--migration-steps 8] [--reuse]
-        [--context-words 0]
+        [--context-words 0] [--separate-size 0] [--separate-capacity 0]
         [--out benchmarks/results/e2e_modes.json] [--png benchmarks/results/e2e_modes.png]
 
 `--reuse` measures the run directories already in --work-dir instead of running them again.
+
+The pool layout (`--separate-size 1 --migration-steps 0 --out benchmarks/results/e2e_modes_pool.json --png
+benchmarks/results/e2e_modes_pool.png`): the same 4 cells plus a separate rollout pool of that many ranks serving
+`--separate-capacity` executions (0: C_e, as the program reads it), in the three modes and in the simulator
+(`cluster.separate_size`, `cluster.separate_capacity`: docs/runtime.md, "The separate rollout pool").
 
 The long-row preset (`--context-words 1100 --migration-steps 0 --out benchmarks/results/e2e_modes_long_rows.json
 --png benchmarks/results/e2e_modes_long_rows.png`): every call of the three modes' runs carries ~3,500 tokens of
@@ -65,9 +70,21 @@ TINY_CONTEXT = TinyModelSpec().max_position_embeddings  # the default tiny model
 TRAINING_SHARE_TARGET = 0.25  # the long-row preset: training's share of colocate's wall time (the paper's regime)
 
 
+def pool_overrides(args: argparse.Namespace) -> list[str]:
+    """The separate rollout pool of `--separate-size` ranks (none at 0), its C_s explicit: the program's default
+    (C_e when 0) written out, so the simulator reads the same pool."""
+    if args.separate_size == 0:
+        return []
+    return [
+        f"cluster.separate_size={args.separate_size}",
+        f"cluster.separate_capacity={args.separate_capacity or args.cell_capacity}",
+    ]
+
+
 def run_overrides(args: argparse.Namespace, mode: str) -> list[str]:
     return [
         *MODES[mode],
+        *pool_overrides(args),
         "tasks.demo.work.enabled=true",
         f"cluster.cell_capacity={args.cell_capacity}",
         f"algo.group_size={args.group_size}",
@@ -189,6 +206,12 @@ def measure(run_dir: Path, cell_capacity: int) -> dict[str, Any]:
             "continued_fraction": migrated / moved if moved else None,
         },
         "outcomes": summary["outcomes"],
+        "role_time_s": summary.get("role_time_s"),  # each lane's seconds by role; the pool's: rollout only
+        "pool": summary.get("pool")
+        and {
+            **summary["pool"],
+            "executions": sum(x.engine == "pool" for x in read_executions(run_dir / "executions.jsonl")),
+        },
         "audit": {
             k: audit[k]
             for k in ("executions", "ends", "retries", "api_errors", "calls_recorded", "duplicate_request_ids")
@@ -248,6 +271,7 @@ def simulate_mode(args: argparse.Namespace, mode: str, real: dict[str, Any], csv
         "cluster.num_cells=4",
         "cluster.cell_size=1",
         f"cluster.cell_capacity={args.cell_capacity}",
+        *pool_overrides(args),
         "cluster.microsteps_per_group=1",
         *[f"cluster.{k}={v:.6g}" for k, v in costs.items()],
         "workload=replay",
@@ -288,6 +312,7 @@ def layouts(args: argparse.Namespace, costs: dict, csv_path: Path, seeds: int = 
                 "cluster.num_cells=4",
                 "cluster.cell_size=1",
                 f"cluster.cell_capacity={capacity}",
+                *pool_overrides(args),
                 "cluster.microsteps_per_group=1",
                 *[f"cluster.{k}={v:.6g}" for k, v in costs.items() if k != "group_train_node_s"],
                 f"cluster.group_train_node_s={per_execution * size:.6g}",
@@ -344,6 +369,13 @@ def main() -> None:
     parser.add_argument("--tau-s", type=float, default=0.5)
     parser.add_argument(
         "--context-words", type=int, default=0, help="tasks.demo.context_words of the three modes' runs (long rows)"
+    )
+    parser.add_argument("--separate-size", type=int, default=0, help="ranks of a separate rollout pool (0: none)")
+    parser.add_argument(
+        "--separate-capacity",
+        type=int,
+        default=0,
+        help="C_s of the separate rollout pool (0: C_e, the program's default)",
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--migration-steps", type=int, default=8, help="steps of the plain-demo run (0: none)")
@@ -453,14 +485,21 @@ def main() -> None:
 
     if args.png:
         panels = [panel(m, args.work_dir / m, args.cell_capacity, runs[m]["total_time_s"]) for m in modes]
+        pool = f" + pool of {args.separate_size}" if args.separate_size else ""
         title = (
-            f"gyre.train, {args.steps} steps, 4 cells x C_e {args.cell_capacity}, N {args.group_size}, B "
+            f"gyre.train, {args.steps} steps, 4 cells x C_e {args.cell_capacity}{pool}, N {args.group_size}, B "
             f"{args.batch_groups}, slow executions (NL2Repo shape / 400)"
         )
         write_stacked_timelines(args.png, panels, title=title)
     result = {
         "benchmark": "e2e_modes",
-        "layout": {"num_cells": 4, "cell_size": 1, "cell_capacity": args.cell_capacity},
+        "layout": {
+            "num_cells": 4,
+            "cell_size": 1,
+            "cell_capacity": args.cell_capacity,
+            "separate_size": args.separate_size,
+            "separate_capacity": (args.separate_capacity or args.cell_capacity) if args.separate_size else 0,
+        },
         "steps": args.steps,
         "seed": args.seed,
         "group_size": args.group_size,

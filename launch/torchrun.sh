@@ -8,7 +8,7 @@
 #
 # Environment (default in brackets):
 #   NNODES          nodes of the job [1]. NNODES x NPROC_PER_NODE must be cluster.num_cells x cluster.cell_size
-#                   (gyre exits 2 naming the fields otherwise).
+#                   + cluster.separate_size (gyre exits 2 naming the fields otherwise).
 #   NPROC_PER_NODE  ranks on this node, one per GPU [4: the CPU demo's 4 cells on one machine].
 #   NODE_RANK       this node, 0 .. NNODES-1 [0]. Node 0 hosts torch's c10d rendezvous store at RDZV_ENDPOINT.
 #                   The job's ranks are assigned by that rendezvous, not by NODE_RANK (torch orders the nodes by

@@ -21,9 +21,11 @@ class ClusterConfig:
     cell_capacity: int = 144
     """C_e: concurrent executions one cell serves in the rollout role."""
     separate_capacity: int = 0
-    """C_s: concurrent executions of the separate rollout pool (0: no pool)."""
+    """C_s: concurrent executions of the separate rollout pool; 0 with `separate_size` > 0: C_e (the pool serves one
+    engine of the cells' engine config, so by default as many executions as a cell); 0 with no pool."""
     separate_size: int = 0
-    """Nodes of the separate rollout pool (for utilization only)."""
+    """Nodes (the training program: ranks) of the separate rollout pool; 0: no pool. The program runs the pool's
+    ranks after the cells' (docs/runtime.md, "The separate rollout pool"); the simulator uses it for utilization."""
 
     # Timing model (seconds). Transitions: the paper's measured means. group_train_node_s and
     # publish_s: calibrated on rows A0 and C0 of the paper's Table 2 (docs/simulator.md);
@@ -50,6 +52,8 @@ class ClusterConfig:
         require_int("cluster.cell_capacity", self.cell_capacity, gt=0)
         require_int("cluster.separate_capacity", self.separate_capacity, ge=0)
         require_int("cluster.separate_size", self.separate_size, ge=0)
+        if self.separate_size > 0 and self.separate_capacity == 0:
+            self.separate_capacity = self.cell_capacity  # a pool serves as a cell does unless told otherwise
         if self.separate_capacity > 0:
             require(
                 self.separate_size >= 1,

@@ -268,15 +268,23 @@ def check_engine(engine: EngineConfig, trainer: TrainerConfig) -> None:
 
 
 def check_engine_slots(engine: EngineConfig, cluster: ClusterConfig) -> None:
-    """A rollout cell's engine decodes a call of each of its C_e executions at once: the scheduler counts C_e as
-    served, so executions beyond the engine's slots would queue inside the engine, where the scheduler cannot see
-    them."""
+    """A rollout cell's engine decodes a call of each of its C_e executions at once, the separate pool's engine one
+    of each of its C_s: the scheduler counts them as served, so executions beyond the engine's slots would queue
+    inside the engine, where the scheduler cannot see them."""
     require(
         engine.max_running >= cluster.cell_capacity,
         "engine.max_running",
         engine.max_running,
         f"an integer >= cluster.cell_capacity ({cluster.cell_capacity}): a rollout cell's engine runs a call of "
         "each of its C_e executions at once (more would queue inside the engine, unseen by the scheduler)",
+    )
+    require(
+        engine.max_running >= cluster.separate_capacity,
+        "engine.max_running",
+        engine.max_running,
+        f"an integer >= cluster.separate_capacity ({cluster.separate_capacity}): the separate rollout pool's engine "
+        "runs a call of each of its C_s executions at once (more would queue inside the engine, unseen by the "
+        "scheduler)",
     )
 
 

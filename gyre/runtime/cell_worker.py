@@ -3,7 +3,7 @@ cell of TP ranks), moved by the controller's decisions (docs/runtime.md, "The pr
 
 Every rank of the job but rank 0 runs `run_cell`. At start a cell leader (a satellite's first rank) serves the
 cell's engine (`engine.backend`: `gyre.runtime.engines`) on the starting checkpoint behind an endpoint (bound to
-`job.host`, requiring `job.secret`) and writes the address under `gyre/engine/<cell>`; the controller reaches it
+`job.host`, requiring `job.secret`) and writes the address under `gyre/engine/cell-<c>`; the controller reaches it
 with a `RemoteEngine` and drives the engine side of every transition itself (stop accepting, reroutes, drain,
 release; resume, load the published version, accept: `gyre.runtime.transitions`). With SGLang the leader's engine
 runs on all the cell's GPUs (its tensor-parallel group); with the native engine a cell's other ranks serve nothing

@@ -21,8 +21,8 @@ back through the scheduler's events; nothing moves without an action:
   as the simulator's cells claim), the `step` decision, the core's `train_claimed_step` on the trainer thread;
   the record, the step's progress line; `step_finished`. Between step ends, every `logging.progress_every_s`,
   the live line (`live_line`: executions, the proxy's calls in prefill and decoding).
-- `Publish(v)`: the core's weights as version v, `<run dir>/policy/`, the engines still in rollout updated;
-  `publish_finished`.
+- `Publish(v)`: the core's weights as version v, `<run dir>/policy/`, the engines still in rollout updated (the
+  separate rollout pool's with them: it never leaves rollout); `publish_finished`.
 - `BeginTransition(c, ROLLOUT)`: after the publication, `return_to_rollout` with the published version (the
   engine accepts only once it holds it); the cell is told; `transition_finished`.
 - `WakeAt(t)`: a timer, then `tick`.
@@ -83,6 +83,7 @@ from gyre.runtime.trainers import GATHER, SAVE_OPTIMIZER, policy_model, trainer_
 from gyre.runtime.transitions import leave_rollout, publish_to_engines, return_to_rollout
 from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import (
+    POOL,
     BeginStep,
     BeginTransition,
     Cancel,
@@ -127,7 +128,8 @@ class ControllerParts:
     """What the controller drives, built and closed by the program (`gyre.runtime.program`)."""
 
     job: Job
-    engines: dict[int, object]  # cell -> its leader's Engine (a RemoteEngine in front of its endpoint)
+    engines: dict[int, object]  # cell (or POOL, the separate rollout pool) -> its Engine (a RemoteEngine in front of
+    # its endpoint)
     proxy: object  # gyre.proxy.server.ProxyServer
     registry: object  # gyre.proxy.sessions.SessionRegistry
     table: RoutingTable
@@ -191,7 +193,7 @@ class Controller:
         self.packer = StreamPackingBuffer(self.buffer, cfg.packing)
         self.rng = random.Random(cfg.seed)
         self.deck = TaskDeck(len(self.tasks), self.rng)  # the training tasks, each once per epoch
-        self.trace = RoleTrace(cfg.cluster.num_cells)
+        self.trace = RoleTrace(cfg.cluster.num_cells, pool=cfg.cluster.separate_size > 0)
         self.executions = ExecutionLog(run_dir / EXECUTIONS_FILE)
         self.records: list[StepRecord] = []
         self.proxy_access = ProxyAccess(
@@ -401,6 +403,8 @@ class Controller:
                     delay = max(0.0, action.time_s - self.now())
                     self.loop.call_later(delay, self._tick)
         loads = [self.sched.ledger.load(cell) for cell in range(self.sched.spec.num_cells)]
+        if self.trace.pool:
+            loads.append(self.sched.ledger.load(POOL))
         self.trace.sample(self.now(), self.sched.waterlevel, self.sched.rollout_capacity(), loads)
 
     def dispatch(self, action: Dispatch) -> None:
@@ -648,6 +652,8 @@ class Controller:
         )
         written = self.now()
         staying = [self.parts.engines[c] for c, role in enumerate(self.sched.roles) if role is Role.ROLLOUT]
+        if POOL in self.parts.engines:  # the separate rollout pool never leaves rollout: updated as a staying cell
+            staying.append(self.parts.engines[POOL])
         await publish_to_engines(staying, weights, version=version)  # returning cells load it in to_rollout
         phases = {"weights": gathered - begun, "policy_dir": written - gathered, "engines": self.now() - written}
         self.trace.publication(begun, self.now() - begun, version, phases)
@@ -773,7 +779,9 @@ class Controller:
         self.packer.resume_at(state["packer_batch"])
         self.clock_offset = state["wall_time_s"]
         self.book = _StepBook(started_s=self.clock_offset)
-        self.trace = RoleTrace(self.cfg.cluster.num_cells, start_s=self.clock_offset)
+        self.trace = RoleTrace(
+            self.cfg.cluster.num_cells, pool=self.cfg.cluster.separate_size > 0, start_s=self.clock_offset
+        )
         tasks = {task.id: task for task in self.tasks}
         for key, saved in sorted(state["groups"].items(), key=lambda item: int(item[0])):
             group = int(key)
@@ -967,6 +975,7 @@ def run_shape(cfg: TrainConfig) -> dict:
         "algo.mode": algo.mode,
         "cluster.num_cells": cl.num_cells,
         "cluster.cell_capacity": cl.cell_capacity,
+        "cluster.separate_capacity": cl.separate_capacity,  # the ledger's C_s (a checkpoint without it: not compared)
         "algo.group_size": algo.group_size,
         "algo.oversample": algo.oversample,
         "algo.batch_groups": algo.batch_groups,

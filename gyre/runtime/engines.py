@@ -12,11 +12,11 @@ endpoint's `ServerThread`, which calls it on the endpoint's event loop:
 `backend_problem(cfg)` is the program's check before anything starts: a message for the user where the backend cannot
 run here (SGLang not installed; SGLang on a CPU, which only gyre's stand-in serves).
 
-Publications (`engine.weight_sync`): over each engine's endpoint (`update_weights`), or, with SGLang, broadcast by
-rank 0 over a process group with the engine's tensor-parallel workers: `join_weight_group` makes the group once per
-cell at start (rank 0 serves its rendezvous on `job.host`; the engine's workers are ranks 1..tp_size), and the cell's
-engine is then a `GroupPublishing`, whose `update_weights` asks the engine to receive (`update_weights_from_group`)
-while rank 0 broadcasts (`gyre.distributed.weight_groups`).
+Publications (`engine.weight_sync`): over each engine's endpoint (`update_weights`), or, with SGLang, broadcast by rank
+0 over a process group with the engine's tensor-parallel workers: `join_weight_group` makes the group once per engine
+(each cell's, the separate pool's) at start (rank 0 serves its rendezvous on `job.host`; the engine's workers are ranks
+1..tp_size), and the engine is then a `GroupPublishing`, whose `update_weights` asks the engine to receive
+(`update_weights_from_group`) while rank 0 broadcasts (`gyre.distributed.weight_groups`).
 """
 
 from __future__ import annotations
@@ -137,13 +137,14 @@ def uses_weight_groups(cfg: TrainConfig) -> bool:
 WEIGHT_GROUP_TIMEOUT_S = 600.0  # joining the group, and each broadcast of a publication
 
 
-async def join_weight_group(engine, *, cell: int, host: str, tp_size: int, device_kind: str) -> GroupPublishing:
-    """Make the weight group of `cell`'s engine (module docstring): rank 0 serves the rendezvous on `host`, the
-    engine's `tp_size` workers join as ranks 1..tp_size; NCCL on CUDA, gloo on the CPU."""
+async def join_weight_group(engine, *, routing_name: str, host: str, tp_size: int, device_kind: str) -> GroupPublishing:
+    """Make the weight group of the engine the routing table names `routing_name` (`cell-<c>`, or `pool`: the
+    separate rollout pool) (module docstring): rank 0 serves the rendezvous on `host`, the engine's `tp_size` workers
+    join as ranks 1..tp_size; NCCL on CUDA, gloo on the CPU."""
     from gyre.distributed.weight_groups import WeightGroupStore, open_weight_group
 
     backend = "nccl" if device_kind == "cuda" else "gloo"
-    name = f"gyre-weights-{cell}"
+    name = f"gyre-weights-{routing_name}"
     world_size = 1 + tp_size
     store = await asyncio.to_thread(WeightGroupStore, host, world_size, timeout_s=WEIGHT_GROUP_TIMEOUT_S)
     joined = asyncio.ensure_future(
@@ -162,7 +163,7 @@ async def join_weight_group(engine, *, cell: int, host: str, tp_size: int, devic
         import torch
 
         device = torch.device("cuda", torch.cuda.current_device())
-    log.info("cell %d: weight group %s of %d ranks (%s) at %s:%d", cell, name, world_size, backend, host, store.port)
+    log.info("%s: weight group %s of %d ranks (%s) at %s:%d", routing_name, name, world_size, backend, host, store.port)
     return GroupPublishing(engine, group, group_name=name, device=device, store=store)
 
 

@@ -28,9 +28,9 @@ The secret guards the engine endpoints (`gyre.engine.endpoint`, `Authorization: 
 
 `Job.done()` on a satellite and `Job.close(wait_s=)` on rank 0: rank 0 waits for every other rank's `done` (the
 store lives on rank 0 and must outlive every client), then each rank destroys its process group. Keys:
-`gyre/engine/<cell>` (a cell leader's engine endpoint), `gyre/ack/<seq>/<rank>` (a rank applied control decision
-seq), `gyre/stepstats/<step>/<cell>` (a satellite's share of a step), `gyre/done/<rank>`, plus those of
-`gyre.distributed.claims`, `control` and `transport_store`.
+`gyre/engine/cell-<c>` and `gyre/engine/pool` (an engine endpoint's address), `gyre/ack/<seq>/<rank>` (a rank
+applied control decision seq), `gyre/stepstats/<step>/<cell>` (a satellite's share of a step), `gyre/done/<rank>`,
+plus those of `gyre.distributed.claims`, `control` and `transport_store`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from gyre.distributed.backends import BackendError, Backends, choose_backends
 from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.distributed.local import HOST
+from gyre.runtime.ids import engine_name
 from gyre.runtime.launch import LaunchError, job_env
 from gyre.runtime.lifeline import LifelineServer, connect_lifeline
 
@@ -165,8 +166,9 @@ def _listening_socket(host: str) -> socket.socket:
     return sock
 
 
-def engine_key(cell: int) -> str:
-    return f"gyre/engine/{cell}"
+def engine_key(engine: int) -> str:
+    """Where a cell leader (or the separate pool's first rank, `engine` POOL) writes its engine's address."""
+    return f"gyre/engine/{engine_name(engine)}"
 
 
 def ack_key(seq: int, rank: int) -> str:

@@ -6,15 +6,17 @@ this process is one of its ranks; run plainly, a job of one rank runs here and a
 (`launch_workers`, after the checks and the recipe's preparation ran here once, so errors are one line before any
 worker starts). Every rank then runs
 `run_rank`: the process groups and the runtime store (`gyre.runtime.job`), the starting checkpoint's path from
-rank 0, then rank 0's controller or a satellite's cell loop (`gyre.runtime.cell_worker`).
+rank 0, then rank 0's controller, a satellite's cell loop (`gyre.runtime.cell_worker`) or a separate rollout pool
+rank's (`gyre.runtime.pool_worker`).
 
 Rank 0 (`_controller`): the task sets, the harness runner and sandbox (checked), its own cell's engine behind its
-endpoint, every cell's engine reached with a `RemoteEngine`, `start_proxy` over a `RoutingTable(placement=
-"scheduler")`, the metrics sinks, the held-out evaluator, then the `Controller` until it ends; then
-`summary.json` (the simulator's keys, `gyre.obs.summary`) and `role_timeline.png`, and everything closed.
+endpoint, every cell's engine and the separate rollout pool's (`gyre.runtime.pool_worker`) reached with a
+`RemoteEngine`, `start_proxy` over a `RoutingTable(placement="scheduler")`, the metrics sinks, the held-out evaluator,
+then the `Controller` until it ends; then `summary.json` (the simulator's keys, `gyre.obs.summary`) and
+`role_timeline.png`, and everything closed.
 
 Errors a user can fix before anything runs raise `ProgramError` (one line naming the field): a layout this runtime
-does not drive yet (a separate rollout pool), an engine backend that cannot run here (SGLang not installed, or asked
+does not drive yet (context parallelism), an engine backend that cannot run here (SGLang not installed, or asked
 to serve on a CPU), a model a Megatron cell cannot shard, a resumed checkpoint of another trainer layout, a missing
 model directory or task directory, a held-out task that is also a training task, what the recipe refuses, a harness
 or sandbox missing here.
@@ -86,17 +88,12 @@ class Prepared:
 
 
 def check_supported(cfg: TrainConfig, world_size: int) -> None:
-    """What this runtime runs: the job's size fits the cells; native cells of one rank or Megatron cells of TP x PP
-    ranks; no separate rollout pool."""
+    """What this runtime runs: the job's size fits the cells and the separate rollout pool's ranks; native cells of
+    one rank or Megatron cells of TP x PP ranks."""
     try:
         layout_fields(cfg, world_size)
     except ConfigError as error:
         raise ProgramError(str(error)) from None
-    if cfg.cluster.separate_size != 0:
-        raise ProgramError(
-            f"cluster.separate_size={cfg.cluster.separate_size}: this runtime trains cells that swap between rollout "
-            "and training, with no separate rollout pool so far (cluster.separate_size=0; docs/runtime.md, 'State')"
-        )
     from gyre.runtime.engines import backend_problem
 
     if problem := backend_problem(cfg):
@@ -318,6 +315,8 @@ def run_training(cfg: TrainConfig, run_dir: Path, recipe: Recipe, *, echo: Calla
         cells = (
             f"{cfg.cluster.num_cells} cells of {cfg.cluster.cell_size} rank{'s' if cfg.cluster.cell_size > 1 else ''}"
         )
+        if cfg.cluster.separate_size:
+            cells += f", a separate rollout pool of {cfg.cluster.separate_size}"
         echo(f"starting {world_size} worker processes ({cells}) ...")
         results = launch_workers("gyre.runtime.program:run_worker", [cfg, str(run_dir), recipe], world_size)
         return results[0]
@@ -380,12 +379,14 @@ def run_rank(
     echo: Callable[[str], None] = print,
     prepare_echo: Callable[[str], None] | None = None,
 ) -> RunResult | dict:
-    """This rank's part of the job: rank 0's controller (a `RunResult`), a satellite's cell loop (what it did).
+    """This rank's part of the job: rank 0's controller (a `RunResult`), a satellite's cell loop or a separate rollout
+    pool rank's (`gyre.runtime.pool_worker`; what it did).
     `prepare_echo`: where rank 0's checks print (default `echo`)."""
     import torch.distributed as dist
 
     from gyre.runtime.cell_worker import run_cell
     from gyre.runtime.job import open_job
+    from gyre.runtime.pool_worker import run_pool
 
     job = open_job(cfg)
     if job.rank > 0:  # a satellite ends at the controller's stop decision, not at the terminal's Ctrl-C
@@ -405,7 +406,8 @@ def run_rank(
             reason = result.end.reason
             completed = reason != "error"
         else:
-            result = run_cell(cfg, run_dir, job, shared[0])
+            serve = run_pool if job.groups.cell is None else run_cell  # the separate rollout pool's ranks never train
+            result = serve(cfg, run_dir, job, shared[0])
             try:
                 job.done()
             except Exception as error:  # rank 0 (the store's server) has gone already: the run has ended anyway
@@ -466,7 +468,7 @@ async def _controller(
     from gyre.proxy.routing import RoutingTable
     from gyre.runtime.engines import engine_factory, join_weight_group, start_timeout_s, uses_weight_groups
     from gyre.runtime.harness_setup import harness_provisioning, make_runner
-    from gyre.runtime.ids import engine_name
+    from gyre.runtime.ids import POOL_ENGINE, engine_name
     from gyre.runtime.job import engine_key
     from gyre.runtime.resume import prepare_run_dir
     from gyre.runtime.trainers import save_optimizer, trainer_layout
@@ -499,19 +501,21 @@ async def _controller(
     proxy = registry = metrics = controller = end = None
     try:
         table = RoutingTable(placement="scheduler")
-        for cell in range(cfg.cluster.num_cells):
-            # A cell's engine starts within start_timeout_s (SGLang: minutes), beyond the store's own timeout.
-            address = (await asyncio.to_thread(_wait_get, job, engine_key(cell), start_timeout_s(cfg) + 60)).decode()
-            engines[cell] = await RemoteEngine.connect(address, secret=job.secret or None)
+        # The cells' engines, then the separate rollout pool's (engine POOL: served by the pool's first rank).
+        pool = [POOL_ENGINE] if cfg.cluster.separate_size > 0 else []
+        for engine in [*range(cfg.cluster.num_cells), *pool]:
+            # An engine starts within start_timeout_s (SGLang: minutes), beyond the store's own timeout.
+            address = (await asyncio.to_thread(_wait_get, job, engine_key(engine), start_timeout_s(cfg) + 60)).decode()
+            engines[engine] = await RemoteEngine.connect(address, secret=job.secret or None)
             if uses_weight_groups(cfg):  # publications broadcast by this rank to the engine's workers
-                engines[cell] = await join_weight_group(
-                    engines[cell],
-                    cell=cell,
+                engines[engine] = await join_weight_group(
+                    engines[engine],
+                    routing_name=engine_name(engine),
                     host=job.host,
-                    tp_size=cfg.cluster.cell_size,
+                    tp_size=cfg.cluster.separate_size if engine == POOL_ENGINE else cfg.cluster.cell_size,
                     device_kind=device_kind(cfg.engine.device),
                 )
-            table.add_engine(engine_name(cell), engines[cell])
+            table.add_engine(engine_name(engine), engines[engine])
         proxy, registry = await start_proxy(
             proxy_config(cfg), model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
         )
@@ -678,11 +682,19 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
 
     sched, spec = controller.sched, controller.sched.spec
     end_s = end.wall_time_s
-    slots = cfg.cluster.num_cells * cfg.cluster.cell_capacity
-    utilization = None
+    utilization = pool_utilization = None
     if end_s > 0:  # node-time fractions, as the simulator defines them (cells of one node each in its terms)
-        rollout = controller.trace.rollout_slot_seconds(end_s) / (slots * end_s)
-        training = sum(r.train_compute_s for r in controller.records) / (cfg.cluster.num_cells * end_s)
+        cl = cfg.cluster
+        by_lane = controller.trace.slot_seconds(end_s)
+        busy = sum(by_lane[: cl.num_cells]) / cl.cell_capacity  # node-seconds the cells' slots ran executions
+        nodes = cl.num_cells
+        if controller.trace.pool:  # the pool's ranks as nodes of a cell's size, busy by its C_s slots' share
+            pool_nodes = cl.separate_size / cl.cell_size
+            busy += by_lane[cl.num_cells] / cl.separate_capacity * pool_nodes
+            nodes += pool_nodes
+            pool_utilization = by_lane[cl.num_cells] / (cl.separate_capacity * end_s)
+        rollout = busy / (nodes * end_s)
+        training = sum(r.train_compute_s for r in controller.records) / (nodes * end_s)
         utilization = {"rollout": rollout, "training": training, "idle": max(0.0, 1.0 - rollout - training)}
     summary = build_summary(
         controller.records,
@@ -702,6 +714,11 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
         utilization=utilization,
     )
     summary["training"] = trained_summary(controller.records)
+    # Each lane's seconds by role (the separate pool's: all rollout), and the pool's slots' busy share.
+    summary["role_time_s"] = controller.trace.role_time_s(end_s)
+    if pool_utilization is not None:
+        summary["pool"] = {"ranks": cfg.cluster.separate_size, "capacity": cfg.cluster.separate_capacity}
+        summary["pool"]["slot_utilization"] = pool_utilization
     write_summary(run_dir / SUMMARY_FILE, summary)
     try:
         write_summary(run_dir / TRACE_FILE, controller.trace.to_dict(end_s))  # the same atomic JSON write
@@ -711,7 +728,8 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
         cl = cfg.cluster
         title = (
             f"gyre.train: {spec.mode}, phi={cfg.algo.phi:g}, mu={cfg.algo.mu}, {len(controller.records)} steps in "
-            f"{end.wall_time_s / 60:.1f} min ({cl.num_cells} cells x {cl.cell_size})"
+            f"{end.wall_time_s / 60:.1f} min ({cl.num_cells} cells x {cl.cell_size}"
+            + (f", pool of {cl.separate_size}, C_s {cl.separate_capacity})" if cl.separate_size else ")")
         )
         try:
             controller.trace.write_png(run_dir / TIMELINE_FILE, end_s=end.wall_time_s, title=title)

@@ -5,11 +5,14 @@ simulator draws, with the simulator's lane names (`gyre.sim.timeline.cell_lane`)
 
 `RoleTrace` is pure: the controller calls `role(now, cell, state)` when a cell's role changes (a transition begun
 or finished), `sample(now, waterlevel, capacity, loads)` after each batch of scheduler actions (`loads`: every
-cell's running executions, the ledger's), and `step_end(now)`; times are seconds from the run's start.
+lane's running executions, the ledger's: the cells', then the separate pool's when there is one), and
+`step_end(now)`; times are seconds from the run's start. A run with a separate rollout pool (`pool=True`) has one
+more lane, `pool` (the simulator's name for it), always in `rollout`: the pool never trains.
 `segments(end_s)` closes every open interval at `end_s`. States are the timeline's (`gyre.obs.timeline.STATES`); a
 cell in the training role is drawn `training` throughout (this trace does not split compute from waiting as the
-simulator does). `to_dict(end_s)` is what `timeline.json` holds; `rollout_slot_seconds(end_s)` integrates the loads
-for the node-time utilization (docs/runtime.md, "Outputs").
+simulator does). `to_dict(end_s)` is what `timeline.json` holds; `slot_seconds(end_s)` integrates each lane's load
+for the node-time utilization, `role_time_s(end_s)` sums each lane's seconds by role (`summary.json`'s
+`role_time_s`; docs/runtime.md, "Outputs").
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gyre.obs.timeline import STATES, Segment, write_role_timeline
-from gyre.sim.timeline import cell_lane
+from gyre.sim.timeline import POOL_LANE, cell_lane
 
 __all__ = ["RoleTrace"]
 
@@ -25,35 +28,41 @@ __all__ = ["RoleTrace"]
 class RoleTrace:
     """Every cell's role intervals, the waterlevel and capacity step series, the step ends."""
 
-    def __init__(self, num_cells: int, *, start_state: str = "rollout", start_s: float = 0.0) -> None:
-        """`start_s`: when the trace begins (a resumed run's: its checkpoint's time)."""
+    def __init__(
+        self, num_cells: int, *, pool: bool = False, start_state: str = "rollout", start_s: float = 0.0
+    ) -> None:
+        """`pool`: the run has a separate rollout pool (a last lane, always in rollout); `start_s`: when the trace
+        begins (a resumed run's: its checkpoint's time)."""
         if start_state not in STATES:
             raise ValueError(f"start_state={start_state!r}: expected one of {STATES}")
-        self.num_cells = num_cells
-        self._open: list[tuple[str, float]] = [(start_state, start_s)] * num_cells
+        self.num_cells, self.pool = num_cells, pool
+        self._open: list[tuple[str, float]] = [(start_state, start_s)] * num_cells + [("rollout", start_s)] * pool
         self._closed: list[Segment] = []
         self.waterlevel: list[tuple[float, float]] = []
         self.capacity: list[tuple[float, float]] = []
-        self.loads: list[list[tuple[float, int]]] = [[] for _ in range(num_cells)]  # per cell: (time_s, running)
+        self.loads: list[list[tuple[float, int]]] = [[] for _ in self.lanes()]  # per lane: (time_s, running)
         self.step_ends_s: list[float] = []
         self.publications: list[dict] = []  # version, start_s, duration_s, phases (seconds by phase)
 
     def lanes(self) -> list[str]:
-        return [cell_lane(cell) for cell in range(self.num_cells)]
+        """The cells' lanes (core first), then the pool's when there is one."""
+        return [cell_lane(cell) for cell in range(self.num_cells)] + [POOL_LANE] * self.pool
 
     def role(self, now: float, cell: int, state: str) -> None:
         """Cell `cell` is in `state` from `now` on."""
         if state not in STATES:
             raise ValueError(f"state={state!r}: expected one of {STATES}")
+        if not 0 <= cell < self.num_cells:
+            raise ValueError(f"cell={cell!r}: expected 0 <= cell < {self.num_cells} (the pool's role never changes)")
         current, since = self._open[cell]
         if state == current:
             return
         if now > since:
-            self._closed.append(Segment(cell_lane(cell), since, now, current))
+            self._closed.append(Segment(self.lanes()[cell], since, now, current))
         self._open[cell] = (state, now)
 
     def sample(self, now: float, waterlevel: float, capacity: float, loads: list[int] | None = None) -> None:
-        """The waterlevel, rollout capacity and every cell's running executions at `now` (kept when they change)."""
+        """The waterlevel, rollout capacity and every lane's running executions at `now` (kept when they change)."""
         for series, value in ((self.waterlevel, waterlevel), (self.capacity, capacity)):
             if not series or series[-1][1] != value:
                 series.append((now, float(value)))
@@ -63,13 +72,25 @@ class RoleTrace:
             elif not series or series[-1][1] != load:
                 series.append((now, int(load)))
 
-    def rollout_slot_seconds(self, end_s: float) -> float:
-        """Executions x seconds run on the cells' engines up to `end_s` (the integral of the loads)."""
-        total = 0.0
+    def slot_seconds(self, end_s: float) -> list[float]:
+        """Per lane, executions x seconds run on its engine up to `end_s` (the integral of its load)."""
+        totals = []
         for series in self.loads:
+            total = 0.0
             for (t, load), (t_next, _) in zip(series, [*series[1:], (end_s, 0)], strict=True):
                 total += load * max(0.0, min(t_next, end_s) - t)
-        return total
+            totals.append(total)
+        return totals
+
+    def role_time_s(self, end_s: float) -> dict[str, dict[str, float]]:
+        """Per lane, its seconds in each role up to `end_s` (only the roles it held): the pool's are all
+        `rollout`."""
+        times: dict[str, dict[str, float]] = {lane: {} for lane in self.lanes()}
+        for segment in self.segments(end_s):
+            spent = min(segment.end_s, end_s) - segment.start_s
+            if spent > 0:
+                times[segment.lane][segment.state] = times[segment.lane].get(segment.state, 0.0) + spent
+        return times
 
     def to_dict(self, end_s: float) -> dict:
         """Plain data of the whole trace (`timeline.json`): lanes, segments, series, loads, step ends."""
@@ -93,9 +114,8 @@ class RoleTrace:
 
     def segments(self, end_s: float) -> list[Segment]:
         """Every interval up to `end_s`, the open ones closed there."""
-        tail = [
-            Segment(cell_lane(c), since, end_s, state) for c, (state, since) in enumerate(self._open) if end_s > since
-        ]
+        lanes = self.lanes()
+        tail = [Segment(lanes[i], since, end_s, state) for i, (state, since) in enumerate(self._open) if end_s > since]
         return [*self._closed, *tail]
 
     def write_png(self, path: Path, *, end_s: float, title: str) -> None:

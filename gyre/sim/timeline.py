@@ -15,6 +15,10 @@ ROLLOUT_BINS = 200
 """Rollout lanes are cut into about this many time bins per run, each shaded by its occupancy."""
 
 
+POOL_LANE = "pool"
+"""The separate rollout pool's lane (a simulated run's and a real one's)."""
+
+
 def cell_lane(cell: int) -> str:
     return "cell 0 (core)" if cell == 0 else f"cell {cell}"
 
@@ -73,9 +77,9 @@ def timeline_segments(sim: Simulator) -> tuple[list[Segment], list[str]]:
         else:
             segments.append(Segment(lane, start, stop, state))
     if cl.separate_capacity > 0:
-        lanes.append("pool")
+        lanes.append(POOL_LANE)
         load = LoadCurve(trace.load_changes.get(POOL, []))
-        segments.extend(_rollout_bins("pool", 0.0, end_s, bin_s, load, cl.separate_capacity))
+        segments.extend(_rollout_bins(POOL_LANE, 0.0, end_s, bin_s, load, cl.separate_capacity))
     return segments, lanes
 
 

@@ -184,6 +184,10 @@ class EndpointProbe(threading.Thread):
         return {url: statuses for url, statuses in self.answers.items() if None not in statuses}
 
 
+def trace_lanes(run_dir: Path) -> list[str]:
+    return json.loads((run_dir / "timeline.json").read_text())["lanes"]
+
+
 def wait_until_gone(process: subprocess.Popen, timeout_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while (left := left_of(process)) and time.monotonic() < deadline:
@@ -231,7 +235,8 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     # the simulator's keys, and what the real steps trained
-    assert set(summary) == SIM_SUMMARY_KEYS | {"training"} and summary["steps"] == 2 and summary["mode"] == "elastic"
+    assert set(summary) == SIM_SUMMARY_KEYS | {"training", "role_time_s"} and summary["steps"] == 2
+    assert summary["mode"] == "elastic" and list(summary["role_time_s"]) == trace_lanes(run_dir)
     assert summary["training"]["trained_steps"] == 2 and summary["training"]["nothing"] is False
     assert (run_dir / "role_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"

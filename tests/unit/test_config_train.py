@@ -257,6 +257,14 @@ def test_layout_fields_fit_the_job_and_build_a_layout():
     assert Layout(**layout_fields(TrainConfig(**megatron(tp=2)), 8)).cell_ranks(1) == (2, 3)
 
 
+def test_a_separate_pool_serves_as_a_cell_unless_given_its_capacity_and_fits_the_engine_slots():
+    assert TrainConfig(cluster=cells(separate_size=1)).cluster.separate_capacity == 8  # C_e of the demo's cells
+    assert TrainConfig(cluster=cells(separate_size=2, separate_capacity=12)).cluster.separate_capacity == 12
+    assert TrainConfig().cluster.separate_capacity == 0  # no pool
+    text = error_of(lambda: TrainConfig(cluster=cells(separate_size=1, separate_capacity=32)))
+    assert text.startswith("engine.max_running=16 is not allowed: expected an integer >= cluster.separate_capacity")
+
+
 def test_a_world_size_that_does_not_fit_names_the_cells():
     text = error_of(lambda: layout_fields(TrainConfig(), 3))
     assert text == (
