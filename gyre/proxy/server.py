@@ -53,7 +53,6 @@ from gyre.proxy.sessions import (
     thread_key,
 )
 from gyre.proxy.stats import ProxyStats, RouteCounters
-from gyre.proxy.template import RELEASE_GIL_CHARS
 from gyre.proxy.token_estimate import estimate_tokens, request_texts
 from gyre.traj.record import CallMeta, CallRouting
 from gyre.traj.roles import Role
@@ -69,8 +68,8 @@ MAX_BODY_DEPTH = 128
 
 
 # A build that renders and encodes this many new characters runs on a worker thread, so the event loop goes on serving
-# every other execution meanwhile; its long texts are encoded with the GIL released (one threshold for both).
-OFF_THE_LOOP_CHARS = RELEASE_GIL_CHARS
+# every other execution meanwhile (the template encodes with the GIL released; the tiny tokenizer at ~1 MB/s: ~30 ms).
+OFF_THE_LOOP_CHARS = 32 * 1024
 
 # count_tokens counts exactly a prompt of at most this many characters per token of the context limit: every
 # prompt the model can take in text of natural density (3-5 characters a token; code and CJK fewer). Beyond it, or

@@ -6,6 +6,8 @@ import json
 from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gyre.models.chat_template import render_chat
 from gyre.models.tiny import tiny_model_dir
@@ -287,3 +289,24 @@ def test_an_answer_echoed_without_its_thinking_is_restored_with_it():
     assert cache_.restore(Turn(role="assistant", text="done")) is None  # which of the two? neither
     with pytest.raises(ValueError):
         cache_.remember(AssistantOutput(text="empty"), [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["<|im_start|>", "<|im_end|>", "user\n", " ", "\n\n", "é", "🙂", "def f(x):"])
+        | st.text(max_size=40),
+        max_size=12,
+    )
+)
+def test_the_template_encodes_as_the_tokenizer_does(pieces):
+    """`ChatTemplate.encode` (encode_batch_fast, the GIL released) gives the tokenizer's own `encode` ids, special
+    tokens included; `encode_many` the same for each text."""
+    text = "".join(pieces)
+    tokenizer = template().tokenizer
+    expected = tokenizer.encode(text, add_special_tokens=False).ids
+    assert template().encode(text) == expected
+    assert template().encode_many([text, text[:5]]) == [
+        expected,
+        tokenizer.encode(text[:5], add_special_tokens=False).ids,
+    ]
