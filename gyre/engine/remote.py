@@ -257,6 +257,9 @@ class RemoteEngine:
         return self._load
 
     async def refresh_load(self) -> EngineLoad:
+        """The endpoint's load, read after every queued control call (`stop_accepting`, `resume_accepting`) reached
+        it: a read racing ahead of them would put back the state they changed."""
+        await self._settle()
         self._load = wire.load_from_wire(
             await _get_json(self._session, self.url + "/load", self._headers, owner=self.url)
         )

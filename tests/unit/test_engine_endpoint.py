@@ -287,3 +287,21 @@ def test_a_call_extending_the_executions_last_prompt_sends_only_what_it_adds(ser
     whole, delta = sizes[0], sizes[1]
     assert whole - delta > 4 * 60  # the second call carried its 5 new ids, not all 94
     assert len(sizes) == 4 and sizes[3] > sizes[2]  # third: base refused (409), then the whole prompt
+
+
+def test_a_load_read_after_accepting_changes_sees_them(server):
+    """`stop_accepting` / `resume_accepting` are sent in the background; `refresh_load` right after must read the
+    state they set, never the endpoint's state from before they arrived (it waits for them)."""
+
+    async def main():
+        engine = await RemoteEngine.connect(server.server.url)
+        try:
+            for _ in range(30):
+                engine.stop_accepting()
+                assert not (await engine.refresh_load()).accepting
+                engine.resume_accepting()
+                assert (await engine.refresh_load()).accepting
+        finally:
+            await engine.close()
+
+    run(main())
