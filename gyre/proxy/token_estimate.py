@@ -2,12 +2,12 @@
 
 `POST /v1/messages/count_tokens` answers the exact count of any prompt the model can take (at most the context
 limit). A prompt beyond it cannot be served, and counting all of it exactly would cost the proxy time and memory in
-proportion to a body a client chose (a 10 MB text: 7,000,002 tokens, 12.9 s of tokenizing and 1.2 GB held). There
+proportion to a body a client chose (a 10 MB text: 10.25 s of tokenizing and 1.1 GB held, measured). There
 the answer is an estimate, as Anthropic documents its own counts to be: the text's characters times the tokens per
 character of `SAMPLE_SLICES` evenly spaced slices of it, `SAMPLE_CHARS` characters in all, so the work is bounded
 whatever the body (docs/proxy.md, "Counting tokens").
 
-Pure: `encode` is handed in; nothing here reads a tokenizer or a socket.
+Pure: `encode_many` is handed in; nothing here reads a tokenizer or a socket.
 """
 
 from __future__ import annotations

@@ -243,7 +243,7 @@ def rss_mb() -> float:
 def test_a_10_mb_count_is_estimated_from_a_bounded_sample(served, encoded_lengths):
     """count_tokens of a prompt far past the context limit answers an estimate (marked so) from at most
     SAMPLE_CHARS encoded characters, within 2% of the exact count, holding no memory for it (docs/proxy.md,
-    "Counting tokens"); before, it tokenized all 2 M tokens (12.9 s, +1.2 GB)."""
+    "Counting tokens"); before, it tokenized them all (a 10 MB text: 10.25 s, +1.1 GB)."""
     exact = len(served.stack.proxy.template.encode("lorem ipsum dolor sit amet " * 4_000)) * 100
     encoded_lengths.clear()
     before_mb = rss_mb()
