@@ -620,16 +620,12 @@ def parse_cpu_s(body: bytes, reps: int = 3) -> float:
     return statistics.median(samples)
 
 
-async def long_history_path(http, engine: Child, proxy: Child, setup: dict, reps: int) -> dict:
-    """Proxy process CPU per request at ~700K tokens vs parsing the body, measured on the proxy's core."""
-    await set_pace(http, engine, 0.0)
-    (key,) = await issue_keys(http, proxy, 1)
-    messages = long_history(setup["template"], 700_000)
-    body = history_body(messages)
-    proxy_before, engine_before = cpu_s(proxy.pid), cpu_s(engine.pid)
-    _, first_s, answer = await call_proxy(http, proxy.url, key, body, keep_text=True)
-    first_cpu = cpu_s(proxy.pid) - proxy_before
-    proxy_cpu, engine_cpu, parse_cpu, wall, sizes = [], [], [], [], []
+async def next_turn_costs(http, proxy: Child, engine: Child, key: str, messages: list[dict], answer: str, reps: int):
+    """`reps` calls, each extending `messages` by `answer` and a tool result as a harness would, one at a time: per
+    call the proxy's and the engine's process CPU, the wall time, the body's size and `orjson.loads` of it on the
+    proxy's core. Returns those lists and the last body."""
+    costs: dict[str, list[float]] = {"proxy_cpu": [], "engine_cpu": [], "wall": [], "sizes": [], "parse_cpu": []}
+    body = b""
     for step in range(reps):
         next_turn(messages, answer, step)
         body = history_body(messages)
@@ -637,27 +633,39 @@ async def long_history_path(http, engine: Child, proxy: Child, setup: dict, reps
         proxy_before, engine_before = cpu_s(proxy.pid), cpu_s(engine.pid)
         _, total, answer = await call_proxy(http, proxy.url, key, body, keep_text=True)
         await asyncio.sleep(0.05)
-        proxy_cpu.append(cpu_s(proxy.pid) - proxy_before)
-        engine_cpu.append(cpu_s(engine.pid) - engine_before)
-        wall.append(total)
-        sizes.append(len(body))
+        costs["proxy_cpu"].append(cpu_s(proxy.pid) - proxy_before)
+        costs["engine_cpu"].append(cpu_s(engine.pid) - engine_before)
+        costs["wall"].append(total)
+        costs["sizes"].append(len(body))
         _pin(PROXY_CORE)  # the floor on the proxy's core, while the proxy is idle
-        parse_cpu.append(parse_cpu_s(body))
+        costs["parse_cpu"].append(parse_cpu_s(body))
         _pin(ENGINE_CORE)
+    return costs, body
+
+
+async def long_history_path(http, engine: Child, proxy: Child, setup: dict, reps: int) -> dict:
+    """Proxy process CPU per request at ~700K tokens vs parsing the body, measured on the proxy's core."""
+    await set_pace(http, engine, 0.0)
+    (key,) = await issue_keys(http, proxy, 1)
+    messages = long_history(setup["template"], 700_000)
+    proxy_before = cpu_s(proxy.pid)
+    _, first_s, answer = await call_proxy(http, proxy.url, key, history_body(messages), keep_text=True)
+    first_cpu = cpu_s(proxy.pid) - proxy_before
+    costs, body = await next_turn_costs(http, proxy, engine, key, messages, answer, reps)
     tokens = await proxy_input_tokens(http, proxy.url, key, body)
-    cpu_ms, parse_ms = statistics.median(proxy_cpu) * 1e3, statistics.median(parse_cpu) * 1e3
+    cpu_ms, parse_ms = statistics.median(costs["proxy_cpu"]) * 1e3, statistics.median(costs["parse_cpu"]) * 1e3
     return {
         "what": "next turn of a ~700K-token Anthropic history: proxy process CPU per request vs orjson.loads(body)",
         "history_tokens": tokens,
-        "body_bytes": statistics.median(sizes),
+        "body_bytes": statistics.median(costs["sizes"]),
         "first_request_cpu_ms": round(first_cpu * 1e3, 1),
         "first_request_wall_ms": round(first_s * 1e3, 1),
         "proxy_cpu_ms_per_request": round(cpu_ms, 3),
-        "proxy_cpu_ms_samples": [round(c * 1e3, 2) for c in proxy_cpu],
+        "proxy_cpu_ms_samples": [round(c * 1e3, 2) for c in costs["proxy_cpu"]],
         "json_parse_ms": round(parse_ms, 3),
         "cpu_over_parse": round(cpu_ms / parse_ms, 2),
-        "call_wall_ms_p50": round(statistics.median(wall) * 1e3, 1),
-        "engine_endpoint_cpu_ms_per_request": round(statistics.median(engine_cpu) * 1e3, 1),
+        "call_wall_ms_p50": round(statistics.median(costs["wall"]) * 1e3, 1),
+        "engine_endpoint_cpu_ms_per_request": round(statistics.median(costs["engine_cpu"]) * 1e3, 1),
         "target": "proxy_cpu_ms_per_request <= 3 x json_parse_ms",
         "met": cpu_ms <= 3 * parse_ms,
     }

@@ -50,37 +50,22 @@ PAPER = {
 }
 
 
-async def call_cpu(http, proxy: po.Child, key: str, body: bytes) -> tuple[float, float, str]:
-    """One proxy call; the proxy process's CPU seconds for it (its bookkeeping after the stream included)."""
-    await asyncio.sleep(0.05)
-    before = po.cpu_s(proxy.pid)
-    _, total, answer = await po.call_proxy(http, proxy.url, key, body, keep_text=True)
-    await asyncio.sleep(0.05)
-    return po.cpu_s(proxy.pid) - before, total, answer
-
-
 async def cpu_by_history(http, engine: po.Child, proxy: po.Child, template, reps: int) -> list[dict]:
     await po.set_pace(http, engine, 0.0)
     rows = []
     for length in LENGTHS:
         (key,) = await po.issue_keys(http, proxy, 1)
         messages = po.long_history(template, length)
-        first_cpu, _, answer = await call_cpu(http, proxy, key, po.history_body(messages))
-        cpu, parse, sizes = [], [], []
-        for step in range(reps):
-            po.next_turn(messages, answer, step)
-            body = po.history_body(messages)
-            spent, _, answer = await call_cpu(http, proxy, key, body)
-            cpu.append(spent)
-            sizes.append(len(body))
-            po._pin(po.PROXY_CORE)  # the floor on the proxy's core, while the proxy is idle
-            parse.append(po.parse_cpu_s(body))
-            po._pin(po.ENGINE_CORE)
-        cpu_ms, parse_ms = statistics.median(cpu) * 1e3, statistics.median(parse) * 1e3
+        before = po.cpu_s(proxy.pid)
+        _, _, answer = await po.call_proxy(http, proxy.url, key, po.history_body(messages), keep_text=True)
+        await asyncio.sleep(0.05)  # the first call's bookkeeping with it
+        first_cpu = po.cpu_s(proxy.pid) - before
+        costs, body = await po.next_turn_costs(http, proxy, engine, key, messages, answer, reps)
+        cpu_ms, parse_ms = statistics.median(costs["proxy_cpu"]) * 1e3, statistics.median(costs["parse_cpu"]) * 1e3
         rows.append(
             {
                 "history_tokens": await po.proxy_input_tokens(http, proxy.url, key, body),
-                "body_bytes": int(statistics.median(sizes)),
+                "body_bytes": int(statistics.median(costs["sizes"])),
                 "first_call_cpu_ms": round(first_cpu * 1e3, 1),
                 "cpu_ms_per_request": round(cpu_ms, 3),
                 "json_parse_ms": round(parse_ms, 3),

@@ -717,8 +717,11 @@ def _write_outputs(cfg: TrainConfig, controller: Controller, run_dir: Path, end:
     # Each lane's seconds by role (the separate pool's: all rollout), and the pool's slots' busy share.
     summary["role_time_s"] = controller.trace.role_time_s(end_s)
     if pool_utilization is not None:
-        summary["pool"] = {"ranks": cfg.cluster.separate_size, "capacity": cfg.cluster.separate_capacity}
-        summary["pool"]["slot_utilization"] = pool_utilization
+        summary["pool"] = {
+            "ranks": cfg.cluster.separate_size,
+            "capacity": cfg.cluster.separate_capacity,
+            "slot_utilization": pool_utilization,
+        }
     write_summary(run_dir / SUMMARY_FILE, summary)
     try:
         write_summary(run_dir / TRACE_FILE, controller.trace.to_dict(end_s))  # the same atomic JSON write
