@@ -64,6 +64,9 @@ def test_slices_lie_in_the_texts_laid_end_to_end(lengths, slices, width):
     assert len(pieces) == slices
     for piece in pieces:
         assert len(piece) == width and piece in joined
+    # each at its evenly spaced offset of the whole (the alphabet repeats, so `in` alone would not tell)
+    starts = [round(i * (len(joined) - width) / max(slices - 1, 1)) for i in range(slices)]
+    assert pieces == [joined[start : start + width] for start in starts]
 
 
 @given(st.lists(st.text(max_size=200), max_size=12), st.integers(1, 400))
