@@ -70,6 +70,11 @@ class ProxyConfig:
     """A prompt must leave at least this many tokens of output room, or it is too long."""
     max_body_bytes: int = 64 * 1024 * 1024
     """Request bodies above this get 413 in the dialect's shape."""
+    shards: int = 0
+    """Processes that serve the model calls (`python -m gyre.train` only): 0 = the controller's own event loop
+    (one thread); N = N proxy shards on the controller's node, each serving the executions placed on it, while the
+    controller keeps every decision (docs/proxy.md, "Shards"). One shard costs ~100 MB and a core at full load;
+    one thread serves ~180 calls/s of 100K-token histories on these machines (benchmarks/proxy_scale.py)."""
     engine_wait_s: float = 600.0
     """How long a call waits for an accepting engine (all engines draining) before failing with 503/529."""
     gc_freeze_every: int = 16
@@ -143,6 +148,7 @@ class ProxyConfig:
         )
         require_int("proxy.context_limit", self.context_limit, ge=0, note="0 = model's")
         require_int("proxy.min_output_tokens", self.min_output_tokens, ge=1)
+        require_int("proxy.shards", self.shards, ge=0, le=256, note="0 = the controller's loop")
         require_int("proxy.max_body_bytes", self.max_body_bytes, ge=1024)
         require_duration("proxy.engine_wait_s", self.engine_wait_s, allow_zero=True)
         require_int("proxy.gc_freeze_every", self.gc_freeze_every, ge=0, note="0 = off")

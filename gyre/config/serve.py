@@ -35,6 +35,12 @@ class ServeConfig:
             "native (gyre.serve embeds gyre's engine; SGLang runs in python -m gyre.train's cells)",
         )
         require(
+            self.proxy.shards == 0,
+            "proxy.shards",
+            self.proxy.shards,
+            "0 (gyre.serve serves every call on its own loop; proxy shards are python -m gyre.train's)",
+        )
+        require(
             self.engine.enabled or len(self.engine_urls) > 0,
             "engine.enabled",
             self.engine.enabled,

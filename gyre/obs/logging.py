@@ -30,8 +30,10 @@ def setup_logging(
     *,
     level: int | str | None = None,
     log_file: str | os.PathLike | None = None,
+    label: str | None = None,
 ) -> None:
-    """Route log records to stderr (and `log_file`, appended) with `rank` in the format.
+    """Route log records to stderr (and `log_file`, appended) with `rank` in the format (or `label` in its place:
+    a process of the job that is no rank, such as a proxy shard).
 
     `level` defaults to INFO on rank 0 and WARNING elsewhere. Replaces the handlers a previous call
     installed and closes them; other handlers on the root logger are kept.
@@ -43,7 +45,7 @@ def setup_logging(
         root.removeHandler(handler)
         handler.close()
 
-    formatter = logging.Formatter(_FORMAT.format(rank=rank), datefmt=_DATEFMT)
+    formatter = logging.Formatter(_FORMAT.replace("rank {rank}", label or f"rank {rank}"), datefmt=_DATEFMT)
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file is not None:
         handlers.append(logging.FileHandler(os.fspath(log_file), mode="a", encoding="utf-8"))

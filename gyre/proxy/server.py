@@ -207,7 +207,7 @@ class ProxyServer:
         return _json(dialect.models_body(self.config.model_names, int(time.time())))
 
     async def _issue(self, http: web.Request) -> web.Response:
-        if (refusal := self._admin_refusal(http)) is not None:
+        if (refusal := self.admin_refusal(http)) is not None:
             return refusal
         try:
             raw = await self._read_body(http)
@@ -224,7 +224,7 @@ class ProxyServer:
         return _json({"execution": session.execution, "key": session.key})
 
     async def _close(self, http: web.Request) -> web.Response:
-        if (refusal := self._admin_refusal(http)) is not None:
+        if (refusal := self.admin_refusal(http)) is not None:
             return refusal
         execution = http.match_info["execution"]
         if self.registry.by_execution(execution) is None:
@@ -233,11 +233,11 @@ class ProxyServer:
         return _json({"closed": execution, "calls_in_flight": in_flight})
 
     async def _stats(self, http: web.Request) -> web.Response:
-        if (refusal := self._admin_refusal(http)) is not None:
+        if (refusal := self.admin_refusal(http)) is not None:
             return refusal
         return _json(self.stats())
 
-    def _admin_refusal(self, http: web.Request) -> web.Response | None:
+    def admin_refusal(self, http: web.Request) -> web.Response | None:
         """None for the admin key; else the answer: 401 without a key, 403 with another one (an execution's key
         among them), the engine endpoint's rule (docs/endpoint.md)."""
         key = key_from_headers({k.lower(): v for k, v in http.headers.items()})

@@ -49,6 +49,11 @@ class ExecutionIdConflict(ValueError):
     id is never issued again (the admin route answers 409)."""
 
 
+def new_key() -> str:
+    """A fresh execution key: random, never derived from the execution id."""
+    return KEY_PREFIX + secrets.token_urlsafe(24)
+
+
 def check_execution_id(execution: Any) -> str:
     """`execution` if it may name an execution (and its record file), else ValueError saying what is allowed."""
     if (
@@ -251,8 +256,9 @@ class SessionRegistry:
         if self.records_dir is not None:
             self.records_dir.mkdir(parents=True, exist_ok=True)
 
-    def issue(self, execution: str | None = None) -> ExecutionSession:
-        """A new execution (named `execution`, or `exec-<n>`) with a fresh key.
+    def issue(self, execution: str | None = None, *, key: str | None = None) -> ExecutionSession:
+        """A new execution (named `execution`, or `exec-<n>`) with a fresh key, or with `key` (one `new_key` made
+        elsewhere: a proxy shard's controller issues the keys of the executions it places on the shard).
 
         ValueError for an id that may not name an execution; `ExecutionIdConflict` for one that is open or was
         closed (a closed execution is never reopened: its record file is complete and final)."""
@@ -268,7 +274,12 @@ class SessionRegistry:
                 f"execution={execution!r} was closed: a closed execution is never reopened (its record file is "
                 "final); issue a new id"
             )
-        key = KEY_PREFIX + secrets.token_urlsafe(24)
+        if key is None:
+            key = new_key()
+        elif not isinstance(key, str) or not key.startswith(KEY_PREFIX) or len(key) < len(KEY_PREFIX) + 32:
+            raise ValueError(f"key: an execution key is {KEY_PREFIX!r} and at least 32 random characters (new_key)")
+        elif key in self._by_key:
+            raise ExecutionIdConflict("that key is another open execution's")
         writer = None
         if self.records_dir is not None:
             writer = RecordWriter(self.records_dir / f"{execution}.jsonl", execution, self.vocab_size)

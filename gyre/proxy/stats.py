@@ -22,7 +22,7 @@ Per engine the routing table counted lost (`RoutingTable.lost_engines`): why, an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gyre.proxy.conversation import ApiError
@@ -117,3 +117,26 @@ class ProxyStats:
 def outcomes(counts: Mapping[str, Any]) -> int:
     """The requests of `counts` (one route's, a dialect's or the total) that have ended, whatever their outcome."""
     return counts["answered"] + counts["hung_up"] + sum(counts["refused"].values()) + sum(counts["failed"].values())
+
+
+def merged(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One snapshot of several servers' (`ProxyStats.snapshot`: the proxy shards of one run, docs/proxy.md,
+    "Shards"): counts added route by route, dialect by dialect and in total; executions joined (each lives on one
+    shard); an engine lost on several shards once, its moved and unplaced executions added."""
+    routes: dict[str, dict[str, Any]] = {}
+    dialects: dict[str, dict[str, Any]] = {}
+    total = _empty()
+    executions: dict[str, Any] = {}
+    lost: dict[str, dict[str, Any]] = {}
+    for snapshot in snapshots:
+        for route, counts in snapshot["routes"].items():
+            _add(routes.setdefault(route, _empty()), counts)
+        for dialect, counts in snapshot["dialects"].items():
+            _add(dialects.setdefault(dialect, _empty()), counts)
+        _add(total, snapshot["total"])
+        executions.update(snapshot["executions"])
+        for name, event in snapshot["engines_lost"].items():
+            seen = lost.setdefault(name, {"reason": event["reason"], "moved": 0, "unplaced": 0})
+            seen["moved"] += event["moved"]
+            seen["unplaced"] += event["unplaced"]
+    return {"routes": routes, "dialects": dialects, "total": total, "executions": executions, "engines_lost": lost}

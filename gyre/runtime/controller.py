@@ -2,14 +2,17 @@
 over the job's cells (docs/runtime.md, "The controller").
 
 It owns the real `gyre.sched.Scheduler` (driven with a monotonic clock through exactly the API the simulator
-uses), the routing table, the proxy's sessions, the harness executions and their evaluations, the trajectory and
+uses), the proxy's front (`gyre.runtime.proxy_front`: the proxy on this loop, or its shards), the harness
+executions and their evaluations, the trajectory and
 packing buffers, the role trace and the metrics. Every scheduler action is applied and every outcome is reported
 back through the scheduler's events; nothing moves without an action:
 
 - `Dispatch`: a task drawn per group from the training set, each once per epoch (`gyre.tasks.draws.TaskDeck`);
   the group's `GroupOutcomes`; the buffer's group.
-- `Start`: the execution's key, its engine (`RoutingTable.assign`: the scheduler's placement, never a choice of
-  the table's), `run_episode` with the configured harness; reported: `harness_ended` at harness end,
+- `Start`: the execution opened on the proxy with its key and its engine (`RoutingTable.assign`: the scheduler's
+  placement, never a choice of the table's), `run_episode` with the configured harness against the proxy (its
+  shard's URL); reported: `harness_ended` at harness end (the execution closed on the proxy; its tree read once
+  final),
   `execution_closed`, then the group's verdict (`group_accepted` or `group_rejected` once all its executions
   closed: one readiness rule for the scheduler and the buffers).
 - `Cancel`: the execution's cancel event (the scheduler's surplus cancellation; no second mechanism).
@@ -57,7 +60,7 @@ from gyre.data import StreamPackingBuffer, TrajectoryBuffer
 from gyre.distributed.claims import StepBoard
 from gyre.distributed.control import STOP, ControlPublisher
 from gyre.distributed.step_pump import StepPump
-from gyre.harness.episode import ProxyAccess, run_episode
+from gyre.harness.episode import run_episode
 from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights
@@ -65,8 +68,6 @@ from gyre.models.hf_weights import load_pretrained
 from gyre.obs.progress import LiveState, format_live, format_progress
 from gyre.obs.record import StepRecord, TransitionRecord, record_from_dict
 from gyre.obs.sinks import MetricsLogger
-from gyre.proxy.reroute import reroute_execution
-from gyre.proxy.routing import RoutingTable
 from gyre.rl.loss_metrics import LossMetricSums
 from gyre.runtime.checkpoint import Checkpoint, CheckpointError, discard_staging, stage_checkpoint, write_checkpoint
 from gyre.runtime.execution_log import EXECUTIONS_FILE, ExecutionLine, ExecutionLog
@@ -130,9 +131,7 @@ class ControllerParts:
     job: Job
     engines: dict[int, object]  # cell (or POOL, the separate rollout pool) -> its Engine (a RemoteEngine in front of
     # its endpoint)
-    proxy: object  # gyre.proxy.server.ProxyServer
-    registry: object  # gyre.proxy.sessions.SessionRegistry
-    table: RoutingTable
+    proxy: object  # gyre.runtime.proxy_front.LocalFront or ShardedFront: the proxy as the controller drives it
     sandbox: object  # gyre.harness.sandbox.Sandbox
     make_runner: Callable  # task -> HarnessRunner
     make_trainer: Callable  # () -> Trainable with a `.model`; called once, on the trainer thread
@@ -196,15 +195,12 @@ class Controller:
         self.trace = RoleTrace(cfg.cluster.num_cells, pool=cfg.cluster.separate_size > 0)
         self.executions = ExecutionLog(run_dir / EXECUTIONS_FILE)
         self.records: list[StepRecord] = []
-        self.proxy_access = ProxyAccess(
-            anthropic_base_url=parts.proxy.url, openai_base_url=parts.proxy.url + "/v1", model=cfg.proxy.model_names[0]
-        )
         self.store = parts.job.store()  # the loop thread's client: boards, the control log, acks
         self.control = ControlPublisher(self.store)
         self.trainer_thread = TrainerThread()
         self.outcomes: dict[int, GroupOutcomes] = {}
         self.task_of: dict[int, object] = {}
-        self.sessions: dict[str, object] = {}
+        self.opened: set[str] = set()  # executions opened on the proxy in this run
         self.cancels: dict[int, asyncio.Event] = {}
         self.episodes: dict[int, asyncio.Task] = {}
         self.background: set[asyncio.Task] = set()
@@ -416,9 +412,8 @@ class Controller:
 
     def start(self, action: Start) -> None:
         execution, name = action.execution, self.name(action.execution)
-        session = self.parts.registry.issue(name)
-        self.sessions[name] = session
-        self.parts.table.assign(name, engine_name(action.engine))
+        opened = self.parts.proxy.open(name, engine_name(action.engine))
+        self.opened.add(name)
         self.cancels[execution] = asyncio.Event()
         line = ExecutionLine(
             execution=name,
@@ -427,29 +422,31 @@ class Controller:
             engine=engine_name(action.engine),
             start_s=self.now(),
         )
-        self.episodes[execution] = self.spawn(self.episode(execution, name, session.key, line))
+        self.episodes[execution] = self.spawn(self.episode(execution, name, opened, line))
 
-    async def episode(self, execution: int, name: str, key: str, line: ExecutionLine) -> None:
+    async def episode(self, execution: int, name: str, opened, line: ExecutionLine) -> None:
         group = self.ids.group_of(execution)
         task = self.task_of[group]
 
         def harness_ended(run) -> None:  # the harness has ended: its key stops working, f moves
             line.harness_end_s = self.now()
-            self.parts.registry.close(name)
+            self.parts.proxy.close(name)
             self.apply(self.sched.harness_ended(self.now(), execution))
 
+        await opened.ready  # the proxy (its shard) knows the key
         result = await run_episode(
             task,
             execution_id=name,
-            api_key=key,
+            api_key=opened.key,
             runner=self.parts.make_runner(task),
             sandbox=self.parts.sandbox,
-            proxy=self.proxy_access,
+            proxy=opened.access,
             limits=task_limits(self.cfg.limits, task),
             group=self.outcomes[group],
             cancel_event=self.cancels[execution],
             on_harness_end=harness_ended,
         )
+        await self.parts.proxy.closed(name)  # its calls in flight recorded: its tree is final
         line.end_s, line.reward = self.now(), result.reward
         line.status = result.status.value if result.status is not None else None
         settled = result.status is not None and result.status.settled
@@ -459,7 +456,7 @@ class Controller:
         if self.stopping:
             return
         if outcome is not None:
-            tokens = sampled_tokens(self.sessions[name].tree)
+            tokens = sampled_tokens(self.parts.proxy.tree(name))
             self.book.sampled_tokens += int(tokens)
             self.apply(self.sched.execution_closed(self.now(), execution, outcome, tokens))
         if self.sched.group_state(group) is GroupState.JUDGING:
@@ -506,7 +503,7 @@ class Controller:
 
     async def reroute(self, action: Reroute) -> None:
         name = self.name(action.execution)
-        moved = await reroute_execution(self.parts.table, name, engine_name(action.destination))
+        moved = await self.parts.proxy.reroute(name, engine_name(action.destination))
         self.book.reroutes.append(action.execution)
         self.book.calls_rerouted += moved.calls
         self.book.kv_migrations += len(moved.migrated)
@@ -816,8 +813,8 @@ class Controller:
     def _tree(self, name: str):
         """An execution's trajectory tree: its session's, or (a finished execution of a resumed run) its record
         file's; None when it made no call."""
-        if name in self.sessions:
-            return self.sessions[name].tree
+        if name in self.opened:
+            return self.parts.proxy.tree(name)
         if name in self.on_disk and self.parts.records_dir is not None:
             path = self.parts.records_dir / f"{name}.jsonl"
             if path.is_file():

@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -472,7 +473,6 @@ async def _controller(
     from gyre.runtime.job import engine_key
     from gyre.runtime.resume import prepare_run_dir
     from gyre.runtime.trainers import save_optimizer, trainer_layout
-    from gyre.serve.stack import start_proxy
 
     if cfg.logging.timeline:  # now, before anything is served: the run's end (Ctrl-C too) writes the PNG sooner
         preload_plotting()
@@ -498,7 +498,8 @@ async def _controller(
     store = job.store()
     store.set(engine_key(0), url)
     engines: dict[int, RemoteEngine] = {}
-    proxy = registry = metrics = controller = end = None
+    addresses: dict[str, str] = {}  # routing name -> engine endpoint (for the proxy shards' own clients)
+    front = metrics = controller = end = None
     try:
         table = RoutingTable(placement="scheduler")
         # The cells' engines, then the separate rollout pool's (engine POOL: served by the pool's first rank).
@@ -507,6 +508,7 @@ async def _controller(
             # An engine starts within start_timeout_s (SGLang: minutes), beyond the store's own timeout.
             address = (await asyncio.to_thread(_wait_get, job, engine_key(engine), start_timeout_s(cfg) + 60)).decode()
             engines[engine] = await RemoteEngine.connect(address, secret=job.secret or None)
+            addresses[engine_name(engine)] = address
             if uses_weight_groups(cfg):  # publications broadcast by this rank to the engine's workers
                 engines[engine] = await join_weight_group(
                     engines[engine],
@@ -516,16 +518,12 @@ async def _controller(
                     device_kind=device_kind(cfg.engine.device),
                 )
             table.add_engine(engine_name(engine), engines[engine])
-        proxy, registry = await start_proxy(
-            proxy_config(cfg), model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
-        )
+        front = await _proxy_front(cfg, model_dir, run_dir, table, template, addresses, job)
         metrics = build_metrics_logger(cfg.logging, run_dir, run_config=_plain(cfg))
         parts = ControllerParts(
             job=job,
             engines=engines,
-            proxy=proxy,
-            registry=registry,
-            table=table,
+            proxy=front,
             sandbox=sandbox,
             make_runner=functools.partial(make_runner, cfg.harness, provisioning=harness_provisioning(cfg.harness)),
             make_trainer=lambda: _core_trainer(cfg, start),
@@ -552,7 +550,7 @@ async def _controller(
             echo=echo,
             checkpoint=checkpoint,
         )
-        table.on_engine_lost = controller.engine_lost
+        front.on_engine_lost = controller.engine_lost
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _stop_once(controller, echo))
@@ -571,12 +569,9 @@ async def _controller(
             if metrics is not None:
                 metrics.close()
         async with _closing_step("the proxy"):
-            if proxy is not None:
-                await proxy.stop()
-                log.info("proxy: calls %s", json.dumps(proxy_counts(proxy.stats()["total"])))
-        async with _closing_step("the sessions"):
-            if registry is not None:
-                registry.close_all()
+            if front is not None:
+                await front.stop()  # and its sessions
+                log.info("proxy: calls %s", json.dumps(proxy_counts((await front.stats())["total"])))
         async with _closing_step("the satellites' stop"):
             if controller is not None:
                 controller.release_cells(end.reason if end is not None else "error")
@@ -584,6 +579,39 @@ async def _controller(
             async with _closing_step("an engine client"):
                 await remote.close()
         await asyncio.to_thread(server.stop)
+
+
+async def _proxy_front(cfg: TrainConfig, model_dir: Path, run_dir: Path, table, template, addresses, job):
+    """The proxy on this loop over `table` (`proxy.shards=0`), or its shards, each with its own clients of the
+    engines at `addresses` (docs/proxy.md, "Shards")."""
+    from gyre.runtime.proxy_front import LocalFront, ShardedFront
+
+    model = cfg.proxy.model_names[0]
+    if cfg.proxy.shards == 0:
+        from gyre.serve.stack import start_proxy
+
+        proxy, registry = await start_proxy(
+            proxy_config(cfg), model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
+        )
+        return LocalFront(proxy, registry, table, model=model)
+    from gyre.proxy.shard import ShardSpec
+    from gyre.proxy.shards import ProxyShards
+
+    admin_key = "gyre-admin-" + secrets.token_urlsafe(24)
+    specs = [
+        ShardSpec(
+            index=index,
+            proxy=proxy_config(cfg),
+            model_dir=str(model_dir),
+            records_dir=str(run_dir / RECORDS_DIR),
+            engines=addresses,
+            engine_secret=job.secret or None,
+            admin_key=admin_key,
+            log_file=str(run_dir / "train.log"),
+        )
+        for index in range(cfg.proxy.shards)
+    ]
+    return ShardedFront(await ProxyShards.start(specs), run_dir / RECORDS_DIR, model=model)
 
 
 def _core_trainer(cfg: TrainConfig, start: StartingPoint):

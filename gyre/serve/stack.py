@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,8 @@ async def start_proxy(
     table: RoutingTable,
     records_dir: str | Path | None,
     template=None,  # gyre.proxy.render.ChatTemplate; loaded from model_dir when None
+    admin_key: str | None = None,  # a random one when None
+    before_start: Callable[[ProxyServer, SessionRegistry], None] | None = None,  # e.g. adds routes
 ) -> tuple[ProxyServer, SessionRegistry]:
     """The proxy over `table` (engines added and dropped by the caller), with its sessions writing `records_dir`.
 
@@ -117,7 +120,14 @@ async def start_proxy(
         records_dir=records_dir,
     )
     proxy = ProxyServer(
-        config, template=template, registry=registry, table=table, context_limit=model_config.max_position_embeddings
+        config,
+        template=template,
+        registry=registry,
+        table=table,
+        context_limit=model_config.max_position_embeddings,
+        admin_key=admin_key,
     )
+    if before_start is not None:
+        before_start(proxy, registry)
     await proxy.start()
     return proxy, registry
