@@ -27,6 +27,7 @@ import asyncio
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/proxy_scale.py` from anywhere
@@ -192,6 +194,140 @@ async def agent_paced(http, engine, proxy, setup: dict, sessions: int, tool_mean
     }
 
 
+class LeanSession:
+    """One session's calls over one kept-alive connection, with as little client CPU as this can: its body built
+    from the messages serialized once each (`po.history_body`'s bytes, not re-serialized per call), the streamed
+    answer read raw and only its text deltas decoded. Section 4 runs the load generator on the cores it measures;
+    aiohttp's client and a whole-body `orjson.dumps` cost ~1.3 ms a call there, a quarter of a shard's work."""
+
+    TEXT = re.compile(rb'"text_delta","text":("(?:[^"\\]|\\.)*")')
+
+    def __init__(self, url: str, key: str, messages: list[dict]) -> None:
+        self.host, port = url.removeprefix("http://").split(":")
+        self.port, self.key, self.messages = int(port), key, messages
+        whole = po.history_body([])
+        self.head, self.tail = whole[: -len(b"[]}")] + b"[", b"]}"
+        self.parts = [orjson.dumps(m) for m in messages]
+        self.reader = self.writer = None
+
+    def _body(self) -> bytes:
+        self.parts += [orjson.dumps(m) for m in self.messages[len(self.parts) :]]
+        return self.head + b",".join(self.parts) + self.tail
+
+    async def call(self) -> str:
+        """One call; the answer's text."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        body = self._body()
+        self.writer.write(
+            b"POST /v1/messages HTTP/1.1\r\nHost: %s\r\nx-api-key: %s\r\nanthropic-version: 2023-06-01\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % (self.host.encode(), self.key.encode(), len(body))
+        )
+        self.writer.write(body)
+        raw = await self.reader.readuntil(b"\r\n0\r\n\r\n")  # the chunked stream's last chunk
+        if not raw.startswith(b"HTTP/1.1 200") or b"message_stop" not in raw:
+            raise RuntimeError(f"proxy call: {raw[:300]!r}")
+        return "".join(orjson.loads(text) for text in self.TEXT.findall(raw))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def lean_loop(session: LeanSession, end_s: float, totals: list[float], errors: list[str]) -> None:
+    step = 0
+    while time.perf_counter() < end_s:
+        started = time.perf_counter()
+        try:
+            answer = await session.call()
+        except (RuntimeError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as error:
+            errors.append(repr(error)[:200])
+            return
+        totals.append(time.perf_counter() - started)
+        po.next_turn(session.messages, answer, step)
+        step += 1
+
+
+async def sharded_saturation(http, engine, template, shards: int, sessions: int, duration_s: float) -> dict:
+    """(4) Section 2's load on `shards` proxy shard processes (`gyre.proxy.shards.ProxyShards`, as `python -m
+    gyre.train proxy.shards=N` starts them), unpinned: they share the machine's cores with the engine and this load
+    generator. Requests per second, and CPU per request of the shards, the engine and the load generator."""
+    from gyre.config.proxy import ProxyConfig
+    from gyre.models.tiny import tiny_model_dir
+    from gyre.proxy.sessions import new_key
+    from gyre.proxy.shard import ShardSpec
+    from gyre.proxy.shards import ProxyShards
+
+    await po.set_pace(http, engine, 0.0)
+    records = tempfile.TemporaryDirectory(prefix="gyre-proxy-scale-shards-")  # as section 2's proxy: recorded
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, range(os.cpu_count()))  # the shards inherit every core
+    try:
+        specs = [
+            ShardSpec(
+                index=i,
+                proxy=ProxyConfig(model_names=[po.MODEL], context_limit=4_000_000, max_body_bytes=256 << 20),
+                model_dir=str(tiny_model_dir()),
+                records_dir=records.name,
+                engines={"engine": engine.url},
+                engine_secret=None,
+                admin_key="gyre-admin-bench",
+            )
+            for i in range(shards)
+        ]
+        proxies = await ProxyShards.start(specs)
+    finally:
+        os.sched_setaffinity(0, pinned)
+    lean: list[LeanSession] = []
+    try:
+        names = [f"session-{i}" for i in range(sessions)]
+        keys = [new_key() for _ in names]
+        for name in names:
+            proxies.place(name)
+        await asyncio.gather(*(proxies.open(n, k, "engine") for n, k in zip(names, keys, strict=True)))
+        base = po.long_history(template, 100_000)
+        histories = [[dict(m) for m in base] for _ in names]
+        for i, history in enumerate(histories):
+            history[0] = {"role": "user", "content": [{"type": "text", "text": f"Session {i}: fix the failing tests."}]}
+        for name, key, history in zip(names, keys, histories, strict=True):  # each session's first call
+            _, _, answer = await po.call_proxy(
+                http, proxies.url_of(name), key, po.history_body(history), keep_text=True
+            )
+            po.next_turn(history, answer, 10_000)
+        pids = [shard.process.pid for shard in proxies._shards]
+        lean = [LeanSession(proxies.url_of(n), k, m) for n, k, m in zip(names, keys, histories, strict=True)]
+        totals: list[float] = []
+        errors: list[str] = []
+        shard_cpu = sum(map(po.cpu_s, pids))
+        engine_cpu, own_cpu, started = po.cpu_s(engine.pid), time.process_time(), time.perf_counter()
+        end = started + duration_s
+        await asyncio.gather(*(lean_loop(session, end, totals, errors) for session in lean))
+        seconds = time.perf_counter() - started
+        shard_cpu = sum(map(po.cpu_s, pids)) - shard_cpu
+        engine_cpu, own_cpu = po.cpu_s(engine.pid) - engine_cpu, time.process_time() - own_cpu
+    finally:
+        for session in lean:
+            session.close()
+        await proxies.stop()
+        records.cleanup()
+    per = max(len(totals), 1) / 1e3
+    return {
+        "shards": shards,
+        "sessions": sessions,
+        "requests": len(totals),
+        "requests_per_s": round(len(totals) / seconds, 1),
+        "cpu_ms_per_request": {
+            "shards": round(shard_cpu / per, 3),
+            "engine": round(engine_cpu / per, 3),
+            "load_generator": round(own_cpu / per, 3),
+        },
+        "cores_busy": round((shard_cpu + engine_cpu + own_cpu) / seconds, 2),
+        "total_ms": po.dist_ms(totals),
+        "errors": errors[:5],
+    }
+
+
 def projection(paced: dict, by_history: list[dict]) -> dict:
     rate = PAPER["calls_per_execution_per_s"] * PAPER["executions_per_cell"] * PAPER["cells"]
     cpu_ms = paced["proxy_cpu_ms_per_request"]
@@ -216,6 +352,23 @@ async def run(args, setup, engine, proxy) -> dict:
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
     ) as http:
+        sharded = []
+        for count in (1, 2):
+            sharded.append(
+                await sharded_saturation(
+                    http, engine, setup["template"], count, 4 if args.quick else 32, 3.0 if args.quick else 8.0
+                )
+            )
+            print(f"(4) {sharded[-1]}", file=sys.stderr)
+        speedup = sharded[1]["requests_per_s"] / max(sharded[0]["requests_per_s"], 1e-9)
+        shards = {
+            "shards_saturation_100k": sharded,
+            "two_shards_over_one": round(speedup, 2),
+            "target_two_shards": ">= 1.7x one shard's requests per second at 100K-token histories, 2 cores",
+            "met_two_shards": speedup >= 1.7,
+        }
+        if args.shards_only:
+            return shards
         by_history = await cpu_by_history(http, engine, proxy, setup["template"], reps=2 if args.quick else 10)
         saturated = await saturation(
             http, engine, proxy, setup["template"], 4 if args.quick else 32, 3.0 if args.quick else 8.0
@@ -237,6 +390,7 @@ async def run(args, setup, engine, proxy) -> dict:
         "saturation_100k": saturated,
         "agent_paced": paced,
         "projection_48_cells": projection(paced, by_history),
+        **shards,
         "target_cpu_700k": "cpu_ms_per_request <= 3 x json_parse_ms",
         "met_cpu_700k": by_history[-1]["cpu_over_parse"] <= 3,
     }
@@ -248,6 +402,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=PAPER["executions_per_cell"])
     parser.add_argument("--tool-mean-s", type=float, default=5.6)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--shards-only", action="store_true", help="section 4 only: 1 and 2 proxy shards")
     args = parser.parse_args()
     if args.sessions < 1 or args.tool_mean_s <= 0:
         raise SystemExit("proxy_scale: --sessions must be >= 1 and --tool-mean-s > 0")

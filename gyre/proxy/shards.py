@@ -7,8 +7,9 @@ executions' opening, assignments, reroutes and closing, in the order it decides 
 call's start, first token and end, mirrored here into `in_flight` (progress lines), and each engine it counted lost
 (`on_engine_lost`). `stats()` adds the shards' counters (`gyre.proxy.stats.merged`).
 
-A shard that dies or drops its control connection fails its pending and later commands (`ShardError`) and is said
-at ERROR: its executions cannot be served anymore, so the run fails the usual way.
+A shard that dies or drops its control connection fails its pending and later commands (`ShardError`), is said at
+ERROR and resolves `lost`: its executions cannot be served anymore, and the controller ends the run with that
+error (`gyre.runtime.proxy_front.ShardedFront.watch`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class ProxyShards:
         self.on_engine_lost: Callable[[EngineLostOnShard], None] | None = None
         self._ids = itertools.count(1)
         self._stopping = False
+        self.lost: asyncio.Future = asyncio.get_running_loop().create_future()  # its ShardError: a shard is gone
         self.final_stats: dict | None = None  # after `stop`: the shards' last counters, added
 
     @classmethod
@@ -92,7 +94,8 @@ class ProxyShards:
         except BaseException:
             await self.stop()
             raise
-        log.info("proxy shards serving at %s", ", ".join(shard.url for shard in shards))
+        urls, pids = ", ".join(s.url for s in shards), ", ".join(str(s.process.pid) for s in shards)
+        log.info("proxy shards serving at %s (pids %s)", urls, pids)
         return self
 
     @property
@@ -239,6 +242,8 @@ class ProxyShards:
         shard.gone = why
         if not self._stopping:
             log.error("proxy shard %d (%s) is gone: %s", shard.index, shard.url, why)
+            if not self.lost.done():
+                self.lost.set_result(ShardError(f"proxy shard {shard.index} ({shard.url}) is gone: {why}"))
         for future in shard.pending.values():
             if not future.done():
                 future.set_exception(ShardError(f"proxy shard {shard.index} ({shard.url}) is gone: {why}"))

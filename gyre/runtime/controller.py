@@ -247,11 +247,13 @@ class Controller:
         # A rank whose process ends while the run goes on ends the run (RankLost names it); cancelled before the
         # program tells the ranks to stop, so their ends after that are no loss.
         watch = self.spawn(watch_lifelines(self.parts.job.lifelines))
+        proxy_watch = self.spawn(self.parts.proxy.watch())  # a proxy shard that dies ends the run (ShardError)
         try:
             reason, error = await self.end
         finally:
             progress.cancel()
             watch.cancel()
+            proxy_watch.cancel()
             self.stopping = True
             if self.pump is not None and not self.pump.closed:
                 self.pump.board.abandon()  # the cells finish the unit they hold; the update is never published

@@ -11,6 +11,7 @@ Contract (both fronts)
 - `close(execution)` returns at once (the harness ended: its key stops working); `await closed(execution)` returns
   once the execution's calls in flight have ended and its tree is final, or after `CLOSE_WAIT_S`.
 - `tree(execution)`: after `closed`, the execution's tree (None for an execution this front never opened).
+- `watch()` raises once the proxy can serve no more (a shard died), which ends the run.
 - `reroute`, `in_flight`, `stats()`, `stop()`, `on_engine_lost` as `gyre.proxy.reroute`, `gyre.proxy.in_flight`,
   `ProxyServer.stats`.
 """
@@ -81,6 +82,10 @@ class LocalFront:
     async def closed(self, execution: str) -> None:
         """The live tree takes a call still in flight when it ends: nothing to wait for."""
 
+    async def watch(self) -> None:
+        """Returns never: the proxy lives as long as the controller's loop."""
+        await asyncio.Event().wait()
+
     def tree(self, execution: str):
         session = self._sessions.get(execution)
         return None if session is None else session.tree
@@ -143,6 +148,10 @@ class ShardedFront:
 
     def tree(self, execution: str):
         return self._trees.get(execution)
+
+    async def watch(self) -> None:
+        """Raises `ShardError` once a shard is gone while the run goes on: its executions have no proxy anymore."""
+        raise await self.shards.lost
 
     async def reroute(self, execution: str, engine: str) -> Rerouted:
         return await self.shards.reroute(execution, engine)

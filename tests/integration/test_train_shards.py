@@ -10,7 +10,10 @@ shards' calls."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import time
 
 import pytest
 from test_train_program import PAIRS, SMALL, finish, train, wait_until_gone
@@ -61,3 +64,28 @@ def test_two_proxy_shards_serve_a_run_and_record_every_call_once(tmp_path):
     assert len(steps) == 2 and all(r["train_tokens"] > 0 for r in steps)
     moves = {k: sum(r[k] for r in steps) for k in ("reroutes", "calls_rerouted", "kv_migrations", "calls_reprefilled")}
     print(f"sharded run: {calls} calls recorded, by shard (executions, calls) {served}; {moves}")
+
+
+@pytest.mark.slow  # a real run of 2 ranks and 2 shard processes, one killed mid-run: ~30 s on 2 cores
+def test_a_proxy_shard_killed_mid_run_ends_the_run_with_its_error_and_leaves_nothing_behind(tmp_path):
+    run_dir = tmp_path / "run"
+    process = train([*SHARDED_RUN, "steps=4"], run_dir)
+    log_path, pids = run_dir / "train.log", None
+    try:
+        deadline = time.monotonic() + 300
+        while pids is None or not list((run_dir / "records").glob("*.jsonl")):
+            assert process.poll() is None and time.monotonic() < deadline, "no shard served a call in time"
+            text = log_path.read_text() if log_path.is_file() else ""
+            found = re.search(r"proxy shards serving at .* \(pids (\d+), (\d+)\)", text)
+            pids = None if found is None else [int(pid) for pid in found.groups()]
+            time.sleep(0.1)
+        os.kill(pids[1], signal.SIGKILL)
+        code, out, _ = finish(process, 300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code != 0, out[-2000:]
+    log = log_path.read_text()
+    assert re.search(r"proxy shard 1 \(\S+\) is gone: its control connection ended", log), log[-3000:]
+    assert "the run failed: ShardError" in log, log[-3000:]
+    assert wait_until_gone(process) == []
