@@ -22,20 +22,26 @@ from gyre.traj.outcomes import (
     Validity,
 )
 
-__all__ = ["group_outcomes_state", "restored_group_outcomes"]
+__all__ = [
+    "evaluation_dict",
+    "evaluation_from_dict",
+    "group_outcomes_state",
+    "restored_group_outcomes",
+    "state_dict",
+]
 
 
-def _state_dict(state: EvaluatedState | None) -> dict | None:
+def state_dict(state: EvaluatedState | None) -> dict | None:
     if state is None:
         return None
     return {"execution": state.execution, "artifact_version": state.artifact_version, "branch": state.branch}
 
 
-def _evaluation_dict(evaluation: Evaluation) -> dict[str, Any]:
+def evaluation_dict(evaluation: Evaluation) -> dict[str, Any]:
     return {
         "score": evaluation.score,
         "validity": evaluation.validity.value,
-        "state": _state_dict(evaluation.state),
+        "state": state_dict(evaluation.state),
         "attempt": evaluation.attempt,
         "evaluator": evaluation.evaluator,
         "evaluator_version": evaluation.evaluator_version,
@@ -44,7 +50,7 @@ def _evaluation_dict(evaluation: Evaluation) -> dict[str, Any]:
     }
 
 
-def _evaluation(data: dict[str, Any]) -> Evaluation:
+def evaluation_from_dict(data: dict[str, Any]) -> Evaluation:
     state = data["state"]
     return Evaluation(
         score=data["score"],
@@ -63,10 +69,10 @@ def _execution_dict(outcomes: ExecutionOutcomes) -> dict[str, Any]:
     return {
         "execution": outcomes.execution,
         "deadline": outcomes.deadline,
-        "log": [_evaluation_dict(e) for e in outcomes.evaluations],
+        "log": [evaluation_dict(e) for e in outcomes.evaluations],
         "close_kind": kind.value if kind is not None else None,
         "closed_at": outcomes.closed_at,
-        "final_state": _state_dict(outcomes.final_state),
+        "final_state": state_dict(outcomes.final_state),
         "expired": outcomes._expired,
         "cancelled": outcomes._cancelled,
     }
@@ -85,7 +91,7 @@ def _restore_execution(target: ExecutionOutcomes, data: dict[str, Any]) -> None:
     if data["deadline"] is not None:
         target.start(data["deadline"])
     for evaluation in data["log"]:
-        target.record(_evaluation(evaluation))
+        target.record(evaluation_from_dict(evaluation))
     if data["close_kind"] is not None:
         final = data["final_state"]
         kind = CloseKind(data["close_kind"])

@@ -1,0 +1,201 @@
+"""A node's harness host: the executions the controller places on this node, played here.
+
+Role: with `harness.hosts=nodes` (docs/cluster.md, "Harness hosts on every node") the first rank of every node but
+the controller's runs a `HarnessHost` on a thread of its own, beside its cell. The controller opens one WebSocket
+per execution it places here (`GET /gyre/executions/{execution}`, the job's secret as a Bearer token) and sends the
+execution: its task (by id, from the task set every rank holds), its key and the proxy's base URLs. The host plays
+it with `run_episode`, in this node's sandbox (its workspace under the run directory, which every node shares), the
+harness calling the proxy over the job's network, and sends back, in order: each outcome event of the execution
+(`gyre.traj.outcome_events`: the controller applies them to the real group), `{"harness_end"}` once the harness has
+ended, then `{"result"}` (status, reward, reason) and closes. A `{"cancel"}` from the controller, or its socket
+closing (the controller stopped or died), cancels the execution: its harness and evaluation are stopped as
+`run_episode` does on a cancel.
+
+A node that dies takes its executions with it: the controller's lifeline sees its ranks end and ends the run
+(`RankLost`), and a resumed run dispatches again every execution that was running at the checkpoint
+(docs/runtime.md, "Checkpoints and resume").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import WSMsgType, web
+
+from gyre import eventloop
+from gyre.harness.episode import ProxyAccess, run_episode
+from gyre.traj.outcome_events import MirrorGroup
+
+log = logging.getLogger(__name__)
+
+EXECUTIONS_PATH = "/gyre/executions/{execution}"
+SPEC_TIMEOUT_S = 30.0  # the controller sends an execution's spec as the socket's first message
+
+
+class HarnessHost:
+    """Plays the executions sent to it (module docstring). `make_runner(task)`, `limits_of(task)`: the program's."""
+
+    def __init__(
+        self,
+        *,
+        tasks: list,
+        make_runner: Callable[[Any], Any],
+        sandbox,
+        limits_of: Callable[[Any], Any],
+        secret: str,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.tasks = {task.id: task for task in tasks}
+        self.make_runner, self.sandbox, self.limits_of = make_runner, sandbox, limits_of
+        self.secret, self.host = secret, host
+        self.running: dict[str, asyncio.Task] = {}
+        self.app = web.Application()
+        self.app.router.add_get(EXECUTIONS_PATH, self.handle)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        self.url = f"http://{self.host}:{self._runner.addresses[0][1]}"
+        log.info("harness host serving at %s (%d tasks)", self.url, len(self.tasks))
+        return self.url
+
+    async def stop(self) -> None:
+        for task in list(self.running.values()):
+            task.cancel()
+        if self.running:
+            await asyncio.wait(list(self.running.values()), timeout=30)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _refusal(self, http: web.Request) -> web.Response | None:
+        header = http.headers.get("Authorization", "")
+        if not header.startswith("Bearer "):
+            return web.json_response({"error": "the job's secret is required (Authorization: Bearer)"}, status=401)
+        if not secrets.compare_digest(header[7:].encode("utf-8", "replace"), self.secret.encode()):
+            return web.json_response({"error": "this is not the job's secret"}, status=403)
+        return None
+
+    async def handle(self, http: web.Request) -> web.StreamResponse:
+        if (refusal := self._refusal(http)) is not None:
+            return refusal
+        execution = http.match_info["execution"]
+        socket = web.WebSocketResponse(max_msg_size=1 << 20, heartbeat=None)
+        await socket.prepare(http)
+        outbox: asyncio.Queue = asyncio.Queue()
+        writer = asyncio.ensure_future(_write(socket, outbox))
+        try:
+            spec = await asyncio.wait_for(socket.receive(), SPEC_TIMEOUT_S)
+            spec = orjson.loads(spec.data) if spec.type is WSMsgType.BINARY else None
+            task = self.tasks.get(spec.get("task")) if isinstance(spec, dict) else None
+            if task is None or execution in self.running:
+                reason = "an execution of that id runs here" if task is not None else "no such task (or no spec)"
+                outbox.put_nowait({"refused": reason})
+                return socket
+            cancel = asyncio.Event()
+            watcher = asyncio.ensure_future(_watch(socket, cancel))
+            episode = self.running[execution] = asyncio.ensure_future(self._play(execution, task, spec, cancel, outbox))
+            try:
+                outbox.put_nowait({"result": await episode})
+            except Exception as error:  # a bug here, said to the controller (which ends the run with it)
+                log.exception("execution %s: the harness host failed", execution)
+                outbox.put_nowait({"refused": f"the harness host failed: {error!r}"})
+            finally:
+                watcher.cancel()
+                self.running.pop(execution, None)
+        except (TimeoutError, ValueError, orjson.JSONDecodeError) as error:
+            outbox.put_nowait({"refused": f"no readable spec: {error!r}"})
+        finally:
+            outbox.put_nowait(None)
+            await writer
+            await socket.close()
+        return socket
+
+    async def _play(self, execution: str, task, spec: dict, cancel: asyncio.Event, outbox: asyncio.Queue) -> dict:
+        mirror = MirrorGroup(execution, lambda event: outbox.put_nowait({"outcome": event}), time.monotonic)
+        result = await run_episode(
+            task,
+            execution_id=execution,
+            api_key=spec["key"],
+            runner=self.make_runner(task),
+            sandbox=self.sandbox,
+            proxy=ProxyAccess(
+                anthropic_base_url=spec["anthropic_base_url"],
+                openai_base_url=spec["openai_base_url"],
+                model=spec["model"],
+            ),
+            limits=self.limits_of(task),
+            group=mirror,
+            cancel_event=cancel,
+            on_harness_end=lambda run: outbox.put_nowait({"harness_end": True}),
+        )
+        status = result.status.value if result.status is not None else None
+        return {"status": status, "reward": result.reward, "reason": result.reason, "task": result.task_id}
+
+
+async def _write(socket: web.WebSocketResponse, outbox: asyncio.Queue) -> None:
+    """Send the outbox's messages in order until its None; a closed socket drops the rest (nobody listens)."""
+    while (message := await outbox.get()) is not None:
+        if not socket.closed:
+            await socket.send_bytes(orjson.dumps(message))
+
+
+async def _watch(socket: web.WebSocketResponse, cancel: asyncio.Event) -> None:
+    """`{"cancel"}`, or the socket's end (the controller stopped or died), cancels the execution."""
+    async for message in socket:
+        if message.type is WSMsgType.BINARY:
+            said = orjson.loads(message.data)
+            if isinstance(said, dict) and said.get("cancel"):
+                cancel.set()
+    cancel.set()
+
+
+class HarnessHostThread:
+    """A `HarnessHost` on its own event loop in a daemon thread, beside a rank's cell loop."""
+
+    def __init__(self, host_factory: Callable[[], HarnessHost]) -> None:
+        self._factory = host_factory
+        self._loop = eventloop.new_event_loop()
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self.host: HarnessHost | None = None
+        self._thread = threading.Thread(target=self._main, name="gyre-harness-host", daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"the harness host did not start within {timeout_s} s")
+        if self._failure is not None:
+            raise RuntimeError(f"the harness host failed to start: {self._failure!r}") from self._failure
+        return self.host.url
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.host = self._factory()
+            self._loop.run_until_complete(self.host.start())
+        except BaseException as error:
+            self._failure = error
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Cancel what still runs here (its harnesses stopped), stop serving, end the thread."""
+        if not self._thread.is_alive() or self.host is None:
+            return
+        asyncio.run_coroutine_threadsafe(self.host.stop(), self._loop).result(timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)

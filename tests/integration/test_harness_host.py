@@ -1,0 +1,207 @@
+"""A node's harness host over real HTTP (`gyre.runtime.harness_host`, `gyre.runtime.harness_hosts`; docs/cluster.md,
+"Harness hosts on every node").
+
+A `HarnessHostThread` (its own loop and thread, as on a node's first rank) plays executions the controller's
+`HarnessHosts` sends it, with real harness and evaluator processes (test_harness_episode's task and harness): a
+finishing harness, one stalled past its harness budget (partial scoring) and a total failure leave the controller's
+group exactly as the same episodes played beside it do (the execution's outcomes, the members, the rewards), the
+harness's end reported once before the result; a cancel stops a running harness (CANCELLED); a spec the host cannot
+play and a host stopped mid-execution are `HostLost`; the host takes the job's secret only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from test_harness_episode import PROXY, ModeRunner, make_task, wait_for
+
+from gyre.config import ExecutionLimits
+from gyre.harness.episode import run_episode
+from gyre.harness.sandbox import LocalSandbox
+from gyre.runtime.harness_host import EXECUTIONS_PATH, HarnessHost, HarnessHostThread
+from gyre.runtime.harness_hosts import HarnessHosts, HostLost
+from gyre.traj.outcomes import GroupOutcomes, Status
+from gyre.traj.outcomes_state import group_outcomes_state
+
+SECRET = "job-secret-for-the-test"
+MODES = {"e-finish": "finish", "e-stall": "stall", "e-crash": "crash-evaluator", "e-slow": "slow"}
+
+
+@pytest.fixture
+def host(tmp_path):
+    from test_harness_episode import HARNESS
+
+    script = tmp_path / "harness.py"
+    script.write_text(HARNESS)
+    task = make_task(tmp_path, harness_s=2.0, overall_s=6.0)
+    limits = ExecutionLimits(harness_timeout_s=60, overall_timeout_s=120, grace_period_s=1.0)
+    runner = ModeRunner(script, MODES)
+    sandboxes = {side: LocalSandbox(root=tmp_path / side, isolate_user=False) for side in ("host", "here")}
+
+    def factory():
+        return HarnessHost(
+            tasks=[task],
+            make_runner=lambda task: runner,
+            sandbox=sandboxes["host"],
+            limits_of=lambda task: limits,
+            secret=SECRET,
+        )
+
+    thread = HarnessHostThread(factory)
+    url = thread.start()
+    try:
+        yield SimpleNamespace(url=url, thread=thread, task=task, limits=limits, runner=runner, here=sandboxes["here"])
+    finally:
+        thread.stop()
+
+
+@pytest.mark.slow  # real harness and evaluator processes, a 6 s overall budget for the excluded one: ~10 s
+def test_executions_played_on_a_host_leave_the_group_as_played_beside_it(host):
+    names = ["e-finish", "e-stall", "e-crash"]
+    remote, local = GroupOutcomes(3, names), GroupOutcomes(3, names)
+    ends: list[str] = []
+
+    async def main():
+        hosts = HarnessHosts({1: host.url}, secret=SECRET)
+        try:
+            played = [
+                hosts.play(
+                    1,
+                    host.task,
+                    execution=name,
+                    key=f"k-{name}",
+                    access=PROXY,
+                    group=remote,
+                    cancel_event=asyncio.Event(),
+                    on_harness_end=lambda run, n=name: ends.append(n),
+                )
+                for name in names
+            ]
+            beside = [
+                run_episode(
+                    host.task,
+                    execution_id=name,
+                    api_key="k",
+                    runner=host.runner,
+                    sandbox=host.here,
+                    proxy=PROXY,
+                    limits=host.limits,
+                    group=local,
+                )
+                for name in names
+            ]
+            return await asyncio.gather(*played, *beside)
+        finally:
+            await hosts.close()
+
+    results = asyncio.run(asyncio.wait_for(main(), 120))
+    remote_results, local_results = results[:3], results[3:]
+    assert [r.status for r in remote_results] == [r.status for r in local_results]
+    assert [r.reward for r in remote_results] == [1.0, 0.5, None] == [r.reward for r in local_results]
+    assert remote_results[2].status is Status.EXCLUDED
+    assert sorted(ends) == sorted(names)  # each harness's end, once
+    assert remote.ready and remote.rewards() == local.rewards() and remote.members == local.members
+    timed = ("deadline", "closed_at", "log")
+    mine, theirs = (group_outcomes_state(g)["executions"] for g in (remote, local))
+    for a, b in zip(mine, theirs, strict=True):
+        assert {k: v for k, v in a.items() if k not in timed} == {k: v for k, v in b.items() if k not in timed}
+        last = [[(e["score"], e["validity"]) for e in side["log"]][-1:] for side in (a, b)]
+        assert last[0] == last[1]  # the same designated evaluation (a retry's timing may differ)
+        assert abs(a["deadline"] - b["deadline"]) < 5.0  # the same budget on the controller's clock
+
+
+def test_a_cancel_stops_the_harness_on_the_host_and_refusals_are_host_lost(host, tmp_path):
+    group = GroupOutcomes(1, ["e-slow"])
+
+    async def main():
+        hosts = HarnessHosts({1: host.url}, secret=SECRET)
+        try:
+            cancel = asyncio.Event()
+            play = asyncio.ensure_future(
+                hosts.play(
+                    1,
+                    host.task,
+                    execution="e-slow",
+                    key="k",
+                    access=PROXY,
+                    group=group,
+                    cancel_event=cancel,
+                    on_harness_end=lambda run: None,
+                )
+            )
+            await wait_for(lambda: (tmp_path / "host" / "e-slow" / "workspace" / "started").exists(), "the start")
+            cancel.set()
+            cancelled_at = time.monotonic()
+            result = await asyncio.wait_for(play, 30)
+            stop_s = time.monotonic() - cancelled_at
+
+            class Other:
+                id = "no-such-task"
+
+            with pytest.raises(HostLost, match="no such task"):
+                await hosts.play(
+                    1,
+                    Other(),
+                    execution="e-x",
+                    key="k",
+                    access=PROXY,
+                    group=GroupOutcomes(1, ["e-x"]),
+                    cancel_event=asyncio.Event(),
+                    on_harness_end=lambda run: None,
+                )
+            async with aiohttp.ClientSession() as http:  # the job's secret only
+                for headers, status in (({}, 401), ({"Authorization": "Bearer nope"}, 403)):
+                    async with http.get(host.url + EXECUTIONS_PATH.format(execution="e"), headers=headers) as answer:
+                        assert answer.status == status
+            return result, stop_s
+        finally:
+            await hosts.close()
+
+    result, stop_s = asyncio.run(asyncio.wait_for(main(), 120))
+    assert result.status is Status.CANCELLED and stop_s < 10.0
+    assert group.execution("e-slow").status is Status.CANCELLED
+
+
+def test_a_host_that_stops_mid_execution_is_host_lost(host, tmp_path):
+
+    async def main():
+        hosts = HarnessHosts({1: host.url}, secret=SECRET)
+        try:
+            play = asyncio.ensure_future(
+                hosts.play(
+                    1,
+                    host.task,
+                    execution="e-slow",
+                    key="k",
+                    access=PROXY,
+                    group=GroupOutcomes(1, ["e-slow"]),
+                    cancel_event=asyncio.Event(),
+                    on_harness_end=lambda run: None,
+                )
+            )
+            await wait_for(lambda: (tmp_path / "host" / "e-slow" / "workspace" / "started").exists(), "the start")
+            await asyncio.to_thread(host.thread.stop)
+            with pytest.raises(HostLost):
+                await asyncio.wait_for(play, 60)
+        finally:
+            await hosts.close()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_placement_goes_to_the_node_with_the_fewest_running_the_controllers_first():
+    async def main():
+        hosts = HarnessHosts({1: "http://127.0.0.1:9", 2: "http://127.0.0.1:9"}, secret=SECRET)
+        try:
+            placed = [hosts.place() for _ in range(5)]
+            hosts.ended(1)
+            placed.append(hosts.place())
+            return placed
+        finally:
+            await hosts.close()
+
+    assert asyncio.run(main()) == [0, 1, 2, 0, 1, 1]
