@@ -20,6 +20,7 @@ DEFAULT_KILL_WAIT_S = 10.0
 HARNESS_NAMES = ("builtin", "claude_code", "codex", "command")  # the names of gyre.harness.runners.RUNNERS
 BUILTIN_BACKENDS = ("anthropic", "openai")
 SANDBOXES = ("local", "bubblewrap", "container")
+HARNESS_HOSTS = ("controller", "nodes")  # where executions run: docs/cluster.md, "Harness hosts on every node"
 CONTAINER_ENGINES = ("docker", "podman", "apptainer")
 
 
@@ -147,8 +148,14 @@ class HarnessConfig:
     readable by other users). null: own uid when the controller runs as root, except for the builtin harness on the
     bundled demo family, whose agent has only the calculator tool (no shell or file tools)."""
 
+    hosts: str = "controller"
+    """Where the executions run: controller (every harness on rank 0's node, beside the proxy) or nodes (each node of
+    the job runs those the controller places there, on the node with the fewest running: its first rank hosts them;
+    docs/cluster.md, "Harness hosts on every node")."""
+
     def __post_init__(self) -> None:
         require_choice("harness.name", self.name, HARNESS_NAMES)
+        require_choice("harness.hosts", self.hosts, HARNESS_HOSTS)
         require_choice("harness.backend", self.backend, BUILTIN_BACKENDS)
         require_int("harness.max_turns", self.max_turns, ge=1)
         require(isinstance(self.binary, str), "harness.binary", self.binary, "a path or a name on PATH")

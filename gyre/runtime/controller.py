@@ -132,6 +132,7 @@ class ControllerParts:
     engines: dict[int, object]  # cell (or POOL, the separate rollout pool) -> its Engine (a RemoteEngine in front of
     # its endpoint)
     proxy: object  # gyre.runtime.proxy_front.LocalFront or ShardedFront: the proxy as the controller drives it
+    hosts: object | None  # gyre.runtime.harness_hosts.HarnessHosts: the other nodes' harness hosts; None: none
     sandbox: object  # gyre.harness.sandbox.Sandbox
     make_runner: Callable  # task -> HarnessRunner
     make_trainer: Callable  # () -> Trainable with a `.model`; called once, on the trainer thread
@@ -436,18 +437,36 @@ class Controller:
             self.apply(self.sched.harness_ended(self.now(), execution))
 
         await opened.ready  # the proxy (its shard) knows the key
-        result = await run_episode(
-            task,
-            execution_id=name,
-            api_key=opened.key,
-            runner=self.parts.make_runner(task),
-            sandbox=self.parts.sandbox,
-            proxy=opened.access,
-            limits=task_limits(self.cfg.limits, task),
-            group=self.outcomes[group],
-            cancel_event=self.cancels[execution],
-            on_harness_end=harness_ended,
-        )
+        hosts = self.parts.hosts
+        line.node = hosts.place() if hosts is not None else 0
+        try:
+            if line.node == 0:
+                result = await run_episode(
+                    task,
+                    execution_id=name,
+                    api_key=opened.key,
+                    runner=self.parts.make_runner(task),
+                    sandbox=self.parts.sandbox,
+                    proxy=opened.access,
+                    limits=task_limits(self.cfg.limits, task),
+                    group=self.outcomes[group],
+                    cancel_event=self.cancels[execution],
+                    on_harness_end=harness_ended,
+                )
+            else:  # on that node's harness host (gyre.runtime.harness_hosts)
+                result = await hosts.play(
+                    line.node,
+                    task,
+                    execution=name,
+                    key=opened.key,
+                    access=opened.access,
+                    group=self.outcomes[group],
+                    cancel_event=self.cancels[execution],
+                    on_harness_end=harness_ended,
+                )
+        finally:
+            if hosts is not None:
+                hosts.ended(line.node)
         await self.parts.proxy.closed(name)  # its calls in flight recorded: its tree is final
         line.end_s, line.reward = self.now(), result.reward
         line.status = result.status.value if result.status is not None else None

@@ -34,6 +34,7 @@ class ExecutionLine:
     outcome: str | None = None  # the scheduler's (completed, harness_timeout, overall_timeout, failed); None: cancelled
     status: str | None = None  # the outcome's status (valid, placeholder, excluded, cancelled)
     reward: float | None = None
+    node: int = 0  # the node that played it (`harness.hosts=nodes`; 0: the controller's)
 
 
 class ExecutionLog:

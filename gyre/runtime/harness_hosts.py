@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
@@ -37,8 +38,8 @@ class HostLost(RuntimeError):
 class HarnessHosts:
     """The nodes' hosts by node index (1, 2, ...; node 0 is the controller's, which plays its executions itself)."""
 
-    def __init__(self, urls: dict[int, str], *, secret: str) -> None:
-        self.urls, self.secret = dict(urls), secret
+    def __init__(self, urls: dict[int, str], *, secret: str, controller_host: str = "127.0.0.1") -> None:
+        self.urls, self.secret, self.controller_host = dict(urls), secret, controller_host
         self.running: dict[int, int] = {CONTROLLER_NODE: 0, **dict.fromkeys(urls, 0)}
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
@@ -76,8 +77,8 @@ class HarnessHosts:
         spec = {
             "task": task.id,
             "key": key,
-            "anthropic_base_url": access.anthropic_base_url,
-            "openai_base_url": access.openai_base_url,
+            "anthropic_base_url": reachable(access.anthropic_base_url, self.controller_host),
+            "openai_base_url": reachable(access.openai_base_url, self.controller_host),
             "model": access.model,
         }
         cancelling = offset = None
@@ -114,6 +115,16 @@ class HarnessHosts:
                 cancelling.cancel()
             with contextlib.suppress(Exception):
                 await socket.close()
+
+
+def reachable(url: str, controller_host: str) -> str:
+    """`url` as another node reaches it: a proxy bound to every interface (`proxy.host=0.0.0.0` or `::`) at the
+    controller's address; any other host as it is (on one machine the loopback is everyone's)."""
+    parts = urlsplit(url)
+    if parts.hostname not in ("0.0.0.0", "::"):
+        return url
+    host = f"[{controller_host}]" if ":" in controller_host else controller_host
+    return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}"))
 
 
 async def _send_cancel(socket, cancel_event: asyncio.Event) -> None:

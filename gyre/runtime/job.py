@@ -64,6 +64,7 @@ __all__ = [
     "Job",
     "ack_key",
     "engine_key",
+    "harness_host_key",
     "job_secret",
     "open_job",
     "step_stats_key",
@@ -169,6 +170,11 @@ def _listening_socket(host: str) -> socket.socket:
 def engine_key(engine: int) -> str:
     """Where a cell leader (or the separate pool's first rank, `engine` POOL) writes its engine's address."""
     return f"gyre/engine/{engine_name(engine)}"
+
+
+def harness_host_key(node: int) -> str:
+    """Where node `node`'s harness host (its first rank: `gyre.runtime.nodes`) writes its address."""
+    return f"gyre/harness_host/{node}"
 
 
 def ack_key(seq: int, rank: int) -> str:

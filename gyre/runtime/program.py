@@ -52,6 +52,7 @@ from gyre.runtime.controller import SLOW_STOP_S, Controller, ControllerParts, Ru
 from gyre.runtime.held_out import HELD_OUT_FILE, HeldOutEvaluator
 from gyre.runtime.launch import job_env, launch_workers
 from gyre.runtime.lifeline import RankLost
+from gyre.runtime.nodes import gather_nodes
 from gyre.runtime.recipe import Recipe, RecipeError, TaskSets
 from gyre.runtime.task_sets import TaskSetError
 
@@ -67,6 +68,7 @@ TRACE_FILE = "timeline.json"  # what role_timeline.png is drawn from, and every 
 DONE_WAIT_S = 30.0  # rank 0 waits this long for the satellites to finish before the runtime store goes
 STOPPED_EXIT = 130  # a worker of a run stopped by Ctrl-C or SIGTERM
 STOP_WAIT_S = 5.0  # after a stop, the satellites get this long (they may finish the unit they hold first)
+HOST_START_TIMEOUT_S = 300.0  # a node's harness host says its address within this (its harness checked first)
 
 
 class ProgramError(ValueError):
@@ -393,20 +395,27 @@ def run_rank(
     if job.rank > 0:  # a satellite ends at the controller's stop decision, not at the terminal's Ctrl-C
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     completed, reason = False, "error"
+    host = None
     try:
+        nodes = gather_nodes(job) if cfg.harness.hosts == "nodes" and job.world_size > 1 else None
         prepared = prepare(cfg, recipe, run_dir, prepare_echo or echo) if job.rank == 0 else None
-        shared: list[StartingPoint | None] = [None]
+        shared: list = [None, None]  # the starting point; the training tasks, for the nodes' harness hosts
         if prepared is not None:
             from gyre.runtime.resume import starting_point
 
-            shared = [starting_point(prepared.model_dir, prepared.checkpoint)]
+            shared[0] = starting_point(prepared.model_dir, prepared.checkpoint)
+            if nodes is not None and nodes.hosts:
+                shared[1] = (prepared.task_sets.train, prepared.task_sets.trusted)
         if job.world_size > 1:
             dist.broadcast_object_list(shared, src=0, group=job.groups.control_group)
         if job.rank == 0:
-            result = asyncio.run(_controller(cfg, run_dir, prepared, shared[0], job, echo))
+            hosts = nodes.hosts if nodes is not None else {}
+            result = asyncio.run(_controller(cfg, run_dir, prepared, shared[0], job, echo, hosts=hosts))
             reason = result.end.reason
             completed = reason != "error"
         else:
+            if nodes is not None and (node := nodes.hosted_by(job.rank)) is not None:
+                host = _start_harness_host(cfg, run_dir, job, node, *shared[1])
             serve = run_pool if job.groups.cell is None else run_cell  # the separate rollout pool's ranks never train
             result = serve(cfg, run_dir, job, shared[0])
             try:
@@ -416,9 +425,37 @@ def run_rank(
             completed = True
         return result
     finally:
+        if host is not None:  # its executions cancelled (the run has stopped them already)
+            host.stop()
         # Rank 0 waits for the satellites' done (they have the stop decision) before its store goes, longer after a
         # completed run; a satellite does not wait.
         job.close(wait_s=DONE_WAIT_S if completed and reason == "completed" else STOP_WAIT_S)
+
+
+def _start_harness_host(cfg: TrainConfig, run_dir: Path, job, node: int, tasks: list, trusted: bool):
+    """Node `node`'s harness host on this rank (its first), its address in the store (docs/cluster.md, "Harness
+    hosts on every node"). The harness is checked here as on rank 0: a node that cannot run it fails the job."""
+    from gyre.runtime.harness_host import HarnessHost, HarnessHostThread
+    from gyre.runtime.harness_setup import check_harness, harness_provisioning, make_runner, task_limits
+    from gyre.runtime.job import harness_host_key
+
+    sandbox = _sandbox(cfg, run_dir, trusted_tasks=trusted)
+    provisioning = harness_provisioning(cfg.harness)
+    check_harness(make_runner(cfg.harness, tasks[0], provisioning), sandbox, tasks)
+    thread = HarnessHostThread(
+        lambda: HarnessHost(
+            tasks=tasks,
+            make_runner=lambda task: make_runner(cfg.harness, task, provisioning),
+            sandbox=sandbox,
+            limits_of=lambda task: task_limits(cfg.limits, task),
+            secret=job.secret,
+            host=job.host,
+        )
+    )
+    url = thread.start()
+    job.store().set(harness_host_key(node), url)
+    log.info("node %d: harness host at %s (rank %d)", node, url, job.rank)
+    return thread
 
 
 class CoreStep:
@@ -458,7 +495,7 @@ class CoreStep:
 
 
 async def _controller(
-    cfg: TrainConfig, run_dir: Path, prepared: Prepared, start: StartingPoint, job, echo
+    cfg: TrainConfig, run_dir: Path, prepared: Prepared, start: StartingPoint, job, echo, *, hosts: dict[int, int]
 ) -> RunResult:
     from gyre.config.trainer import device_kind
     from gyre.engine.endpoint import ServerThread
@@ -499,7 +536,7 @@ async def _controller(
     store.set(engine_key(0), url)
     engines: dict[int, RemoteEngine] = {}
     addresses: dict[str, str] = {}  # routing name -> engine endpoint (for the proxy shards' own clients)
-    front = metrics = controller = end = None
+    front = harness_hosts = metrics = controller = end = None
     try:
         table = RoutingTable(placement="scheduler")
         # The cells' engines, then the separate rollout pool's (engine POOL: served by the pool's first rank).
@@ -519,11 +556,13 @@ async def _controller(
                 )
             table.add_engine(engine_name(engine), engines[engine])
         front = await _proxy_front(cfg, model_dir, run_dir, table, template, addresses, job)
+        harness_hosts = await _harness_hosts(job, hosts) if hosts else None
         metrics = build_metrics_logger(cfg.logging, run_dir, run_config=_plain(cfg))
         parts = ControllerParts(
             job=job,
             engines=engines,
             proxy=front,
+            hosts=harness_hosts,
             sandbox=sandbox,
             make_runner=functools.partial(make_runner, cfg.harness, provisioning=harness_provisioning(cfg.harness)),
             make_trainer=lambda: _core_trainer(cfg, start),
@@ -578,7 +617,22 @@ async def _controller(
         for remote in engines.values():
             async with _closing_step("an engine client"):
                 await remote.close()
+        async with _closing_step("the harness hosts' client"):
+            if harness_hosts is not None:
+                await harness_hosts.close()
         await asyncio.to_thread(server.stop)
+
+
+async def _harness_hosts(job, hosts: dict[int, int]):
+    """The client of every other node's harness host (node -> its first rank), once each has said its address."""
+    from gyre.runtime.harness_hosts import HarnessHosts
+    from gyre.runtime.job import harness_host_key
+
+    urls = {}
+    for node, rank in sorted(hosts.items()):
+        urls[node] = (await asyncio.to_thread(_wait_get, job, harness_host_key(node), HOST_START_TIMEOUT_S)).decode()
+        log.info("node %d: harness host at %s (rank %d)", node, urls[node], rank)
+    return HarnessHosts(urls, secret=job.secret, controller_host=job.host)
 
 
 async def _proxy_front(cfg: TrainConfig, model_dir: Path, run_dir: Path, table, template, addresses, job):

@@ -23,7 +23,7 @@ from gyre.config import ExecutionLimits
 from gyre.harness.episode import run_episode
 from gyre.harness.sandbox import LocalSandbox
 from gyre.runtime.harness_host import EXECUTIONS_PATH, HarnessHost, HarnessHostThread
-from gyre.runtime.harness_hosts import HarnessHosts, HostLost
+from gyre.runtime.harness_hosts import HarnessHosts, HostLost, reachable
 from gyre.traj.outcomes import GroupOutcomes, Status
 from gyre.traj.outcomes_state import group_outcomes_state
 
@@ -205,3 +205,9 @@ def test_placement_goes_to_the_node_with_the_fewest_running_the_controllers_firs
             await hosts.close()
 
     assert asyncio.run(main()) == [0, 1, 2, 0, 1, 1]
+
+
+def test_a_proxy_bound_to_every_interface_is_reached_at_the_controllers_address():
+    assert reachable("http://0.0.0.0:8700/v1", "10.0.0.5") == "http://10.0.0.5:8700/v1"
+    assert reachable("http://[::]:8700", "fe80::1") == "http://[fe80::1]:8700"
+    assert reachable("http://127.0.0.1:8700", "10.0.0.5") == "http://127.0.0.1:8700"

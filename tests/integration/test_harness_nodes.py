@@ -1,0 +1,133 @@
+"""Harness hosts on every node (docs/cluster.md, "Harness hosts on every node"): a job of two torchrun "nodes" on this
+machine (`launch/torchrun.sh` twice, one rank each) with `harness.hosts=nodes`.
+
+- The run completes on both nodes; node 1's rank hosted executions (`executions.jsonl` says which node played
+  each: both did), every model call is recorded once and no harness saw an API error (`gyre.runtime.audit`), and
+  no process is left.
+- Node 1 killed mid-run (its torchrun agent and its rank, SIGKILL) while it plays executions: the job ends (node
+  0's rank 0 names the lost rank); both nodes launched again with `resume=auto` resume from the last checkpoint,
+  dispatch again the executions that were running at it, and finish; the resumed run's records again hold every
+  call once, and the audit counts no harness error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from test_launch import SMOKE, Nodes, end_line
+
+pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
+
+HOSTED = [*(o for o in SMOKE if not o.startswith("steps=")), "cluster.num_cells=2", "harness.hosts=nodes"]
+
+
+def executions_by_node(run_dir) -> dict[int, int]:
+    from gyre.runtime.execution_log import read_executions
+
+    counts: dict[int, int] = {}
+    for line in read_executions(run_dir / "executions.jsonl"):
+        counts[line.node] = counts.get(line.node, 0) + 1
+    return counts
+
+
+def audit_clean(run_dir) -> dict:
+    from gyre.runtime.audit import audit_run
+    from gyre.traj.store import load_tree
+
+    calls = 0
+    for path in sorted((run_dir / "records").glob("*.jsonl")):
+        tree = load_tree(path)
+        assert len({c.meta.request_id for c in tree.calls}) == len(tree.calls), path.name
+        calls += len(tree.calls)
+    audit = audit_run(run_dir)
+    assert audit["calls_recorded"] == calls > 0, audit
+    assert audit["duplicate_request_ids"] == audit["retries"] == audit["api_errors"] == 0, audit
+    return audit
+
+
+@pytest.mark.slow  # two torchrun nodes, 2 steps: ~60 s on 2 cores
+def test_two_nodes_each_play_executions_and_every_call_is_recorded_once(tmp_path):
+    run_dir = tmp_path / "run"
+    nodes = Nodes(tmp_path, [*HOSTED, "steps=2"], nnodes=2, nproc=1, env={"RUN_DIR": str(run_dir)})
+    try:
+        codes = nodes.wait(900)
+        outputs = [nodes.output(node) for node in (0, 1)]
+        assert codes == [0, 0], [err[-3000:] for _, err in outputs]
+        left = nodes.close()
+    finally:
+        nodes.close()
+    assert left == []
+    ends = [end for end in (end_line(out) for out, _ in outputs) if end is not None]
+    assert len(ends) == 1 and ends[0]["end"] == "completed", outputs
+    placed = executions_by_node(run_dir)
+    assert placed.get(0, 0) > 0 and placed.get(1, 0) > 0, placed  # both nodes played executions
+    audit = audit_clean(run_dir)
+    assert audit["proxy"]["failed"] == audit["proxy"]["refused"] == 0, audit
+    print(f"executions by node {placed}; {audit['calls_recorded']} calls recorded")
+
+
+@pytest.mark.slow  # two torchrun nodes twice (killed, then resumed): ~2-3 min on 2 cores
+def test_node_1_killed_mid_run_ends_the_job_and_the_resumed_run_dispatches_its_executions_again(tmp_path):
+    from test_train_program import SMALL, pid_of_rank
+    from test_train_resume import checkpoints, in_flight, state_of
+
+    steps = 4
+    args = [
+        *SMALL,
+        f"steps={steps}",
+        "tasks.eval_every=0",
+        "tasks.demo.work.enabled=true",  # slow executions: steps end while some still run
+        "algo.phi=1.0",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=10",
+        "cluster.num_cells=2",
+        "harness.hosts=nodes",
+        "logging.wandb=disabled",
+    ]
+    run_dir = tmp_path / "run"
+    (tmp_path / "first").mkdir()
+    first = Nodes(tmp_path / "first", args, nnodes=2, nproc=1, env={"RUN_DIR": str(run_dir)})
+    try:
+        chosen, deadline = None, time.monotonic() + 600
+        while chosen is None:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in first.processes), first.output(0)
+            for path in checkpoints(run_dir):
+                running, _ = in_flight(state_of(path))
+                played = executions_by_node(run_dir) if (run_dir / "executions.jsonl").is_file() else {}
+                if running and played.get(1, 0) > 0 and state_of(path)["scheduler"]["trainer_version"] < steps:
+                    chosen = path
+            time.sleep(0.1)
+        os.kill(pid_of_rank(first.marker, 1, run_dir), signal.SIGKILL)  # node 1: its rank, then its agent
+        os.killpg(first.processes[1].pid, signal.SIGKILL)
+        codes = first.wait(120)
+        out, err = first.output(0)
+    finally:
+        left = first.close()
+    assert codes[0] != 0 and "rank 1" in out + err, (codes, out[-2000:], err[-3000:])
+    assert left == [], left  # node 1's harnesses ended with its rank (their parent-death signal)
+    before = checkpoints(run_dir)[-1]
+    saved = state_of(before)
+    running, _ = in_flight(saved)
+
+    (tmp_path / "again").mkdir()
+    again = Nodes(tmp_path / "again", [*args, "resume=auto"], nnodes=2, nproc=1, env={"RUN_DIR": str(run_dir)})
+    try:
+        codes = again.wait(900)
+        outputs = [again.output(node) for node in (0, 1)]
+        assert codes == [0, 0], [err[-3000:] for _, err in outputs]
+    finally:
+        left = again.close()
+    assert left == []
+    ends = [end for end in (end_line(out) for out, _ in outputs) if end is not None]
+    assert len(ends) == 1 and ends[0]["end"] == "completed" and ends[0]["steps"] == steps, outputs
+    assert f"resuming from {before}" in outputs[0][0]
+    final = state_of(checkpoints(run_dir)[-1])
+    reruns = {int(e): k for e, k in final["reruns"].items()}
+    assert running and {e for e, k in reruns.items() if k >= 1} >= running, (running, reruns)  # dispatched again
+    placed = executions_by_node(run_dir)
+    assert placed.get(1, 0) > 0, placed
+    audit_clean(run_dir)
+    print(f"killed node 1 after {before.name}: {len(running)} executions dispatched again; by node {placed}")
