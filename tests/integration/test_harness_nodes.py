@@ -1,9 +1,9 @@
 """Harness hosts on every node (docs/cluster.md, "Harness hosts on every node"): a job of two torchrun "nodes" on this
 machine (`launch/torchrun.sh` twice, one rank each) with `harness.hosts=nodes`.
 
-- The run completes on both nodes; node 1's rank hosted executions (`executions.jsonl` says which node played
-  each: both did), every model call is recorded once and no harness saw an API error (`gyre.runtime.audit`), and
-  no process is left.
+- The run, with two proxy shards, completes on both nodes; node 1's rank hosted executions (`executions.jsonl` says
+  which node played each: both did), every model call is recorded once and no harness saw an API error
+  (`gyre.runtime.audit`), and no process is left.
 - Node 1 killed mid-run (its torchrun agent and its rank, SIGKILL) while it plays executions: the job ends (node
   0's rank 0 names the lost rank); both nodes launched again with `resume=auto` resume from the last checkpoint,
   dispatch again the executions that were running at it, and finish; the resumed run's records again hold every
@@ -51,7 +51,8 @@ def audit_clean(run_dir) -> dict:
 @pytest.mark.slow  # two torchrun nodes, 2 steps: ~60 s on 2 cores
 def test_two_nodes_each_play_executions_and_every_call_is_recorded_once(tmp_path):
     run_dir = tmp_path / "run"
-    nodes = Nodes(tmp_path, [*HOSTED, "steps=2"], nnodes=2, nproc=1, env={"RUN_DIR": str(run_dir)})
+    args = [*HOSTED, "steps=2", "proxy.shards=2"]  # node 1's harnesses call the proxy's shards too
+    nodes = Nodes(tmp_path, args, nnodes=2, nproc=1, env={"RUN_DIR": str(run_dir)})
     try:
         codes = nodes.wait(900)
         outputs = [nodes.output(node) for node in (0, 1)]
