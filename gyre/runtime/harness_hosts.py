@@ -38,8 +38,16 @@ class HostLost(RuntimeError):
 class HarnessHosts:
     """The nodes' hosts by node index (1, 2, ...; node 0 is the controller's, which plays its executions itself)."""
 
-    def __init__(self, urls: dict[int, str], *, secret: str, controller_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        urls: dict[int, str],
+        *,
+        secret: str,
+        controller_host: str = "127.0.0.1",
+        ranks: dict[int, int] | None = None,
+    ) -> None:
         self.urls, self.secret, self.controller_host = dict(urls), secret, controller_host
+        self.ranks = dict(ranks or {})  # node -> the rank that hosts it (named in errors)
         self.running: dict[int, int] = {CONTROLLER_NODE: 0, **dict.fromkeys(urls, 0)}
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
@@ -54,6 +62,10 @@ class HarnessHosts:
 
     async def close(self) -> None:
         await self._client.close()
+
+    def _name(self, node: int) -> str:
+        rank = f"rank {self.ranks[node]}, " if node in self.ranks else ""
+        return f"node {node}'s harness host ({rank}{self.urls[node]})"
 
     async def play(
         self,
@@ -73,7 +85,7 @@ class HarnessHosts:
         try:
             socket = await self._client.ws_connect(url, headers=headers, max_msg_size=1 << 24, heartbeat=None)
         except aiohttp.ClientError as error:
-            raise HostLost(f"node {node}'s harness host ({self.urls[node]}) cannot be reached: {error!r}") from None
+            raise HostLost(f"{self._name(node)} cannot be reached: {error!r}") from None
         spec = {
             "task": task.id,
             "key": key,
@@ -108,8 +120,10 @@ class HarnessHosts:
                         reason=result["reason"],
                     )
                 elif "refused" in said:
-                    raise HostLost(f"node {node}'s harness host refused execution {execution}: {said['refused']}")
-            raise HostLost(f"node {node}'s harness host ({self.urls[node]}) went away during execution {execution}")
+                    raise HostLost(f"{self._name(node)} refused execution {execution}: {said['refused']}")
+            raise HostLost(
+                f"{self._name(node)} went away during execution {execution} (its rank ended, or its node is lost)"
+            )
         finally:
             if cancelling is not None:
                 cancelling.cancel()

@@ -632,7 +632,7 @@ async def _harness_hosts(job, hosts: dict[int, int]):
     for node, rank in sorted(hosts.items()):
         urls[node] = (await asyncio.to_thread(_wait_get, job, harness_host_key(node), HOST_START_TIMEOUT_S)).decode()
         log.info("node %d: harness host at %s (rank %d)", node, urls[node], rank)
-    return HarnessHosts(urls, secret=job.secret, controller_host=job.host)
+    return HarnessHosts(urls, secret=job.secret, controller_host=job.host, ranks=hosts)
 
 
 async def _proxy_front(cfg: TrainConfig, model_dir: Path, run_dir: Path, table, template, addresses, job):
