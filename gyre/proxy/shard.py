@@ -133,7 +133,7 @@ class ShardControl:
     async def handle(self, http: web.Request) -> web.StreamResponse:
         if (refusal := self.server.admin_refusal(http)) is not None:
             return refusal
-        socket = web.WebSocketResponse(max_msg_size=0, heartbeat=None)
+        socket = web.WebSocketResponse(max_msg_size=0, heartbeat=None, compress=False)  # small frames, in order
         await socket.prepare(http)
         if self._socket is not None and not self._socket.closed:
             await socket.close(message=b"a controller is connected already")
@@ -160,9 +160,9 @@ class ShardControl:
     async def _run(self, command: dict, previous: Awaitable | None) -> None:
         if previous is not None:
             await asyncio.wait([previous])  # its outcome was answered already
-        reply: dict[str, Any] = {"id": command["id"]}
+        reply: dict[str, Any] = {"id": command.get("id")}
         try:
-            reply["result"] = await getattr(self, "op_" + command["op"])(**command.get("args", {}))
+            reply["result"] = await getattr(self, "op_" + str(command.get("op")))(**command.get("args", {}))
             reply["ok"] = True
         except Exception as error:  # answered to the controller, which raises it there
             reply.update(ok=False, kind=type(error).__name__, error=str(error))

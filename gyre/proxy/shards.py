@@ -185,7 +185,7 @@ class ProxyShards:
     async def _connect(self, shard: _Shard, admin_key: str) -> None:
         shard.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         shard.socket = await shard.client.ws_connect(
-            shard.url + CONTROL_PATH, headers={"x-api-key": admin_key}, max_msg_size=0, heartbeat=None
+            shard.url + CONTROL_PATH, headers={"x-api-key": admin_key}, max_msg_size=0, heartbeat=None, compress=0
         )
         shard.tasks = [
             asyncio.ensure_future(self._write(shard)),

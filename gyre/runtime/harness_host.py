@@ -91,7 +91,7 @@ class HarnessHost:
         if (refusal := self._refusal(http)) is not None:
             return refusal
         execution = http.match_info["execution"]
-        socket = web.WebSocketResponse(max_msg_size=1 << 20, heartbeat=None)
+        socket = web.WebSocketResponse(max_msg_size=1 << 20, heartbeat=None, compress=False)
         await socket.prepare(http)
         outbox: asyncio.Queue = asyncio.Queue()
         writer = asyncio.ensure_future(_write(socket, outbox))

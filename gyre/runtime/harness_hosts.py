@@ -83,7 +83,9 @@ class HarnessHosts:
         url = self.urls[node] + EXECUTIONS_PATH.format(execution=execution)
         headers = {"Authorization": f"Bearer {self.secret}"}
         try:
-            socket = await self._client.ws_connect(url, headers=headers, max_msg_size=1 << 24, heartbeat=None)
+            socket = await self._client.ws_connect(
+                url, headers=headers, max_msg_size=1 << 24, heartbeat=None, compress=0
+            )
         except aiohttp.ClientError as error:
             raise HostLost(f"{self._name(node)} cannot be reached: {error!r}") from None
         spec = {

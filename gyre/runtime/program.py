@@ -7,13 +7,16 @@ this process is one of its ranks; run plainly, a job of one rank runs here and a
 worker starts). Every rank then runs
 `run_rank`: the process groups and the runtime store (`gyre.runtime.job`), the starting checkpoint's path from
 rank 0, then rank 0's controller, a satellite's cell loop (`gyre.runtime.cell_worker`) or a separate rollout pool
-rank's (`gyre.runtime.pool_worker`).
+rank's (`gyre.runtime.pool_worker`). With `harness.hosts=nodes` every rank says its node first
+(`gyre.runtime.nodes`), and the first rank of each node but rank 0's also hosts that node's harnesses
+(`gyre.runtime.harness_host`, given the training tasks by rank 0).
 
 Rank 0 (`_controller`): the task sets, the harness runner and sandbox (checked), its own cell's engine behind its
 endpoint, every cell's engine and the separate rollout pool's (`gyre.runtime.pool_worker`) reached with a
-`RemoteEngine`, `start_proxy` over a `RoutingTable(placement="scheduler")`, the metrics sinks, the held-out evaluator,
-then the `Controller` until it ends; then `summary.json` (the simulator's keys, `gyre.obs.summary`) and
-`role_timeline.png`, and everything closed.
+`RemoteEngine`, the proxy (`start_proxy` over a `RoutingTable(placement="scheduler")`, or `proxy.shards` processes:
+`gyre.runtime.proxy_front`), the other nodes' harness hosts, the metrics sinks, the held-out evaluator, then the
+`Controller` until it ends; then `summary.json` (the simulator's keys, `gyre.obs.summary`) and `role_timeline.png`,
+and everything closed.
 
 Errors a user can fix before anything runs raise `ProgramError` (one line naming the field): a layout this runtime
 does not drive yet (context parallelism), an engine backend that cannot run here (SGLang not installed, or asked
