@@ -1,15 +1,14 @@
 """Harness hosts on every node (docs/cluster.md, "Harness hosts on every node"): a job of two torchrun "nodes" on this
-machine (`launch/torchrun.sh` twice, one rank each) with `harness.hosts=nodes`.
+machine (`launch/torchrun.sh` twice, one rank each) with `harness.hosts=nodes` and two proxy shards
+(`proxy.shards=2`, docs/proxy.md "Shards": node 1's harnesses call them too).
 
-- The run, with two proxy shards, completes on both nodes; node 1's rank hosted executions (`executions.jsonl` says
-  which node played each: both did), every model call is recorded once and no harness saw an API error
-  (`gyre.runtime.audit`), and no process is left.
 - Node 1's rank SIGKILLed mid-run while it plays executions: the job ends within 30 s on both nodes, torchrun's
   summary on node 1 names the rank and the signal, rank 0 one line naming the rank (`RankLost`), and nothing is
   left (node 1's harnesses end with their rank); both nodes launched again with `resume=auto` resume from the last
   checkpoint,
-  dispatch again the executions that were running at it, and finish; the resumed run's records again hold every
-  call once, and the audit counts no harness error.
+  dispatch again the executions that were running at it, and finish: both nodes played executions
+  (`executions.jsonl` says which node played each), both shards served calls, every model call is recorded once
+  and no harness saw an API error (`gyre.runtime.audit`), and no process is left.
 """
 
 from __future__ import annotations
@@ -20,11 +19,9 @@ import signal
 import time
 
 import pytest
-from test_launch import DEATH_BOUND_S, SMOKE, Nodes, assert_names_rank_killed, end_line
+from test_launch import DEATH_BOUND_S, Nodes, assert_names_rank_killed, end_line
 
 pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
-
-HOSTED = [*(o for o in SMOKE if not o.startswith("steps=")), "cluster.num_cells=2", "harness.hosts=nodes"]
 
 
 def executions_by_node(run_dir) -> dict[int, int]:
@@ -51,34 +48,12 @@ def audit_clean(run_dir) -> dict:
     return audit
 
 
-@pytest.mark.slow  # two torchrun nodes, 2 steps: ~60 s on 2 cores
-def test_two_nodes_each_play_executions_and_every_call_is_recorded_once(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [*HOSTED, "steps=2", "proxy.shards=2"]  # node 1's harnesses call the proxy's shards too
-    nodes = Nodes(tmp_path, args, nnodes=2, nproc=1, env={"RUN_DIR": str(run_dir)})
-    try:
-        codes = nodes.wait(900)
-        outputs = [nodes.output(node) for node in (0, 1)]
-        assert codes == [0, 0], [err[-3000:] for _, err in outputs]
-        left = nodes.close()
-    finally:
-        nodes.close()
-    assert left == []
-    ends = [end for end in (end_line(out) for out, _ in outputs) if end is not None]
-    assert len(ends) == 1 and ends[0]["end"] == "completed", outputs
-    placed = executions_by_node(run_dir)
-    assert placed.get(0, 0) > 0 and placed.get(1, 0) > 0, placed  # both nodes played executions
-    audit = audit_clean(run_dir)
-    assert audit["proxy"]["failed"] == audit["proxy"]["refused"] == 0, audit
-    print(f"executions by node {placed}; {audit['calls_recorded']} calls recorded")
-
-
 @pytest.mark.slow  # two torchrun nodes twice (killed, then resumed): ~2-3 min on 2 cores
 def test_node_1_killed_mid_run_ends_the_job_and_the_resumed_run_dispatches_its_executions_again(tmp_path):
     from test_train_program import SMALL, pid_of_rank
     from test_train_resume import checkpoints, in_flight, state_of
 
-    steps = 4
+    steps = 3
     args = [
         *SMALL,
         f"steps={steps}",
@@ -89,6 +64,7 @@ def test_node_1_killed_mid_run_ends_the_job_and_the_resumed_run_dispatches_its_e
         "checkpoint.keep=10",
         "cluster.num_cells=2",
         "harness.hosts=nodes",
+        "proxy.shards=2",  # node 1's harnesses call the proxy's shards too
         "logging.wandb=disabled",
     ]
     run_dir = tmp_path / "run"
@@ -137,6 +113,9 @@ def test_node_1_killed_mid_run_ends_the_job_and_the_resumed_run_dispatches_its_e
     reruns = {int(e): k for e, k in final["reruns"].items()}
     assert running and {e for e, k in reruns.items() if k >= 1} >= running, (running, reruns)  # dispatched again
     placed = executions_by_node(run_dir)
-    assert placed.get(1, 0) > 0, placed
-    audit_clean(run_dir)
+    assert placed.get(0, 0) > 0 and placed.get(1, 0) > 0, placed  # both nodes played executions
+    served = re.findall(r"proxy shard (\d+): (\d+) executions, (\d+) calls", (run_dir / "train.log").read_text())
+    assert sorted(i for i, _, _ in served[-2:]) == ["0", "1"] and all(int(c) > 0 for _, _, c in served[-2:]), served
+    audit = audit_clean(run_dir)
+    assert audit["proxy"]["failed"] == audit["proxy"]["refused"] == 0, audit  # the resumed run's counters
     print(f"killed node 1 after {before.name}: {len(running)} executions dispatched again; by node {placed}")
