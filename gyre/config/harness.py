@@ -18,7 +18,7 @@ GiB = 1 << 30
 DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_KILL_WAIT_S = 10.0
 HARNESS_NAMES = ("builtin", "claude_code", "codex", "command")  # the names of gyre.harness.runners.RUNNERS
-BUILTIN_BACKENDS = ("anthropic", "openai")
+BUILTIN_BACKENDS = ("anthropic", "openai", "anthropic-http")  # gyre.harness.builtin.agent's backends
 SANDBOXES = ("local", "bubblewrap", "container")
 HARNESS_HOSTS = ("controller", "nodes")  # where executions run: docs/cluster.md, "Harness hosts on every node"
 CONTAINER_ENGINES = ("docker", "podman", "apptainer")
@@ -120,7 +120,9 @@ class HarnessConfig:
     """builtin (gyre's reference harness on the Anthropic or OpenAI SDK), claude_code (the Claude Code CLI), codex
     (the Codex CLI) or command (any agent on the SDKs, started from `argv`)."""
     backend: str = "anthropic"
-    """builtin: which SDK its agent calls the proxy with, anthropic or openai."""
+    """builtin: how its agent calls the proxy: anthropic (the Anthropic SDK, Messages API), openai (the OpenAI SDK,
+    Chat Completions) or anthropic-http (the Messages API over Python's own HTTP client: no SDK, a harness process
+    that starts ~1.5 CPU s sooner)."""
     max_turns: int = 30
     """builtin: model turns of the main agent."""
     binary: str = ""

@@ -77,7 +77,7 @@ def scripted_url():
 
 
 def _serve(tmp_path_factory, name: str, *overrides: str):
-    served = start_serve(tmp_path_factory.mktemp(name), "executions=3", *overrides)
+    served = start_serve(tmp_path_factory.mktemp(name), "executions=4", *overrides)
     yield served
     served.stop()
 
@@ -96,6 +96,10 @@ def tight_serve(tmp_path_factory, scripted_url):
         f"engine_urls=[{scripted_url}]",
         f"proxy.context_limit={TIGHT_CONTEXT_LIMIT}",
     )
+
+
+# Each backend on its own execution of the served keys: the two SDKs, and the Messages API with no SDK.
+BACKENDS = [("anthropic", "exec-00000"), ("openai", "exec-00001"), ("anthropic-http", "exec-00003")]
 
 
 def run_harness(served, execution: str, tmp_path: Path, *, backend="anthropic", extra_args=(), max_turns=10, task=TASK):
@@ -135,7 +139,7 @@ def roles_of(served, execution: str) -> list[Role]:
     return sorted(classify_leaves(tree, classifier_for("builtin")).values(), key=lambda role: role.rank)
 
 
-@pytest.mark.parametrize(("backend", "execution"), [("anthropic", "exec-00000"), ("openai", "exec-00001")])
+@pytest.mark.parametrize(("backend", "execution"), BACKENDS)
 def test_delegation_forced_compaction_and_tools_record_every_role(scripted_serve, tmp_path, backend, execution):
     flags = ("--force-delegation", "--force-compaction-after", "2")
     done, events = run_harness(scripted_serve, execution, tmp_path, backend=backend, extra_args=flags)
@@ -177,7 +181,7 @@ def test_task_tools_system_prompt_and_answer_file_as_the_demo_task_declares_them
     assert roles_of(scripted_serve, "exec-00002") == [Role.MAIN]
 
 
-@pytest.mark.parametrize(("backend", "execution"), [("anthropic", "exec-00000"), ("openai", "exec-00001")])
+@pytest.mark.parametrize(("backend", "execution"), BACKENDS)
 def test_prompt_too_long_triggers_reactive_compaction(tight_serve, tmp_path, backend, execution):
     done, events = run_harness(tight_serve, execution, tmp_path, backend=backend)
     assert done.returncode == 0, [(e["event"], e.get("input_tokens"), e.get("summary"), e.get("text")) for e in events]
@@ -190,9 +194,10 @@ def test_prompt_too_long_triggers_reactive_compaction(tight_serve, tmp_path, bac
     assert Role.MAIN_SUMMARY in roles and Role.MAIN in roles and Role.SUB_AGENT not in roles
 
 
-def test_a_refused_request_ends_the_run_with_a_clear_message(scripted_serve, tmp_path):
+@pytest.mark.parametrize("backend", ["anthropic", "anthropic-http"])
+def test_a_refused_request_ends_the_run_with_a_clear_message(scripted_serve, tmp_path, backend):
     scripted_serve.keys["bad"] = "gyre-not-a-key"
-    done, events = run_harness(scripted_serve, "bad", tmp_path, extra_args=("--max-retries", "0"))
+    done, events = run_harness(scripted_serve, "bad", tmp_path, backend=backend, extra_args=("--max-retries", "0"))
     assert done.returncode == 3
     assert "HTTP 401" in done.stderr and "no execution has this key" in done.stderr
     assert events[-1]["event"] == "end" and events[-1]["status"] == "error"
@@ -203,7 +208,7 @@ def tiny_serve(tmp_path_factory):
     yield from _serve(tmp_path_factory, "tiny", "proxy.sampling.max_new_tokens=24")
 
 
-@pytest.mark.parametrize(("backend", "execution"), [("anthropic", "exec-00000"), ("openai", "exec-00001")])
+@pytest.mark.parametrize(("backend", "execution"), BACKENDS[:2])  # the two SDKs on the real model
 def test_runs_to_exit_with_the_real_tiny_model(tiny_serve, tmp_path, backend, execution):
     """Random weights write nonsense, almost never a parseable tool call: the run ends on the first answer. The
     forced delegation puts a real sub-agent thread (its own agent id) through the proxy too."""

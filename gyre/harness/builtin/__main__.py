@@ -29,10 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--task-file", type=Path, help="read the task prompt from this file")
     parser.add_argument(
         "--backend",
-        choices=("anthropic", "openai"),
+        choices=("anthropic", "openai", "anthropic-http"),
         default="anthropic",
-        help="anthropic: Messages API (ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY); openai: Chat "
-        "Completions (OPENAI_BASE_URL/OPENAI_API_KEY)",
+        help="anthropic: Messages API on the Anthropic SDK (ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY); openai: Chat "
+        "Completions on the OpenAI SDK (OPENAI_BASE_URL/OPENAI_API_KEY); anthropic-http: the Messages API over "
+        "Python's own HTTP client, no SDK (ANTHROPIC_*)",
     )
     parser.add_argument("--model", default=os.environ.get("GYRE_MODEL", "gyre"), help="model name ($GYRE_MODEL)")
     parser.add_argument("--workspace", type=Path, default=Path.cwd(), help="directory the tools work in (default .)")
@@ -121,6 +122,7 @@ def _main(argv: list[str] | None = None) -> int:
         MAIN_SYSTEM,
         Agent,
         AnthropicBackend,
+        AnthropicHTTPBackend,
         ModelCallError,
         OpenAIChatBackend,
         Transcript,
@@ -165,11 +167,15 @@ def _main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--check-timeout: got {args.check_timeout}, expected a positive number of seconds")
     except (OSError, ValueError, ToolError) as err:
         return _usage_error(str(err))
-    env_prefix = "ANTHROPIC" if args.backend == "anthropic" else "OPENAI"
+    env_prefix = "OPENAI" if args.backend == "openai" else "ANTHROPIC"
     base_url, api_key = os.environ.get(f"{env_prefix}_BASE_URL"), os.environ.get(f"{env_prefix}_API_KEY")
     if not api_key:
         return _usage_error(f"{env_prefix}_API_KEY is not set")
-    backend_type = AnthropicBackend if args.backend == "anthropic" else OpenAIChatBackend
+    backend_type = {
+        "anthropic": AnthropicBackend,
+        "openai": OpenAIChatBackend,
+        "anthropic-http": AnthropicHTTPBackend,
+    }[args.backend]
     backend = backend_type(
         model=args.model, max_tokens=args.max_tokens, timeout_s=args.request_timeout, base_url=base_url, api_key=api_key
     )

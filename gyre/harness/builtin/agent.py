@@ -132,13 +132,17 @@ def _map_error(sdk: Any, err: Exception) -> Exception:
     if isinstance(err, sdk.APIConnectionError):  # includes APITimeoutError
         return TransientError(f"connection failed: {err}")
     if isinstance(err, sdk.APIStatusError):
-        status, message = err.status_code, str(err.message)
-        if status == 429 or status >= 500:
-            return TransientError(f"HTTP {status}: {message}")
-        if status in (400, 413) and (PROMPT_TOO_LONG in message.lower() or "context_length_exceeded" in message):
-            return PromptTooLongError(message)
-        return ModelCallError(f"the model API refused the request: HTTP {status}: {message}")
+        return _status_error(err.status_code, str(err.message))
     return err
+
+
+def _status_error(status: int, message: str) -> Exception:
+    """One of ours for an HTTP error status: transient (429, 5xx), prompt-too-long, or fatal."""
+    if status == 429 or status >= 500:
+        return TransientError(f"HTTP {status}: {message}")
+    if status in (400, 413) and (PROMPT_TOO_LONG in message.lower() or "context_length_exceeded" in message):
+        return PromptTooLongError(message)
+    return ModelCallError(f"the model API refused the request: HTTP {status}: {message}")
 
 
 def import_sdk(name: str) -> ModuleType:
@@ -219,6 +223,72 @@ class AnthropicBackend(Backend):
     def synthetic_call(self, call: ToolCall) -> Reply:
         block = {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
         return Reply(text="", tool_calls=(call,), raw={"role": "assistant", "content": [block]})
+
+
+class AnthropicHTTPBackend(AnthropicBackend):
+    """The Anthropic Messages API over the standard library's HTTP client, no SDK: the same requests, replies and
+    error mapping as `AnthropicBackend` (which gyre's proxy cannot tell apart but for the SDK's own headers), and a
+    harness process that starts in ~0.1 CPU s where importing the `anthropic` SDK takes ~1.6 (docs/harness.md,
+    "The builtin harness")."""
+
+    VERSION = "2023-06-01"
+
+    def __init__(self, *, model: str, max_tokens: int, timeout_s: float, base_url: str | None, api_key: str | None):
+        self.url = (base_url or "https://api.anthropic.com").rstrip("/") + "/v1/messages"
+        self.api_key, self.timeout_s = api_key or "", timeout_s
+        self.model, self.max_tokens = model, max_tokens
+
+    def complete(self, system, history, tools, headers) -> Reply:
+        import http.client
+        import urllib.error
+        import urllib.request
+
+        body = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "system": system,
+            "messages": self.render(history),
+            "tools": [{"name": t.name, "description": t.description, "input_schema": t.input_schema} for t in tools],
+        }
+        request = urllib.request.Request(
+            self.url,
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={
+                "content-type": "application/json",
+                "x-api-key": self.api_key,
+                "anthropic-version": self.VERSION,
+                **dict(headers),
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                message = json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            raise _status_error(err.code, _error_message(err.read())) from err
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # timeouts included
+            raise TransientError(f"connection failed: {err}") from err
+        except ValueError as err:
+            raise TransientError(f"the reply is not JSON: {err}") from err
+        blocks = [{k: v for k, v in block.items() if v is not None} for block in message.get("content") or []]
+        usage = message.get("usage") or {}
+        cached = (usage.get("cache_read_input_tokens") or 0) + (usage.get("cache_creation_input_tokens") or 0)
+        return Reply(
+            text="".join(b["text"] for b in blocks if b["type"] == "text"),
+            tool_calls=tuple(ToolCall(b["id"], b["name"], b.get("input")) for b in blocks if b["type"] == "tool_use"),
+            raw={"role": "assistant", "content": blocks or [{"type": "text", "text": "(empty)"}]},
+            input_tokens=(usage.get("input_tokens") or 0) + cached,
+            output_tokens=usage.get("output_tokens") or 0,
+            stop_reason=str(message.get("stop_reason")),
+        )
+
+
+def _error_message(body: bytes) -> str:
+    """An API error body's message (`{"error": {"message"}}`), else its text."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:500]
 
 
 class OpenAIChatBackend(Backend):

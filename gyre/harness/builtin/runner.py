@@ -23,12 +23,13 @@ from gyre.harness.runners.command import harness_environment
 from gyre.tasks.spec import Task
 
 TASK_FILE = "task.md"
+BACKENDS = ("anthropic", "openai", "anthropic-http")  # `python -m gyre.harness.builtin --backend`
 
 
 @dataclass(kw_only=True)
 class BuiltinRunner:
     name: str = "builtin"  # also the role classifier (`classifier_for("builtin")`)
-    backend: str = "anthropic"  # anthropic | openai
+    backend: str = "anthropic"  # anthropic | openai | anthropic-http (no SDK)
     max_turns: int = 30
     extra_args: Sequence[str] = field(default_factory=tuple)  # more flags of `python -m gyre.harness.builtin`
     python: str = sys.executable
@@ -40,11 +41,11 @@ class BuiltinRunner:
     check_command: str | None = None  # --check-command, `{python}` replaced by this runner's python
 
     def __post_init__(self) -> None:
-        if self.backend not in ("anthropic", "openai"):
-            raise ValueError(f"backend: got {self.backend!r}, expected 'anthropic' or 'openai'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: got {self.backend!r}, expected one of {', '.join(BACKENDS)}")
 
     def check(self) -> None:
-        if importlib.util.find_spec(self.backend) is None:
+        if self.backend in ("anthropic", "openai") and importlib.util.find_spec(self.backend) is None:
             raise HarnessNotFoundError(
                 f"the builtin harness needs the {self.backend!r} SDK: pip install {self.backend}"
             )
