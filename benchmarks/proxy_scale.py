@@ -295,7 +295,7 @@ async def sharded_saturation(http, engine, template, shards: int, sessions: int,
                 http, proxies.url_of(name), key, po.history_body(history), keep_text=True
             )
             po.next_turn(history, answer, 10_000)
-        pids = [shard.process.pid for shard in proxies._shards]
+        pids = proxies.pids
         lean = [LeanSession(proxies.url_of(n), k, m) for n, k, m in zip(names, keys, histories, strict=True)]
         totals: list[float] = []
         errors: list[str] = []

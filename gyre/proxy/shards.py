@@ -94,13 +94,16 @@ class ProxyShards:
         except BaseException:
             await self.stop()
             raise
-        urls, pids = ", ".join(s.url for s in shards), ", ".join(str(s.process.pid) for s in shards)
-        log.info("proxy shards serving at %s (pids %s)", urls, pids)
+        log.info("proxy shards serving at %s (pids %s)", ", ".join(self.urls), ", ".join(map(str, self.pids)))
         return self
 
     @property
     def urls(self) -> list[str]:
         return [shard.url for shard in self._shards]
+
+    @property
+    def pids(self) -> list[int]:
+        return [shard.process.pid for shard in self._shards]
 
     def place(self, execution: str) -> int:
         """The shard a new execution goes to: the one with the fewest open executions (the lowest index of equals)."""

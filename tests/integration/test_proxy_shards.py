@@ -155,7 +155,7 @@ def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_command
 
     async def main(urls):
         shards = await ProxyShards.start(specs(2, urls, tmp_path / "records"))
-        pids = [shard.process.pid for shard in shards._shards]
+        pids = shards.pids
         try:
             key = new_key()
             shards.place("exec-a")
