@@ -142,7 +142,13 @@ class ShardControl:
         async for message in socket:
             if message.type is not WSMsgType.BINARY and message.type is not WSMsgType.TEXT:
                 break
-            command = orjson.loads(message.data)
+            try:
+                command = orjson.loads(message.data)
+            except orjson.JSONDecodeError:
+                command = None
+            if not isinstance(command, dict):
+                log.error("a control message that is not a JSON object was ignored")
+                continue
             execution = command.get("execution")
             previous = self._tails.get(execution) if execution is not None else None
             task = asyncio.ensure_future(self._run(command, previous))

@@ -78,6 +78,7 @@ class ProxyShards:
         self.on_engine_lost: Callable[[EngineLostOnShard], None] | None = None
         self._ids = itertools.count(1)
         self._stopping = False
+        self._grace_s = 0.0  # the shards' `proxy.shutdown_grace_s`: their stop may take that long beyond its own
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()  # its ShardError: a shard is gone
         self.final_stats: dict | None = None  # after `stop`: the shards' last counters, added
 
@@ -86,6 +87,7 @@ class ProxyShards:
         """Start a shard per spec and connect to each; the shards started are stopped if one fails to start."""
         shards = [_Shard(spec.index, _spawn(spec)) for spec in specs]
         self = cls(shards)
+        self._grace_s = max(spec.proxy.shutdown_grace_s for spec in specs)
         try:
             ready = await asyncio.gather(*(_ready_line(shard, start_timeout_s) for shard in shards))
             for shard, line in zip(shards, ready, strict=True):
@@ -149,23 +151,26 @@ class ProxyShards:
     async def stop(self) -> None:
         """End every shard: its stdin closed, it stops serving (calls in flight get `proxy.shutdown_grace_s`),
         closes its sessions, says its final counters (`final_stats`, added) and exits; killed if it has not after
-        `STOP_TIMEOUT_S`. Once."""
+        `STOP_TIMEOUT_S` beyond the grace. Once."""
         if self._stopping:
             return
+        self._stopping = True
+        for shard in self._shards:  # the control connections first: a shard's server waits for open sockets
+            for task in shard.tasks:
+                task.cancel()
+            if shard.socket is not None:
+                await shard.socket.close()
         for shard in self._shards:
             if shard.process.stdin is not None and not shard.process.stdin.closed:
                 shard.process.stdin.close()
-        finals = await asyncio.gather(*(asyncio.to_thread(_reap, shard.process) for shard in self._shards))
+        timeout_s = STOP_TIMEOUT_S + self._grace_s
+        finals = await asyncio.gather(*(asyncio.to_thread(_reap, s.process, timeout_s) for s in self._shards))
         for shard, final in zip(self._shards, finals, strict=True):
             recorded = "?" if final is None else sum(e["recorded"] for e in final["executions"].values())
             log.info("proxy shard %d: %d executions, %s calls recorded", shard.index, shard.placed, recorded)
         self.final_stats = merged([final for final in finals if final is not None])
         for shard in self._shards:
             self._gone(shard, "stopped")
-            for task in shard.tasks:
-                task.cancel()
-            if shard.socket is not None:
-                await shard.socket.close()
             if shard.client is not None:
                 await shard.client.close()
 
@@ -204,12 +209,17 @@ class ProxyShards:
 
     async def _read(self, shard: _Shard) -> None:
         kind = "closed"
-        async for message in shard.socket:
-            if message.type is not aiohttp.WSMsgType.BINARY:
-                kind = message.type.name
-                break
-            self._received(shard, orjson.loads(message.data))
-        self._gone(shard, f"its control connection ended ({kind}; exit code {shard.process.poll()})")
+        try:
+            async for message in shard.socket:
+                if message.type is not aiohttp.WSMsgType.BINARY:
+                    kind = message.type.name
+                    break
+                self._received(shard, orjson.loads(message.data))
+        except Exception as error:  # a message this side cannot take: the shard is as good as gone
+            log.exception("proxy shard %d: a message from it could not be handled", shard.index)
+            kind = f"a message could not be handled: {error!r}"
+        finally:
+            self._gone(shard, f"its control connection ended ({kind}; exit code {shard.process.poll()})")
 
     def _received(self, shard: _Shard, message: dict) -> None:
         if "id" in message:
@@ -282,10 +292,10 @@ async def _ready_line(shard: _Shard, timeout_s: float) -> dict:
     return orjson.loads(line)
 
 
-def _reap(process: subprocess.Popen) -> dict | None:
-    """Wait for a stopping shard's exit (killed after `STOP_TIMEOUT_S`); its final counters, if it said them."""
+def _reap(process: subprocess.Popen, timeout_s: float) -> dict | None:
+    """Wait for a stopping shard's exit (killed after `timeout_s`); its final counters, if it said them."""
     final = None
-    timer = threading.Timer(STOP_TIMEOUT_S, _kill, args=(process,))
+    timer = threading.Timer(timeout_s, _kill, args=(process, timeout_s))
     timer.start()
     try:
         for line in process.stdout:  # ends when the shard exits (or is killed)
@@ -301,6 +311,6 @@ def _reap(process: subprocess.Popen) -> dict | None:
     return final
 
 
-def _kill(process: subprocess.Popen) -> None:
-    log.error("proxy shard (pid %d) did not stop within %g s: killed", process.pid, STOP_TIMEOUT_S)
+def _kill(process: subprocess.Popen, timeout_s: float) -> None:
+    log.error("proxy shard (pid %d) did not stop within %g s: killed", process.pid, timeout_s)
     process.kill()

@@ -467,7 +467,8 @@ class Controller:
         finally:
             if hosts is not None:
                 hosts.ended(line.node)
-        await self.parts.proxy.closed(name)  # its calls in flight recorded: its tree is final
+        if not self.stopping:  # (a stopping run reads no tree: it reports no more outcomes)
+            await self.parts.proxy.closed(name)  # its calls in flight recorded: its tree is final
         line.end_s, line.reward = self.now(), result.reward
         line.status = result.status.value if result.status is not None else None
         settled = result.status is not None and result.status.settled

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import WSMsgType, web
@@ -36,6 +37,13 @@ from gyre.traj.outcome_events import MirrorGroup
 log = logging.getLogger(__name__)
 
 EXECUTIONS_PATH = "/gyre/executions/{execution}"
+PROXY_CHECK_S = 10.0  # a proxy that takes no TCP connection within this is unreachable from here
+
+
+class ProxyUnreachable(RuntimeError):
+    """The proxy the controller named cannot be reached from this node."""
+
+
 SPEC_TIMEOUT_S = 30.0  # the controller sends an execution's spec as the socket's first message
 
 
@@ -59,10 +67,11 @@ class HarnessHost:
         self.app = web.Application()
         self.app.router.add_get(EXECUTIONS_PATH, self.handle)
         self._runner: web.AppRunner | None = None
+        self._reached: set[str] = set()  # proxy URLs this node has reached
         self.url = ""
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()
@@ -122,7 +131,24 @@ class HarnessHost:
             await socket.close()
         return socket
 
+    async def _check_proxy(self, url: str) -> None:
+        """The proxy at `url` takes a TCP connection from this node (once per URL), else a `ProxyUnreachable` that
+        names the fix: every execution here would otherwise fail its first call."""
+        if url in self._reached:
+            return
+        parts = urlsplit(url)
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, parts.port), PROXY_CHECK_S)
+        except (OSError, TimeoutError) as error:
+            raise ProxyUnreachable(
+                f"the proxy at {url} cannot be reached from this node ({error!r}): bind it where every node reaches "
+                "it (proxy.host=0.0.0.0, or the controller's address)"
+            ) from None
+        writer.close()
+        self._reached.add(url)
+
     async def _play(self, execution: str, task, spec: dict, cancel: asyncio.Event, outbox: asyncio.Queue) -> dict:
+        await self._check_proxy(spec["anthropic_base_url"])
         mirror = MirrorGroup(execution, lambda event: outbox.put_nowait({"outcome": event}), time.monotonic)
         result = await run_episode(
             task,
@@ -193,9 +219,13 @@ class HarnessHostThread:
         self._loop.run_forever()
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Cancel what still runs here (its harnesses stopped), stop serving, end the thread."""
+        """Cancel what still runs here (its harnesses stopped), stop serving, end the thread; what does not stop in
+        `timeout_s` is said and left (a daemon thread: it ends with the process)."""
         if not self._thread.is_alive() or self.host is None:
             return
-        asyncio.run_coroutine_threadsafe(self.host.stop(), self._loop).result(timeout_s)
+        try:
+            asyncio.run_coroutine_threadsafe(self.host.stop(), self._loop).result(timeout_s)
+        except Exception as error:  # a timeout, or the stop's own error: the rank still closes its job
+            log.error("the harness host did not stop cleanly: %r", error)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)

@@ -107,7 +107,8 @@ class HarnessHosts:
                     event = said["outcome"]
                     if offset is None:  # one offset per execution: its deadline and its expiry on one clock
                         offset = time.monotonic() - event["at"]
-                    apply_event(group, event, offset=offset)
+                    if not apply_event(group, event, offset=offset):
+                        log.info("execution %s: its %s came after it was settled: not applied", execution, event["op"])
                 elif "harness_end" in said:
                     on_harness_end(None)
                 elif "result" in said:

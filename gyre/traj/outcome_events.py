@@ -72,12 +72,17 @@ class MirrorGroup:
         self._emit({"op": op, "execution": self.execution_id, "at": self._now(), **fields})
 
 
-def apply_event(group: GroupOutcomes, event: dict, *, offset: float) -> None:
-    """Apply one `MirrorGroup` event to `group` (the execution's real group), its times moved by `offset`.
-    ValueError for an event that is not one (unknown op, missing field, an execution not in `group`)."""
+def apply_event(group: GroupOutcomes, event: dict, *, offset: float) -> bool:
+    """Apply one `MirrorGroup` event to `group` (the execution's real group), its times moved by `offset`; False when
+    it came too late to apply: a `record` or `cancel` of an execution the group has settled meanwhile (another
+    member's `expire` excluded it at its deadline while the event was on its way; beside the group an evaluation
+    past the deadline is not recorded either). ValueError for an event that is not one (unknown op, missing field,
+    an execution not in `group`)."""
     op, execution = event.get("op"), event.get("execution")
     if op not in OPS:
         raise ValueError(f"an outcome event's op is one of {OPS}, got {op!r}")
+    if op in ("record", "cancel") and group.execution(execution).status.settled:
+        return False
     group.execution(execution)  # ValueError for an execution the group does not hold
     try:
         if op == "start":
@@ -99,3 +104,4 @@ def apply_event(group: GroupOutcomes, event: dict, *, offset: float) -> None:
             group.expire(event["now"] + offset)
     except (KeyError, TypeError) as error:
         raise ValueError(f"outcome event {op!r} of {execution!r} is malformed: {error!r}") from None
+    return True

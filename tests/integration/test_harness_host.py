@@ -12,6 +12,7 @@ play and a host stopped mid-execution are `HostLost`; the host takes the job's s
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ import pytest
 from test_harness_episode import PROXY, ModeRunner, make_task, wait_for
 
 from gyre.config import ExecutionLimits
-from gyre.harness.episode import run_episode
+from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.harness.sandbox import LocalSandbox
 from gyre.runtime.harness_host import EXECUTIONS_PATH, HarnessHost, HarnessHostThread
 from gyre.runtime.harness_hosts import HarnessHosts, HostLost, reachable
@@ -31,8 +32,19 @@ SECRET = "job-secret-for-the-test"
 MODES = {"e-finish": "finish", "e-stall": "stall", "e-crash": "crash-evaluator", "e-slow": "slow"}
 
 
+@pytest.fixture(scope="module")
+def reachable_proxy():
+    """A listening socket that stands for the proxy: the host checks it takes a connection (the harness here makes
+    no model call)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    yield ProxyAccess(anthropic_base_url=url, openai_base_url=url + "/v1", model="gyre")
+    server.close()
+
+
 @pytest.fixture
-def host(tmp_path):
+def host(tmp_path, reachable_proxy):
     from test_harness_episode import HARNESS
 
     script = tmp_path / "harness.py"
@@ -54,7 +66,8 @@ def host(tmp_path):
     thread = HarnessHostThread(factory)
     url = thread.start()
     try:
-        yield SimpleNamespace(url=url, thread=thread, task=task, limits=limits, runner=runner, here=sandboxes["here"])
+        here, proxy = sandboxes["here"], reachable_proxy
+        yield SimpleNamespace(url=url, thread=thread, task=task, limits=limits, runner=runner, here=here, proxy=proxy)
     finally:
         thread.stop()
 
@@ -74,7 +87,7 @@ def test_executions_played_on_a_host_leave_the_group_as_played_beside_it(host):
                     host.task,
                     execution=name,
                     key=f"k-{name}",
-                    access=PROXY,
+                    access=host.proxy,
                     group=remote,
                     cancel_event=asyncio.Event(),
                     on_harness_end=lambda run, n=name: ends.append(n),
@@ -127,7 +140,7 @@ def test_a_cancel_stops_the_harness_on_the_host_and_refusals_are_host_lost(host,
                     host.task,
                     execution="e-slow",
                     key="k",
-                    access=PROXY,
+                    access=host.proxy,
                     group=group,
                     cancel_event=cancel,
                     on_harness_end=lambda run: None,
@@ -148,7 +161,7 @@ def test_a_cancel_stops_the_harness_on_the_host_and_refusals_are_host_lost(host,
                     Other(),
                     execution="e-x",
                     key="k",
-                    access=PROXY,
+                    access=host.proxy,
                     group=GroupOutcomes(1, ["e-x"]),
                     cancel_event=asyncio.Event(),
                     on_harness_end=lambda run: None,
@@ -177,7 +190,7 @@ def test_a_host_that_stops_mid_execution_is_host_lost(host, tmp_path):
                     host.task,
                     execution="e-slow",
                     key="k",
-                    access=PROXY,
+                    access=host.proxy,
                     group=GroupOutcomes(1, ["e-slow"]),
                     cancel_event=asyncio.Event(),
                     on_harness_end=lambda run: None,
@@ -211,3 +224,24 @@ def test_a_proxy_bound_to_every_interface_is_reached_at_the_controllers_address(
     assert reachable("http://0.0.0.0:8700/v1", "10.0.0.5") == "http://10.0.0.5:8700/v1"
     assert reachable("http://[::]:8700", "fe80::1") == "http://[fe80::1]:8700"
     assert reachable("http://127.0.0.1:8700", "10.0.0.5") == "http://127.0.0.1:8700"
+
+
+def test_a_proxy_the_node_cannot_reach_is_refused_naming_the_fix(host):
+    async def main():
+        hosts = HarnessHosts({1: host.url}, secret=SECRET, ranks={1: 3})
+        try:
+            await hosts.play(
+                1,
+                host.task,
+                execution="e-finish",
+                key="k",
+                access=PROXY,  # port 9 of the loopback: nothing listens
+                group=GroupOutcomes(1, ["e-finish"]),
+                cancel_event=asyncio.Event(),
+                on_harness_end=lambda run: None,
+            )
+        finally:
+            await hosts.close()
+
+    with pytest.raises(HostLost, match=r"rank 3, .*cannot be reached from this node.*proxy.host=0.0.0.0"):
+        asyncio.run(asyncio.wait_for(main(), 60))

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gyre.traj.outcome_events import MirrorGroup, apply_event
-from gyre.traj.outcomes import CloseKind, EvaluatedState, Evaluation, GroupOutcomes, Validity
+from gyre.traj.outcomes import CloseKind, EvaluatedState, Evaluation, GroupOutcomes, Status, Validity
 from gyre.traj.outcomes_state import group_outcomes_state
 
 OFFSET = 1000.0  # the controller's clock runs this far ahead of the host's
@@ -92,3 +92,22 @@ def test_a_mirror_reads_its_own_execution_only_and_leaves_surplus_to_the_owners_
 def test_a_malformed_event_is_a_value_error(event):
     with pytest.raises(ValueError):
         apply_event(GroupOutcomes(1, ["e0"]), event, offset=0.0)
+
+
+def test_a_record_that_arrives_after_another_members_expiry_settled_it_is_dropped():
+    """X (on another node) records just before its deadline; the event is on its way while Y's episode expires the
+    group past that deadline, which excludes X (awaiting its score). X's record then comes too late: not applied,
+    as an evaluation past the budget is not recorded beside the group either."""
+    group = GroupOutcomes(2, ["x", "y"])
+    events = []
+    mirror = MirrorGroup("x", events.append, now=lambda: 0.0)
+    mirror.start("x", deadline=10.0)
+    mirror.close("x", CloseKind.COMPLETED, now=5.0, final_state=final("x"))
+    mirror.record(evaluation("x", 1.0, Validity.VALID, 1, 9.9))
+    start, close, record = events
+    group.start("y", deadline=10.0)
+    assert apply_event(group, start, offset=0.0) and apply_event(group, close, offset=0.0)
+    group.expire(10.5)  # Y's episode, past the deadline both share
+    assert group.execution("x").status is Status.EXCLUDED
+    assert apply_event(group, record, offset=0.0) is False
+    assert group.execution("x").status is Status.EXCLUDED

@@ -265,11 +265,22 @@ class AnthropicHTTPBackend(AnthropicBackend):
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 message = json.loads(response.read())
         except urllib.error.HTTPError as err:
-            raise _status_error(err.code, _error_message(err.read())) from err
+            try:
+                detail = _error_message(err.read())
+            except (OSError, http.client.HTTPException) as unread:  # the error's own body did not arrive
+                detail = f"(its body could not be read: {unread})"
+            raise _status_error(err.code, detail) from err
         except (urllib.error.URLError, http.client.HTTPException, OSError) as err:  # timeouts included
             raise TransientError(f"connection failed: {err}") from err
         except ValueError as err:
             raise TransientError(f"the reply is not JSON: {err}") from err
+        try:
+            return self._reply(message)
+        except (AttributeError, KeyError, TypeError) as err:
+            raise ModelCallError(f"the reply is not a Messages API message: {err!r}") from err
+
+    @staticmethod
+    def _reply(message: dict) -> Reply:
         blocks = [{k: v for k, v in block.items() if v is not None} for block in message.get("content") or []]
         usage = message.get("usage") or {}
         cached = (usage.get("cache_read_input_tokens") or 0) + (usage.get("cache_creation_input_tokens") or 0)
