@@ -181,9 +181,11 @@ class ProxyShards:
         future = asyncio.get_running_loop().create_future()
         if shard.gone is not None:
             future.set_exception(ShardError(f"proxy shard {index} ({shard.url}) is gone: {shard.gone}"))
+            future.add_done_callback(_seen)
             return future
         command_id = next(self._ids)
         shard.pending[command_id] = future
+        future.add_done_callback(_seen)  # a reply nobody awaits (a close while the run stops) is not an error
         command = {"id": command_id, "op": op, "args": args}
         if "execution" in args:
             command["execution"] = args["execution"]  # the shard keeps one execution's commands in order
@@ -261,6 +263,12 @@ class ProxyShards:
             if not future.done():
                 future.set_exception(ShardError(f"proxy shard {shard.index} ({shard.url}) is gone: {why}"))
         shard.pending.clear()
+
+
+def _seen(future: asyncio.Future) -> None:
+    """Mark a command's error as seen: whoever awaits the future still gets it."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _spawn(spec: ShardSpec) -> subprocess.Popen:

@@ -118,4 +118,6 @@ def test_node_1_killed_mid_run_ends_the_job_and_the_resumed_run_dispatches_its_e
     assert sorted(i for i, _, _ in served[-2:]) == ["0", "1"] and all(int(c) > 0 for _, _, c in served[-2:]), served
     audit = audit_clean(run_dir)
     assert audit["proxy"]["failed"] == audit["proxy"]["refused"] == 0, audit  # the resumed run's counters
+    log = (run_dir / "train.log").read_text()
+    assert "is gone" not in log and "never retrieved" not in log, log[-3000:]  # both runs stopped their shards cleanly
     print(f"killed node 1 after {before.name}: {len(running)} executions dispatched again; by node {placed}")
