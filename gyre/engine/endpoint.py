@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
@@ -388,47 +387,32 @@ class ServerThread:
     ):
         self._factory = engine_factory
         self._host, self._port, self._secret = host, port, secret
-        self._loop = eventloop.new_event_loop()
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
+        self._thread = eventloop.LoopThread("gyre-engine-endpoint")
         self.engine: Engine | None = None
         self.server: EngineServer | None = None
-        self._thread = threading.Thread(target=self._main, name="gyre-engine-endpoint", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> str:
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"the engine endpoint did not start within {timeout_s} s")
-        if self._failure is not None:
-            raise RuntimeError(f"the engine endpoint failed to start: {self._failure!r}") from self._failure
+        self._thread.start(self._setup, what="the engine endpoint", timeout_s=timeout_s)
         return self.server.url
 
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self.engine = self._factory()
-            self.server = EngineServer(self.engine, host=self._host, port=self._port, secret=self._secret)
-            self._loop.run_until_complete(self.server.start())
-        except BaseException as error:
-            self._failure = error
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
+    def _setup(self):
+        self.engine = self._factory()
+        self.server = EngineServer(self.engine, host=self._host, port=self._port, secret=self._secret)
+        return self.server.start()
 
     def call(self, fn: Callable, timeout_s: float = 30.0):
         async def run():
             outcome = fn(self.engine)
             return await outcome if asyncio.iscoroutine(outcome) else outcome
 
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout_s)
+        return self._thread.call(run(), timeout_s)
 
     def kill(self, timeout_s: float = 30.0) -> None:
         """`EngineServer.kill` on the endpoint's loop: it dies as a crashed process's would (fault tests)."""
-        asyncio.run_coroutine_threadsafe(self.server.kill(), self._loop).result(timeout_s)
+        self._thread.call(self.server.kill(), timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if not self._thread.is_alive():
+        if not self._thread.alive:
             return
 
         async def shutdown():
@@ -438,8 +422,7 @@ class ServerThread:
                 await close()
 
         try:
-            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout_s)
+            self._thread.call(shutdown(), timeout_s)
         except Exception:  # stopping goes on (the loop, the thread); what failed is reported, not swallowed
             log.exception("engine endpoint %s: shutdown failed", self.server.url)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
+        self._thread.stop(timeout_s)

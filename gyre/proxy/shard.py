@@ -6,7 +6,7 @@ TITO prompt building, routing with transparent retry, the execution's tree and r
 executions; the controller keeps the ledger and every decision and sends them over one control connection:
 
 - in (commands, each answered by id): `open` (an execution with the key the controller made, placed on an engine),
-  `assign`, `reroute` (the calls in flight move with their KV, on this shard: `gyre.proxy.reroute`), `close`
+  `reroute` (the calls in flight move with their KV, on this shard: `gyre.proxy.reroute`), `close`
   (answered once the execution's calls in flight have ended and its record file is final, or after `wait_s`),
   `stats`;
 - out (events): each call's start, first token and end (the controller's progress line), each engine this shard
@@ -61,7 +61,6 @@ class ShardSpec:
     engines: dict[str, str]  # routing name -> engine endpoint URL
     engine_secret: str | None  # the job's secret, for the engine endpoints
     admin_key: str  # the control connection's key (and the shard's admin routes')
-    placement: str = "scheduler"
     log_file: str | None = None  # appended to beside stderr (the run's train.log)
 
     def to_json(self) -> bytes:
@@ -182,9 +181,6 @@ class ShardControl:
         self.registry.issue(execution, key=key)
         self.table.assign(execution, engine)
 
-    async def op_assign(self, execution: str, engine: str) -> None:
-        self.table.assign(execution, engine)
-
     async def op_reroute(self, execution: str, engine: str, migrate_kv: bool = True) -> dict:
         moved = await reroute_execution(self.table, execution, engine, migrate_kv=migrate_kv)
         return {"migrated": list(moved.migrated), "restarted": list(moved.restarted)}
@@ -209,7 +205,7 @@ async def serve(spec: ShardSpec, stop: asyncio.Event, announce: Callable[[dict],
     from gyre.proxy.routing import RoutingTable
     from gyre.serve.stack import start_proxy
 
-    table = RoutingTable(placement=spec.placement)
+    table = RoutingTable(placement="scheduler")  # routes only where the controller assigns
     engines = []
     proxy = registry = None
     try:

@@ -126,9 +126,6 @@ class ProxyShards:
         took it (the harness may call from then on)."""
         return self._send(self.shard_of[execution], "open", execution=execution, key=key, engine=engine)
 
-    def assign(self, execution: str, engine: str) -> asyncio.Future:
-        return self._send(self.shard_of[execution], "assign", execution=execution, engine=engine)
-
     async def reroute(self, execution: str, engine: str, *, migrate_kv: bool = True) -> Rerouted:
         """`gyre.proxy.reroute.reroute_execution` on the execution's shard."""
         moved = await self._send(

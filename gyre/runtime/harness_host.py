@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -192,40 +191,24 @@ class HarnessHostThread:
 
     def __init__(self, host_factory: Callable[[], HarnessHost]) -> None:
         self._factory = host_factory
-        self._loop = eventloop.new_event_loop()
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
+        self._thread = eventloop.LoopThread("gyre-harness-host")
         self.host: HarnessHost | None = None
-        self._thread = threading.Thread(target=self._main, name="gyre-harness-host", daemon=True)
 
     def start(self, timeout_s: float = 60.0) -> str:
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"the harness host did not start within {timeout_s} s")
-        if self._failure is not None:
-            raise RuntimeError(f"the harness host failed to start: {self._failure!r}") from self._failure
+        self._thread.start(self._setup, what="the harness host", timeout_s=timeout_s)
         return self.host.url
 
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self.host = self._factory()
-            self._loop.run_until_complete(self.host.start())
-        except BaseException as error:
-            self._failure = error
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
+    def _setup(self):
+        self.host = self._factory()
+        return self.host.start()
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Cancel what still runs here (its harnesses stopped), stop serving, end the thread; what does not stop in
         `timeout_s` is said and left (a daemon thread: it ends with the process)."""
-        if not self._thread.is_alive() or self.host is None:
+        if not self._thread.alive or self.host is None:
             return
         try:
-            asyncio.run_coroutine_threadsafe(self.host.stop(), self._loop).result(timeout_s)
+            self._thread.call(self.host.stop(), timeout_s)
         except Exception as error:  # a timeout, or the stop's own error: the rank still closes its job
             log.error("the harness host did not stop cleanly: %r", error)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
+        self._thread.stop(timeout_s)

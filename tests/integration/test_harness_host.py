@@ -72,6 +72,21 @@ def host(tmp_path, reachable_proxy):
         thread.stop()
 
 
+def play(hosts, host, execution, *, task=None, access=None, group=None, cancel=None):
+    """`hosts.play` on node 1 with the fixture's task and proxy, a group of its own and a fresh cancel event unless
+    given; the harness's end ignored."""
+    return hosts.play(
+        1,
+        task or host.task,
+        execution=execution,
+        key="k",
+        access=access or host.proxy,
+        group=group or GroupOutcomes(1, [execution]),
+        cancel_event=cancel or asyncio.Event(),
+        on_harness_end=lambda run: None,
+    )
+
+
 @pytest.mark.slow  # real harness and evaluator processes, a 6 s overall budget for the excluded one: ~10 s
 def test_executions_played_on_a_host_leave_the_group_as_played_beside_it(host):
     names = ["e-finish", "e-stall", "e-crash"]
@@ -134,38 +149,18 @@ def test_a_cancel_stops_the_harness_on_the_host_and_refusals_are_host_lost(host,
         hosts = HarnessHosts({1: host.url}, secret=SECRET)
         try:
             cancel = asyncio.Event()
-            play = asyncio.ensure_future(
-                hosts.play(
-                    1,
-                    host.task,
-                    execution="e-slow",
-                    key="k",
-                    access=host.proxy,
-                    group=group,
-                    cancel_event=cancel,
-                    on_harness_end=lambda run: None,
-                )
-            )
+            playing = asyncio.ensure_future(play(hosts, host, "e-slow", group=group, cancel=cancel))
             await wait_for(lambda: (tmp_path / "host" / "e-slow" / "workspace" / "started").exists(), "the start")
             cancel.set()
             cancelled_at = time.monotonic()
-            result = await asyncio.wait_for(play, 30)
+            result = await asyncio.wait_for(playing, 30)
             stop_s = time.monotonic() - cancelled_at
 
             class Other:
                 id = "no-such-task"
 
             with pytest.raises(HostLost, match="no such task"):
-                await hosts.play(
-                    1,
-                    Other(),
-                    execution="e-x",
-                    key="k",
-                    access=host.proxy,
-                    group=GroupOutcomes(1, ["e-x"]),
-                    cancel_event=asyncio.Event(),
-                    on_harness_end=lambda run: None,
-                )
+                await play(hosts, host, "e-x", task=Other())
             async with aiohttp.ClientSession() as http:  # the job's secret only
                 for headers, status in (({}, 401), ({"Authorization": "Bearer nope"}, 403)):
                     async with http.get(host.url + EXECUTIONS_PATH.format(execution="e"), headers=headers) as answer:
@@ -184,22 +179,11 @@ def test_a_host_that_stops_mid_execution_is_host_lost(host, tmp_path):
     async def main():
         hosts = HarnessHosts({1: host.url}, secret=SECRET)
         try:
-            play = asyncio.ensure_future(
-                hosts.play(
-                    1,
-                    host.task,
-                    execution="e-slow",
-                    key="k",
-                    access=host.proxy,
-                    group=GroupOutcomes(1, ["e-slow"]),
-                    cancel_event=asyncio.Event(),
-                    on_harness_end=lambda run: None,
-                )
-            )
+            playing = asyncio.ensure_future(play(hosts, host, "e-slow"))
             await wait_for(lambda: (tmp_path / "host" / "e-slow" / "workspace" / "started").exists(), "the start")
             await asyncio.to_thread(host.thread.stop)
             with pytest.raises(HostLost):
-                await asyncio.wait_for(play, 60)
+                await asyncio.wait_for(playing, 60)
         finally:
             await hosts.close()
 
@@ -230,16 +214,7 @@ def test_a_proxy_the_node_cannot_reach_is_refused_naming_the_fix(host):
     async def main():
         hosts = HarnessHosts({1: host.url}, secret=SECRET, ranks={1: 3})
         try:
-            await hosts.play(
-                1,
-                host.task,
-                execution="e-finish",
-                key="k",
-                access=PROXY,  # port 9 of the loopback: nothing listens
-                group=GroupOutcomes(1, ["e-finish"]),
-                cancel_event=asyncio.Event(),
-                on_harness_end=lambda run: None,
-            )
+            await play(hosts, host, "e-finish", access=PROXY)  # port 9 of the loopback: nothing listens
         finally:
             await hosts.close()
 

@@ -12,7 +12,6 @@ refusing a wrong key. Every wait is bounded and every process is reaped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import os
 import signal
@@ -21,9 +20,9 @@ import time
 import aiohttp
 import anthropic
 import pytest
+from test_proxy_migration import endpoints
 
 from gyre.config.proxy import ProxyConfig, SamplingConfig
-from gyre.engine.endpoint import ServerThread
 from gyre.engine.native import NativeEngine
 from gyre.engine.remote import RemoteEngine
 from gyre.engine.scripted import ScriptedEngine, chat_reply
@@ -39,16 +38,6 @@ CLIENTS = 4
 MAX_NEW = 96
 TIMEOUT_S = 240.0
 ADMIN = "gyre-admin-test-shards"
-
-
-@contextlib.contextmanager
-def endpoints(factories):
-    threads = [ServerThread(factory) for factory in factories]
-    try:
-        yield [thread.start() for thread in threads]
-    finally:
-        for thread in threads:
-            thread.stop()
 
 
 def specs(count, urls, records_dir, *, model_dir=None, max_new=MAX_NEW):
@@ -187,7 +176,7 @@ def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_command
             with pytest.raises(ShardError, match="proxy shard 1"):
                 await asyncio.wait_for(shards.open("exec-b", new_key(), "cell-0"), 10)
             with pytest.raises(ShardError, match="is gone"):  # later commands fail at once
-                await asyncio.wait_for(shards.assign("exec-b", "cell-0"), 1)
+                await asyncio.wait_for(shards.close("exec-b", wait_s=1), 1)
             shards.place("exec-c")  # a gone shard takes no new execution
             assert shards.shard_of["exec-c"] == 0
             assert await shards.open("exec-c", new_key(), "cell-0") is None  # shard 0 serves on
