@@ -40,6 +40,7 @@ from gyre.engine.protocol import (
     GenerateResult,
     KVExport,
     TokenChunk,
+    starts_with,
 )
 from gyre.models.flat_weights import FlatWeights
 
@@ -127,7 +128,7 @@ class RemoteEngine:
             return [None]
         request_id, ids = last
         n = len(ids)
-        if len(request.input_ids) <= n or request.input_ids[:n] != ids:  # array == array: ~0.2 ms at 700K ids
+        if len(request.input_ids) <= n or not starts_with(request.input_ids, ids):
             return [None]
         return [wire.PromptBase(request_id=request_id, length=n), None]
 

@@ -75,6 +75,7 @@ class Prompt:
     restored_turns: int  # assistant turns restored from the payload cache (SAMPLED, our exact ids)
     unrestored_assistant_turns: int  # assistant turns rendered by the template (HARNESS_ASSISTANT)
     reused_segments: int  # leading segments identical (same objects) to the previous request's
+    reused_tokens: int  # their tokens
     fallbacks: int = 0  # 1: whole conversation rendered; 2: not even that splits, one USER segment
     texts: list[str | None] = field(default_factory=list, repr=False)  # per segment; None: restored ids
     previous: Prompt | None = field(default=None, repr=False)  # the thread's previous prompt (its ids are reused)
@@ -83,10 +84,7 @@ class Prompt:
     def input_ids(self) -> array:
         """The concatenated ids; the `reused_segments` shared with the previous prompt are one slice of its ids."""
         shared = self.reused_segments if self.previous is not None else 0
-        if shared:
-            ids = self.previous.input_ids[: sum(len(segment) for segment in self.segments[:shared])]
-        else:
-            ids = array("i")
+        ids = self.previous.input_ids[: self.reused_tokens] if shared else array("i")
         for segment in self.segments[shared:]:
             ids.extend(segment.ids)
         self.previous = None  # the slice is taken: do not keep the previous prompt alive
@@ -279,7 +277,7 @@ class PromptBuilder:
         full += self._suffix
         segment = Segment(Provenance.USER, self._encode(full, 0))
         self._reset()
-        return Prompt([segment], len(segment), 0, len(turns), 0, 0, 0, fallbacks=2, texts=[full])
+        return Prompt([segment], len(segment), 0, len(turns), 0, 0, 0, 0, fallbacks=2, texts=[full])
 
     def _header_entry(self, request: ChatRequest, header: str, turns, texts) -> _Entry:
         first_is_assistant = bool(turns) and turns[0].role == "assistant"
@@ -398,10 +396,12 @@ class PromptBuilder:
         for entry in entries[reused:]:
             segments.extend(entry.segments)
             texts.extend(entry.texts)
-        same = 0
-        for new, old in zip(segments, self._segments, strict=False):
-            if new is not old:
-                break
+        # Leading segments that are the previous prompt's objects, and their tokens: the reused entries' without a
+        # walk (their segments are the previous list's), then any further ones.
+        same, same_tokens = (reuse_segments, entries[reused - 1].tokens_end) if reused else (0, 0)
+        previous_segments = self._segments
+        while same < min(len(segments), len(previous_segments)) and segments[same] is previous_segments[same]:
+            same_tokens += len(segments[same])
             same += 1
         self._system, self._tools, self._turns = request.system, request.tools, request.turns
         self._entries, self._header, self._segments, self._texts = entries, header, segments, texts
@@ -415,6 +415,7 @@ class PromptBuilder:
             restored_turns=sum(entry.restored for entry in new_entries),
             unrestored_assistant_turns=sum(entry.unrestored for entry in new_entries),
             reused_segments=same,
+            reused_tokens=same_tokens,
             fallbacks=fallbacks,
             texts=texts,
             # only a prompt whose ids exist (cached_property keeps them in __dict__): never a chain of prompts

@@ -35,6 +35,7 @@ from aiohttp import web
 from gyre.config.proxy import ProxyConfig
 from gyre.engine.errors import RemoteEngineError
 from gyre.engine.protocol import GenerateRequest, SamplingParams, call_seed
+from gyre.proxy import body_reuse
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
 from gyre.proxy.dialects import DIALECTS, Dialect
 from gyre.proxy.dialects.fields import json_type, nesting_depth_exceeds
@@ -70,6 +71,10 @@ MAX_BODY_DEPTH = 128
 # A build that renders and encodes this many new characters runs on a worker thread, so the event loop goes on serving
 # every other execution meanwhile (the template encodes with the GIL released; the tiny tokenizer at ~1 MB/s: ~30 ms).
 OFF_THE_LOOP_CHARS = 32 * 1024
+
+# A body this large that cannot reuse its thread's previous one is scanned for its messages' offsets on a worker
+# thread (gyre.proxy.body_reuse.fresh: ~12 ms at 1.4 MB, Python), so the event loop's other calls interleave.
+OFF_THE_LOOP_BODY_BYTES = 256 * 1024
 
 # count_tokens counts exactly a prompt of at most this many characters per token of the context limit: every
 # prompt the model can take in text of natural density (3-5 characters a token; code and CJK fewer). Beyond it, or
@@ -325,11 +330,24 @@ class ProxyServer:
 
     async def _admit(self, http: web.Request, dialect: Dialect) -> tuple[ExecutionSession, ChatRequest]:
         session = self._authenticate(http)
-        body = await self._read_json(http)
         headers = _headers(http)
-        # An incremental dialect parses only the messages the thread's previous request did not have.
-        cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}") if dialect.incremental else None
-        request = dialect.parse_request(body, headers, dict(http.query), cache=cache)
+        if not dialect.incremental:
+            body = await self._read_json(http)
+            request = dialect.parse_request(body, headers, dict(http.query), cache=None)
+        else:
+            # Only the bytes the thread's previous body did not have are decoded, and only the messages it did not
+            # have are parsed (gyre.proxy.body_reuse, gyre.proxy.dialects.incremental).
+            cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}")
+            raw = await self._read_body(http)
+            reused = body_reuse.reuse(raw, cache.body, MAX_BODY_DEPTH) if cache.body is not None else None
+            if reused is not None:
+                body, layout = reused
+            else:
+                body = self._decode_json(raw)
+                big = len(raw) >= OFF_THE_LOOP_BODY_BYTES  # the scan is Python: off the loop, others go on
+                layout = await asyncio.to_thread(body_reuse.fresh, raw, body) if big else body_reuse.fresh(raw, body)
+            request = dialect.parse_request(body, headers, dict(http.query), cache=cache)
+            cache.body = layout  # only once parsed: a refused body is never the base of the next
         self._check_model(request.model)
         _check_stated_role(request)
         return session, request
@@ -374,7 +392,9 @@ class ProxyServer:
             ) from None
 
     async def _read_json(self, http: web.Request) -> Any:
-        raw = await self._read_body(http)
+        return self._decode_json(await self._read_body(http))
+
+    def _decode_json(self, raw: bytes) -> Any:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as error:

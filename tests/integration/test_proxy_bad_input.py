@@ -95,6 +95,42 @@ def test_an_unknown_gyre_role_is_a_400_and_a_known_one_is_recorded(served, path)
     assert last.meta.role_signals["gyre_role"] == "main-summary"
 
 
+def test_a_threads_bodies_are_served_as_if_each_were_decoded_whole_however_they_change(served):
+    """The server decodes only what a body adds to its thread's previous one (gyre.proxy.body_reuse). Whatever the
+    next body does (extends the history, adds a second `messages` key after the array, which JSON decoding takes,
+    edits an early message), each call's prompt is the one a fresh execution gets for the same bytes."""
+    thread = served.stack.registry.issue("reuse-thread")
+
+    def u(text):
+        return {"role": "user", "content": [{"type": "text", "text": text}]}
+
+    def a(text):
+        return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+    def raw(messages):
+        return json.dumps({"model": "gyre", "max_tokens": 2, "messages": messages}).encode()
+
+    history = [u("hi"), a("zq answer one"), u("more")]
+    injected = raw(history)[:-1] + b', "messages": [{"role": "user", "content": "injected"}]}'
+    bodies = [
+        raw(history[:1]),
+        raw(history),
+        raw([*history, a("zq answer two"), u("again")]),  # extended: reused
+        injected,  # the same bytes first, then a key that wins
+        raw([*history, a("zq answer two"), u("again"), a("zq three"), u("last")]),
+        raw([u("hi, edited"), *history[1:]]),
+    ]
+    for i, body in enumerate(bodies):
+        code, reply = served.post(VALID_PATH, body, key=thread.key)
+        assert code == 200, reply
+        fresh = served.stack.registry.issue(f"reuse-fresh-{i}")
+        code, reply = served.post(VALID_PATH, body, key=fresh.key)
+        assert code == 200, reply
+        threaded = load_tree(served.stack.registry.records_dir / "reuse-thread.jsonl")
+        alone = load_tree(served.stack.registry.records_dir / f"reuse-fresh-{i}.jsonl")
+        assert threaded.call_tokens(i)[0] == alone.call_tokens(0)[0], f"body {i}"
+
+
 def test_count_tokens_refuses_an_unknown_gyre_role_as_the_model_call_routes_do(served):
     body = json.dumps(VALID["/v1/messages/count_tokens"]).encode()
     code, reply = served.post("/v1/messages/count_tokens", body, headers={"x-gyre-role": "boss"})

@@ -7,6 +7,8 @@ from array import array
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gyre.engine import protocol
 from gyre.engine.protocol import (
@@ -17,6 +19,7 @@ from gyre.engine.protocol import (
     SamplingParams,
     TokenChunk,
     call_seed,
+    starts_with,
 )
 from gyre.engine.scripted import ScriptedEngine
 
@@ -192,3 +195,11 @@ def test_routed_experts_fields():
             GenerateResult(**fields, cached_tokens=0, routed_experts=bad, **common)
         with pytest.raises(ValueError, match=r"^routed_experts="):
             TokenChunk(request_id="r", index=0, token_ids=(), logprobs=(), policy_version=0, routed_experts=bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=40), st.lists(st.integers(0, 2**31 - 1), max_size=40))
+def test_starts_with_is_a_prefix_test(ids, prefix):
+    whole, part = array("i", ids), array("i", prefix)
+    assert starts_with(whole, part) == (ids[: len(prefix)] == prefix)
+    assert starts_with(array("i", prefix + ids), part)

@@ -120,6 +120,7 @@ def test_six_turn_conversation_ids_keys_and_tree_sharing():
         if previous is not None:
             # (c) earlier turns reuse the previous request's Segment objects: no re-render, no rehash.
             assert prompt.reused_segments == len(previous.segments)
+            assert prompt.reused_tokens == sum(len(s) for s in prompt.segments[: prompt.reused_segments])
             assert all(a is b for a, b in zip(prompt.segments, previous.segments, strict=False))
             assert prompt.reused_turns == 2 * step - 1 and prompt.rendered_turns == 2
         previous = prompt
@@ -310,3 +311,38 @@ def test_the_template_encodes_as_the_tokenizer_does(pieces):
         expected,
         tokenizer.encode(text[:5], add_special_tokens=False).ids,
     ]
+
+
+TURN_TEXTS = st.sampled_from(["a", "b", "hello there", "x\ny", "<tool>", ""])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["extend", "retry", "edit", "truncate", "system"]), TURN_TEXTS, st.integers(0, 8)),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_a_prompts_ids_are_its_segments_whatever_it_reuses_of_the_previous(operations):
+    """Whatever a thread's requests do (extend, retry, edit or drop turns, change the system prompt), each prompt's
+    ids are its segments' in order, and the tokens it counts as reused are those of its reused segments: the slice
+    of the previous prompt's ids that `input_ids` takes."""
+    tpl = template()
+    builder = PromptBuilder(tpl, PayloadCache())
+    turns: list[Turn] = [Turn(role="user", text="start")]
+    system = SYSTEM
+    for operation, text, at in operations:
+        if operation == "extend":
+            turns += [Turn(role="assistant", text=f"answer {text}"), Turn(role="user", text=text or "next")]
+        elif operation == "edit":
+            index = at % len(turns)
+            turns[index] = Turn(role=turns[index].role, text=turns[index].text + f" edited {text}")
+        elif operation == "truncate" and len(turns) > 2:
+            turns = turns[: max(1, at % len(turns)) | 1]  # an odd count: ends on a user turn
+        elif operation == "system":
+            system = f"{SYSTEM} {text}"
+        prompt = builder.build(request(turns, system=system))
+        assert list(prompt.input_ids) == [i for s in prompt.segments for i in s.ids]
+        assert prompt.reused_tokens == sum(len(s) for s in prompt.segments[: prompt.reused_segments])
+        assert prompt.num_tokens == len(prompt.input_ids)

@@ -1,8 +1,10 @@
 """Parse only the new messages of a conversation: the previous request's raw messages and their parses, per thread.
 
 Harnesses resend the whole history on every call, each request the previous one plus a few items (docs/harness.md:
-the prefix property). Comparing the raw messages with the previous request's (`==` on the decoded JSON, a C-level
-walk: ~0.15 ms for 1,200 messages) finds the unchanged prefix; its parses are reused and only the rest is parsed.
+the prefix property). Comparing the raw messages with the previous request's finds the unchanged prefix; its parses
+are reused and only the rest is parsed. Messages the server took from the previous decoding
+(`gyre.proxy.body_reuse`) are the same objects, found by identity; others are compared with `==` on the decoded
+JSON (a C-level walk, ~0.15 ms for 1,200 messages).
 A message that changed (Claude Code moves `cache_control` to the last block each turn) is parsed again, as is
 everything after it. Pure; one cache per conversation thread (`gyre.proxy.sessions`).
 """
@@ -16,9 +18,10 @@ from typing import Any
 class MessageCache:
     """Raw messages of a thread's previous request and what each one parsed into (dialect-specific items)."""
 
-    __slots__ = ("parsed", "raw", "tools", "tools_raw")
+    __slots__ = ("body", "parsed", "raw", "tools", "tools_raw")
 
     def __init__(self) -> None:
+        self.body: Any = None  # the previous body and its layout (`gyre.proxy.body_reuse.Layout`), set by the server
         self.raw: list[Any] = []
         self.parsed: list[Any] = []
         self.tools_raw: Any = None  # the previous request's raw `tools` and their parse (tool schemas are checked
@@ -36,7 +39,7 @@ class MessageCache:
         """How many leading messages equal the previous request's (their parses can be reused)."""
         limit = min(len(messages), len(self.raw))
         count = 0
-        while count < limit and messages[count] == self.raw[count]:
+        while count < limit and (messages[count] is self.raw[count] or messages[count] == self.raw[count]):
             count += 1
         return count
 
