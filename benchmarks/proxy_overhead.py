@@ -738,7 +738,7 @@ def breakdown(setup: dict, reps: int, history_tokens: int) -> dict:
                 if reused is not None:
                     return reused
                 body = orjson.loads(raw)
-                return body, body_reuse.fresh(raw, body)
+                return body, body_reuse.fresh(raw, body, "messages")
 
             obj, layout = timed("body_decode", decode)
             request = timed(

@@ -2,9 +2,10 @@
 
 Harnesses resend the whole history on every call (docs/harness.md, the prefix property): at a 700K-token history
 the body is ~1.4 MB, and decoding it all (`orjson.loads`, ~1.5-2 ms) was the largest single cost of a call
-(docs/proxy.md, "Long histories"). The previous body's bytes are kept with the offsets where each item of its
-`messages` array ends. A new body that starts with the same bytes up to the end of item k-1 holds those k items
-unchanged, so only the rest is decoded: the new body with those bytes replaced by one placeholder,
+(docs/proxy.md, "Performance"). The previous body's bytes are kept with the offsets where each item of its history
+array ends (the dialect's `history_field`: `messages`, or the Responses API's `input`; `messages` below). A new
+body that starts with the same bytes up to the end of item k-1 holds those k items unchanged, so only the rest is
+decoded: the new body with those bytes replaced by one placeholder,
 
     {"model": ..., "messages": [<k unchanged items>, <new items>], ...}
     {"model": ..., "messages": [0, <new items>], ...}
@@ -30,7 +31,6 @@ import orjson
 
 from gyre.proxy.dialects.fields import nesting_depth_exceeds
 
-FIELD = b'"messages"'
 # A JSON string (unrolled: long strings are skipped in C), or one structural character.
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[][{}:,]', re.DOTALL)
 _QUOTE, _COMMA, _COLON = ord('"'), ord(","), ord(":")
@@ -39,9 +39,10 @@ _OPEN, _CLOSE, _SKIPPED = frozenset(b"{["), frozenset(b"}]"), frozenset(b'":,')
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """A decoded body and where its `messages` array lies in its bytes."""
+    """A decoded body and where its history array lies in its bytes."""
 
     raw: bytes
+    field: str  # the history array's key
     open: int  # just after the array's `[`
     ends: list[int]  # just after each item
     close: int  # at the array's `]`
@@ -82,7 +83,8 @@ def reuse(raw: bytes, previous: Layout, max_depth: int) -> tuple[Any, Layout] | 
         body = orjson.loads(b"".join((memoryview(raw)[: previous.open], b"0", memoryview(raw)[cut:])))
     except orjson.JSONDecodeError:
         return None
-    messages = body.get("messages") if type(body) is dict else None
+    field = previous.field
+    messages = body.get(field) if type(body) is dict else None
     if type(messages) is not list or not messages:
         return None  # cannot be, the head being the previous body's; never splice what does not add up
     if nesting_depth_exceeds(body, max_depth):
@@ -94,28 +96,30 @@ def reuse(raw: bytes, previous: Layout, max_depth: int) -> tuple[Any, Layout] | 
     if len(new_ends) != len(messages) - 1:
         return None
     tail = memoryview(previous.raw)[previous.close :]
-    if not (len(raw) - close == len(tail) and raw.endswith(tail)) and not _keys_after(raw, close + 1):
+    if not (len(raw) - close == len(tail) and raw.endswith(tail)) and not _keys_after(raw, close + 1, _key(field)):
         return None
     items = previous.items[:shared] + messages[1:]
-    body["messages"] = items
-    return body, Layout(raw, previous.open, previous.ends[:shared] + new_ends, close, items)
+    body[field] = items
+    return body, Layout(raw, field, previous.open, previous.ends[:shared] + new_ends, close, items)
 
 
-def fresh(raw: bytes, body: Any) -> Layout | None:
-    """The layout of `raw`, which decoded whole to `body`; None when it cannot be reused (see the module's rules).
-    A scan of the whole body in Python, ~12 ms at 1.4 MB: once per thread, not per call."""
-    if type(body) is not dict or type(body.get("messages")) is not list:
+def fresh(raw: bytes, body: Any, field: str) -> Layout | None:
+    """The layout of `raw`, which decoded whole to `body`, around its history array `field`; None when it cannot be
+    reused (see the module's rules). A scan of the whole body in Python, ~12 ms at 1.4 MB: once per thread, not per
+    call."""
+    if type(body) is not dict or type(body.get(field)) is not list:
         return None
-    found = layout_of(raw)
-    if found is None or len(found[1]) != len(body["messages"]):  # the count cannot differ on valid JSON
+    found = layout_of(raw, field)
+    if found is None or len(found[1]) != len(body[field]):  # the count cannot differ on valid JSON
         return None
     start, ends, close = found
-    return Layout(raw, start, ends, close, body["messages"])
+    return Layout(raw, field, start, ends, close, body[field])
 
 
-def layout_of(raw: bytes) -> tuple[int, list[int], int] | None:
-    """(just after `[`, each item's end, the `]`) of the top-level `"messages"` array of valid JSON `raw`, or None
-    (see the module's rules)."""
+def layout_of(raw: bytes, field: str) -> tuple[int, list[int], int] | None:
+    """(just after `[`, each item's end, the `]`) of the top-level array `field` of valid JSON `raw`, or None (see
+    the module's rules)."""
+    wanted = _key(field)
     tokens = _TOKEN.finditer(raw)
     first = next(tokens, None)
     if first is None or raw[first.start()] != ord("{"):
@@ -127,17 +131,17 @@ def layout_of(raw: bytes) -> tuple[int, list[int], int] | None:
         if depth == 1:
             if expect_key and char == _QUOTE:
                 key = match.group()
-                if b"\\" in key or (key == FIELD and found is not None):
+                if b"\\" in key or (key == wanted and found is not None):
                     return None
                 expect_key = False
                 continue
             if char == _COMMA:
                 expect_key = True
                 continue
-            if char == _COLON and key == FIELD:
+            if char == _COLON and key == wanted:
                 bracket = _TOKEN.search(raw, match.end())
                 if bracket is None or raw[bracket.start()] != ord("["):
-                    return None  # `messages` is not an array
+                    return None  # the history is not an array
                 scanned = _items(raw, bracket.end(), first=True)
                 if scanned is None:
                     return None
@@ -195,9 +199,14 @@ def _gap_holds_value(raw: bytes, start: int, stop: int) -> bool:
     return bool(raw[start:stop].strip(b" \t\r\n"))
 
 
-def _keys_after(raw: bytes, pos: int) -> bool:
+def _key(field: str) -> bytes:
+    """`field` as a plainly spelled JSON key."""
+    return b'"' + field.encode() + b'"'
+
+
+def _keys_after(raw: bytes, pos: int, wanted: bytes) -> bool:
     """Whether the top-level keys after the array (from `pos`, just after its `]`) are all plainly spelled and none
-    is `"messages"`."""
+    is `wanted` (the history's key)."""
     depth, expect_key = 1, False
     for match in _TOKEN.finditer(raw, pos):
         char = raw[match.start()]
@@ -205,7 +214,7 @@ def _keys_after(raw: bytes, pos: int) -> bool:
             expect_key = True
         elif depth == 1 and char == _QUOTE and expect_key:
             key = match.group()
-            if b"\\" in key or key == FIELD:
+            if b"\\" in key or key == wanted:
                 return False
             expect_key = False
         elif char in _OPEN:

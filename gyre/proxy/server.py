@@ -27,6 +27,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -37,8 +38,9 @@ from gyre.engine.errors import RemoteEngineError
 from gyre.engine.protocol import GenerateRequest, SamplingParams, call_seed
 from gyre.proxy import body_reuse
 from gyre.proxy.conversation import ApiError, AssistantOutput, ChatRequest, Usage
+from gyre.proxy.count_worker import CountWorker, WorkerFailed, offload_bytes
 from gyre.proxy.dialects import DIALECTS, Dialect
-from gyre.proxy.dialects.fields import json_type, nesting_depth_exceeds
+from gyre.proxy.dialects.fields import decode_body, json_type
 from gyre.proxy.dialects.protocol import StreamWriter
 from gyre.proxy.heap import HeapFreezer
 from gyre.proxy.in_flight import InFlight
@@ -54,7 +56,7 @@ from gyre.proxy.sessions import (
     thread_key,
 )
 from gyre.proxy.stats import ProxyStats, RouteCounters
-from gyre.proxy.token_estimate import estimate_tokens, request_texts
+from gyre.proxy.token_estimate import estimate_from_sample, estimate_tokens, request_texts
 from gyre.traj.record import CallMeta, CallRouting
 from gyre.traj.roles import Role
 
@@ -133,6 +135,7 @@ class ProxyServer:
         self.port = config.port
         self._runner: web.AppRunner | None = None
         self.heap = HeapFreezer(config.gc_freeze_every, config.gc_full_every_s)
+        self.count_worker = CountWorker()  # huge count_tokens bodies, decoded off the loop (docs/proxy.md)
         self.counters = ProxyStats()
         self.in_flight = InFlight()  # the calls being served now (progress lines read it on this loop)
         self.stopping = False
@@ -191,12 +194,14 @@ class ProxyServer:
         await site.start()
         self.port = self._runner.addresses[0][1]
         self.heap.start()
+        self.count_worker.prewarm()
         log.info("proxy serving at %s", self.url)
         return self.url
 
     async def stop(self) -> None:
         self.stopping = True
         await self.heap.stop()
+        await self.count_worker.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -298,11 +303,17 @@ class ProxyServer:
         (`gyre.proxy.token_estimate`; docs/proxy.md, "Counting tokens")."""
         try:
             session = self._authenticate(http)
-            body = await self._read_json(http)
+            raw = await self._read_body(http)
+            limit = self.context_limit
+            if len(raw) >= offload_bytes(limit, EXACT_COUNT_CHARS_PER_TOKEN):
+                answer = await self._count_offloaded(raw, dialect, http)
+                if answer is not None:
+                    counters.answered += 1
+                    return answer
+            body = self._decode_json(raw)
             request = dialect.parse_count_tokens(body, _headers(http), dict(http.query))
             self._check_model(request.model)
-            _check_stated_role(request)
-            limit = self.context_limit
+            _check_stated_role(request.signals)
             texts = request_texts(request)
             floor = self.template.prompt_floor(request.turns)
             if floor > limit or sum(map(len, texts)) > EXACT_COUNT_CHARS_PER_TOKEN * limit:
@@ -323,6 +334,25 @@ class ProxyServer:
         answer.headers[TOKEN_COUNT_HEADER] = "exact" if exact else "estimate"
         return answer
 
+    async def _count_offloaded(self, raw: bytes, dialect: Dialect, http: web.Request) -> web.Response | None:
+        """The estimate of a huge body, decoded and parsed by the count worker (`gyre.proxy.count_worker`); None
+        to count it in process: the model can take its prompt, or the worker failed."""
+        try:
+            found = await self.count_worker.digest(raw, dialect.name, _headers(http), dict(http.query), MAX_BODY_DEPTH)
+        except WorkerFailed as error:
+            log.warning("count_tokens: the worker failed on a %d-byte body (%s); counted in process", len(raw), error)
+            return None
+        self._check_model(found.model)
+        _check_stated_role(found.signals)
+        limit = self.context_limit
+        floor = self.template.floor_of_chars(found.floor_chars)
+        if floor <= limit and found.text_chars <= EXACT_COUNT_CHARS_PER_TOKEN * limit:
+            return None
+        estimate = await asyncio.to_thread(estimate_from_sample, found.sample, self.template.encode_many)
+        answer = _json(dialect.count_tokens_body(max(floor, estimate)))
+        answer.headers[TOKEN_COUNT_HEADER] = "estimate"
+        return answer
+
     def _estimate_beyond(self, texts: list[str], at_least: int) -> int:
         """A count for a prompt past the context limit (or too long to count): the sampled estimate, never below
         what is known of it."""
@@ -331,25 +361,24 @@ class ProxyServer:
     async def _admit(self, http: web.Request, dialect: Dialect) -> tuple[ExecutionSession, ChatRequest]:
         session = self._authenticate(http)
         headers = _headers(http)
-        if not dialect.incremental:
-            body = await self._read_json(http)
-            request = dialect.parse_request(body, headers, dict(http.query), cache=None)
+        # Only the bytes the thread's previous body did not have are decoded (gyre.proxy.body_reuse), and with an
+        # incremental dialect only the messages it did not have are parsed (gyre.proxy.dialects.incremental).
+        cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}")
+        raw = await self._read_body(http)
+        reused = body_reuse.reuse(raw, cache.body, MAX_BODY_DEPTH) if cache.body is not None else None
+        if reused is not None:
+            body, layout = reused
         else:
-            # Only the bytes the thread's previous body did not have are decoded, and only the messages it did not
-            # have are parsed (gyre.proxy.body_reuse, gyre.proxy.dialects.incremental).
-            cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}")
-            raw = await self._read_body(http)
-            reused = body_reuse.reuse(raw, cache.body, MAX_BODY_DEPTH) if cache.body is not None else None
-            if reused is not None:
-                body, layout = reused
+            body = self._decode_json(raw)
+            field = dialect.history_field
+            if len(raw) >= OFF_THE_LOOP_BODY_BYTES:  # the scan is Python: off the loop, the others go on
+                layout = await asyncio.to_thread(body_reuse.fresh, raw, body, field)
             else:
-                body = self._decode_json(raw)
-                big = len(raw) >= OFF_THE_LOOP_BODY_BYTES  # the scan is Python: off the loop, others go on
-                layout = await asyncio.to_thread(body_reuse.fresh, raw, body) if big else body_reuse.fresh(raw, body)
-            request = dialect.parse_request(body, headers, dict(http.query), cache=cache)
-            cache.body = layout  # only once parsed: a refused body is never the base of the next
+                layout = body_reuse.fresh(raw, body, field)
+        request = dialect.parse_request(body, headers, dict(http.query), cache=cache if dialect.incremental else None)
+        cache.body = layout  # only once parsed: a refused body is never the base of the next
         self._check_model(request.model)
-        _check_stated_role(request)
+        _check_stated_role(request.signals)
         return session, request
 
     async def _build_prompt(self, session: ExecutionSession, request: ChatRequest):
@@ -395,17 +424,7 @@ class ProxyServer:
         return self._decode_json(await self._read_body(http))
 
     def _decode_json(self, raw: bytes) -> Any:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as error:
-            raise ApiError("invalid_request", f"the request body is not valid JSON (UTF-8): {error}") from None
-        if nesting_depth_exceeds(body, MAX_BODY_DEPTH):
-            raise ApiError(
-                "invalid_request",
-                f"the request body nests objects and arrays more than {MAX_BODY_DEPTH} levels deep "
-                f"(at most {MAX_BODY_DEPTH} are accepted)",
-            )
-        return body
+        return decode_body(raw, MAX_BODY_DEPTH)
 
     def _check_model(self, model: str) -> None:
         if model not in self.config.model_names:
@@ -734,9 +753,10 @@ def _headers(http: web.Request) -> dict[str, str]:
     return {k.lower(): v for k, v in http.headers.items()}
 
 
-def _check_stated_role(request: ChatRequest) -> None:
-    """An `x-gyre-role` header must name a role label (`gyre.traj.roles`): the same 400 on every route."""
-    role = request.signals.get("x-gyre-role")
+def _check_stated_role(signals: Mapping[str, Any]) -> None:
+    """An `x-gyre-role` header (a request's signals) must name a role label (`gyre.traj.roles`): the same 400 on
+    every route."""
+    role = signals.get("x-gyre-role")
     if role is not None and role not in ROLE_LABELS:
         raise ApiError("invalid_request", f"header x-gyre-role: got {role!r}, expected one of {list(ROLE_LABELS)}")
 

@@ -143,7 +143,7 @@ class ExecutionSession:
         return _lru(self.build_locks, thread, asyncio.Lock)
 
     def parse_cache(self, thread: str) -> MessageCache:
-        """The thread's raw messages and their parses, for incremental dialect parsing."""
+        """The thread's previous body (gyre.proxy.body_reuse), raw messages and their parses (incremental parsing)."""
         return _lru(self.parse_caches, thread, MessageCache)
 
     def record(

@@ -83,6 +83,11 @@ def _tool_call_message(call: ToolCall) -> dict[str, Any]:
     }
 
 
+def floor_chars(turns: Sequence[Turn]) -> int:
+    """The characters of `turns` that a prompt floor counts: their user and tool texts, stripped."""
+    return sum(len(turn.text.strip()) for turn in turns if turn.role in ("user", "tool"))
+
+
 class ChatTemplate:
     """A tokenizer plus its Jinja chat template, rendered in transformers' sandboxed environment."""
 
@@ -305,9 +310,12 @@ class ChatTemplate:
         """The fewest tokens a prompt holding `turns` (any of its turns) can have, from their user and tool texts
         alone (which the template renders, at most trimmed: probed), without rendering or encoding anything. 0
         when that is not known."""
+        return self.floor_of_chars(floor_chars(turns))
+
+    def floor_of_chars(self, chars: int) -> int:
+        """`prompt_floor` of turns whose `floor_chars` is `chars`."""
         if not self.bytes_per_token or not self.keeps_contents:
             return 0
-        chars = sum(len(turn.text.strip()) for turn in turns if turn.role in ("user", "tool"))
         return token_floor(chars, self.bytes_per_token)
 
     def glue_after(self, output_ids: Sequence[int]) -> str:

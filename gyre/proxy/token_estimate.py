@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gyre.proxy.conversation import ChatRequest
 
-__all__ = ["SAMPLE_CHARS", "SAMPLE_SLICES", "estimate_tokens", "request_texts"]
+__all__ = [
+    "SAMPLE_CHARS",
+    "SAMPLE_SLICES",
+    "TextSample",
+    "estimate_from_sample",
+    "estimate_tokens",
+    "request_texts",
+    "sample_texts",
+]
 
 SAMPLE_CHARS = 32_768  # characters encoded to estimate a prompt, at most (tens of ms of tokenizing)
 SAMPLE_SLICES = 16  # spread over the text: one odd stretch (a base64 blob, a run of spaces) weighs 1/16
@@ -52,6 +61,42 @@ def _slices(texts: Sequence[str], total: int, slices: int, width: int) -> list[s
     return pieces
 
 
+@dataclass(frozen=True)
+class TextSample:
+    """What an estimate encodes of some texts: all of them (`whole`), or evenly spaced slices, and their length."""
+
+    total_chars: int
+    pieces: list[str]
+    whole: bool
+
+    def as_json(self) -> dict:
+        return {"total_chars": self.total_chars, "pieces": self.pieces, "whole": self.whole}
+
+    @classmethod
+    def from_json(cls, data: dict) -> TextSample:
+        return cls(int(data["total_chars"]), [str(piece) for piece in data["pieces"]], bool(data["whole"]))
+
+
+def sample_texts(texts: Sequence[str], *, sample_chars: int = SAMPLE_CHARS, slices: int = SAMPLE_SLICES) -> TextSample:
+    """At most `sample_chars` characters of `texts` to encode: the texts themselves when they fit, else `slices`
+    evenly spaced slices of them laid end to end."""
+    texts = [text for text in texts if text]
+    total = sum(len(text) for text in texts)
+    if total <= sample_chars:
+        return TextSample(total, texts, whole=True)
+    slices = max(min(slices, sample_chars), 1)
+    return TextSample(total, _slices(texts, total, slices, sample_chars // slices), whole=False)
+
+
+def estimate_from_sample(sample: TextSample, encode_many: Callable[[list[str]], Sequence[Sequence[int]]]) -> int:
+    """The texts' tokens: exact for a whole sample, else the slices' tokens per character scaled to the whole."""
+    if sample.whole:
+        return sum(map(len, encode_many(sample.pieces)))
+    sampled_chars = sum(len(piece) for piece in sample.pieces)
+    sampled_tokens = sum(map(len, encode_many(sample.pieces)))
+    return max(1, round(sample.total_chars * sampled_tokens / sampled_chars))
+
+
 def estimate_tokens(
     texts: Sequence[str],
     encode_many: Callable[[list[str]], Sequence[Sequence[int]]],
@@ -65,12 +110,4 @@ def estimate_tokens(
     Texts that fit the sample are encoded whole (exact); otherwise `slices` evenly spaced slices of them are, and
     their tokens per character scale to the whole. A slice cut mid-word can add a token at each end, so on text of
     a few characters per token the estimate runs high by a fraction of a percent."""
-    texts = [text for text in texts if text]
-    total = sum(len(text) for text in texts)
-    if total <= sample_chars:
-        return sum(map(len, encode_many(texts)))
-    slices = max(min(slices, sample_chars), 1)
-    pieces = _slices(texts, total, slices, sample_chars // slices)
-    sampled_chars = sum(len(piece) for piece in pieces)
-    sampled_tokens = sum(map(len, encode_many(pieces)))
-    return max(1, round(total * sampled_tokens / sampled_chars))
+    return estimate_from_sample(sample_texts(texts, sample_chars=sample_chars, slices=slices), encode_many)

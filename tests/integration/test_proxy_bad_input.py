@@ -95,23 +95,36 @@ def test_an_unknown_gyre_role_is_a_400_and_a_known_one_is_recorded(served, path)
     assert last.meta.role_signals["gyre_role"] == "main-summary"
 
 
-def test_a_threads_bodies_are_served_as_if_each_were_decoded_whole_however_they_change(served):
+THREAD_DIALECTS = {  # path: (history field, a user item, an assistant item, the rest of the body)
+    "/v1/messages": (
+        "messages",
+        lambda text: {"role": "user", "content": [{"type": "text", "text": text}]},
+        lambda text: {"role": "assistant", "content": [{"type": "text", "text": text}]},
+        {"model": "gyre", "max_tokens": 2},
+    ),
+    "/v1/responses": (  # Codex: `input` items
+        "input",
+        lambda text: {"type": "message", "role": "user", "content": text},
+        lambda text: {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]},
+        {"model": "gyre", "max_output_tokens": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(THREAD_DIALECTS))
+def test_a_threads_bodies_are_served_as_if_each_were_decoded_whole_however_they_change(served, path):
     """The server decodes only what a body adds to its thread's previous one (gyre.proxy.body_reuse). Whatever the
-    next body does (extends the history, adds a second `messages` key after the array, which JSON decoding takes,
-    edits an early message), each call's prompt is the one a fresh execution gets for the same bytes."""
-    thread = served.stack.registry.issue("reuse-thread")
+    next body does (extends the history, adds a second history key after the array, which JSON decoding takes,
+    edits an early item), each call's prompt is the one a fresh execution gets for the same bytes."""
+    field, u, a, rest = THREAD_DIALECTS[path]
+    name = f"reuse-{field}"
+    thread = served.stack.registry.issue(name)
 
-    def u(text):
-        return {"role": "user", "content": [{"type": "text", "text": text}]}
-
-    def a(text):
-        return {"role": "assistant", "content": [{"type": "text", "text": text}]}
-
-    def raw(messages):
-        return json.dumps({"model": "gyre", "max_tokens": 2, "messages": messages}).encode()
+    def raw(items):
+        return json.dumps({**rest, field: items}).encode()
 
     history = [u("hi"), a("zq answer one"), u("more")]
-    injected = raw(history)[:-1] + b', "messages": [{"role": "user", "content": "injected"}]}'
+    injected = raw(history)[:-1] + json.dumps({field: [u("injected")]}).encode().replace(b"{", b", ", 1)
     bodies = [
         raw(history[:1]),
         raw(history),
@@ -120,14 +133,15 @@ def test_a_threads_bodies_are_served_as_if_each_were_decoded_whole_however_they_
         raw([*history, a("zq answer two"), u("again"), a("zq three"), u("last")]),
         raw([u("hi, edited"), *history[1:]]),
     ]
+    assert json.loads(injected)[field] == [u("injected")]
     for i, body in enumerate(bodies):
-        code, reply = served.post(VALID_PATH, body, key=thread.key)
+        code, reply = served.post(path, body, key=thread.key)
         assert code == 200, reply
-        fresh = served.stack.registry.issue(f"reuse-fresh-{i}")
-        code, reply = served.post(VALID_PATH, body, key=fresh.key)
+        fresh = served.stack.registry.issue(f"{name}-fresh-{i}")
+        code, reply = served.post(path, body, key=fresh.key)
         assert code == 200, reply
-        threaded = load_tree(served.stack.registry.records_dir / "reuse-thread.jsonl")
-        alone = load_tree(served.stack.registry.records_dir / f"reuse-fresh-{i}.jsonl")
+        threaded = load_tree(served.stack.registry.records_dir / f"{name}.jsonl")
+        alone = load_tree(served.stack.registry.records_dir / f"{name}-fresh-{i}.jsonl")
         assert threaded.call_tokens(i)[0] == alone.call_tokens(0)[0], f"body {i}"
 
 

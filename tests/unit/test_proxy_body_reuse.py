@@ -26,7 +26,7 @@ def encode(body: dict, style: str = "compact") -> bytes:
 
 
 def first(raw: bytes) -> body_reuse.Layout:
-    layout = body_reuse.fresh(raw, orjson.loads(raw))
+    layout = body_reuse.fresh(raw, orjson.loads(raw), "messages")
     assert layout is not None
     return layout
 
@@ -38,7 +38,10 @@ def test_an_extended_history_decodes_only_its_new_items_and_takes_the_old_ones_a
     body, layout = body_reuse.reuse(raw, previous, DEPTH)
     assert body == orjson.loads(raw)
     assert all(a is b for a, b in zip(body["messages"][:5], previous.items, strict=True))  # the same objects
-    assert layout.ends == body_reuse.layout_of(raw)[1] and layout.close == body_reuse.layout_of(raw)[2]
+    assert (
+        layout.ends == body_reuse.layout_of(raw, "messages")[1]
+        and layout.close == body_reuse.layout_of(raw, "messages")[2]
+    )
     assert layout.items is body["messages"]
 
 
@@ -67,7 +70,7 @@ def test_a_body_whose_tail_could_change_what_messages_decodes_to_is_decoded_whol
     previous = first(encode({"model": "m", "messages": messages}))
     raw = encode({"model": "m", "messages": [*messages, message(3)]})[:-1] + tail
     assert body_reuse.reuse(raw, previous, DEPTH) is None, why
-    assert body_reuse.fresh(raw, orjson.loads(raw)) is None  # and it is never the base of the next body
+    assert body_reuse.fresh(raw, orjson.loads(raw), "messages") is None  # and it is never the base of the next body
 
 
 @pytest.mark.parametrize(
@@ -85,7 +88,7 @@ def test_a_body_whose_tail_could_change_what_messages_decodes_to_is_decoded_whol
     ],
 )
 def test_bodies_the_scan_cannot_lay_out_are_never_reused(raw):
-    assert body_reuse.fresh(raw, orjson.loads(raw)) is None
+    assert body_reuse.fresh(raw, orjson.loads(raw), "messages") is None
 
 
 def test_string_items_and_empty_arrays_lay_out_and_whitespace_is_kept_exactly():
@@ -120,7 +123,7 @@ def test_a_body_that_only_repeats_the_previous_one_or_drops_items_is_exact():
     assert body == orjson.loads(raw) and layout.ends == previous.ends
     fewer = encode({"model": "m", "messages": messages[:4]})
     body, layout = body_reuse.reuse(fewer, previous, DEPTH)
-    assert body == orjson.loads(fewer) and layout.ends == body_reuse.layout_of(fewer)[1]
+    assert body == orjson.loads(fewer) and layout.ends == body_reuse.layout_of(fewer, "messages")[1]
 
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)  # what UTF-8 can carry
@@ -166,11 +169,27 @@ def test_request_after_request_the_reused_decoding_is_the_whole_decoding(items, 
         reused = body_reuse.reuse(raw, previous, DEPTH) if previous is not None else None
         if reused is None:
             body, layout = orjson.loads(raw), None
-            layout = body_reuse.fresh(raw, body)
+            layout = body_reuse.fresh(raw, body, "messages")
         else:
             body, layout = reused
         assert body == orjson.loads(raw)
         assert layout is not None  # these bodies always lay out: objects as items, keys plainly spelled
-        assert (layout.open, layout.ends, layout.close) == body_reuse.layout_of(raw)
+        assert (layout.open, layout.ends, layout.close) == body_reuse.layout_of(raw, "messages")
         assert layout.items is body["messages"]
         previous = layout
+
+
+def test_the_history_field_is_the_dialects_and_another_key_of_that_name_is_never_taken_for_it():
+    """The Responses API resends `input`; a `messages` key there is just another field."""
+    items = [{"type": "message", "role": "user", "content": f"m{i}"} for i in range(3)]
+    raw = encode({"model": "m", "input": items, "messages": [1, 2]})
+    previous = body_reuse.fresh(raw, orjson.loads(raw), "input")
+    assert previous is not None and previous.field == "input" and previous.items == items
+    grown = encode(
+        {"model": "m", "input": [*items, {"type": "message", "role": "user", "content": "m3"}], "messages": [1, 2]}
+    )
+    body, layout = body_reuse.reuse(grown, previous, DEPTH)
+    assert body == orjson.loads(grown) and len(layout.ends) == 4
+    twice = grown[:-1] + b', "input": []}'
+    assert body_reuse.reuse(twice, previous, DEPTH) is None
+    assert body_reuse.fresh(raw, orjson.loads(raw), "messages") is None  # [1, 2]: numbers are not laid out

@@ -496,6 +496,7 @@ class AnthropicMessages:
     response_prefix = "msg_"
     call_prefix = "toolu_"
     incremental = True
+    history_field = "messages"
 
     parse_request = staticmethod(parse_request)
     parse_count_tokens = staticmethod(parse_count_tokens)

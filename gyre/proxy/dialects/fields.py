@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from gyre.config.checks import is_int, is_number
 from gyre.proxy.conversation import ApiError, compact_json
 
@@ -41,6 +43,22 @@ _JSON_TYPES: dict[type, str] = {
 def json_type(value: Any) -> str:
     """The JSON type name of a decoded value ("null", "boolean", "integer", "number", "string", "array", "object")."""
     return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def decode_body(raw: bytes, max_depth: int) -> Any:
+    """A request body decoded (orjson), or the 400 for one that is not JSON or nests containers more than
+    `max_depth` levels deep (docs/proxy.md, "One call")."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise ApiError("invalid_request", f"the request body is not valid JSON (UTF-8): {error}") from None
+    if nesting_depth_exceeds(body, max_depth):
+        raise ApiError(
+            "invalid_request",
+            f"the request body nests objects and arrays more than {max_depth} levels deep "
+            f"(at most {max_depth} are accepted)",
+        )
+    return body
 
 
 def nesting_depth_exceeds(value: Any, limit: int) -> bool:

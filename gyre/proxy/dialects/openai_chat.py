@@ -383,6 +383,7 @@ class OpenAIChat:
     response_prefix = "chatcmpl-"
     call_prefix = "call_"
     incremental = True
+    history_field = "messages"
 
     parse_request = staticmethod(parse_request)
     response_body = staticmethod(response_body)

@@ -645,6 +645,7 @@ class OpenAIResponses(OpenAIChat):
     path = "/v1/responses"
     response_prefix = "resp_"
     incremental = False  # input items merge across item boundaries: the whole input is parsed each call
+    history_field = "input"
 
     response_body = staticmethod(response_body)
     stream_writer = StreamWriter

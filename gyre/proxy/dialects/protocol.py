@@ -56,6 +56,7 @@ class Dialect(Protocol):
     response_prefix: str  # of the response / message id the server makes for each call
     call_prefix: str  # of the tool-call ids the output parser makes
     incremental: bool  # parse_request reuses a thread's unchanged messages from a `MessageCache`
+    history_field: str  # the body's array a harness resends whole each call (`gyre.proxy.body_reuse`)
 
     def parse_request(
         self, body: Any, headers: Mapping[str, str], query: Mapping[str, str], *, cache: MessageCache | None
