@@ -157,6 +157,12 @@ class CountWorker:
             sample=TextSample.from_json(found["sample"]),
         )
 
+    @property
+    def pid(self) -> int | None:
+        """The running worker's process id (None when none runs)."""
+        process = self._process
+        return process.pid if process is not None and process.returncode is None else None
+
     def prewarm(self) -> None:
         """Start the worker now, in the background (from the running loop), so the first huge body does not wait
         for it and its start-up does not compete with the calls beside that body (~0.2 s of CPU)."""
