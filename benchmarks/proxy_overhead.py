@@ -694,7 +694,7 @@ def breakdown(setup: dict, reps: int, history_tokens: int) -> dict:
     from gyre.proxy.payload import PayloadCache
     from gyre.proxy.render import PromptBuilder
     from gyre.proxy.routing import RoutedFinish, RoutingTable
-    from gyre.proxy.server import MAX_BODY_DEPTH, ProxyServer, _Call
+    from gyre.proxy.server import MAX_BODY_DEPTH, OFF_THE_LOOP_BODY_BYTES, ProxyServer, _Call
     from gyre.proxy.sessions import SessionRegistry, thread_key
 
     template = setup["template"]
@@ -734,7 +734,8 @@ def breakdown(setup: dict, reps: int, history_tokens: int) -> dict:
             cache = session.parse_cache(f"anthropic:{thread_key(headers)}")
 
             def decode(raw=raw, cache=cache):  # as ProxyServer._admit: only what the thread's last body lacks
-                reused = body_reuse.reuse(raw, cache.body, MAX_BODY_DEPTH) if cache.body is not None else None
+                previous = cache.body
+                reused = body_reuse.reuse(raw, previous, MAX_BODY_DEPTH, OFF_THE_LOOP_BODY_BYTES) if previous else None
                 if reused is not None:
                     return reused
                 body = orjson.loads(raw)

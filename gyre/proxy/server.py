@@ -75,7 +75,8 @@ MAX_BODY_DEPTH = 128
 OFF_THE_LOOP_CHARS = 32 * 1024
 
 # A body this large that cannot reuse its thread's previous one is scanned for its messages' offsets on a worker
-# thread (gyre.proxy.body_reuse.fresh: ~12 ms at 1.4 MB, Python), so the event loop's other calls interleave.
+# thread (gyre.proxy.body_reuse.fresh: ~12 ms at 1.4 MB, Python), so the event loop's other calls interleave; and
+# a body that adds this much to the previous one is decoded whole (C) rather than scanned on the loop.
 OFF_THE_LOOP_BODY_BYTES = 256 * 1024
 
 # count_tokens counts exactly a prompt of at most this many characters per token of the context limit: every
@@ -201,10 +202,10 @@ class ProxyServer:
     async def stop(self) -> None:
         self.stopping = True
         await self.heap.stop()
-        await self.count_worker.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.count_worker.stop()  # after the calls in flight, which may be using it
 
     # ------------------------------------------------------------------ small routes
 
@@ -365,7 +366,8 @@ class ProxyServer:
         # incremental dialect only the messages it did not have are parsed (gyre.proxy.dialects.incremental).
         cache = session.parse_cache(f"{dialect.name}:{thread_key(headers)}")
         raw = await self._read_body(http)
-        reused = body_reuse.reuse(raw, cache.body, MAX_BODY_DEPTH) if cache.body is not None else None
+        previous = cache.body
+        reused = body_reuse.reuse(raw, previous, MAX_BODY_DEPTH, OFF_THE_LOOP_BODY_BYTES) if previous else None
         if reused is not None:
             body, layout = reused
         else:
@@ -376,9 +378,9 @@ class ProxyServer:
             else:
                 layout = body_reuse.fresh(raw, body, field)
         request = dialect.parse_request(body, headers, dict(http.query), cache=cache if dialect.incremental else None)
-        cache.body = layout  # only once parsed: a refused body is never the base of the next
         self._check_model(request.model)
         _check_stated_role(request.signals)
+        cache.body = layout  # only once admitted: a refused body is never the base of the next
         return session, request
 
     async def _build_prompt(self, session: ExecutionSession, request: ChatRequest):

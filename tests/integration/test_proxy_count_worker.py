@@ -5,16 +5,17 @@ that call's way of being answered."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
+import sys
 
 import pytest
 from proxy_stack import StackThread
 
 from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.proxy import count_worker
 from gyre.proxy.conversation import ApiError
 from gyre.proxy.count_worker import OFFLOAD_MIN_BYTES, CountWorker, WorkerFailed, digest
 from gyre.proxy.dialects.fields import decode_body
@@ -56,18 +57,64 @@ def test_the_worker_digests_as_the_server_would_and_refuses_with_the_same_400s()
     run(main())
 
 
-def test_a_killed_worker_fails_one_call_at_most_and_the_next_starts_a_new_one():
+def test_a_killed_worker_fails_one_call_at_most_and_a_new_one_starts_after_the_pause(monkeypatch):
+    monkeypatch.setattr(count_worker, "RESTART_PAUSE_S", 0.5)
+
     async def main():
         worker = CountWorker()
         try:
             raw = body()
             first = await worker.digest(raw, "anthropic", {}, {}, DEPTH)
             os.kill(worker.pid, signal.SIGKILL)
-            with contextlib.suppress(WorkerFailed):  # dead, not yet reaped: this call fails; else it starts anew
+            try:  # dead and not yet reaped: this call fails and pauses restarts; reaped: a new worker answers
                 assert await worker.digest(raw, "anthropic", {}, {}, DEPTH) == first
+            except WorkerFailed:
+                with pytest.raises(WorkerFailed, match="paused"):
+                    await worker.digest(raw, "anthropic", {}, {}, DEPTH)
+                await asyncio.sleep(0.6)
             assert await worker.digest(raw, "anthropic", {}, {}, DEPTH) == first
         finally:
             await worker.stop()
+
+    run(main())
+
+
+FAKE_WORKERS = {
+    "prints": "import sys\nprint('hello')\nsys.stdout.flush()\nsys.stdin.buffer.read()",
+    "answers another call": 'import sys\nprint(\'{"call": 99, "digest": {}}\')\nsys.stdin.buffer.read()',
+    "exits": "pass",
+}
+
+
+@pytest.mark.parametrize("behaviour", sorted(FAKE_WORKERS))
+def test_a_worker_that_says_something_else_fails_the_call_and_is_stopped_and_paused(behaviour, tmp_path):
+    """Fakes of the worker's process (a stray line on stdout, the answer to another call, an exit): never a 500,
+    never another call's answer."""
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKERS[behaviour])
+
+    async def main():
+        worker = CountWorker(command=(sys.executable, str(script)))
+        try:
+            with pytest.raises(WorkerFailed):
+                await worker.digest(body(), "anthropic", {}, {}, DEPTH)
+            assert worker.pid is None
+            with pytest.raises(WorkerFailed, match="paused"):
+                await worker.digest(body(), "anthropic", {}, {}, DEPTH)
+        finally:
+            await worker.stop()
+
+    run(main())
+
+
+def test_after_stop_no_worker_starts_again():
+    async def main():
+        worker = CountWorker()
+        worker.prewarm()
+        await worker.stop()
+        with pytest.raises(WorkerFailed, match="stopping"):
+            await worker.digest(body(), "anthropic", {}, {}, DEPTH)
+        assert worker.pid is None
 
     run(main())
 
@@ -117,6 +164,8 @@ def test_the_server_answers_huge_counts_through_the_worker_as_it_would_in_proces
     assert reply["input_tokens"] == served.post(COUNT, body("hello there"))[1]["input_tokens"]
     status, reply = served.post(COUNT, body()[:-2])
     assert status == 400 and "not valid JSON" in reply["error"]["message"], reply
+    status, reply = served.post(COUNT, body(), headers={"x-gyre-agent-id": "caf\xe9"})  # not UTF-8 on the wire
+    assert status == 200 and served.last_headers["gyre-token-count"] == "estimate", reply
 
 
 def test_a_dead_worker_is_answered_in_process_then_replaced(served):

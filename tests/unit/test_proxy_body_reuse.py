@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from gyre.proxy import body_reuse
 
 DEPTH = 128
+NEW = 1 << 20  # new bytes a reuse takes on
 
 
 def message(i: int, text: str = "") -> dict:
@@ -35,7 +36,7 @@ def test_an_extended_history_decodes_only_its_new_items_and_takes_the_old_ones_a
     messages = [message(i) for i in range(5)]
     previous = first(encode({"model": "m", "messages": messages, "max_tokens": 4}))
     raw = encode({"model": "m", "messages": [*messages, message(5), message(6)], "max_tokens": 4})
-    body, layout = body_reuse.reuse(raw, previous, DEPTH)
+    body, layout = body_reuse.reuse(raw, previous, DEPTH, NEW)
     assert body == orjson.loads(raw)
     assert all(a is b for a, b in zip(body["messages"][:5], previous.items, strict=True))  # the same objects
     assert (
@@ -53,7 +54,7 @@ def test_a_changed_last_item_is_decoded_again_and_a_changed_early_one_shares_onl
     edited = [*messages[:3], message(3, "edited"), *messages[4:]]
     raw = encode({"model": "m", "messages": edited})
     assert previous.shared_items(raw) == 3
-    body, _ = body_reuse.reuse(raw, previous, DEPTH)
+    body, _ = body_reuse.reuse(raw, previous, DEPTH, NEW)
     assert body == orjson.loads(raw)
     assert previous.shared_items(encode({"model": "other", "messages": messages})) == 0  # the head changed
 
@@ -69,7 +70,7 @@ def test_a_body_whose_tail_could_change_what_messages_decodes_to_is_decoded_whol
     messages = [message(i) for i in range(3)]
     previous = first(encode({"model": "m", "messages": messages}))
     raw = encode({"model": "m", "messages": [*messages, message(3)]})[:-1] + tail
-    assert body_reuse.reuse(raw, previous, DEPTH) is None, why
+    assert body_reuse.reuse(raw, previous, DEPTH, NEW) is None, why
     assert body_reuse.fresh(raw, orjson.loads(raw), "messages") is None  # and it is never the base of the next body
 
 
@@ -98,8 +99,28 @@ def test_string_items_and_empty_arrays_lay_out_and_whitespace_is_kept_exactly():
     empty = b'{"messages": [ ], "model": "m"}'
     assert first(empty).ends == []
     grown = raw.replace(b'"b"\n]', b'"b", "c"\n]')
-    body, layout = body_reuse.reuse(grown, first(raw), DEPTH)
+    body, layout = body_reuse.reuse(grown, first(raw), DEPTH, NEW)
     assert body == orjson.loads(grown) and len(layout.ends) == 4
+
+
+@pytest.mark.parametrize("glued", [b".5", b"e5", b"E-1", b".5e3", b"5", b"null", b"]"])
+def test_bytes_glued_to_a_shared_item_are_refused_as_the_whole_decoding_refuses_them(glued):
+    """Found in review: with a `0` placeholder, `[{...}.5]` spliced to `[0.5]`, valid JSON; `null` takes no suffix."""
+    messages = [message(i) for i in range(3)]
+    previous = first(encode({"model": "m", "messages": messages}))
+    raw = encode({"model": "m", "messages": messages})
+    raw = raw[: previous.ends[-1]] + glued + raw[previous.ends[-1] :]
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw)
+    assert body_reuse.reuse(raw, previous, DEPTH, NEW) is None
+
+
+def test_a_big_new_part_is_left_to_the_whole_decoding():
+    messages = [message(i) for i in range(3)]
+    previous = first(encode({"model": "m", "messages": messages}))
+    raw = encode({"model": "m", "messages": [*messages, message(3, "x" * 5000)]})
+    assert body_reuse.reuse(raw, previous, DEPTH, 1000) is None
+    assert body_reuse.reuse(raw, previous, DEPTH, 10_000) is not None
 
 
 def test_what_the_spliced_decoding_refuses_is_left_to_the_whole_decoding():
@@ -107,22 +128,22 @@ def test_what_the_spliced_decoding_refuses_is_left_to_the_whole_decoding():
     previous = first(encode({"model": "m", "messages": messages}))
     whole = encode({"model": "m", "messages": [*messages, message(3)]})
     for raw in (whole[:-2], whole.replace(b'"m3 ', b'"m3 \xff'), whole + b"x"):
-        assert body_reuse.reuse(raw, previous, DEPTH) is None
+        assert body_reuse.reuse(raw, previous, DEPTH, NEW) is None
         with pytest.raises(orjson.JSONDecodeError):
             orjson.loads(raw)
     deep = encode({"model": "m", "messages": [*messages, {"content": [[[[[[[[1]]]]]]]]}]})
-    assert body_reuse.reuse(deep, previous, 8) is None  # the server's whole decoding then answers its 400
-    assert body_reuse.reuse(deep, previous, DEPTH) is not None
+    assert body_reuse.reuse(deep, previous, 8, NEW) is None  # the server's whole decoding then answers its 400
+    assert body_reuse.reuse(deep, previous, DEPTH, NEW) is not None
 
 
 def test_a_body_that_only_repeats_the_previous_one_or_drops_items_is_exact():
     messages = [message(i) for i in range(6)]
     raw = encode({"model": "m", "messages": messages})
     previous = first(raw)
-    body, layout = body_reuse.reuse(raw, previous, DEPTH)  # an identical retry
+    body, layout = body_reuse.reuse(raw, previous, DEPTH, NEW)  # an identical retry
     assert body == orjson.loads(raw) and layout.ends == previous.ends
     fewer = encode({"model": "m", "messages": messages[:4]})
-    body, layout = body_reuse.reuse(fewer, previous, DEPTH)
+    body, layout = body_reuse.reuse(fewer, previous, DEPTH, NEW)
     assert body == orjson.loads(fewer) and layout.ends == body_reuse.layout_of(fewer, "messages")[1]
 
 
@@ -166,7 +187,7 @@ def test_request_after_request_the_reused_decoding_is_the_whole_decoding(items, 
         else:
             style = "spaced" if style == "compact" else "compact"
         raw = encode({**head, "messages": messages, **tail}, style)
-        reused = body_reuse.reuse(raw, previous, DEPTH) if previous is not None else None
+        reused = body_reuse.reuse(raw, previous, DEPTH, NEW) if previous is not None else None
         if reused is None:
             body, layout = orjson.loads(raw), None
             layout = body_reuse.fresh(raw, body, "messages")
@@ -188,8 +209,33 @@ def test_the_history_field_is_the_dialects_and_another_key_of_that_name_is_never
     grown = encode(
         {"model": "m", "input": [*items, {"type": "message", "role": "user", "content": "m3"}], "messages": [1, 2]}
     )
-    body, layout = body_reuse.reuse(grown, previous, DEPTH)
+    body, layout = body_reuse.reuse(grown, previous, DEPTH, NEW)
     assert body == orjson.loads(grown) and len(layout.ends) == 4
     twice = grown[:-1] + b', "input": []}'
-    assert body_reuse.reuse(twice, previous, DEPTH) is None
+    assert body_reuse.reuse(twice, previous, DEPTH, NEW) is None
     assert body_reuse.fresh(raw, orjson.loads(raw), "messages") is None  # [1, 2]: numbers are not laid out
+
+
+GLUE = st.binary(max_size=12) | st.sampled_from([b".5", b"e5", b"E-1", b"}", b"]", b",", b", {}", b"]}", b'"', b"\\"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(ITEMS, st.integers(0, 20), GLUE, st.booleans())
+def test_whatever_bytes_follow_the_shared_items_reuse_decodes_as_the_whole_decoding_or_gives_up(
+    items, at, glue, keep_rest
+):
+    """Any bytes after a shared item (valid or not, the rest of the body kept or cut off): `reuse` returns exactly
+    `orjson.loads` of the body, or None; never a body the whole decoding refuses."""
+    raw = encode({"model": "m", "messages": [message(0), *items], "stream": True})
+    previous = first(raw)
+    cut = previous.ends[at % len(previous.ends)]
+    new = raw[:cut] + glue + (raw[cut:] if keep_rest else b"")
+    reused = body_reuse.reuse(new, previous, DEPTH, NEW)
+    try:
+        whole = orjson.loads(new)
+    except orjson.JSONDecodeError:
+        assert reused is None
+        return
+    if reused is not None:
+        assert reused[0] == whole
+        assert (reused[1].open, reused[1].ends, reused[1].close) == body_reuse.layout_of(new, "messages")

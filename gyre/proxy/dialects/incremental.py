@@ -21,7 +21,7 @@ class MessageCache:
     __slots__ = ("body", "parsed", "raw", "tools", "tools_raw")
 
     def __init__(self) -> None:
-        self.body: Any = None  # the previous body and its layout (`gyre.proxy.body_reuse.Layout`): every dialect's
+        self.body: Any = None  # the previous body's `gyre.proxy.body_reuse.Layout` (every dialect, incremental or not)
         self.raw: list[Any] = []
         self.parsed: list[Any] = []
         self.tools_raw: Any = None  # the previous request's raw `tools` and their parse (tool schemas are checked
