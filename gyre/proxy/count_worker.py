@@ -186,14 +186,14 @@ class CountWorker:
                     raise ValueError(f"the answer to call {reply['call']!r}, not {call}")
                 if "error" in reply:
                     kind, message, param = reply["error"]
-                    error = ApiError(kind, message, param=param)
+                    refusal: Exception = ApiError(kind, message, param=param)
                 elif "failed" in reply:
-                    error = WorkerFailed(f"the count worker failed: {reply['failed']}")
+                    refusal = WorkerFailed(f"the count worker failed: {reply['failed']}")
                 else:
                     return CountDigest.from_json(reply["digest"])
             except (ValueError, KeyError, TypeError) as error:  # not an answer (an empty line: the worker exited)
                 raise await self._lost(f"the count worker's answer is not one ({error}): {line[:200]!r}") from None
-        raise error
+        raise refusal
 
     async def _started(self) -> asyncio.subprocess.Process:
         if self._process is not None and self._process.returncode is None:

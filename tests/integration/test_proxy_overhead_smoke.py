@@ -34,7 +34,7 @@ def test_proxy_overhead_quick_reports_all_four_sections():
     assert _number(a["added_p50_ms"]) and isinstance(a["met"], bool)
 
     b = report["b_agent_sessions"]
-    assert b["sessions"] == 512
+    assert b["sessions"] == 64  # --quick; 512 in a full run
     for side in ("direct", "proxy"):
         assert b[side]["calls"] > 0 and _number(b[side]["total_ms"]["p99"]), b[side]
         assert b[side]["errors"] == [], b[side]["errors"]
