@@ -35,7 +35,7 @@ from gyre.proxy.dialects.fields import nesting_depth_exceeds
 
 # A JSON string (unrolled: long strings are skipped in C), or one structural character.
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[][{}:,]', re.DOTALL)
-_QUOTE, _COMMA, _COLON = ord('"'), ord(","), ord(":")
+_QUOTE, _COMMA = ord('"'), ord(",")
 _OPEN, _CLOSE, _SKIPPED = frozenset(b"{["), frozenset(b"}]"), frozenset(b'":,')
 
 
@@ -102,7 +102,9 @@ def reuse(raw: bytes, previous: Layout, max_depth: int, max_new_bytes: int) -> t
     if len(new_ends) != len(messages) - 1:
         return None
     tail = memoryview(previous.raw)[previous.close :]
-    if not (len(raw) - close == len(tail) and raw.endswith(tail)) and not _keys_after(raw, close + 1, _key(field)):
+    if not (len(raw) - close == len(tail) and raw.endswith(tail)) and (
+        _next_key(raw, close + 1, _key(field), expect_key=False) is not True
+    ):
         return None
     items = previous.items[:shared] + messages[1:]
     body[field] = items
@@ -126,42 +128,20 @@ def layout_of(raw: bytes, field: str) -> tuple[int, list[int], int] | None:
     """(just after `[`, each item's end, the `]`) of the top-level array `field` of valid JSON `raw`, or None (see
     the module's rules)."""
     wanted = _key(field)
-    tokens = _TOKEN.finditer(raw)
-    first = next(tokens, None)
+    first = _TOKEN.search(raw)
     if first is None or raw[first.start()] != ord("{"):
         return None
-    found: tuple[int, list[int], int] | None = None
-    depth, expect_key, key = 1, True, b""
-    while (match := next(tokens, None)) is not None:
-        char = raw[match.start()]
-        if depth == 1:
-            if expect_key and char == _QUOTE:
-                key = match.group()
-                if b"\\" in key or (key == wanted and found is not None):
-                    return None
-                expect_key = False
-                continue
-            if char == _COMMA:
-                expect_key = True
-                continue
-            if char == _COLON and key == wanted:
-                bracket = _TOKEN.search(raw, match.end())
-                if bracket is None or raw[bracket.start()] != ord("["):
-                    return None  # the history is not an array
-                scanned = _items(raw, bracket.end(), first=True)
-                if scanned is None:
-                    return None
-                found = (bracket.end(), *scanned)
-                tokens = _TOKEN.finditer(raw, scanned[1] + 1)  # on after the `]`
-                key = b""
-                continue
-        if char in _OPEN:
-            depth += 1
-        elif char in _CLOSE:
-            depth -= 1
-            if depth == 0:
-                return found
-    return None
+    key = _next_key(raw, first.end(), wanted, expect_key=True)
+    if not isinstance(key, re.Match):
+        return None
+    colon = _TOKEN.search(raw, key.end())
+    bracket = _TOKEN.search(raw, colon.end()) if colon is not None else None
+    if bracket is None or raw[bracket.start()] != ord("["):
+        return None  # the history is not an array
+    scanned = _items(raw, bracket.end(), first=True)
+    if scanned is None or _next_key(raw, scanned[1] + 1, wanted, expect_key=False) is not True:
+        return None
+    return bracket.end(), *scanned
 
 
 def _items(raw: bytes, pos: int, *, first: bool) -> tuple[list[int], int] | None:
@@ -210,18 +190,20 @@ def _key(field: str) -> bytes:
     return b'"' + field.encode() + b'"'
 
 
-def _keys_after(raw: bytes, pos: int, wanted: bytes) -> bool:
-    """Whether the top-level keys after the array (from `pos`, just after its `]`) are all plainly spelled and none
-    is `wanted` (the history's key)."""
-    depth, expect_key = 1, False
+def _next_key(raw: bytes, pos: int, wanted: bytes, *, expect_key: bool) -> re.Match | bool:
+    """Walking the top-level object's keys from `pos` (inside it; `expect_key` when a key comes next): the match of
+    key `wanted` when it is among them, True at the object's end without it, False at a key written with escapes."""
+    depth = 1
     for match in _TOKEN.finditer(raw, pos):
         char = raw[match.start()]
         if depth == 1 and char == _COMMA:
             expect_key = True
         elif depth == 1 and char == _QUOTE and expect_key:
             key = match.group()
-            if b"\\" in key or key == wanted:
+            if b"\\" in key:
                 return False
+            if key == wanted:
+                return match
             expect_key = False
         elif char in _OPEN:
             depth += 1

@@ -11,12 +11,12 @@ encodes the sample (the GIL released) and answers. A body the digest shows the m
 `EXACT_COUNT_CHARS_PER_TOKEN` characters per token of the limit, its floor within the limit) is counted exactly in
 process, as any smaller body is.
 
-One process, started with the server in the background (`python -m gyre.proxy.count_worker`: ~0.25 s, it imports
-the dialects, not torch), a call at a time over its stdin and stdout (a frame: the header's and the body's lengths,
-a JSON header naming the call, the body; the answer: one JSON line naming the call). What the worker cannot answer
-is counted in process, as before this worker existed: a worker that would not start, died, or answered something
-else (it is then stopped, and not started again for `RESTART_PAUSE_S`), a call after the server's stop. A call the
-client hangs up on kills the worker, so its answer is never read by the next call.
+One process, started with the server in the background (`python -m gyre.proxy.count_worker`: ~0.25 s, ~0.33 s of
+CPU; it imports the dialects, not torch), a call at a time over its stdin and stdout (a frame: the header's and the
+body's lengths, a JSON header naming the call, the body; the answer: one JSON line naming the call). What the worker
+cannot answer is counted in process, as before this worker existed: a worker that would not start, died, or
+answered something else (it is then stopped, and not started again for `RESTART_PAUSE_S`), a call after the
+server's stop. A call the client hangs up on kills the worker, so its answer is never read by the next call.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class CountWorker:
 
     def prewarm(self) -> None:
         """Start the worker now, in the background (from the running loop), so the first huge body does not wait
-        for it and its start-up does not compete with the calls beside that body (~0.2 s of CPU)."""
+        for it and its start-up does not compete with the calls beside that body (~0.33 s of CPU)."""
         self._prewarming = asyncio.get_running_loop().create_task(self._prewarm())
 
     async def _prewarm(self) -> None:

@@ -317,7 +317,7 @@ class ProxyServer:
             _check_stated_role(request.signals)
             texts = request_texts(request)
             floor = self.template.prompt_floor(request.turns)
-            if floor > limit or sum(map(len, texts)) > EXACT_COUNT_CHARS_PER_TOKEN * limit:
+            if not self._countable(floor, sum(map(len, texts))):
                 count, exact = await asyncio.to_thread(self._estimate_beyond, texts, floor), False
             else:
                 builder = session.make_builder(session.payload)  # a throwaway builder: no cache churn, no lock
@@ -345,14 +345,19 @@ class ProxyServer:
             return None
         self._check_model(found.model)
         _check_stated_role(found.signals)
-        limit = self.context_limit
         floor = self.template.floor_of_chars(found.floor_chars)
-        if floor <= limit and found.text_chars <= EXACT_COUNT_CHARS_PER_TOKEN * limit:
+        if self._countable(floor, found.text_chars):
             return None
         estimate = await asyncio.to_thread(estimate_from_sample, found.sample, self.template.encode_many)
         answer = _json(dialect.count_tokens_body(max(floor, estimate)))
         answer.headers[TOKEN_COUNT_HEADER] = "estimate"
         return answer
+
+    def _countable(self, floor: int, text_chars: int) -> bool:
+        """Whether count_tokens counts a prompt exactly: its floor within the context limit and its text at most
+        `EXACT_COUNT_CHARS_PER_TOKEN` characters per token of it; else it answers an estimate."""
+        limit = self.context_limit
+        return floor <= limit and text_chars <= EXACT_COUNT_CHARS_PER_TOKEN * limit
 
     def _estimate_beyond(self, texts: list[str], at_least: int) -> int:
         """A count for a prompt past the context limit (or too long to count): the sampled estimate, never below
