@@ -53,7 +53,7 @@ from gyre.config import TinyModelSpec
 from gyre.obs.record import record_from_dict
 from gyre.obs.timeline import Segment, write_stacked_timelines
 from gyre.runtime.audit import audit_run
-from gyre.runtime.execution_log import read_executions
+from gyre.runtime.controller.execution_log import read_executions
 from gyre.sim.durations import budgeted_duration
 from gyre.sim.presets import compose_sim_config
 from gyre.sim.simulator import simulate

@@ -38,7 +38,7 @@ def run(main: Coroutine[Any, Any, Any]) -> Any:
 
 class LoopThread:
     """A loop from `new_event_loop` run forever in a daemon thread: a service beside a rank's own work or a test's
-    (`gyre.engine.endpoint.ServerThread`, `gyre.runtime.harness_host.HarnessHostThread`)."""
+    (`gyre.engine.endpoint.ServerThread`, `gyre.runtime.job.harness_host.HarnessHostThread`)."""
 
     def __init__(self, name: str) -> None:
         self.loop = new_event_loop()

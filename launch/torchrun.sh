@@ -18,7 +18,7 @@
 #   RDZV_ENDPOINT   host:port of the rendezvous [MASTER_ADDR:MASTER_PORT].
 #   RDZV_ID         the job's id (torchrun --rdzv-id), the same on every node: required when NNODES > 1
 #                   [gyre-<date>-<time>-<pid> on one node]. Workers see it as TORCHELASTIC_RUN_ID, which names the
-#                   run directory (outputs/train/<RDZV_ID>, gyre.runtime.launch.fixed_run_dir_overrides); it stays
+#                   run directory (outputs/train/<RDZV_ID>, gyre.runtime.job.launch.fixed_run_dir_overrides); it stays
 #                   the same when torchrun restarts the workers, so a restarted job comes back to its directory.
 #   MAX_RESTARTS    how often torchrun restarts every worker of the job after one fails [0]. The restarted run
 #                   starts in the same run directory and resumes from its latest complete checkpoint (RESUME).

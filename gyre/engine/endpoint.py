@@ -23,7 +23,7 @@ chunk). Every route maps to one `Engine` method; the wire format is `gyre.engine
 The last two are SGLang's publication by broadcast (`gyre.engine.sglang_engine`); an engine without them (the
 native one) answers 501.
 
-With a `secret` (the job's, `gyre.runtime.job.Job.secret`), every route but `GET /health` requires
+With a `secret` (the job's, `gyre.runtime.job.spmd.Job.secret`), every route but `GET /health` requires
 `Authorization: Bearer <secret>`: without that header (or with another scheme) the answer is 401 `unauthorized`,
 with another token 403 `forbidden`, both `{"error": {"type", "message"}}` before the body is read. `/health` stays
 open: it says only that the server is up, which a TCP connect says too, and a liveness probe needs no key. Without

@@ -22,7 +22,7 @@ Contract (beyond `gyre.engine.protocol`)
   so then the update goes with `flush_cache=False` and the adapter calls `flush_cache()` once it is idle again.
 - Publications across cells: `init_weights_group` makes SGLang's TP workers join a process group with rank 0
   (`init_weights_update_group`), and `update_weights_from_group` loads a version that rank 0 broadcasts over it
-  (`update_weights_from_distributed`, in the same pause in place); `gyre.runtime.engines.GroupPublishing` drives
+  (`update_weights_from_distributed`, in the same pause in place); `gyre.runtime.cell.engines.GroupPublishing` drives
   both from rank 0.
 - Routed experts: a request's `return_routed_experts` / `routed_experts_start` go to `async_generate` as SGLang's
   `return_routed_experts` / `routed_experts_start_len`; the final output's `meta_info["routed_experts"]` (base64 of

@@ -9,7 +9,7 @@ call's start, first token and end, mirrored here into `in_flight` (progress line
 
 A shard that dies or drops its control connection fails its pending and later commands (`ShardError`), is said at
 ERROR and resolves `lost`: its executions cannot be served anymore, and the controller ends the run with that
-error (`gyre.runtime.proxy_front.ShardedFront.watch`).
+error (`gyre.runtime.controller.proxy_front.ShardedFront.watch`).
 """
 
 from __future__ import annotations

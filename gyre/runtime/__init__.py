@@ -1,19 +1,18 @@
-"""The training runtime's pieces (docs/runtime.md): what joins the scheduler, the proxy, the harnesses, the buffers,
-the trainer and the engines into one RL loop — the only package where engines and trainers meet.
+"""The training runtime (docs/runtime.md): what joins the scheduler, the proxy, the harnesses, the buffers, the
+trainer and the engines into one RL loop — the only package where engines and trainers meet.
 
-Among them:
+Grouped by where the code runs:
 
-- `launch`: how the SPMD job starts (torchrun, srun, or a plain run launching its own workers);
-- `ids`: the scheduler's integer execution and engine ids <-> the string ids of the proxy's sessions, the record
-  files, the outcomes and the trajectory buffer;
-- `verdicts`: an execution's evaluated outcome -> the scheduler's `Outcome`, and a closed group's admission into
-  the trajectory buffer -> the buffers' verdict the scheduler hears (`group_accepted` / `group_rejected`);
-- `local_claims`: lazy claims in one process (the scheduler's `claim_group`, the packer's pull, claim units),
-  composed with the rest by tests/integration/test_rl_loop.py;
-- `transitions`: a cell's engine leaving rollout (`leave_rollout`: stop accepting, drain, release) and returning with
-  the core's publication (`return_to_rollout`: resume, load the published version, then accept), and the publication
-  to the engines that stayed (`publish_to_engines`);
-- `program`, `controller`, `cell_worker`, `job`: the SPMD job itself (docs/runtime.md, "The program");
-- `recipe`: what the runtime takes from a recipe (`Recipe`: a starting model, `TaskSets`, checks); the recipes live
-  in `gyre.recipes` and the app `python -m gyre.train` (`gyre.train.app`) picks one. This package imports none.
+- `job/`: the job as a whole — how it starts (`program`: a plain run, torchrun or srun), the preflight that checks
+  a run before any worker starts, the process groups and runtime store every rank opens (`spmd`), lifelines, nodes
+  and their harness hosts, the run directory's checkpoints, resume and policy directory;
+- `controller/`: rank 0 — the controller's loop (`loop`, the page to read first) and its parts (`episodes`, `cells`:
+  transitions and publication, `steps`, `checkpoints`), the rank-0 set-up (`setup`) and the run's outputs;
+- `cell/`: every cell — a satellite's loop (`worker`), a separate rollout pool rank's (`pool`), the engine a cell
+  serves and the trainer it builds.
+
+Beside them: `recipe` (what the runtime takes from a recipe: `Recipe`, `TaskSets`, `HeldOutSet`; the recipes live
+in `gyre.recipes`, and the app `python -m gyre.train` picks one: this package imports neither), `task_sets` and
+`held_out_tasks` (task directories a recipe or the config names), `ids` (the scheduler's integer ids <-> the string
+ids of sessions, record files and outcomes), and `audit` (`python -m gyre.runtime.audit <run dir>`).
 """

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gyre.config import TrainConfig
-from gyre.runtime.controller import PASS_REWARD
+from gyre.runtime.controller.steps import PASS_REWARD
 from gyre.runtime.recipe import HeldOutSet
 from gyre.runtime.task_sets import TaskSetError, load_task_dir
 from gyre.tasks.spec import Task
@@ -71,7 +71,7 @@ class TaskPlayer:
         from gyre.engine.native import NativeEngine
         from gyre.harness.episode import ProxyAccess
         from gyre.proxy.routing import RoutingTable
-        from gyre.runtime.harness_setup import harness_provisioning, make_sandbox
+        from gyre.runtime.job.harness_setup import harness_provisioning, make_sandbox
         from gyre.serve.stack import start_proxy
 
         cfg = self.cfg
@@ -116,7 +116,7 @@ class TaskPlayer:
 
     async def _one(self, task: Task, name: str, registry, sandbox, access, running, provisioning) -> float | None:
         from gyre.harness.episode import run_episode
-        from gyre.runtime.harness_setup import make_runner, task_limits
+        from gyre.runtime.job.harness_setup import make_runner, task_limits
         from gyre.traj.outcomes import GroupOutcomes
 
         async with running:

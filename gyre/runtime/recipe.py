@@ -35,7 +35,8 @@ class HeldOutSet:
     `play(model, template, version=v)` plays every problem greedily with `model` (a `DecoderLM` nobody trains
     meanwhile) and its chat template, on a worker thread without an event loop, and returns a report with at least
     `episodes` and `success_rate` (`tool_call_rate`, `mean_score`, `failed` too where the player knows them);
-    gyre.runtime.held_out writes one line of it per policy version. `tasks`: held-out tasks in the task format, if
+    gyre.runtime.controller.held_out writes one line of it per policy version. `tasks`: held-out tasks in the task
+    format, if
     the set is made of them (the harness preflight checks their evaluators too)."""
 
     size: int

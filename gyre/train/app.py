@@ -3,7 +3,7 @@
 
 Contract
     * Configuration comes from `conf/` and Hydra overrides only, checked by converting it to
-      `gyre.config.TrainConfig` (the dataclasses' checks) and then by the runtime (`gyre.runtime.program`).
+      `gyre.config.TrainConfig` (the dataclasses' checks) and then by the runtime (`gyre.runtime.job.program`).
     * `recipe.name` (the Hydra group `recipe=demo|repo`) picks the recipe (`gyre.recipes.load_recipe`): where the
       starting model and the tasks come from when the config leaves them empty. The runtime imports no recipe.
     * A config the user can fix (a bad value, an unknown field, a world size this runtime does not run, a missing
@@ -11,7 +11,7 @@ Contract
       ONE line `gyre.train: config error: ...` to stderr and exits 2. A run that fails prints
       `gyre.train: run error: ...` and exits 3; Ctrl-C or SIGTERM ends the run within seconds with its outputs
       written and exits 130. None prints a traceback (the run's log has it).
-    * Under torchrun or srun every rank gets the same run directory (`gyre.runtime.launch.fixed_run_dir_overrides`).
+    * Under torchrun or srun every rank gets the same run directory (`gyre.runtime.job.launch.fixed_run_dir_overrides`).
     * Each run writes into its Hydra run directory: `config.yaml` (resolved), `train.log`, `metrics.jsonl`,
       `held_out.jsonl`, `summary.json`, `role_timeline.png`, `policy/`, `records/`, `wandb/` (docs/runtime.md,
       "Outputs"). The last line of stdout is a compact JSON line: the run's end, its held-out pass rates (first,
@@ -39,7 +39,7 @@ from gyre.config import ConfigError, TrainConfig, register_configs
 from gyre.config.hydra_errors import CONF_DIR, describe_config_error, to_config
 from gyre.obs.logging import setup_logging
 from gyre.recipes import load_recipe
-from gyre.runtime.launch import LaunchError, LaunchStopped, WorkerFailed, fixed_run_dir_overrides, job_env
+from gyre.runtime.job.launch import LaunchError, LaunchStopped, WorkerFailed, fixed_run_dir_overrides, job_env
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         recipe = load_recipe(train_cfg.recipe.name)
     except ValueError as exc:
         _exit("config error", str(exc), EXIT_CONFIG_ERROR)
-    from gyre.runtime.program import ProgramError, RunResult, run_training
+    from gyre.runtime.job.program import ProgramError, RunResult, run_training
 
     job = job_env(os.environ)
     try:

@@ -10,7 +10,8 @@ and manifest, in the engines' own parameter names (HF layout).
   on this first call): every rank of the core calls it; all get the same `FlatWeights`.
 The result is a copy (one contiguous buffer): later updates of the trainer do not reach what was published.
 
-The runtime hands it to the engines (`gyre.runtime.transitions.publish_to_engines`): trainers and engines meet only
+The runtime hands it to the engines (`gyre.runtime.controller.transitions.publish_to_engines`): trainers and engines
+meet only
 there. Importing this module loads neither Megatron nor any gyre.engine module (tests/unit/test_train_publish.py
 checks it in a fresh interpreter).
 """

@@ -1,4 +1,5 @@
-"""A node's harness host over real HTTP (`gyre.runtime.harness_host`, `gyre.runtime.harness_hosts`; docs/cluster.md,
+"""A node's harness host over real HTTP (`gyre.runtime.job.harness_host`, `gyre.runtime.controller.harness_hosts`;
+docs/cluster.md,
 "Harness hosts on every node").
 
 A `HarnessHostThread` (its own loop and thread, as on a node's first rank) plays executions the controller's
@@ -23,8 +24,8 @@ from test_harness_episode import PROXY, ModeRunner, make_task, wait_for
 from gyre.config import ExecutionLimits
 from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.harness.sandbox import LocalSandbox
-from gyre.runtime.harness_host import EXECUTIONS_PATH, HarnessHost, HarnessHostThread
-from gyre.runtime.harness_hosts import HarnessHosts, HostLost, reachable
+from gyre.runtime.controller.harness_hosts import HarnessHosts, HostLost, reachable
+from gyre.runtime.job.harness_host import EXECUTIONS_PATH, HarnessHost, HarnessHostThread
 from gyre.traj.outcomes import GroupOutcomes, Status
 from gyre.traj.outcomes_state import group_outcomes_state
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modu
 
 
 def executions_by_node(run_dir) -> dict[int, int]:
-    from gyre.runtime.execution_log import read_executions
+    from gyre.runtime.controller.execution_log import read_executions
 
     counts: dict[int, int] = {}
     for line in read_executions(run_dir / "executions.jsonl"):

@@ -1,5 +1,5 @@
 """The harness's program and the evaluators' interpreter are run once, as the sandbox runs them, before any
-execution (`gyre.runtime.harness_setup.check_harness`; docs/runtime.md, "What the program checks before it runs").
+execution (`gyre.runtime.job.harness_setup.check_harness`; docs/runtime.md, "What the program checks before it runs").
 
 With real processes: a CLI under a 0700 directory (a home directory) stops the check with one line naming the path,
 the own uid and the fixes, and so does the evaluators' interpreter there (an own uid per execution: needs root); a
@@ -23,7 +23,7 @@ from test_train_program import finish, train
 
 from gyre.harness.runners import ClaudeCodeRunner, CommandRunner
 from gyre.harness.sandbox import BubblewrapSandbox, LocalSandbox
-from gyre.runtime.harness_setup import HarnessSetupError, check_harness
+from gyre.runtime.job.harness_setup import HarnessSetupError, check_harness
 from gyre.tasks.spec import PythonEvaluatorSpec, Task
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="an own uid per execution needs root")

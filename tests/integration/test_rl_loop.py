@@ -11,9 +11,10 @@ Warm-started tiny model -> `NativeEngine` behind its endpoint (`ServerThread`, r
   `execution_closed`; a closed group is admitted (J_max) into the buffer, and the verdict is reported (a refused
   group is dropped from the buffer);
 - Cancel: the execution's cancel event (none happen without oversampling; handled all the same);
-- BeginTransition to training: the engine leaves rollout (`gyre.runtime.transitions.leave_rollout`), the trainer
+- BeginTransition to training: the engine leaves rollout (`gyre.runtime.controller.transitions.leave_rollout`), the
+  trainer
   is built (`NativeTrainable`), then `transition_finished`;
-- BeginStep: `train_step` on a worker thread, its claims lazy on the loop (`gyre.runtime.local_claims`), then
+- BeginStep: `train_step` on a worker thread, its claims lazy on the loop (`tests/local_claims.py`), then
   `step_finished`;
 - Publish: the engine returns to rollout with the trainer's weights (`engine_weights(trainer)`) as the new version
   (`return_to_rollout`: resume, update, then accept), `publish_finished`; the transition back to rollout waits for
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from local_claims import WAIT, LocalClaims
 
 from gyre.config import DemoConfig, ExecutionLimits, PackingConfig, TasksConfig, TrainConfig
 from gyre.config.algo import AlgoConfig
@@ -49,10 +51,9 @@ from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.harness.sandbox import LocalSandbox
 from gyre.models.hf_weights import load_pretrained
 from gyre.proxy.routing import RoutingTable
+from gyre.runtime.controller.transitions import leave_rollout, return_to_rollout
+from gyre.runtime.controller.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.runtime.ids import ExecutionIds, engine_name
-from gyre.runtime.local_claims import WAIT, LocalClaims
-from gyre.runtime.transitions import leave_rollout, return_to_rollout
-from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import (
     BeginStep,
     BeginTransition,

@@ -1,4 +1,5 @@
-"""gyre.runtime.transitions on a real NativeEngine (the tiny model), in process and behind its endpoint (real HTTP
+"""gyre.runtime.controller.transitions on a real NativeEngine (the tiny model), in process and behind its endpoint
+(real HTTP
 on 127.0.0.1 through `RemoteEngine`): a cell leaves rollout (the call in flight ends as an abort, the memory is
 released, nothing is accepted) and returns with a publication: the engine then reports the new version, holds
 exactly the published weights, generates what an engine built from them generates, and accepts. The wrong orders
@@ -20,7 +21,7 @@ from gyre.engine.protocol import EngineBusyError, EngineUnavailableError, Genera
 from gyre.engine.remote import RemoteEngine
 from gyre.models.hf_weights import load_pretrained
 from gyre.models.tiny import tiny_model_dir
-from gyre.runtime.transitions import leave_rollout, return_to_rollout
+from gyre.runtime.controller.transitions import leave_rollout, return_to_rollout
 from gyre.trainer.native_trainable import NativeTrainable
 from gyre.trainer.publish import engine_weights
 

@@ -1,4 +1,4 @@
-"""A plainly run job launches its own workers (gyre.runtime.launch.launch_workers), over real processes on CPU.
+"""A plainly run job launches its own workers (gyre.runtime.job.launch.launch_workers), over real processes on CPU.
 
 Every worker joins one gloo group from the environment the launcher set and all-reduces once. A worker that fails
 ends the job at once with its rank and error named, and no worker process is left; Ctrl-C (SIGINT to the launching
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.runtime.launch import WorkerFailed, launch_workers
+from gyre.runtime.job.launch import WorkerFailed, launch_workers
 
 HERE = Path(__file__).resolve()
 WORKERS = 3
@@ -70,7 +70,7 @@ def test_a_failing_worker_ends_the_job_with_its_error_named(tmp_path):
 LAUNCHER = """
 import sys
 sys.path.insert(0, {here!r})
-from gyre.runtime.launch import launch_workers
+from gyre.runtime.job.launch import launch_workers
 launch_workers({target!r}, [-1, 600.0, {pids!r}], {workers})
 """
 

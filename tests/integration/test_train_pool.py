@@ -30,7 +30,7 @@ POOL_RUN = [
 @pytest.mark.slow  # a real run of 3 processes: ~25 s on 2 cores
 def test_a_separate_rollout_pool_serves_calls_and_never_trains(tmp_path):
     from gyre.runtime.audit import audit_run
-    from gyre.runtime.execution_log import read_executions
+    from gyre.runtime.controller.execution_log import read_executions
     from gyre.traj.store import load_tree
 
     run_dir = tmp_path / "run"
@@ -52,7 +52,7 @@ def test_a_separate_rollout_pool_serves_calls_and_never_trains(tmp_path):
     assert len(trace["loads"]) == 3 and max(n for _, n in trace["loads"][2]) > 0, trace["loads"]
     log = (run_dir / "train.log").read_text()
     assert "rank 2 (rollout pool): served, trained no step" in log
-    assert "[rank 2] gyre.runtime.cell_worker" not in log  # the pool's rank ran no cell loop
+    assert "[rank 2] gyre.runtime.cell.worker" not in log  # the pool's rank ran no cell loop
 
     on_pool = [x for x in read_executions(run_dir / "executions.jsonl") if x.engine == "pool"]
     assert on_pool, "no execution started on the pool"

@@ -205,7 +205,7 @@ def test_a_two_step_run_completes_and_writes_every_output(tmp_path):
     from gyre.obs.record import record_from_dict
     from gyre.proxy.render import ChatTemplate
     from gyre.runtime.audit import audit_run
-    from gyre.runtime.execution_log import read_executions
+    from gyre.runtime.controller.execution_log import read_executions
     from gyre.traj.store import load_tree
 
     run_dir = tmp_path / "run"

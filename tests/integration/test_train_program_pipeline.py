@@ -36,7 +36,7 @@ def test_cells_of_two_pipeline_stages_train_publish_checkpoint_and_resume(tmp_pa
 
     from gyre.obs.record import record_from_dict
     from gyre.runtime.audit import audit_run
-    from gyre.runtime.trainers import state_digest
+    from gyre.runtime.cell.trainers import state_digest
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -82,7 +82,8 @@ def test_cells_of_two_pipeline_stages_train_publish_checkpoint_and_resume(tmp_pa
     log = (run_dir / "train.log").read_text()
     for coordinate, f in enumerate(files):  # rank j is the core's stage j
         digest = state_digest({"optimizer": f["optimizer"], "rng": f["rng"]})
-        assert f"[rank {coordinate}] gyre.runtime.trainers: optimizer state of in-cell coordinate {coordinate} " in log
+        said = f"[rank {coordinate}] gyre.runtime.cell.trainers: optimizer state of in-cell coordinate {coordinate} "
+        assert said in log
         assert f"{saved / 'trainer' / names[coordinate]} (digest {digest})" in log, log[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]

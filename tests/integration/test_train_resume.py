@@ -177,8 +177,8 @@ def test_resuming_with_another_schedule_or_nothing_left_to_do_exits_2_naming_it(
     from gyre.config import TrainConfig
     from gyre.models.decoder import DecoderLM
     from gyre.models.decoder_config import DecoderConfig
-    from gyre.runtime.checkpoint import write_checkpoint
-    from gyre.runtime.controller import run_shape
+    from gyre.runtime.controller.checkpoints import run_shape
+    from gyre.runtime.job.checkpoint import write_checkpoint
 
     run_dir = tmp_path / "run"
     (tmp_path / "source").mkdir()
@@ -218,7 +218,7 @@ QUIET = {"PYTHONWARNINGS": "ignore"}  # megatron's import-time deprecation warni
 def test_a_megatron_core_of_two_ranks_resumes_with_each_ranks_optimizer_state_exactly(tmp_path):
     import torch
 
-    from gyre.runtime.trainers import state_digest
+    from gyre.runtime.cell.trainers import state_digest
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -263,7 +263,8 @@ def test_a_megatron_core_of_two_ranks_resumes_with_each_ranks_optimizer_state_ex
     for coordinate, f in enumerate(files):  # rank j is the core's coordinate j; what it holds after loading
         digest = state_digest({"optimizer": f["optimizer"], "rng": f["rng"]})
         line = (
-            f"[rank {coordinate}] gyre.runtime.trainers: optimizer state of in-cell coordinate {coordinate} restored "
+            f"[rank {coordinate}] gyre.runtime.cell.trainers: optimizer state of in-cell coordinate {coordinate} "
+            "restored "
             f"from {saved / 'trainer' / names[coordinate]} (digest {digest})"
         )
         assert line in log, log[-3000:]

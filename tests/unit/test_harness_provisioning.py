@@ -1,4 +1,4 @@
-"""Provisioning of the claude_code and codex harnesses in a training run (`gyre.runtime.harness_setup`,
+"""Provisioning of the claude_code and codex harnesses in a training run (`gyre.runtime.job.harness_setup`,
 docs/harness.md "Provisioning"): the config's instructions and settings files are read and checked once at start
 (one line naming the field for a file that is missing, not UTF-8, not a JSON object for Claude Code, or TOML Codex's
 config cannot hold), and a task's `metadata.instructions` follows the config's."""
@@ -9,7 +9,7 @@ import pytest
 from test_tasks_spec import GOOD, make_task
 
 from gyre.config.harness import HarnessConfig
-from gyre.runtime.harness_setup import HarnessSetupError, harness_provisioning, make_runner
+from gyre.runtime.job.harness_setup import HarnessSetupError, harness_provisioning, make_runner
 from gyre.tasks.spec import load_task
 
 

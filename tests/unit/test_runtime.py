@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from local_claims import WAIT, LocalClaims
 from test_data_claim_units import step as claim_units_step
 
 from gyre.config import PackingConfig
 from gyre.data import StreamPackingBuffer, TrajectoryBuffer
 from gyre.data.queue import MicroStepQueue
 from gyre.proxy.sessions import check_execution_id
+from gyre.runtime.controller.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.runtime.ids import POOL_NAME, ExecutionIds, engine_id, engine_name
-from gyre.runtime.local_claims import WAIT, LocalClaims
-from gyre.runtime.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.sched import POOL, BeginStep, Dispatch, GroupState, Outcome, SchedSpec, Scheduler, Start
 from gyre.traj import CallMeta, Provenance, Response, Segment, TrajectoryTree
 from gyre.traj.outcomes import CloseKind, EvaluatedState, Evaluation, GroupOutcomes, Validity

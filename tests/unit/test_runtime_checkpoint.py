@@ -1,4 +1,4 @@
-"""A run's checkpoints on disk (gyre/runtime/checkpoint.py) and the group outcomes they keep
+"""A run's checkpoints on disk (gyre/runtime/job/checkpoint.py) and the group outcomes they keep
 (gyre/traj/outcomes_state.py).
 
 - Group outcomes go through JSON and come back equal: statuses, rewards, members, the order they became valid; an
@@ -24,7 +24,7 @@ import torch
 
 from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
-from gyre.runtime.checkpoint import (
+from gyre.runtime.job.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     optimizer_file,
@@ -32,7 +32,7 @@ from gyre.runtime.checkpoint import (
     stage_checkpoint,
     write_checkpoint,
 )
-from gyre.runtime.resume import ResumeError, checkpoint_to_resume
+from gyre.runtime.job.resume import ResumeError, checkpoint_to_resume
 from gyre.traj.outcomes import CloseKind, EvaluatedState, Evaluation, GroupOutcomes, Status, Validity
 from gyre.traj.outcomes_state import group_outcomes_state, restored_group_outcomes
 
@@ -112,7 +112,7 @@ def test_the_newest_complete_checkpoint_is_read_and_torn_ones_are_skipped(tmp_pa
 WRITER = """
 import os, signal, sys
 from pathlib import Path
-import gyre.runtime.checkpoint as checkpoint
+import gyre.runtime.job.checkpoint as checkpoint
 sys.path.insert(0, {tests!r})
 from test_runtime_checkpoint import write
 real = checkpoint.copy_side_files
@@ -160,7 +160,7 @@ def test_a_checkpoint_that_cannot_be_written_raises_and_leaves_nothing(tmp_path)
 
 
 def test_a_full_disk_raises_and_leaves_nothing(tmp_path, monkeypatch):
-    import gyre.runtime.checkpoint as checkpoint
+    import gyre.runtime.job.checkpoint as checkpoint
 
     write(tmp_path, 1)
 
@@ -174,7 +174,7 @@ def test_a_full_disk_raises_and_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_a_policy_write_on_a_full_disk_keeps_the_previous_policy(tmp_path, monkeypatch):
-    import gyre.runtime.policy_dir as policy_dir
+    import gyre.runtime.job.policy_dir as policy_dir
 
     source = tmp_path / "source"
     source.mkdir()

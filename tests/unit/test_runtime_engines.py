@@ -1,4 +1,4 @@
-"""gyre.runtime.engines and what it builds on: which engine a cell serves (`engine.backend`), the one-line refusals
+"""gyre.runtime.cell.engines and what it builds on: which engine a cell serves (`engine.backend`), the one-line refusals
 where the backend cannot run here, the SGLang engine's arguments and the cell's GPUs it runs on. The SGLang
 engine itself is tested through its stand-in (test_train_sglang_standin.py) and its adapter
 (test_engine_sglang_adapter.py); a real SGLang needs a GPU (tests/gpu)."""
@@ -17,7 +17,7 @@ from gyre.distributed.backends import BackendError, cell_engine_gpus
 from gyre.engine.protocol import EngineUnavailableError
 from gyre.engine.sglang_engine import sglang_engine_args
 from gyre.engine.sglang_standin import PATH as STANDIN
-from gyre.runtime import engines
+from gyre.runtime.cell import engines
 
 
 def test_weight_sync_is_checked_and_broadcasts_with_sglang_only():

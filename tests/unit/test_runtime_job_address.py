@@ -1,4 +1,4 @@
-"""gyre.runtime.job.rank_address: where a rank's one-sided weight transport listens (docs/configuration.md,
+"""gyre.runtime.job.spmd.rank_address: where a rank's one-sided weight transport listens (docs/configuration.md,
 `trainer.weight_transport`): the user's $GYRE_RANK_ADDR first; the loopback for a job whose rendezvous is on the
 loopback; otherwise an address that is not a loopback one whenever this machine has a route to the rendezvous.
 Beside it, what `open_job` binds (the runtime store: rank 0's address, never every interface) and the job's secret."""
@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from gyre.runtime.job import JOB_SECRET_ENV, job_secret, rank_address, store_host
+from gyre.runtime.job.spmd import JOB_SECRET_ENV, job_secret, rank_address, store_host
 
 
 def test_the_users_address_wins():
@@ -82,7 +82,7 @@ def test_open_job_binds_the_store_to_the_loopback_and_keeps_the_secret_out_of_it
     import torch.distributed as dist
 
     from gyre.config import ClusterConfig, TrainConfig
-    from gyre.runtime.job import open_job
+    from gyre.runtime.job.spmd import open_job
 
     if dist.is_initialized():
         pytest.skip("a process group of another test is open in this process")

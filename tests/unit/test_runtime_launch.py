@@ -1,4 +1,4 @@
-"""How the job reads its launcher (gyre.runtime.launch): torchrun's and srun's variables, the fixed run directory
+"""How the job reads its launcher (gyre.runtime.job.launch): torchrun's and srun's variables, the fixed run directory
 (the same after torchrun restarts the workers), and which GPU a rank takes (gyre.distributed.backends.local_gpu)."""
 
 from __future__ import annotations
@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from gyre.runtime.launch import FAILED_AT_FILE, JobEnv, LaunchError, _earliest_failure, fixed_run_dir_overrides, job_env
+from gyre.runtime.job.launch import (
+    FAILED_AT_FILE,
+    JobEnv,
+    LaunchError,
+    _earliest_failure,
+    fixed_run_dir_overrides,
+    job_env,
+)
 
 TORCHRUN = {
     "RANK": "2",

@@ -1,4 +1,4 @@
-"""gyre.runtime.lifeline: rank 0 takes one lifeline per other rank and names the first whose lifeline ends (what
+"""gyre.runtime.job.lifeline: rank 0 takes one lifeline per other rank and names the first whose lifeline ends (what
 the kernel does to a dead process's sockets: they close), and nothing ends while every rank lives."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from gyre.distributed.local import HOST
-from gyre.runtime.lifeline import LifelineServer, RankLost, connect_lifeline, watch_lifelines
+from gyre.runtime.job.lifeline import LifelineServer, RankLost, connect_lifeline, watch_lifelines
 
 
 def connected(world_size: int):

@@ -1,9 +1,9 @@
-"""Nodes of a job (`gyre.runtime.nodes`): numbered by their first rank, rank 0's node first; each other node's
+"""Nodes of a job (`gyre.runtime.job.nodes`): numbered by their first rank, rank 0's node first; each other node's
 harness host is its first rank; a node's name comes from the launcher's variables."""
 
 from __future__ import annotations
 
-from gyre.runtime.nodes import node_map, node_name
+from gyre.runtime.job.nodes import node_map, node_name
 
 
 def test_nodes_are_numbered_by_their_first_rank_and_each_other_nodes_first_rank_hosts():

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gyre.runtime.execution_log import ExecutionLine, ExecutionLog, read_executions
-from gyre.runtime.trace import RoleTrace
+from gyre.runtime.controller.execution_log import ExecutionLine, ExecutionLog, read_executions
+from gyre.runtime.controller.trace import RoleTrace
 
 
 def test_loads_integrate_to_slot_seconds_and_the_trace_round_trips_as_json():

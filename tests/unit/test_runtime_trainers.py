@@ -1,4 +1,4 @@
-"""gyre.runtime.trainers: a native cell's trainer on the starting checkpoint, the core's weights out of it, and the
+"""gyre.runtime.cell.trainers: a native cell's trainer on the starting checkpoint, the core's weights out of it, and the
 `DecoderLM` made of them (what the held-out evaluation and `policy/` get) computing the trainer's own logits.
 The Megatron side runs in tests/integration/test_train_program.py (2 cells x TP 2 on 4 processes)."""
 
@@ -17,7 +17,7 @@ from gyre.config.trainer import TrainerConfig
 from gyre.data.microstep import TokenRow, build_microstep
 from gyre.models.hf_weights import read_config
 from gyre.models.tiny import build_tiny_model
-from gyre.runtime.trainers import build_trainable, policy_model
+from gyre.runtime.cell.trainers import build_trainable, policy_model
 from gyre.trainer.native_trainable import NativeTrainable
 from gyre.trainer.publish import engine_weights
 
@@ -103,7 +103,7 @@ def test_a_core_ranks_optimizer_state_comes_back_exactly_and_only_into_its_own_l
     layout is refused; a checkpoint without the rank's file starts AdamW afresh, with a warning."""
     import logging
 
-    from gyre.runtime.trainers import optimizer_state, restore_optimizer, save_optimizer, state_digest
+    from gyre.runtime.cell.trainers import optimizer_state, restore_optimizer, save_optimizer, state_digest
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=4)
     cfg = TrainConfig(model=ModelConfig(model_dir=str(model_dir)))
@@ -118,7 +118,7 @@ def test_a_core_ranks_optimizer_state_comes_back_exactly_and_only_into_its_own_l
     torch.rand(3)  # the RNG moves on after the save
 
     fresh = build_trainable(cfg, model_dir)
-    with caplog.at_level(logging.INFO, logger="gyre.runtime.trainers"):
+    with caplog.at_level(logging.INFO, logger="gyre.runtime.cell.trainers"):
         digest = restore_optimizer(fresh, tmp_path, coordinate=1, cell_size=2, layout=layout)
     assert digest == state_digest(saved) and digest in caplog.text
     got = optimizer_state(fresh)

@@ -42,7 +42,7 @@ async def greedy(engine: NativeEngine, name: str) -> list[list[int]]:
 
 
 def test_trained_weights_reach_the_engine(model_parallel):
-    from gyre.runtime.transitions import publish_to_engines
+    from gyre.runtime.controller.transitions import publish_to_engines
     from gyre.trainer.convert import load_hf_state_dict
     from gyre.trainer.model import build_gpt_model
     from gyre.trainer.publish import engine_weights
@@ -114,7 +114,7 @@ def test_engine_behavior_logprobs_equal_the_trainers_after_a_round_trip(model_pa
 
 
 def test_native_trainable_publishes_a_copy_of_its_weights_in_the_engines_names():
-    from gyre.runtime.transitions import publish_to_engines
+    from gyre.runtime.controller.transitions import publish_to_engines
     from gyre.trainer.native_trainable import NativeTrainable
     from gyre.trainer.publish import engine_weights
 

@@ -39,7 +39,7 @@ def codex_config_toml(*, model: str, base_url: str, settings: str = "") -> str:
     """Codex's config.toml: the served model and the proxy as the only model provider, on the Responses wire API.
     `settings` (the user's TOML: top-level keys and tables) goes between gyre's top-level keys and the provider's
     table, so both stay what they are; a key of gyre's set again there makes the file invalid (checked at start,
-    `gyre.runtime.harness_setup.harness_provisioning`)."""
+    `gyre.runtime.job.harness_setup.harness_provisioning`)."""
     user = settings.strip("\n") + "\n\n" if settings.strip() else ""
     return (
         f"model = {_toml_str(model)}\n"

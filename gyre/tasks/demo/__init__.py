@@ -119,7 +119,7 @@ def _metadata(problem: DemoProblem, config: DemoConfig) -> dict[str, Any]:
         "final_answer_file": config.answer_file,
         "only_task_tools": True,  # the builtin harness offers the calculator only: short prompts for a tiny model
         # An episode needs 2 model calls (the tool call, the answer); the builtin harness caps its turns at this,
-        # as the greedy held-out player does (gyre.runtime.held_out): a wandering episode costs no more.
+        # as the greedy held-out player does (gyre.runtime.controller.held_out): a wandering episode costs no more.
         "max_turns": DEMO_MAX_TURNS,
         "difficulty": {
             k: v

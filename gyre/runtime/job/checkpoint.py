@@ -4,13 +4,14 @@
 A checkpoint is a directory `<run dir>/checkpoints/step-<n>/`, n the trainer version it holds (steps done):
 
 - `trainer/`: the core's weights in the HF layout (`config.json`, `model.safetensors`, the starting checkpoint's
-  tokenizer and chat template) and the optimizer's state with torch's RNG state (`gyre.runtime.trainers.
+  tokenizer and chat template) and the optimizer's state with torch's RNG state (`gyre.runtime.cell.trainers.
   save_optimizer`): `optimizer.pt` for a core of one rank, `optimizer-<j>.pt` per in-cell coordinate j for a core
   of several (a Megatron cell: each rank's shard, written by that rank into the staging directory);
 - `engine/`: the weights the engines served, when they are not `trainer/`'s (a checkpoint inside a burst: the
   version published last; absent when that is the starting checkpoint, version 0);
 - `state.json`: the controller's state (the scheduler's, every group's task and outcomes, the executions' reruns,
-  the task sampler's RNG, the step records, the packer's batch; `gyre.runtime.controller.Controller.checkpoint_state`);
+  the task sampler's RNG, the step records, the packer's batch;
+  `gyre.runtime.controller.checkpoints.state`);
   the finished executions' calls are their record files (`<run dir>/records/`), which it names;
 - `complete.json`, written last: the size of every file above.
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre.runtime.policy_dir import copy_side_files
+from gyre.runtime.job.policy_dir import copy_side_files
 
 log = logging.getLogger(__name__)
 

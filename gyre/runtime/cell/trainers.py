@@ -40,7 +40,7 @@ from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
 from gyre.models.hf_weights import load_pretrained, read_config, without_tolerated
-from gyre.runtime.checkpoint import optimizer_file
+from gyre.runtime.job.checkpoint import optimizer_file
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
 
 def trainer_layout(cfg: TrainConfig) -> dict[str, Any]:
     """What the core's optimizer state is laid out for (its shards, the order of its parameters): a checkpoint keeps
-    it in `state.json`, and a run resumes from the checkpoint only with the same (`gyre.runtime.program.
+    it in `state.json`, and a run resumes from the checkpoint only with the same (`gyre.runtime.job.program.
     resolve_checkpoint`)."""
     t = cfg.trainer
     layout = {
@@ -131,7 +131,7 @@ def optimizer_state(trainer) -> dict[str, Any]:
 
 def save_optimizer(trainer, trainer_dir: Path, *, coordinate: int, cell_size: int, layout: dict[str, Any]) -> Path:
     """This core rank's `optimizer_state`, with its in-cell coordinate and `layout` (`trainer_layout`), as its file of
-    `trainer_dir` (the `trainer/` of a checkpoint being written, `gyre.runtime.checkpoint.optimizer_file`), on disk
+    `trainer_dir` (the `trainer/` of a checkpoint being written, `gyre.runtime.job.checkpoint.optimizer_file`), on disk
     (fsynced: another host's rank 0 marks the checkpoint complete) when it returns; its path. OSError as it
     comes."""
     state = {**optimizer_state(trainer), "coordinate": coordinate, "layout": layout}

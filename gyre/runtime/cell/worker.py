@@ -2,15 +2,16 @@
 cell of TP ranks), moved by the controller's decisions (docs/runtime.md, "The process model").
 
 Every rank of the job but rank 0 runs `run_cell`. At start a cell leader (a satellite's first rank) serves the
-cell's engine (`engine.backend`: `gyre.runtime.engines`) on the starting checkpoint behind an endpoint (bound to
+cell's engine (`engine.backend`: `gyre.runtime.cell.engines`) on the starting checkpoint behind an endpoint (bound to
 `job.host`, requiring `job.secret`) and writes the address under `gyre/engine/cell-<c>`; the controller reaches it
 with a `RemoteEngine` and drives the engine side of every transition itself (stop accepting, reroutes, drain,
-release; resume, load the published version, accept: `gyre.runtime.transitions`). With SGLang the leader's engine
+release; resume, load the published version, accept: `gyre.runtime.controller.transitions`).
+With SGLang the leader's engine
 runs on all the cell's GPUs (its tensor-parallel group); with the native engine a cell's other ranks serve nothing
 and wait in the rollout role (docs/runtime.md, "Who serves in a cell"). The rank reads the control log
 (`gyre.distributed.control`) on a listener thread and applies, in order:
 
-- `role` (cell, to="training") for its cell: build this rank's trainer once (`gyre.runtime.trainers`: the starting
+- `role` (cell, to="training") for its cell: build this rank's trainer once (`gyre.runtime.cell.trainers`: the starting
   checkpoint, this rank's shard of it in a Megatron cell; a satellite pulls the core's weights when it joins a
   step; a core rank of a resumed run loads its optimizer state from the checkpoint), then ack
   (`gyre/ack/<seq>/<rank>`); if a step is in flight, wait to be admitted to it (`train_claimed_step` with
@@ -23,7 +24,7 @@ and wait in the rollout role (docs/runtime.md, "Who serves in a cell"). The rank
 - `gather` (the core's ranks only): the core's whole weights gathered over its tensor-parallel group, with rank 0
   (`gyre.trainer.publish.engine_weights`, for a publication, the held-out evaluation or the policy directory);
 - `save_optimizer` (path; the core's ranks only): this rank's optimizer state written into the checkpoint being
-  written (`gyre.runtime.trainers.save_optimizer`), then ack: the controller completes the checkpoint after;
+  written (`gyre.runtime.cell.trainers.save_optimizer`), then ack: the controller completes the checkpoint after;
 - `stop`: leave the loop; the engine is stopped.
 
 Nothing is applied twice or skipped: the listener delivers the log in order, each decision once, and the rank
@@ -39,9 +40,7 @@ from pathlib import Path
 from gyre.config import TrainConfig
 from gyre.distributed.control import STOP, ControlListener
 from gyre.distributed.transport import one_sided_transport
-from gyre.runtime.checkpoint import StartingPoint
-from gyre.runtime.job import Job, ack_key, engine_key, step_stats_key
-from gyre.runtime.trainers import (
+from gyre.runtime.cell.trainers import (
     GATHER,
     SAVE_OPTIMIZER,
     build_trainable,
@@ -49,6 +48,8 @@ from gyre.runtime.trainers import (
     save_optimizer,
     trainer_layout,
 )
+from gyre.runtime.job.checkpoint import StartingPoint
+from gyre.runtime.job.spmd import Job, ack_key, engine_key, step_stats_key
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def weights_transport(cfg: TrainConfig, job: Job, store):
 
 
 def optimizer_file_of(cfg: TrainConfig, job: Job) -> dict:
-    """Which optimizer file of a checkpoint is this core rank's (`gyre.runtime.trainers.save_optimizer`)."""
+    """Which optimizer file of a checkpoint is this core rank's (`gyre.runtime.cell.trainers.save_optimizer`)."""
     return {"coordinate": job.groups.coordinate, "cell_size": job.layout.cell_size, "layout": trainer_layout(cfg)}
 
 
@@ -192,12 +193,12 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) ->
 
 
 def _serve_engine(cfg: TrainConfig, model_dir: Path, version: int, job: Job):
-    """The cell leader's engine (`engine.backend`: `gyre.runtime.engines`) on `model_dir` (the starting checkpoint,
+    """The cell leader's engine (`engine.backend`: `gyre.runtime.cell.engines`) on `model_dir` (the starting checkpoint,
     or a resumed run's published policy `version`) behind an endpoint on this rank's address (`job.host`: rank 0
     reaches it from another host; not every interface), refusing calls without the job's secret: the started
     `ServerThread` and its address."""
     from gyre.engine.endpoint import ServerThread
-    from gyre.runtime.engines import engine_factory, start_timeout_s
+    from gyre.runtime.cell.engines import engine_factory, start_timeout_s
 
     factory = engine_factory(cfg, model_dir, version, cell_size=job.layout.cell_size)
     server = ServerThread(factory, host=job.host, secret=job.secret or None)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre.config import TrainConfig
 from gyre.config.trainer import device_kind
-from gyre.runtime.trainer_thread import TrainerThread
+from gyre.runtime.cell.trainer_thread import TrainerThread
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +118,7 @@ def engine_factory(cfg: TrainConfig, model_dir: Path, version: int, *, cell_size
 
 def _first_gpu(cfg: TrainConfig, cell_size: int) -> int:
     """The first of the cell's GPUs for its SGLang engine: this rank's current CUDA device (the job made it so:
-    `gyre.runtime.job.open_job`); 0 on the stand-in's CPU."""
+    `gyre.runtime.job.spmd.open_job`); 0 on the stand-in's CPU."""
     if device_kind(cfg.engine.device) != "cuda":
         return 0
     import torch
@@ -175,7 +175,7 @@ class GroupPublishing:
     group's collectives out of step: the group is then broken, that publication and every later one go through the
     engine's endpoint instead (`update_weights`, SGLang's `update_weights_from_tensor`), with a warning. Rank 0's
     broadcast runs on a daemon thread of its own, so a broadcast stuck until the group's timeout holds neither the
-    publication nor the run's end (`gyre.runtime.trainer_thread.TrainerThread`)."""
+    publication nor the run's end (`gyre.runtime.cell.trainer_thread.TrainerThread`)."""
 
     EARLY_FAILURE_S = 0.2  # an update the engine refuses at once (released weights, an old version) is not waited on
 

@@ -20,7 +20,7 @@
    the store: torch's own would listen on every interface), makes the job's secret (`$GYRE_JOB_SECRET` if the
    launcher set one, else `secrets.token_urlsafe(32)`) and broadcasts both over the control group; `Job.store()`
    makes a client (one per thread: a TCPStore client is used by one thread at a time);
-5. every other rank connects its lifeline to rank 0 (`gyre.runtime.lifeline`): rank 0's controller ends the run
+5. every other rank connects its lifeline to rank 0 (`gyre.runtime.job.lifeline`): rank 0's controller ends the run
    with `RankLost` naming a rank whose process ended while the run went on.
 
 The secret guards the engine endpoints (`gyre.engine.endpoint`, `Authorization: Bearer`): every rank has it in
@@ -54,8 +54,8 @@ from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.distributed.local import HOST
 from gyre.runtime.ids import engine_name
-from gyre.runtime.launch import LaunchError, job_env
-from gyre.runtime.lifeline import LifelineServer, connect_lifeline
+from gyre.runtime.job.launch import LaunchError, job_env
+from gyre.runtime.job.lifeline import LifelineServer, connect_lifeline
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def engine_key(engine: int) -> str:
 
 
 def harness_host_key(node: int) -> str:
-    """Where node `node`'s harness host (its first rank: `gyre.runtime.nodes`) writes its address."""
+    """Where node `node`'s harness host (its first rank: `gyre.runtime.job.nodes`) writes its address."""
     return f"gyre/harness_host/{node}"
 
 

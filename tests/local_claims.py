@@ -1,4 +1,5 @@
-"""Lazy claims of one optimizer step in one process: the scheduler's `claim_group`, the packer's pull, claim units.
+"""A test stand-in (tests/unit/test_runtime.py, tests/integration/test_rl_loop.py): lazy claims of one optimizer
+step in one process: the scheduler's `claim_group`, the packer's pull, claim units.
 
 The simulator's rule, which the supply check depends on (docs/scheduler.md): a training cell claims a group only
 when its local micro-steps run out, so groups stay in the scheduler's ready set until training needs them.
@@ -32,10 +33,11 @@ from typing import Final
 from gyre.data.claim_units import ClaimUnitAssembler
 from gyre.data.microstep import MicroStep
 from gyre.data.packing import StreamPackingBuffer
+from gyre.runtime.controller.claims import claim_and_pull
 from gyre.sched.scheduler import Scheduler
 from gyre.sched.types import Action
 
-__all__ = ["WAIT", "LocalClaims", "claim_and_pull"]
+__all__ = ["WAIT", "LocalClaims"]
 
 CLAIM_CELL = 0  # the in-process queue's claim is taken under cell 0's index (the one trainer of this process)
 
@@ -47,31 +49,6 @@ class _Wait:
 
 WAIT: Final = _Wait()
 """`next_unit`'s answer while the stream is open and no group is ready: ask again after the next verdict."""
-
-
-def claim_and_pull(
-    scheduler: Scheduler,
-    packer: StreamPackingBuffer,
-    *,
-    clock: Callable[[], float],
-    on_actions: Callable[[Sequence[Action]], None],
-) -> tuple[int | None, str | None]:
-    """Claim one ready group from the scheduler (`claim_group`) and pull it into the packer: `(group, None)`;
-    `(None, None)` when no group is ready; `(group, reason)` when the packer set the claimed group aside (reported
-    to the scheduler with `claimed_group_set_aside`, which replaces it). Every action goes to `on_actions`. A
-    ValueError of the packer that set nothing aside is raised (a caller's bug, not a refusal)."""
-    group, actions = scheduler.claim_group(clock())
-    on_actions(actions)
-    if group is None:
-        return None, None
-    try:
-        packer.pull(group)
-    except ValueError as error:
-        if group not in (aside for aside, _ in packer.rejected_groups()):
-            raise
-        on_actions(scheduler.claimed_group_set_aside(clock(), group))
-        return group, str(error)
-    return group, None
 
 
 class LocalClaims:

@@ -2,7 +2,7 @@
 
 Role: with `harness.hosts=nodes` (docs/cluster.md, "Harness hosts on every node") the controller places each
 execution it starts on the node with the fewest executions running (its own node counted too, lowest node first
-among equals: the controller's), and plays a placed one through that node's `gyre.runtime.harness_host` over one
+among equals: the controller's), and plays a placed one through that node's `gyre.runtime.job.harness_host` over one
 WebSocket: the spec out; the outcome events applied to the execution's real group as they come
 (`gyre.traj.outcome_events.apply_event`), the harness's end reported, the result returned as an `EpisodeResult`; the
 execution's cancel event sent on as `{"cancel"}`. A host that goes away mid-execution is a `HostLost` error, which
@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 
 from gyre.harness.episode import EpisodeResult, ProxyAccess
-from gyre.runtime.harness_host import EXECUTIONS_PATH
+from gyre.runtime.job.harness_host import EXECUTIONS_PATH
 from gyre.traj.outcome_events import apply_event
 from gyre.traj.outcomes import GroupOutcomes, Status
 

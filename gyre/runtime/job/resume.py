@@ -21,7 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
-from gyre.runtime.checkpoint import (
+from gyre.runtime.job.checkpoint import (
     Checkpoint,
     StartingPoint,
     has_checkpoints,

@@ -1,0 +1,273 @@
+"""The controller's cell transitions and publication (docs/runtime.md, "What happens at a transition").
+
+- `BeginTransition(c, TRAINING)`: the cell's engine stops accepting at once, the `Reroute`s of the same action list
+  move its executions with their calls in flight (`gyre.proxy.reroute`), then `leave_rollout` (drain, release); the
+  core builds its trainer once on the trainer thread, a satellite is told over the control plane and acks;
+  `transition_finished`; a satellite the scheduler lets into the step in flight is admitted to the step's board.
+- `Publish(v)`: the core's weights as version v, `<run dir>/policy/`, the engines still in rollout updated (the
+  separate rollout pool's with them: it never leaves rollout); `publish_finished`.
+- `BeginTransition(c, ROLLOUT)`: once the publication of the same action list has its weights, `return_to_rollout`
+  with the published version (the engine accepts only once it holds it); the cell is told; `transition_finished`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from gyre.distributed.control import STOP
+from gyre.models.decoder import DecoderLM
+from gyre.models.flat_weights import FlatWeights
+from gyre.obs.record import TransitionRecord
+from gyre.runtime.cell.trainers import GATHER, policy_model
+from gyre.runtime.controller.parts import StopRun
+from gyre.runtime.controller.transitions import leave_rollout, publish_to_engines, return_to_rollout
+from gyre.runtime.ids import engine_name
+from gyre.runtime.job.policy_dir import write_policy
+from gyre.runtime.job.spmd import ack_key
+from gyre.sched import POOL, Reroute, Role
+from gyre.trainer.publish import engine_weights
+
+if TYPE_CHECKING:
+    from gyre.runtime.controller.loop import Controller
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Cells"]
+
+DRAIN_S = 30.0  # a cell leaving rollout aborts what is still in flight after this (the aborted calls are recorded)
+ACK_TIMEOUT_S = 300.0  # a satellite applies a role decision within this (it loads its trainer the first time)
+
+
+class Cells:
+    """The cells' roles as the controller moves them, the core's trainer and the last publication."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+        self.transition_begun: dict[int, tuple[float, Role]] = {}
+        self.reroutes: dict[int, list[asyncio.Task]] = {}  # source cell -> its executions' moves in flight
+        self.trainer = None  # the core's trainer (rank 0's), built at the core's first move to training
+        self.published: tuple[int, FlatWeights] | None = None  # (version, weights) of the last publication
+        self.publishing: asyncio.Task | None = None
+        self.weights_ready: asyncio.Event | None = None  # set once the publication in flight has its weights
+
+    # -- the scheduler's actions --------------------------------------------------------------------------
+    def begin(self, cell: int, to: Role) -> None:
+        """`BeginTransition`: to training, the engine stops accepting at once (no new call starts there)."""
+        ctl = self.ctl
+        self.transition_begun[cell] = (ctl.now(), to)
+        ctl.trace.role(ctl.now(), cell, "to_training" if to is Role.TRAINING else "to_rollout")
+        if to is Role.TRAINING:
+            ctl.parts.engines[cell].stop_accepting()
+            ctl.spawn(self.to_training(cell))
+        else:
+            ctl.spawn(self.to_rollout(cell))
+
+    def reroute(self, action: Reroute) -> None:
+        """`Reroute`: an execution moves off a cell that leaves rollout (the cell's drain waits for it)."""
+        self.reroutes.setdefault(action.source, []).append(self.ctl.spawn(self._move(action)))
+
+    def publish(self, version: int) -> None:
+        """`Publish`: the returning cells of the same action list wait for its weights (`to_rollout`)."""
+        self.weights_ready = asyncio.Event()
+        self.publishing = self.ctl.spawn(self._publish(version))
+
+    async def initial_roles(self) -> None:
+        """Cells the schedule starts in the training role (async mode's static split) never serve: their engines
+        stop accepting and release their memory, the core builds its trainer, a satellite is told and acks."""
+        ctl = self.ctl
+        for cell, role in enumerate(ctl.sched.roles):
+            if role is not Role.TRAINING:
+                continue
+            ctl.trace.role(ctl.now(), cell, "training")
+            ctl.parts.engines[cell].stop_accepting()
+            await leave_rollout(ctl.parts.engines[cell], drain_s=0.0)
+            await self.tell_training(cell)
+
+    def release(self, reason: str) -> None:
+        """The `stop` decision with the run's end: every satellite leaves its loop and stops its engine."""
+        self.ctl.control.publish(STOP, reason=reason)
+
+    # -- a transition's steps -----------------------------------------------------------------------------
+    async def _move(self, action: Reroute) -> None:
+        ctl = self.ctl
+        moved = await ctl.parts.proxy.reroute(ctl.episodes.name(action.execution), engine_name(action.destination))
+        ctl.book.reroutes.append(action.execution)
+        ctl.book.calls_rerouted += moved.calls
+        ctl.book.kv_migrations += len(moved.migrated)
+        ctl.book.calls_reprefilled += len(moved.restarted)
+
+    async def to_training(self, cell: int) -> None:
+        ctl = self.ctl
+        begun = ctl.now()
+        moves = self.reroutes.pop(cell, [])
+        await asyncio.gather(*moves)  # its executions moved before the drain
+        moved = ctl.now()
+        phases = {"reroute": moved - begun, **await leave_rollout(ctl.parts.engines[cell], drain_s=DRAIN_S)}
+        released = ctl.now()
+        await self.tell_training(cell)
+        phases["restore"] = ctl.now() - released
+        log.info(
+            "cell %d to training: %d executions rerouted in %.2fs, drained and released in %.2fs, trainer ready in "
+            "%.2fs",
+            cell,
+            len(moves),
+            moved - begun,
+            released - moved,
+            phases["restore"],
+        )
+        self._ends(cell, phases)
+
+    async def to_rollout(self, cell: int) -> None:
+        ctl = self.ctl
+        begun = ctl.now()
+        await self._published_weights()
+        phases = {"publish_wait": ctl.now() - begun}
+        told = ctl.now()
+        if self.has_other_ranks(cell):
+            seq = ctl.control.publish("role", cell=cell, to="rollout")
+            # With a step in flight (a cell leaving it mid-step to make room for a replacement, or a joiner sent
+            # back before it was admitted) the cell's ranks are inside the step, or waiting for its admission,
+            # until it ends: they apply the decision then; the engine side below needs nothing of them.
+            if ctl.steps.pump is None:
+                await self.acked(seq, cell)
+        engine = ctl.parts.engines[cell]
+        phases["ranks"] = ctl.now() - told
+        resumed = ctl.now()
+        if self.published is None:  # back before any publication (mid-step, to make room): the starting weights
+            await engine.resume_memory()
+            engine.resume_accepting()
+            phases["resume"] = ctl.now() - resumed
+        else:
+            version, weights = self.published
+            phases.update(await return_to_rollout(engine, weights, version=version))
+        self._ends(cell, phases)
+
+    def _ends(self, cell: int, phases: dict[str, float] | None = None) -> None:
+        """A transition ended: its record, `transition_finished`, and a satellite joining the step in flight."""
+        ctl = self.ctl
+        start_s, to = self.transition_begun.pop(cell)
+        ctl.book.transitions.append(
+            TransitionRecord(
+                cell=cell, to=to.value, start_s=start_s, duration_s=ctl.now() - start_s, phases=phases or {}
+            )
+        )
+        ctl.trace.role(ctl.now(), cell, to.value)
+        ctl.apply(ctl.sched.transition_finished(ctl.now(), cell))
+        if to is Role.TRAINING:
+            ctl.steps.admit(cell)
+
+    async def tell_training(self, cell: int) -> None:
+        """The cell's ranks take the training role: the core builds its trainer once on the trainer thread; every
+        other rank of the cell (a satellite's, the core's other ranks in a cell of several) is told and acks."""
+        ctl = self.ctl
+        if cell == 0 and self.trainer is None:
+            building = ctl.trainer_thread.submit(ctl.parts.make_trainer)
+            if ctl.parts.job.layout.cell_size > 1:  # the core's other ranks build their shards meanwhile
+                await self.acked(ctl.control.publish("role", cell=0, to="training"), 0)
+            self.trainer = await building
+        elif self.has_other_ranks(cell):
+            seq = ctl.control.publish("role", cell=cell, to="training")
+            if not ctl.steps.has_member(cell):
+                await self.acked(seq, cell)
+
+    def has_other_ranks(self, cell: int) -> bool:
+        """The cell has ranks besides rank 0 (the controller), which must be told of its role decisions."""
+        return cell != 0 or self.ctl.parts.job.layout.cell_size > 1
+
+    async def acked(self, seq: int, cell: int) -> None:
+        """Every rank of `cell` but this one (rank 0, the controller) applied control decision `seq`."""
+        ctl = self.ctl
+        layout = ctl.parts.job.layout
+        keys = [ack_key(seq, rank) for rank in range(cell * layout.cell_size, (cell + 1) * layout.cell_size) if rank]
+        if not keys:
+            return
+        job = ctl.parts.job
+
+        def wait() -> None:  # a client of its own (dropped when it returns: TCPStore has no close)
+            client = job.store()
+            deadline = time.monotonic() + ACK_TIMEOUT_S
+            while not client.check(keys):
+                if ctl.stopping:
+                    raise StopRun(f"the run stopped while cell {cell} applied control decision {seq}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cell {cell} did not apply control decision {seq} in {ACK_TIMEOUT_S:g}s")
+                time.sleep(0.01)
+
+        await asyncio.to_thread(wait)
+
+    # -- publication --------------------------------------------------------------------------------------
+    async def _published_weights(self) -> None:
+        """Until the publication of the same action list has its weights (`self.published`), not until it ends: a
+        returning cell loads them while `policy/` is written and the engines that stayed are updated, and is back
+        before the next dispatch's harnesses start (docs/runtime.md, "What happens at a transition"). A publication
+        that fails before it has them raises its error here."""
+        if self.publishing is None or self.weights_ready is None:
+            return
+        waiter = asyncio.ensure_future(self.weights_ready.wait())
+        try:
+            await asyncio.wait({waiter, self.publishing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not self.weights_ready.is_set():
+            await asyncio.shield(self.publishing)  # it ended without weights: its error
+
+    async def core_weights(self) -> FlatWeights:
+        """The core's whole weights now, in HF names and the engines' dtype (`engine.dtype`: a bf16 trainer's
+        weights serve fp32 engines, cast once here): on the trainer thread after the work submitted before; a
+        Megatron core gathers its shards, its other ranks told with a `gather` decision (gyre.runtime.cell.trainers)."""
+        ctl = self.ctl
+        if ctl.parts.job.layout.cell_size > 1:
+            ctl.control.publish(GATHER)
+        gather = functools.partial(engine_weights, dtype=getattr(torch, ctl.cfg.engine.dtype))
+        return await ctl.trainer_thread.submit(gather, self.trainer, ctl.parts.model_config)
+
+    def as_model(self, weights: FlatWeights | None) -> DecoderLM:
+        """The core's model as a `DecoderLM`: a native trainer's own module, else one made of `weights`."""
+        if isinstance(self.trainer.model, DecoderLM):
+            return self.trainer.model
+        return policy_model(weights, self.ctl.parts.model_config)
+
+    async def core_model(self) -> DecoderLM:
+        """The core's model now as a `DecoderLM` (for the held-out evaluation and the policy directory); a native
+        trainer's needs no copy of its weights."""
+        native = isinstance(self.trainer.model, DecoderLM)
+        return self.as_model(None if native else await self.core_weights())
+
+    async def _publish(self, version: int) -> None:
+        ctl = self.ctl
+        begun = ctl.now()
+        weights = await self.core_weights()
+        self.published = (version, weights)
+        if self.weights_ready is not None:
+            self.weights_ready.set()  # the returning cells load them now (to_rollout)
+        gathered = ctl.now()
+        await asyncio.to_thread(
+            write_policy, self.as_model(weights), source_dir=ctl.parts.model_dir, run_dir=ctl.run_dir, version=version
+        )
+        written = ctl.now()
+        staying = [ctl.parts.engines[c] for c, role in enumerate(ctl.sched.roles) if role is Role.ROLLOUT]
+        if POOL in ctl.parts.engines:  # the separate rollout pool never leaves rollout: updated as a staying cell
+            staying.append(ctl.parts.engines[POOL])
+        await publish_to_engines(staying, weights, version=version)  # returning cells load it in to_rollout
+        phases = {"weights": gathered - begun, "policy_dir": written - gathered, "engines": ctl.now() - written}
+        ctl.trace.publication(begun, ctl.now() - begun, version, phases)
+        ctl.apply(ctl.sched.publish_finished(ctl.now()))
+
+    def engine_lost(self, event) -> None:
+        """The proxy counted a cell's engine lost (its endpoint gone: docs/proxy.md, "An engine that dies"): its
+        calls went on on live engines and the table moved its executions. Said once; the scheduler still counts the
+        cell (a dead endpoint is almost always a dead rank, whose lifeline ends the run: docs/runtime.md,
+        "An engine endpoint that dies")."""
+        log.error(
+            "engine %s lost (%s): %d executions moved to live engines, %d had none; the scheduler still counts it",
+            event.engine,
+            event.reason,
+            len(event.moved),
+            len(event.unplaced),
+        )
