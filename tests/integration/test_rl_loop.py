@@ -49,6 +49,7 @@ from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.harness.sandbox import LocalSandbox
 from gyre.models.hf_weights import load_pretrained
 from gyre.proxy.routing import RoutingTable
+from gyre.proxy.start import start_proxy
 from gyre.runtime.ids import ExecutionIds, engine_name
 from gyre.runtime.local_claims import WAIT, LocalClaims
 from gyre.runtime.transitions import leave_rollout, return_to_rollout
@@ -67,7 +68,6 @@ from gyre.sched import (
     WakeAt,
     spec_from_config,
 )
-from gyre.serve.stack import start_proxy
 from gyre.tasks.demo import generate_demo_tasks
 from gyre.trainer.native_trainable import NativeTrainable
 from gyre.trainer.publish import engine_weights
