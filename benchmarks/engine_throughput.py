@@ -37,8 +37,8 @@ from gyre.config import TinyModelSpec
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.models import build_tiny_model, tiny_model_dir
-from gyre.models.decoder_config import DecoderConfig
-from gyre.models.hf_weights import load_pretrained, read_config
+from gyre.models.decoder_config import DecoderConfig, read_config
+from gyre.models.hf_weights import load_pretrained
 
 RESULT_PATH = Path(__file__).parent / "results" / "engine_throughput.json"
 TARGETS = {1: 1.0, 16: 1.5}  # native/HF tokens/s ratio wanted at each batch size

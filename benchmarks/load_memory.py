@@ -86,7 +86,8 @@ def resident_bytes(field: str) -> int:
 def load_worker(rank: int, world_size: int, *, loader: str, path: str) -> dict:
     import torch
 
-    from gyre.models.hf_weights import load_pretrained, read_config
+    from gyre.models.decoder_config import read_config
+    from gyre.models.hf_weights import load_pretrained
     from gyre.trainer.model import build_gpt_model, init_model_parallel
 
     init_model_parallel(tensor_parallel_size=world_size, seed=0)

@@ -34,7 +34,8 @@ from report import emit
 from gyre.engine.native import NativeEngine
 from gyre.engine.protocol import GenerateRequest, SamplingParams
 from gyre.models.decoder import build_model
-from gyre.models.hf_weights import load_pretrained, read_config, read_state_dict
+from gyre.models.decoder_config import read_config
+from gyre.models.hf_weights import load_pretrained, read_state_dict
 from gyre.models.tiny import tiny_model_dir
 from gyre.trainer.convert import gather_hf_state_dict, load_hf_state_dict
 from gyre.trainer.logprobs import packed_logprobs

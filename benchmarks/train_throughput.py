@@ -214,7 +214,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from gyre.config.loss import LossConfig
-    from gyre.models.hf_weights import read_config, read_state_dict
+    from gyre.models.decoder_config import read_config
+    from gyre.models.hf_weights import read_state_dict
     from gyre.models.tiny import tiny_model_dir
     from gyre.trainer.convert import load_hf_state_dict
     from gyre.trainer.megatron_trainable import MegatronTrainable

@@ -60,7 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _warm_start_cached() -> bool:
     from gyre.config import WarmStartConfig
-    from gyre.models.tiny import default_cache_root
+    from gyre.models.model_files import default_cache_root
     from gyre.tasks.demo.warm_start import CACHE_PREFIX, read_meta, warm_start_key
 
     meta = read_meta(default_cache_root() / f"{CACHE_PREFIX}{warm_start_key(WarmStartConfig(), 0)}")
@@ -85,7 +85,7 @@ def _start_background_warm_start() -> None:
     global _background, _background_log
     if _background is not None or _warm_start_cached():
         return
-    from gyre.models.tiny import default_cache_root
+    from gyre.models.model_files import default_cache_root
 
     root = default_cache_root()
     root.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ TRAINER_BACKENDS = ("native", "megatron")
 TRAINER_DTYPES = ("float32", "bfloat16")
 DEVICE_KINDS = ("cpu", "cuda")
 RECOMPUTE_CHOICES = ("none", "selective", "full")  # gyre.models.decoder.RECOMPUTE, gyre.trainer.model.RECOMPUTE
-WEIGHT_TRANSPORTS = ("store", "mooncake", "auto")  # gyre.distributed.transport.ONE_SIDED_KINDS (config imports no
+WEIGHT_TRANSPORTS = ("store", "mooncake", "auto")  # gyre.distributed.one_sided.ONE_SIDED_KINDS (config imports no
 # other gyre package; tests/unit/test_config_train.py holds them equal)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")  # the links gyre.distributed.transport_mooncake starts a Transfer Engine on
 RDMA_DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a verbs device name as `ibv_devices` lists it

@@ -18,15 +18,14 @@ Contract (docs/architecture.md: the core publishes; satellites and engines pull)
   and pull meet in one call), `MooncakeWeightTransport` (`transport_mooncake`: the core registers its buffer
   with a Mooncake Transfer Engine and posts a descriptor in a store; receivers read it whenever they want) and
   `StoreWeightTransport` (`transport_store`: a snapshot in versioned chunks through the job's store, one-sided
-  like Mooncake). `one_sided_transport` picks Mooncake (on the link of `trainer.mooncake`: TCP or RDMA) or the
-  store snapshot for satellites joining mid-step.
+  like Mooncake). `gyre.distributed.one_sided.one_sided_transport` picks Mooncake or the store snapshot for
+  satellites joining mid-step; this module imports none of the implementations (they import it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -34,12 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from gyre.config.checks import is_int
-from gyre.config.trainer import MooncakeConfig
 from gyre.models.flat_weights import FlatWeights, TensorSpec, flatten_weights, unflatten_weights
-
-log = logging.getLogger(__name__)
-
-ONE_SIDED_KINDS = ("auto", "mooncake", "store")
 
 
 class WeightVersionError(ValueError):
@@ -174,48 +168,3 @@ def check_receiver(publication: Publication, into: torch.Tensor, version: int | 
     room = as_bytes(into, what="into").numel()
     if room < publication.nbytes:
         raise ValueError(f"into: {room} bytes, but version {publication.version} needs {publication.nbytes}")
-
-
-def one_sided_transport(
-    store,
-    *,
-    kind: str = "auto",
-    host: str = "127.0.0.1",
-    prefix: str = "gyre/weights",
-    timeout_s: float = 120.0,
-    mooncake: MooncakeConfig | None = None,
-) -> WeightTransport:
-    """A transport receivers pull from at their own pace, for satellites that join a step in flight.
-
-    kind "mooncake": `MooncakeWeightTransport` over `store` on `host` (the address peers reach this rank at), on the
-    link `mooncake` says (`trainer.mooncake`: protocol tcp or rdma, RDMA device names; default TCP); ImportError
-    naming what to install when `mooncake` does not import. kind "store": `StoreWeightTransport` through `store`.
-    kind "auto": Mooncake where it imports, else the store snapshot. Every rank of the job makes one with the same
-    kind, prefix, link and store (each its own client); the core publishes, joiners pull."""
-    if kind not in ONE_SIDED_KINDS:
-        raise ValueError(f"kind: got {kind!r}, expected one of {', '.join(ONE_SIDED_KINDS)}")
-    if mooncake is None:
-        mooncake = MooncakeConfig()
-    if not isinstance(mooncake, MooncakeConfig):
-        raise ValueError(f"mooncake: got {type(mooncake).__name__}, expected a MooncakeConfig (trainer.mooncake)")
-    if kind != "store":
-        from gyre.distributed.transport_mooncake import MooncakeWeightTransport, import_transfer_engine
-
-        try:
-            import_transfer_engine()
-        except ImportError as error:
-            if kind == "mooncake":
-                raise
-            log.info("weights for joiners go through the store: %s", error)
-        else:
-            return MooncakeWeightTransport(
-                store=store,
-                host=host,
-                prefix=prefix,
-                timeout_s=timeout_s,
-                protocol=mooncake.protocol,
-                device_names=mooncake.device_names,
-            )
-    from gyre.distributed.transport_store import StoreWeightTransport
-
-    return StoreWeightTransport(store, prefix=prefix, timeout_s=timeout_s)

@@ -1,10 +1,10 @@
 """The model both the trainer and the engines run, and gyre's tiny default model (built locally, no downloads).
 
-- `DecoderConfig` / `RopeScaling` (`decoder_config`, stdlib): the shape of a dense Llama/Qwen2/Qwen3-style
-  decoder, read from and written to HF `config.json`.
+- `DecoderConfig` / `RopeScaling` / `read_config` (`decoder_config`, stdlib): the shape of a dense
+  Llama/Qwen2/Qwen3-style decoder, read from and written to HF `config.json`.
 - `DecoderLM`, `build_model`, `block_causal_mask`, `rope_inv_freq`, `segments_from_positions`, `KVCache`
   (`decoder`): the dense decoder (training/prefill forward, RoPE, masks), imported on first access (torch).
-- `read_config`, `load_pretrained`, `save_pretrained`, `read_state_dict` (`hf_weights`): HF-layout config and
+- `load_pretrained`, `save_pretrained`, `read_state_dict` (`hf_weights`): HF-layout config and
   safetensors IO with the state-dict checks, imported on first access (torch, safetensors).
 - `flat_weights`: `FlatWeights` / `TensorSpec`, the one format weights move in between trainer, transports and
   engines (import the module; torch).
@@ -31,7 +31,7 @@ first access to a model name does. This package imports nothing of `gyre.engine`
 
 from gyre.lazy_names import lazy_names
 from gyre.models.chat_template import CHAT_TEMPLATE, render_chat, render_chat_jinja
-from gyre.models.decoder_config import DecoderConfig, RopeScaling
+from gyre.models.decoder_config import DecoderConfig, RopeScaling, read_config
 from gyre.models.families import FAMILIES, ModelFamily, build_family_model, register_family
 from gyre.models.llama3 import LLAMA3_CHAT_TEMPLATE, build_llama3_tokenizer, render_llama3_chat
 from gyre.models.qwen3_chat_template import QWEN3_CHAT_TEMPLATE, render_qwen3_chat, render_qwen3_chat_jinja
@@ -59,7 +59,6 @@ _LAZY = {
     "rope_inv_freq": "gyre.models.decoder",
     "segments_from_positions": "gyre.models.decoder",
     "load_pretrained": "gyre.models.hf_weights",
-    "read_config": "gyre.models.hf_weights",
     "read_state_dict": "gyre.models.hf_weights",
     "save_pretrained": "gyre.models.hf_weights",
 }

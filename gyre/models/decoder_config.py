@@ -7,7 +7,8 @@ the fields a file may omit with the defaults of the matching transformers config
 `ValueError` naming the field everything the native model would compute differently from transformers (other
 mixture-of-experts families such as mixtral or deepseek, sliding-window attention, RoPE scaling types other than
 `linear`, `llama3` and `yarn`, activations other than SiLU). `to_hf()` writes a transformers-4-style dict that
-`from_hf` reads back to an equal config. Pure: stdlib only.
+`from_hf` reads back to an equal config. `read_config(path)` reads the `config.json` of an HF-layout directory (the
+proxy reads its model's vocabulary and context limit with it). Pure: stdlib only.
 
 Mixture of experts: `num_experts == 0` means dense (every field below it unused); `is_moe_layer(i)` is transformers'
 rule for which layers carry the sparse block. The router's auxiliary load-balancing loss is not computed by gyre's
@@ -16,9 +17,13 @@ trainers; `router_aux_loss_coef` is only kept so `to_hf` writes back what `from_
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
+
+from gyre.models.model_files import CONFIG_FILE
 
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")  # the mixture-of-experts layouts the native decoder computes
@@ -452,3 +457,11 @@ def _read_yarn(fields: dict[str, Any], max_position_embeddings: int) -> RopeScal
 def _require(ok: bool, name: str, value: Any, expected: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r} is not supported: expected {expected}")
+
+
+def read_config(path: str | Path) -> DecoderConfig:
+    """The `DecoderConfig` of an HF-layout directory."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"{config_path} not found: expected an HF-layout directory (config.json + *.safetensors)")
+    return DecoderConfig.from_hf(json.loads(config_path.read_text()))

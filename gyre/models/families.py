@@ -29,15 +29,20 @@ docs/models.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gyre.config.checks import is_int
+from gyre.models.model_files import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    prepare_out_dir,
+)
 
-CONFIG_FILE, WEIGHTS_FILE, GENERATION_CONFIG_FILE = "config.json", "model.safetensors", "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, GENERATION_CONFIG_FILE, *TOKENIZER_FILES)
 # The test models' shape: the embedding (vocabulary x 64) is most of the parameters; two layers exercise the
 # layer loop, GQA (2 query heads per KV head) and per-head norms with the fewest weights.
@@ -80,7 +85,7 @@ def build_family_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
         raise ValueError(f"family={name!r}: expected one of {sorted(FAMILIES)}")
     if not is_int(seed) or seed < 0:
         raise ValueError(f"seed={seed!r}: expected an int >= 0")
-    out = prepare_out_dir(Path(out_dir))
+    out = prepare_out_dir(Path(out_dir), MODEL_FILES)
     family.build(out, seed)
     return out
 
@@ -98,25 +103,6 @@ def write_random_model(
     save_pretrained(build_model(config, dtype=getattr(torch, dtype), seed=seed), out)
     if generation is not None:
         (out / GENERATION_CONFIG_FILE).write_text(json.dumps(dict(generation), indent=2, sort_keys=True) + "\n")
-
-
-def prepare_out_dir(out: Path, files: Sequence[str] = MODEL_FILES, *, build: str = "a model build") -> Path:
-    """`out`, created if absent; a ValueError if it is a file or holds anything but `files` (what `build` writes:
-    a build never deletes a user's checkpoint)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out_dir {out} exists and is not a directory")
-    if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in files)
-        if foreign:
-            raise ValueError(
-                f"out_dir {out} holds files {build} does not write ({', '.join(foreign[:5])}"
-                f"{', ...' if len(foreign) > 5 else ''}); use an empty or new directory"
-            )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"out_dir {out} cannot be created: {err.strerror or err}") from err
-    return out
 
 
 # -- the families --------------------------------------------------------------------------------------------------

@@ -27,21 +27,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gyre.models.decoder import DecoderLM
-from gyre.models.decoder_config import DecoderConfig
+from gyre.models.decoder_config import DecoderConfig, read_config
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints carry
 FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"  # transformers 5 in memory
-
-
-def read_config(path: str | Path) -> DecoderConfig:
-    """The `DecoderConfig` of an HF-layout directory."""
-    config_path = Path(path) / CONFIG_NAME
-    if not config_path.is_file():
-        raise ValueError(f"{config_path} not found: expected an HF-layout directory (config.json + *.safetensors)")
-    return DecoderConfig.from_hf(json.loads(config_path.read_text()))
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gyre.config.checks import is_int
 from gyre.models.decoder_config import DecoderConfig
-from gyre.models.families import prepare_out_dir
+from gyre.models.model_files import prepare_out_dir
 from gyre.models.tiny import MODEL_FILES, write_with_tiny_tokenizer
 from gyre.models.tokenizer import DEFAULT_VOCAB_SIZE
 

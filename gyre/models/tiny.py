@@ -26,14 +26,20 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from gyre.config.checks import is_int
 from gyre.config.model import TinyModelSpec
 from gyre.models.chat_template import TEMPLATE_PATH
-from gyre.models.families import prepare_out_dir
+from gyre.models.model_files import (
+    CONFIG_FILE,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    default_cache_root,
+    package_version,
+    prepare_out_dir,
+)
 from gyre.models.tokenizer import (
     BOS_TOKEN,
     CORPUS_DIR,
@@ -43,10 +49,7 @@ from gyre.models.tokenizer import (
     build_tokenizer,
 )
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MODEL_FILES = (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)
-CACHE_ENV = "GYRE_CACHE"  # overrides the default cache root ~/.cache/gyre
 CACHE_PREFIX = "tiny-"
 # Bump when the build changes its output for the same inputs in a way the hashed sources do not capture.
 BUILD_FORMAT = 1
@@ -152,14 +155,8 @@ def spec_hash(spec: TinyModelSpec | None = None, seed: int = 0) -> str:
     for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for package in ("torch", "safetensors", "tokenizers"):
-        digest.update(f"{package}={_version(package)}\0".encode())
+        digest.update(f"{package}={package_version(package)}\0".encode())
     return digest.hexdigest()[:16]
-
-
-def default_cache_root() -> Path:
-    """`$GYRE_CACHE` if set, else `~/.cache/gyre`."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gyre"
 
 
 def bias_toward_end_of_turn(model_dir: str | Path, token: str = IM_END) -> None:
@@ -225,10 +222,3 @@ def tiny_model_dir(
 
 def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in MODEL_FILES)
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "absent"

@@ -203,7 +203,7 @@ async def serve(spec: ShardSpec, stop: asyncio.Event, announce: Callable[[dict],
     """Serve `spec` until `stop` is set; `announce({"url", "pid"})` once serving, `announce({"stats"})` at the end."""
     from gyre.engine.remote import RemoteEngine
     from gyre.proxy.routing import RoutingTable
-    from gyre.serve.stack import start_proxy
+    from gyre.proxy.start import start_proxy
 
     table = RoutingTable(placement="scheduler")  # routes only where the controller assigns
     engines = []

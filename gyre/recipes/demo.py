@@ -56,7 +56,7 @@ class DemoRecipe:
         demo = cfg.tasks.demo
         if cfg.tasks.task_dir or not demo.context_words:
             return
-        from gyre.models.hf_weights import read_config
+        from gyre.models.decoder_config import read_config
         from gyre.models.tokenizer import load_tokenizer
 
         (problem,) = make_demo_problems(1, cfg.seed, demo)

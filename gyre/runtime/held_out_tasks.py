@@ -71,8 +71,8 @@ class TaskPlayer:
         from gyre.engine.native import NativeEngine
         from gyre.harness.episode import ProxyAccess
         from gyre.proxy.routing import RoutingTable
+        from gyre.proxy.start import start_proxy
         from gyre.runtime.job.harness_setup import harness_provisioning, make_sandbox
-        from gyre.serve.stack import start_proxy
 
         cfg = self.cfg
         engine = NativeEngine(model, max_running=cfg.engine.max_running)

@@ -3,25 +3,24 @@
 The embedded engine runs on its own thread and event loop behind the engine endpoint (the layout of a cell
 leader in the SPMD job); the proxy reaches it, and any `engine_urls`, through `RemoteEngine`.
 
-`start_proxy` is the proxy half alone (template, sessions, server over a routing table the caller owns): the
-training runtime runs it on its controller and adds and drops engines on the table as cells change roles.
+The proxy half alone (template, sessions, server over a routing table the caller owns) is
+`gyre.proxy.start.start_proxy`, which this stack, the training runtime's controller and the proxy shards run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre.config.proxy import ProxyConfig
 from gyre.config.serve import ServeConfig
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.remote import RemoteEngine
 from gyre.proxy.routing import RoutingTable
 from gyre.proxy.server import ProxyServer
 from gyre.proxy.sessions import SessionRegistry
+from gyre.proxy.start import start_proxy
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,8 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
     import torch
 
     from gyre.engine.native import NativeEngine
-    from gyre.models.hf_weights import load_pretrained, read_config
+    from gyre.models.decoder_config import read_config
+    from gyre.models.hf_weights import load_pretrained
     from gyre.proxy.render import ChatTemplate
 
     model_dir = resolve_model_dir(cfg.model_dir)
@@ -93,41 +93,3 @@ async def build_stack(cfg: ServeConfig, *, records_dir: str | Path | None) -> Se
             await asyncio.to_thread(thread.stop)
         raise
     return ServeStack(proxy=proxy, registry=registry, table=table, remotes=remotes, engine_thread=thread)
-
-
-async def start_proxy(
-    config: ProxyConfig,
-    *,
-    model_dir: str | Path,
-    table: RoutingTable,
-    records_dir: str | Path | None,
-    template=None,  # gyre.proxy.render.ChatTemplate; loaded from model_dir when None
-    admin_key: str | None = None,  # a random one when None
-    before_start: Callable[[ProxyServer, SessionRegistry], None] | None = None,  # e.g. adds routes
-) -> tuple[ProxyServer, SessionRegistry]:
-    """The proxy over `table` (engines added and dropped by the caller), with its sessions writing `records_dir`.
-
-    Reads the model's config.json (vocabulary, context limit) and chat template; started and serving on return."""
-    from gyre.models.hf_weights import read_config
-    from gyre.proxy.render import ChatTemplate, PayloadCache, PromptBuilder
-
-    model_config = read_config(model_dir)
-    template = template if template is not None else ChatTemplate.from_pretrained(model_dir)
-    registry = SessionRegistry(
-        vocab_size=model_config.vocab_size,
-        make_builder=lambda payload: PromptBuilder(template, payload),
-        make_payload_cache=PayloadCache,
-        records_dir=records_dir,
-    )
-    proxy = ProxyServer(
-        config,
-        template=template,
-        registry=registry,
-        table=table,
-        context_limit=model_config.max_position_embeddings,
-        admin_key=admin_key,
-    )
-    if before_start is not None:
-        before_start(proxy, registry)
-    await proxy.start()
-    return proxy, registry

@@ -51,6 +51,7 @@ from gyre.harness.episode import ProxyAccess, run_episode
 from gyre.harness.sandbox import LocalSandbox
 from gyre.models.hf_weights import load_pretrained
 from gyre.proxy.routing import RoutingTable
+from gyre.proxy.start import start_proxy
 from gyre.runtime.controller.transitions import leave_rollout, return_to_rollout
 from gyre.runtime.controller.verdicts import judge_group, sampled_tokens, sched_outcome
 from gyre.runtime.ids import ExecutionIds, engine_name
@@ -68,7 +69,6 @@ from gyre.sched import (
     WakeAt,
     spec_from_config,
 )
-from gyre.serve.stack import start_proxy
 from gyre.tasks.demo import generate_demo_tasks
 from gyre.trainer.native_trainable import NativeTrainable
 from gyre.trainer.publish import engine_weights

@@ -18,7 +18,7 @@ from gyre.engine.remote import RemoteEngine
 from gyre.engine.scripted import ScriptedEngine
 from gyre.models.tiny import tiny_model_dir
 from gyre.proxy.routing import RoutingTable
-from gyre.serve.stack import start_proxy
+from gyre.proxy.start import start_proxy
 from gyre.traj.store import load_tree
 
 TIMEOUT_S = 120.0

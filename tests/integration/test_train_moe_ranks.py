@@ -264,7 +264,7 @@ def files_worker(rank: int, world_size: int, model_dir: str) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from gyre.models.hf_weights import read_config
+    from gyre.models.decoder_config import read_config
     from gyre.trainer.convert import gather_hf_state_dict
     from gyre.trainer.model import build_gpt_model, init_model_parallel
     from gyre.trainer.shard_loading import load_hf_checkpoint

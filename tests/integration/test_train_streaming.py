@@ -220,7 +220,7 @@ def stream_worker(
 
     from gyre.distributed.groups import build_process_groups
     from gyre.distributed.layout import Layout
-    from gyre.distributed.transport import one_sided_transport
+    from gyre.distributed.one_sided import one_sided_transport
     from gyre.trainer.streaming import train_claimed_step
 
     num_cells = world_size // cell_size

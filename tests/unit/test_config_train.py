@@ -301,7 +301,7 @@ def test_a_checkpoints_context_limit_is_checked_against_its_config():
 
 def test_the_weight_transports_are_the_one_sided_kinds():
     from gyre.config.trainer import WEIGHT_TRANSPORTS
-    from gyre.distributed.transport import ONE_SIDED_KINDS
+    from gyre.distributed.one_sided import ONE_SIDED_KINDS
 
     assert set(WEIGHT_TRANSPORTS) == set(ONE_SIDED_KINDS)
 

@@ -15,8 +15,8 @@ from gyre.config.trainer import TrainerConfig
 from gyre.distributed import groups as groups_module
 from gyre.distributed.backends import MIXED_BACKEND, BackendError, Backends, choose_backends
 from gyre.distributed.layout import Layout
-from gyre.runtime.job.launch import LaunchError
 from gyre.runtime.job import spmd as job_module
+from gyre.runtime.job.launch import LaunchError
 
 
 def test_cpu_cells_use_gloo_everywhere_and_no_device():

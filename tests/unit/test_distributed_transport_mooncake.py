@@ -19,7 +19,8 @@ from local_store import store_client as client
 
 from gyre.config import MooncakeConfig
 from gyre.distributed import transport_mooncake
-from gyre.distributed.transport import flatten_state_dict, one_sided_transport
+from gyre.distributed.one_sided import one_sided_transport
+from gyre.distributed.transport import flatten_state_dict
 from gyre.distributed.transport_mooncake import EngineStart, engine_start, topology_devices
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from local_store import store_client as client
 
-from gyre.distributed.transport import WeightTransport, WeightVersionError, flatten_state_dict, one_sided_transport
+from gyre.distributed.one_sided import one_sided_transport
+from gyre.distributed.transport import WeightTransport, WeightVersionError, flatten_state_dict
 from gyre.distributed.transport_store import StoreWeightTransport
 
 

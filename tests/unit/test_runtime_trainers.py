@@ -15,7 +15,7 @@ from gyre.config import TinyModelSpec, TrainConfig
 from gyre.config.model import ModelConfig
 from gyre.config.trainer import TrainerConfig
 from gyre.data.microstep import TokenRow, build_microstep
-from gyre.models.hf_weights import read_config
+from gyre.models.decoder_config import read_config
 from gyre.models.tiny import build_tiny_model
 from gyre.runtime.cell.trainers import build_trainable, policy_model
 from gyre.trainer.native_trainable import NativeTrainable

@@ -12,8 +12,8 @@ import torch
 from gyre.engine.protocol import SamplingParams
 from gyre.engine.sampling import sequence_logprobs
 from gyre.models.decoder import build_model
-from gyre.models.decoder_config import DecoderConfig, RopeScaling
-from gyre.models.hf_weights import read_config, read_state_dict
+from gyre.models.decoder_config import DecoderConfig, RopeScaling, read_config
+from gyre.models.hf_weights import read_state_dict
 from gyre.models.tiny import tiny_model_dir
 from gyre.trainer.convert import load_hf_state_dict
 from gyre.trainer.logprobs import packed_logprobs

@@ -37,9 +37,9 @@ import torch
 
 from gyre.config import TrainConfig
 from gyre.models.decoder import DecoderLM
-from gyre.models.decoder_config import DecoderConfig
+from gyre.models.decoder_config import DecoderConfig, read_config
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
-from gyre.models.hf_weights import load_pretrained, read_config, without_tolerated
+from gyre.models.hf_weights import load_pretrained, without_tolerated
 from gyre.runtime.job.checkpoint import optimizer_file
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from gyre.config import TrainConfig
 from gyre.distributed.control import STOP, ControlListener
-from gyre.distributed.transport import one_sided_transport
+from gyre.distributed.one_sided import one_sided_transport
 from gyre.runtime.cell.trainers import (
     GATHER,
     SAVE_OPTIMIZER,
@@ -82,7 +82,7 @@ def optimizer_file_of(cfg: TrainConfig, job: Job) -> dict:
 def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) -> dict:
     """The loop of one rank (module docstring), its engine on `start.engine_dir` and its trainer built from
     `start.trainer_dir` (a resumed run's checkpoint); returns what it did."""
-    from gyre.models.hf_weights import read_config
+    from gyre.models.decoder_config import read_config
     from gyre.trainer.publish import engine_weights
     from gyre.trainer.streaming import train_claimed_step
 

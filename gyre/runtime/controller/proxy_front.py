@@ -52,7 +52,7 @@ def _done() -> asyncio.Future:
 
 
 class LocalFront:
-    """The proxy on the controller's event loop (`gyre.serve.stack.start_proxy`)."""
+    """The proxy on the controller's event loop (`gyre.proxy.start.start_proxy`)."""
 
     def __init__(self, proxy, registry, table, *, model: str) -> None:
         self.proxy, self.registry, self.table = proxy, registry, table

@@ -92,7 +92,7 @@ async def run_controller(
     from gyre.config.trainer import device_kind
     from gyre.engine.endpoint import ServerThread
     from gyre.engine.remote import RemoteEngine
-    from gyre.models.hf_weights import read_config
+    from gyre.models.decoder_config import read_config
     from gyre.obs.sinks import build_metrics_logger
     from gyre.proxy.render import ChatTemplate
     from gyre.proxy.routing import RoutingTable
@@ -234,7 +234,7 @@ async def _proxy_front(cfg: TrainConfig, model_dir: Path, run_dir: Path, table, 
 
     model = cfg.proxy.model_names[0]
     if cfg.proxy.shards == 0:
-        from gyre.serve.stack import start_proxy
+        from gyre.proxy.start import start_proxy
 
         proxy, registry = await start_proxy(
             proxy_config(cfg), model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template

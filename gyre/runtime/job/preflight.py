@@ -100,7 +100,7 @@ def check_model_layout(cfg: TrainConfig, config) -> None:
 def resolve_model_dir(cfg: TrainConfig, recipe: Recipe, echo: Callable[[str], None] = print) -> Path:
     """The starting checkpoint: `model.model_dir`, or the recipe's starting model; checked against the config's
     context limit, the trainer's layout and the recipe's own rules."""
-    from gyre.models.hf_weights import read_config
+    from gyre.models.decoder_config import read_config
 
     if cfg.model.model_dir:
         model_dir = Path(cfg.model.model_dir)

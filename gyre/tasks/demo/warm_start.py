@@ -48,7 +48,8 @@ from typing import Any
 import gyre
 from gyre.config.checks import is_int
 from gyre.config.warm_start import WarmStartConfig
-from gyre.models.tiny import CONFIG_FILE, TOKENIZER_FILES, default_cache_root, spec_hash, tiny_model_dir
+from gyre.models.model_files import CONFIG_FILE, TOKENIZER_FILES, default_cache_root
+from gyre.models.tiny import spec_hash, tiny_model_dir
 from gyre.proxy.conversation import ChatRequest, ToolSpec, Turn
 from gyre.proxy.output import OutputDecoder
 from gyre.proxy.payload import PayloadCache
