@@ -8,7 +8,7 @@ first call of a session is the CLI's whole system prompt (Claude Code ~48K token
 
 Time on 2 cores: Codex ~75 s (1 step of one group, beside other tests); Claude Code ~10 minutes for 2 steps (its
 rows of ~48K tokens cost the trainer L^2 attention on a CPU). Both run only with GYRE_LONG_TESTS=1: the README's
-test command stays within its 15 minutes (docs/testing.md), and the runs' figures are in the README. The real CLIs
+test command stays within its 15 minutes (docs/testing.md), and the runs' figures are in docs/testing.md. The real CLIs
 through the runners (the task on stdin, the instructions file) are in the suite:
 tests/integration/test_harness_execution.py."""
 
