@@ -3,8 +3,8 @@ trainer and the engines into one RL loop — the only package where engines and 
 
 Grouped by where the code runs:
 
-- `job/`: the job as a whole — how it starts (`program`: a plain run, torchrun or srun), the preflight that checks
-  a run before any worker starts, the process groups and runtime store every rank opens (`spmd`), lifelines, nodes
+- `job/`: the job as a whole — how it starts (`program`: a plain run, torchrun or srun), the run plan that checks
+  a run once before any worker starts, the process groups and runtime store every rank opens (`spmd`), lifelines, nodes
   and their harness hosts, the run directory's checkpoints, resume and policy directory;
 - `controller/`: rank 0 — the controller's loop (`loop`, the page to read first) and its parts (`episodes`, `cells`:
   transitions and publication, `steps`, `checkpoints`), the rank-0 set-up (`setup`) and the run's outputs;

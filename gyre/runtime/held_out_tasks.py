@@ -22,17 +22,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gyre.config import TrainConfig
-from gyre.runtime.controller.steps import PASS_REWARD
 from gyre.runtime.recipe import HeldOutSet
 from gyre.runtime.task_sets import TaskSetError, load_task_dir
 from gyre.tasks.spec import Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TaskPlayer", "held_out_tasks", "load_held_out_tasks"]
+__all__ = ["PASS_REWARD", "TaskPlayer", "held_out_tasks", "load_held_out_tasks"]
 
 HELD_OUT_EXECUTIONS_DIR = "held_out_executions"
 
+
+PASS_REWARD = 1.0  # an execution passed when its reward reaches this (a full score: the demo check's)
 
 def load_held_out_tasks(cfg: TrainConfig, train: list[Task]) -> list[Task]:
     """The tasks of `tasks.held_out_dir` (module docstring); `TaskSetError` for a directory that cannot be used or a

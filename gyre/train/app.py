@@ -3,7 +3,7 @@
 
 Contract
     * Configuration comes from `conf/` and Hydra overrides only, checked by converting it to
-      `gyre.config.TrainConfig` (the dataclasses' checks) and then by the runtime (`gyre.runtime.job.program`).
+      `gyre.config.TrainConfig` (the dataclasses' checks) and then by the run plan (`gyre.runtime.job.plan`).
     * `recipe.name` (the Hydra group `recipe=demo|repo`) picks the recipe (`gyre.recipes.load_recipe`): where the
       starting model and the tasks come from when the config leaves them empty. The runtime imports no recipe.
     * A config the user can fix (a bad value, an unknown field, a world size this runtime does not run, a missing
@@ -86,7 +86,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         recipe = load_recipe(train_cfg.recipe.name)
     except ValueError as exc:
         _exit("config error", str(exc), EXIT_CONFIG_ERROR)
-    from gyre.runtime.job.program import ProgramError, RunResult, run_training
+    from gyre.runtime.job.program import PlanError, RunResult, run_training
 
     job = job_env(os.environ)
     try:
@@ -98,7 +98,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
     log.info("training -> %s", run_dir)
     try:
         result = run_training(train_cfg, run_dir, recipe, echo=_echo)
-    except (ProgramError, ConfigError) as exc:
+    except PlanError as exc:
         _exit("config error", str(exc), EXIT_CONFIG_ERROR)
     except WorkerFailed as exc:  # a worker of a plainly launched job failed: the job was stopped
         _exit("run error", f"{exc} (traceback in {run_dir / 'train.log'})", EXIT_RUN_ERROR)

@@ -177,8 +177,8 @@ def test_resuming_with_another_schedule_or_nothing_left_to_do_exits_2_naming_it(
     from gyre.config import TrainConfig
     from gyre.models.decoder import DecoderLM
     from gyre.models.decoder_config import DecoderConfig
-    from gyre.runtime.controller.checkpoints import run_shape
     from gyre.runtime.job.checkpoint import write_checkpoint
+    from gyre.runtime.job.run_shape import run_shape
 
     run_dir = tmp_path / "run"
     (tmp_path / "source").mkdir()

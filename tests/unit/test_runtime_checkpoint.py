@@ -185,7 +185,9 @@ def test_a_policy_write_on_a_full_disk_keeps_the_previous_policy(tmp_path, monke
     def full(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(policy_dir, "save_pretrained", full)
+    import gyre.models.hf_weights as hf_weights
+
+    monkeypatch.setattr(hf_weights, "save_pretrained", full)  # policy_dir imports it when it writes
     with pytest.raises(OSError, match="No space left"):
         policy_dir.write_policy(model, source_dir=source, run_dir=tmp_path, version=2)
     assert json.loads((tmp_path / "policy" / "policy.json").read_text())["version"] == 1

@@ -18,6 +18,7 @@ from gyre.engine.protocol import EngineUnavailableError
 from gyre.engine.sglang_engine import sglang_engine_args
 from gyre.engine.sglang_standin import PATH as STANDIN
 from gyre.runtime.cell import engines
+from gyre.runtime.job.plan import PlanError, check_engine_backend
 
 
 def test_weight_sync_is_checked_and_broadcasts_with_sglang_only():
@@ -86,17 +87,20 @@ def config(**engine) -> TrainConfig:
     return TrainConfig(engine=EngineConfig(**engine))
 
 
-def test_backend_problem_names_the_gpu_extra_or_the_device(monkeypatch):
-    assert engines.backend_problem(config()) is None
+def test_the_plan_names_the_gpu_extra_or_the_device_for_sglang(monkeypatch):
+    check_engine_backend(config())  # native: nothing to check
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    problem = engines.backend_problem(config(backend="sglang"))
-    assert "sglang package is not installed" in problem and "gpu extra" in problem and "\n" not in problem
+    with pytest.raises(PlanError) as problem:
+        check_engine_backend(config(backend="sglang"))
+    assert "sglang package is not installed" in str(problem.value) and "gpu extra" in str(problem.value)
+    assert "\n" not in str(problem.value)
     real = types.SimpleNamespace(origin="/site-packages/sglang/__init__.py")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: real)
-    assert "SGLang serves on CUDA GPUs; set engine.device=cuda" in engines.backend_problem(config(backend="sglang"))
+    with pytest.raises(PlanError, match=r"SGLang serves on CUDA GPUs; set engine\.device=cuda"):
+        check_engine_backend(config(backend="sglang"))
     standin = types.SimpleNamespace(origin=str(STANDIN / "sglang" / "__init__.py"))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: standin)
-    assert engines.backend_problem(config(backend="sglang")) is None  # the stand-in serves on the CPU
+    check_engine_backend(config(backend="sglang"))  # the stand-in serves on the CPU
 
 
 def test_sglang_engine_args_derive_from_the_cell_and_user_args_win():

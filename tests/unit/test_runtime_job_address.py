@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from gyre.distributed.layout import Layout
 from gyre.runtime.job.spmd import JOB_SECRET_ENV, job_secret, rank_address, store_host
 
 
@@ -89,7 +90,8 @@ def test_open_job_binds_the_store_to_the_loopback_and_keeps_the_secret_out_of_it
     for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(JOB_SECRET_ENV, "the-launchers-secret")
-    job = open_job(TrainConfig(cluster=ClusterConfig(num_cells=1, cell_size=1, cell_capacity=8)))
+    cfg = TrainConfig(cluster=ClusterConfig(num_cells=1, cell_size=1, cell_capacity=8))
+    job = open_job(cfg, Layout(world_size=1, num_cells=1, cell_size=1))
     try:
         assert job.secret == "the-launchers-secret" and "the-launchers-secret" not in repr(job)
         assert (job.store_host, job.host) == ("127.0.0.1", "127.0.0.1")

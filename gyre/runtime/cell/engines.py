@@ -9,8 +9,7 @@ endpoint's `ServerThread`, which calls it on the endpoint's event loop:
   cell's GPUs (`cell_engine_gpus`), built on the endpoint's loop (SGLang installs no signal handler off the main
   thread). SGLang loads the checkpoint itself; its start takes minutes on a GPU (`start_timeout_s`).
 
-`backend_problem(cfg)` is the program's check before anything starts: a message for the user where the backend cannot
-run here (SGLang not installed; SGLang on a CPU, which only gyre's stand-in serves).
+Whether the backend can run here (SGLang installed, on CUDA) is the run plan's check (`gyre.runtime.job.plan`).
 
 Publications (`engine.weight_sync`): over each engine's endpoint (`update_weights`), or, with SGLang, broadcast by rank
 0 over a process group with the engine's tensor-parallel workers: `join_weight_group` makes the group once per engine
@@ -22,7 +21,6 @@ Publications (`engine.weight_sync`): over each engine's endpoint (`update_weight
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -44,7 +42,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "SGLANG_START_S",
     "GroupPublishing",
-    "backend_problem",
     "engine_factory",
     "join_weight_group",
     "start_timeout_s",
@@ -53,30 +50,6 @@ __all__ = [
 
 NATIVE_START_S = 30.0
 SGLANG_START_S = 1800.0  # SGLang loads the checkpoint, profiles memory and captures CUDA graphs before it serves
-
-
-def _is_standin(origin: str | None) -> bool:
-    from gyre.engine.sglang_standin import PATH
-
-    return origin is not None and Path(origin).resolve().parent.parent == PATH
-
-
-def backend_problem(cfg: TrainConfig) -> str | None:
-    """Why `engine.backend` cannot run here (one line for the user), or None."""
-    if cfg.engine.backend != "sglang":
-        return None
-    spec = importlib.util.find_spec("sglang")
-    if spec is None:
-        return (
-            "engine.backend=sglang: the sglang package is not installed here; install gyre's gpu extra on a machine "
-            "with CUDA GPUs (pip install -e '.[gpu]'), or run engine.backend=native (docs/sglang.md)"
-        )
-    if device_kind(cfg.engine.device) != "cuda" and not _is_standin(spec.origin):
-        return (
-            f"engine.backend=sglang with engine.device={cfg.engine.device}: SGLang serves on CUDA GPUs; set "
-            "engine.device=cuda trainer.device=cuda (docs/sglang.md)"
-        )
-    return None
 
 
 def start_timeout_s(cfg: TrainConfig) -> float:

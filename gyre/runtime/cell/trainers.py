@@ -53,7 +53,6 @@ __all__ = [
     "restore_optimizer",
     "save_optimizer",
     "state_digest",
-    "trainer_layout",
     "uses_megatron",
 ]
 
@@ -106,21 +105,6 @@ def build_trainable(cfg: TrainConfig, model_dir: Path):
         pipeline=pipeline,
         routing_replay=t.routing_replay,
     )
-
-
-def trainer_layout(cfg: TrainConfig) -> dict[str, Any]:
-    """What the core's optimizer state is laid out for (its shards, the order of its parameters): a checkpoint keeps
-    it in `state.json`, and a run resumes from the checkpoint only with the same (`gyre.runtime.job.program.
-    resolve_checkpoint`)."""
-    t = cfg.trainer
-    layout = {
-        "trainer.backend": t.backend,
-        "trainer.tensor_parallel_size": t.tensor_parallel_size,
-        "trainer.pipeline_parallel_size": t.pipeline_parallel_size,
-    }
-    if t.expert_parallel_size > 1:  # absent at 1, so checkpoints written before the field existed still resume
-        layout["trainer.expert_parallel_size"] = t.expert_parallel_size
-    return layout
 
 
 def optimizer_state(trainer) -> dict[str, Any]:

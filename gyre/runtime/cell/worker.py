@@ -46,9 +46,9 @@ from gyre.runtime.cell.trainers import (
     build_trainable,
     restore_optimizer,
     save_optimizer,
-    trainer_layout,
 )
 from gyre.runtime.job.checkpoint import StartingPoint
+from gyre.runtime.job.run_shape import trainer_layout
 from gyre.runtime.job.spmd import Job, ack_key, engine_key, step_stats_key
 
 log = logging.getLogger(__name__)

@@ -13,13 +13,13 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from gyre.config import TrainConfig
 from gyre.models.hf_weights import load_pretrained
 from gyre.obs.record import record_from_dict
-from gyre.runtime.cell.trainers import SAVE_OPTIMIZER, policy_model, trainer_layout
+from gyre.runtime.cell.trainers import SAVE_OPTIMIZER, policy_model
 from gyre.runtime.controller.parts import StepBook
 from gyre.runtime.controller.trace import RoleTrace
 from gyre.runtime.job.checkpoint import Checkpoint, CheckpointError, discard_staging, stage_checkpoint, write_checkpoint
+from gyre.runtime.job.run_shape import run_shape, trainer_layout
 from gyre.sched import GroupState
 from gyre.sched.checkpoint import scheduler_state
 from gyre.traj.outcomes_state import group_outcomes_state, restored_group_outcomes
@@ -29,26 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["restore", "run_shape", "state", "write"]
-
-
-def run_shape(cfg: TrainConfig) -> dict:
-    """What a checkpoint's state depends on: a run resumes from it only with the same (the preflight's
-    `resolve_checkpoint` compares them)."""
-    cl, algo = cfg.cluster, cfg.algo
-    return {
-        "algo.mode": algo.mode,
-        "cluster.num_cells": cl.num_cells,
-        "cluster.cell_capacity": cl.cell_capacity,
-        "cluster.separate_capacity": cl.separate_capacity,  # the ledger's C_s (a checkpoint without it: not compared)
-        "algo.group_size": algo.group_size,
-        "algo.oversample": algo.oversample,
-        "algo.batch_groups": algo.batch_groups,
-        "algo.mu": algo.mu,
-        "algo.extra_groups": algo.extra_groups,
-        "algo.dispatch": algo.dispatch,
-        "seed": cfg.seed,
-    }
+__all__ = ["restore", "state", "write"]
 
 
 def state(ctl: Controller) -> dict:

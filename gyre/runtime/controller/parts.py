@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gyre.models.decoder_config import DecoderConfig
 from gyre.obs.record import TransitionRecord
 
-__all__ = ["SLOW_STOP_S", "ControllerParts", "RunEnd", "StepBook", "StopRun"]
+__all__ = ["SLOW_STOP_S", "ControllerParts", "RunEnd", "RunResult", "StepBook", "StopRun"]
 
 SLOW_STOP_S = 1.0  # a step of the stop that takes this long is logged with its time (train.log)
 
@@ -49,6 +50,16 @@ class RunEnd:
     reason: str  # "completed" | "stopped" | "error"
     error: BaseException | None = None
     wall_time_s: float = 0.0
+
+
+@dataclass
+class RunResult:
+    """Rank 0's result of a run: how it ended, its summary, its held-out evaluations, where its outputs are."""
+
+    end: RunEnd
+    summary: dict[str, Any]
+    held_out: list[dict]
+    run_dir: Path
 
 
 @dataclass

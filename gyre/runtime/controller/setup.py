@@ -2,12 +2,13 @@
 it is needed, then the `Controller` until it ends, then the run's outputs and everything closed, each step of the
 close on its own.
 
-In order: the task sets (from the preflight), the harness's sandbox, a resumed run's directory, its own cell's
-engine behind its endpoint, every cell's engine and the separate rollout pool's (`gyre.runtime.cell.pool`) reached
-with a `RemoteEngine`, the proxy (`start_proxy` over a `RoutingTable(placement="scheduler")`, or `proxy.shards`
-processes: `gyre.runtime.controller.proxy_front`), the other nodes' harness hosts, the metrics sinks, the held-out
-evaluator, the core's trainer and step (`CoreStep`, built on the trainer thread at the core's first move to
-training); then `Controller.run` (`gyre.runtime.controller.loop`) and the outputs (`gyre.runtime.controller.outputs`).
+In order, from the run plan (`gyre.runtime.job.plan`): the task sets, the harness's sandbox, a resumed run's directory,
+its own cell's engine behind its endpoint, every cell's engine and the separate rollout pool's
+(`gyre.runtime.cell.pool`) reached with a `RemoteEngine`, the proxy (`start_proxy` over a
+`RoutingTable(placement="scheduler")`, or `proxy.shards` processes: `gyre.runtime.controller.proxy_front`), the other
+nodes' harness hosts, the metrics sinks, the held-out evaluator, the core's trainer and step (`CoreStep`, built on the
+trainer thread at the core's first move to training); then `Controller.run` (`gyre.runtime.controller.loop`) and the
+outputs (`gyre.runtime.controller.outputs`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import secrets
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +31,15 @@ from gyre.obs.timeline import preload_plotting
 from gyre.runtime.controller.held_out import HELD_OUT_FILE, HeldOutEvaluator
 from gyre.runtime.controller.loop import Controller
 from gyre.runtime.controller.outputs import write_outputs
-from gyre.runtime.controller.parts import SLOW_STOP_S, ControllerParts, RunEnd
+from gyre.runtime.controller.parts import SLOW_STOP_S, ControllerParts, RunResult
 from gyre.runtime.job.checkpoint import StartingPoint
-from gyre.runtime.job.preflight import EXECUTIONS_DIR, RECORDS_DIR, Prepared, proxy_config, run_sandbox
+from gyre.runtime.job.plan import RunPlan, run_sandbox
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoreStep", "RunResult", "proxy_counts", "run_controller"]
+__all__ = ["CoreStep", "proxy_counts", "run_controller"]
 
 HOST_START_TIMEOUT_S = 300.0  # a node's harness host says its address within this (its harness checked first)
-
-
-@dataclass
-class RunResult:
-    end: RunEnd
-    summary: dict[str, Any]
-    held_out: list[dict]
-    run_dir: Path
 
 
 class CoreStep:
@@ -86,36 +78,33 @@ class CoreStep:
             log.warning("closing the core's weight transport failed: %r", error)
 
 
-async def run_controller(
-    cfg: TrainConfig, run_dir: Path, prepared: Prepared, start: StartingPoint, job, echo, *, hosts: dict[int, int]
-) -> RunResult:
+async def run_controller(plan: RunPlan, job, echo: Callable[[str], None], *, hosts: dict[int, int]) -> RunResult:
+    """Rank 0's part of the job (module docstring): its result once the controller's loop ended and all is closed."""
     from gyre.config.trainer import device_kind
     from gyre.engine.endpoint import ServerThread
     from gyre.engine.remote import RemoteEngine
-    from gyre.models.decoder_config import read_config
     from gyre.obs.sinks import build_metrics_logger
     from gyre.proxy.render import ChatTemplate
     from gyre.proxy.routing import RoutingTable
     from gyre.runtime.cell.engines import engine_factory, join_weight_group, start_timeout_s, uses_weight_groups
-    from gyre.runtime.cell.trainers import save_optimizer, trainer_layout
+    from gyre.runtime.cell.trainers import save_optimizer
     from gyre.runtime.ids import POOL_ENGINE, engine_name
-    from gyre.runtime.job.harness_setup import harness_provisioning, make_runner
+    from gyre.runtime.job.harness_setup import make_runner
     from gyre.runtime.job.resume import prepare_run_dir
+    from gyre.runtime.job.run_shape import trainer_layout
     from gyre.runtime.job.spmd import engine_key
 
+    cfg, run_dir, start = plan.cfg, plan.run_dir, plan.start
     if cfg.logging.timeline:  # now, before anything is served: the run's end (Ctrl-C too) writes the PNG sooner
         preload_plotting()
-    model_dir, task_sets, checkpoint = prepared.model_dir, prepared.task_sets, prepared.checkpoint
+    model_dir, task_sets, checkpoint = plan.model_dir, plan.task_sets, plan.checkpoint
     held_out_size = task_sets.held_out.size if task_sets.held_out else 0
     echo(f"tasks: {len(task_sets.train)} training tasks, {held_out_size} held-out problems")
     template = ChatTemplate.from_pretrained(model_dir)
-    sandbox = run_sandbox(cfg, run_dir, trusted_tasks=task_sets.trusted)
-    sandbox.check()
+    sandbox = run_sandbox(plan)  # checked by the plan; it prepares itself (uid leases) at its first execution
     kept = None
     if checkpoint is not None:
-        kept = prepare_run_dir(
-            run_dir, checkpoint, records_dir=run_dir / RECORDS_DIR, executions_dir=run_dir / EXECUTIONS_DIR
-        )
+        kept = prepare_run_dir(run_dir, checkpoint, records_dir=plan.records_dir, executions_dir=plan.executions_dir)
         await asyncio.to_thread(_policy_of_the_checkpoint, run_dir, start, model_dir)
 
     factory = await asyncio.to_thread(
@@ -147,7 +136,7 @@ async def run_controller(
                     device_kind=device_kind(cfg.engine.device),
                 )
             table.add_engine(engine_name(engine), engines[engine])
-        front = await _proxy_front(cfg, model_dir, run_dir, table, template, addresses, job)
+        front = await _proxy_front(plan, table, template, addresses, job)
         harness_hosts = await _harness_hosts(job, hosts) if hosts else None
         metrics = build_metrics_logger(cfg.logging, run_dir, run_config=_plain(cfg))
         parts = ControllerParts(
@@ -156,12 +145,12 @@ async def run_controller(
             proxy=front,
             hosts=harness_hosts,
             sandbox=sandbox,
-            make_runner=functools.partial(make_runner, cfg.harness, provisioning=harness_provisioning(cfg.harness)),
+            make_runner=functools.partial(make_runner, cfg.harness, provisioning=plan.provisioning),
             make_trainer=lambda: _core_trainer(cfg, start),
             core_step=CoreStep(cfg, job),
             model_dir=model_dir,
-            model_config=read_config(model_dir),
-            records_dir=run_dir / RECORDS_DIR,
+            model_config=plan.model,
+            records_dir=plan.records_dir,
             save_optimizer=functools.partial(
                 save_optimizer, coordinate=0, cell_size=cfg.cluster.cell_size, layout=trainer_layout(cfg)
             ),
@@ -227,17 +216,18 @@ async def _harness_hosts(job, hosts: dict[int, int]):
     return HarnessHosts(urls, secret=job.secret, controller_host=job.host, ranks=hosts)
 
 
-async def _proxy_front(cfg: TrainConfig, model_dir: Path, run_dir: Path, table, template, addresses, job):
+async def _proxy_front(plan: RunPlan, table, template, addresses, job):
     """The proxy on this loop over `table` (`proxy.shards=0`), or its shards, each with its own clients of the
     engines at `addresses` (docs/proxy.md, "Shards")."""
     from gyre.runtime.controller.proxy_front import LocalFront, ShardedFront
 
-    model = cfg.proxy.model_names[0]
+    cfg, run_dir = plan.cfg, plan.run_dir
+    model = plan.proxy.model_names[0]
     if cfg.proxy.shards == 0:
         from gyre.proxy.start import start_proxy
 
         proxy, registry = await start_proxy(
-            proxy_config(cfg), model_dir=model_dir, table=table, records_dir=run_dir / RECORDS_DIR, template=template
+            plan.proxy, model_dir=plan.model_dir, table=table, records_dir=plan.records_dir, template=template
         )
         return LocalFront(proxy, registry, table, model=model)
     from gyre.proxy.shard import ShardSpec
@@ -247,9 +237,9 @@ async def _proxy_front(cfg: TrainConfig, model_dir: Path, run_dir: Path, table, 
     specs = [
         ShardSpec(
             index=index,
-            proxy=proxy_config(cfg),
-            model_dir=str(model_dir),
-            records_dir=str(run_dir / RECORDS_DIR),
+            proxy=plan.proxy,
+            model_dir=str(plan.model_dir),
+            records_dir=str(plan.records_dir),
             engines=addresses,
             engine_secret=job.secret or None,
             admin_key=admin_key,
@@ -257,13 +247,14 @@ async def _proxy_front(cfg: TrainConfig, model_dir: Path, run_dir: Path, table, 
         )
         for index in range(cfg.proxy.shards)
     ]
-    return ShardedFront(await ProxyShards.start(specs), run_dir / RECORDS_DIR, model=model)
+    return ShardedFront(await ProxyShards.start(specs), plan.records_dir, model=model)
 
 
 def _core_trainer(cfg: TrainConfig, start: StartingPoint):
     """Rank 0's trainer (the core's first rank): on the starting checkpoint, or a resumed run's with its optimizer
     state (the core's other ranks restore theirs in `gyre.runtime.cell.worker`)."""
-    from gyre.runtime.cell.trainers import build_trainable, restore_optimizer, trainer_layout
+    from gyre.runtime.cell.trainers import build_trainable, restore_optimizer
+    from gyre.runtime.job.run_shape import trainer_layout
 
     trainer = build_trainable(cfg, start.trainer_dir)
     if start.checkpoint is not None:

@@ -23,6 +23,7 @@ from gyre.rl.loss_metrics import LossMetricSums
 from gyre.runtime.controller import checkpoints
 from gyre.runtime.controller.claims import claim_and_pull
 from gyre.runtime.controller.parts import StepBook
+from gyre.runtime.held_out_tasks import PASS_REWARD
 from gyre.runtime.job.policy_dir import write_policy
 from gyre.runtime.job.spmd import step_stats_key
 
@@ -31,11 +32,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PASS_REWARD", "Steps"]
+__all__ = ["Steps"]
 
 STATS_TIMEOUT_S = 60.0  # the satellites of a step report their share within this after the core's step returned
 PUMP_POLL_S = 0.005  # the step pump's pass interval while a step is in flight
-PASS_REWARD = 1.0  # an execution passed when its reward reaches this (the demo check's full score)
 
 
 class Steps:

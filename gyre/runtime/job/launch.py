@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -34,12 +35,14 @@ from gyre.config.checks import is_int
 from gyre.distributed.local import HOST  # the workers' rendezvous: the loopback, as local runs use
 
 __all__ = [
+    "JOB_SECRET_ENV",
     "JobEnv",
     "LaunchError",
     "LaunchStopped",
     "WorkerFailed",
     "fixed_run_dir_overrides",
     "job_env",
+    "job_secret",
     "launch_workers",
 ]
 
@@ -76,6 +79,22 @@ class JobEnv:
     master_addr: str
     master_port: int
     job_id: str  # the same on every rank: names the run directory
+
+
+JOB_SECRET_ENV = "GYRE_JOB_SECRET"  # the job's secret, when the launcher sets one (rank 0 reads it)
+
+
+def job_secret(env: Mapping[str, str]) -> str:
+    """Rank 0's choice of the job's secret: $GYRE_JOB_SECRET when set, else 32 random bytes (URL-safe base64).
+    ValueError (which does not show the value) when the variable cannot travel in an HTTP header."""
+    given = env.get(JOB_SECRET_ENV)
+    if not given:
+        return secrets.token_urlsafe(32)
+    if not (given.isascii() and given.isprintable()) or " " in given:
+        raise ValueError(
+            f"{JOB_SECRET_ENV} (value not shown): expected printable ASCII without spaces, it is sent as a bearer token"
+        )
+    return given
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

@@ -20,8 +20,6 @@ import os
 import shutil
 from pathlib import Path
 
-from gyre.models.hf_weights import save_pretrained
-
 __all__ = ["POLICY_DIR", "POLICY_META", "copy_side_files", "write_policy"]
 
 POLICY_DIR = "policy"
@@ -58,6 +56,8 @@ def _fsync_dir(directory: Path) -> None:
 
 def write_policy(model, *, source_dir: Path, run_dir: Path, version: int) -> Path:
     """Write `model` (a `DecoderLM`) as policy `version` into `<run_dir>/policy/` (module docstring); its path."""
+    from gyre.models.hf_weights import save_pretrained  # torch: only once a policy is written
+
     run_dir = Path(run_dir)
     target = run_dir / POLICY_DIR
     staging = run_dir / f".policy-{version}.tmp"

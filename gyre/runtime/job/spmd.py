@@ -1,7 +1,7 @@
 """Every rank's start of the SPMD job: the process group, the cells' groups, and the job's gyre store
 (docs/runtime.md, "The process model").
 
-`open_job(cfg)` runs on every rank, right after the process starts:
+`open_job(cfg, layout)` runs on every rank, right after the process starts:
 
 1. the backends (`job_backends`, gyre.distributed.backends): gloo on CPU cells; on GPUs (`engine.device` and
    `trainer.device` `cuda`) `cpu:gloo,cuda:nccl` with the rank's own GPU made the current CUDA device
@@ -10,11 +10,11 @@
 2. `torch.distributed.init_process_group(<that backend>, device_id=<the GPU, if any>)`: from the launcher's
    environment under torchrun or `launch_workers`; over `tcp://MASTER_ADDR:MASTER_PORT` with SLURM's rank and task
    count under srun; in process for a job of one rank run plainly (a HashStore: nothing listens);
-3. `build_process_groups(Layout(**layout_fields(cfg, world_size)), backend=)`: the control group (gloo), the cell
-   groups and the prefix groups (the data backend), created in the same order on every rank before anything else
-   makes a group; with `trainer.backend=megatron`, `build_process_groups_and_model_parallel`, which makes
-   Megatron's tensor- and pipeline-parallel groups right after them, so that Megatron's groups are exactly the
-   cells (docs/distributed.md, "Megatron's groups");
+3. `build_process_groups(layout, backend=)` on the run plan's layout (`gyre.runtime.job.plan`): the control group
+   (gloo), the cell groups and the prefix groups (the data backend), created in the same order on every rank before
+   anything else makes a group; with `trainer.backend=megatron`, `build_process_groups_and_model_parallel`, which makes
+   Megatron's tensor- and pipeline-parallel groups right after them, so that Megatron's groups are exactly the cells
+   (docs/distributed.md, "Megatron's groups");
 4. rank 0 starts a TCPStore server of its own for the runtime's keys (claims, the control log, weight snapshots,
    engine addresses, acks), listening on rank 0's address only (`store_host`; a socket gyre binds and hands to
    the store: torch's own would listen on every interface), makes the job's secret (`$GYRE_JOB_SECRET` if the
@@ -38,7 +38,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import secrets
 import socket
 import time
 from collections.abc import Mapping
@@ -47,14 +46,13 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from gyre.config import TrainConfig
-from gyre.config.train import layout_fields
 from gyre.config.trainer import device_kind
 from gyre.distributed.backends import BackendError, Backends, choose_backends
 from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.distributed.local import HOST
 from gyre.runtime.ids import engine_name
-from gyre.runtime.job.launch import LaunchError, job_env
+from gyre.runtime.job.launch import JOB_SECRET_ENV, LaunchError, job_env, job_secret
 from gyre.runtime.job.lifeline import LifelineServer, connect_lifeline
 
 log = logging.getLogger(__name__)
@@ -77,7 +75,6 @@ PG_TIMEOUT = datetime.timedelta(seconds=1800)  # a collective waits this long at
 
 LOOPBACK = ("", "localhost", "127.0.0.1", "::1")
 RANK_ADDR_ENV = "GYRE_RANK_ADDR"  # the address other ranks reach this one at, when the default guess is wrong
-JOB_SECRET_ENV = "GYRE_JOB_SECRET"  # the job's secret, when the launcher sets one (rank 0 reads it)
 
 
 def rank_address(env: Mapping[str, str]) -> str:
@@ -139,19 +136,6 @@ def _is_local(address: str) -> bool:
 def _one_host(env: Mapping[str, str], world_size: int) -> bool:
     """Every rank runs on this host, as torchrun's LOCAL_WORLD_SIZE or srun's SLURM_NNODES say."""
     return env.get("LOCAL_WORLD_SIZE") == str(world_size) or env.get("SLURM_NNODES") == "1"
-
-
-def job_secret(env: Mapping[str, str]) -> str:
-    """Rank 0's choice of the job's secret: $GYRE_JOB_SECRET when set, else 32 random bytes (URL-safe base64).
-    ValueError (which does not show the value) when the variable cannot travel in an HTTP header."""
-    given = env.get(JOB_SECRET_ENV)
-    if not given:
-        return secrets.token_urlsafe(32)
-    if not (given.isascii() and given.isprintable()) or " " in given:
-        raise ValueError(
-            f"{JOB_SECRET_ENV} (value not shown): expected printable ASCII without spaces, it is sent as a bearer token"
-        )
-    return given
 
 
 def _listening_socket(host: str) -> socket.socket:
@@ -244,8 +228,9 @@ def job_backends(cfg: TrainConfig, local_rank: int | None) -> Backends:
         raise LaunchError(str(error)) from None
 
 
-def open_job(cfg: TrainConfig) -> Job:
-    """Initialize this rank's part of the job (module docstring). ConfigError when the job does not fit the cells."""
+def open_job(cfg: TrainConfig, layout: Layout) -> Job:
+    """Initialize this rank's part of the job (module docstring) on the run plan's `layout` (checked there:
+    `gyre.runtime.job.plan.plan_layout`)."""
     launched = job_env(os.environ)
     backends = job_backends(cfg, launched.local_rank if launched is not None else None)
     init = {"backend": backends.default}
@@ -279,7 +264,7 @@ def open_job(cfg: TrainConfig) -> Job:
         else:  # torchrun, or launch_workers: the launcher's store, from the environment
             dist.init_process_group(**init, timeout=PG_TIMEOUT)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    layout = Layout(**layout_fields(cfg, world_size))
+    assert layout.world_size == world_size, (layout, world_size)  # the plan's layout is of this job's size
     if cfg.trainer.backend == "megatron":
         from gyre.trainer.model import build_process_groups_and_model_parallel
 
