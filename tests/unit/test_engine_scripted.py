@@ -1,6 +1,6 @@
 """`gyre.engine.scripted.ScriptedEngine`, the stand-in engine, beyond the contract suite (test_engine_contract.py runs
-its request lifecycle): how a script ends a request, pacing and timings, holding, recording, `chat_reply`, bad options, and
-that the module imports the stdlib and the protocol only (light processes serve it)."""
+its request lifecycle): how a script ends a request, pacing and timings, holding, recording, `chat_reply`, bad
+options, and that the module imports the stdlib and the protocol only (light processes serve it)."""
 
 from __future__ import annotations
 
