@@ -36,6 +36,12 @@ Contract (beyond `gyre.engine.protocol`)
   routing of the tokens they cover; a reused prefix's positions were not computed here, their routing comes from
   that record. Positions with no known routing (a prefix or an import without a record: its request did not ask,
   or the export came from an engine that kept none; a request aborted while queued) are -1 at every layer.
+- Holding the step loop, for tests whose outcome must not depend on when a request ends: `hold()` stops the loop at
+  its next step boundary (nothing is admitted, nothing decodes: running requests stay in flight with the tokens they
+  have), `release(steps=k)` lets it run exactly `k` more steps and hold again (`release()`: go on for good), and
+  `await until_held()` returns once the loop waits at the hold. Held, the engine still aborts (abort, drain's
+  deadline), exports KV and queues new requests. A step is one decode token per running request, and an admitted
+  request gets its first token from prefill in the same step: `k` steps from held-and-queued give `k + 1` tokens.
 - `compile_decode=True` runs the batched decode step as `torch.compile(decode_forward)` (gyre.engine.decode): the
   same tokens, log-probs equal within float noise (1e-5 fp32); compiles per new batch shape (docs/engine.md).
 See `docs/engine.md` ("Native engine").
@@ -290,6 +296,9 @@ class NativeEngine(AcceptingLifecycle):
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._holding = False  # hold(): the loop waits at its next step boundary
+        self._steps_before_hold: int | None = None  # release(steps=k): steps to run before holding again
+        self._at_hold = asyncio.Event()  # set while the loop waits at the hold (until_held)
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self._decode_forward = torch.compile(decode_forward) if compile_decode else None
@@ -388,6 +397,25 @@ class NativeEngine(AcceptingLifecycle):
                 await self._task
             self._task = None
 
+    # ----------------------------------------------------------------- holding (tests)
+
+    def hold(self) -> None:
+        """Stop the step loop at its next step boundary (module docstring, "Holding"). Call it on the engine's loop
+        (`ServerThread.call` from another thread)."""
+        self._holding, self._steps_before_hold = True, None
+
+    def release(self, steps: int | None = None) -> None:
+        """Let the held loop go on: for good, or for exactly `steps` steps and then hold again."""
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"steps={steps!r} is not allowed: expected None or an integer >= 1")
+        self._holding, self._steps_before_hold = False, steps
+        self._at_hold.clear()
+        self._wake.set()
+
+    async def until_held(self) -> None:
+        """Return once the loop waits at the hold with a request in flight (bound it with a timeout)."""
+        await self._at_hold.wait()
+
     # ----------------------------------------------------------------- memory
 
     def memory_bytes(self) -> dict[str, int]:
@@ -478,6 +506,7 @@ class NativeEngine(AcceptingLifecycle):
             routed_experts=None if buffer.routed_CLK is None else buffer.routed_CLK[: buffer.length].clone(),
         )
         self._pinned[request_id] = export
+        self._wake.set()  # a held loop looks again (the running set changed)
         self._running.remove(entry)
         self._finish(entry, "abort", keep_prefix=False)  # moved: not kept for prefix reuse here
         return export
@@ -548,6 +577,14 @@ class NativeEngine(AcceptingLifecycle):
 
     async def _run(self) -> None:
         while True:
+            if self._holding:
+                self._reap_aborts()  # held: aborts still end requests, nothing else moves
+                if self._waiting or self._running:
+                    self._at_hold.set()
+                    self._wake.clear()
+                    await self._wake.wait()  # release, abort, a new request or an export wakes it
+                    self._at_hold.clear()
+                    continue
             if not self._waiting and not self._running:
                 self._idle.set()
                 self._wake.clear()
@@ -555,6 +592,7 @@ class NativeEngine(AcceptingLifecycle):
                 continue
             try:
                 self._step()
+                self._count_step_before_hold()
             except Exception as error:  # fail every caller with the real error, then stop serving
                 logger.exception("native engine step failed")
                 self._error = error
@@ -574,14 +612,23 @@ class NativeEngine(AcceptingLifecycle):
                 continue
             await asyncio.sleep(0)  # step boundary: other coroutines of the engine run here
 
-    @torch.no_grad()
-    def _step(self) -> None:
+    def _count_step_before_hold(self) -> None:
+        if self._steps_before_hold is not None:
+            self._steps_before_hold -= 1
+            if self._steps_before_hold == 0:
+                self._holding, self._steps_before_hold = True, None
+
+    def _reap_aborts(self) -> None:
         for entry in [e for e in self._waiting if e.abort_requested]:
             self._waiting.remove(entry)
             self._finish(entry, "abort", keep_prefix=False)
         for entry in [e for e in self._running if e.abort_requested]:
             self._running.remove(entry)
             self._finish(entry, "abort", keep_prefix=True)
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        self._reap_aborts()
         while self._waiting and len(self._running) < self.max_running:
             entry = self._waiting[0]
             if not self._make_room(entry.reserved_tokens):

@@ -18,6 +18,10 @@ Contract
 - What it does not model: weights (`update_weights` records the version only and reads no tensor), a KV cache
   (`cached_tokens` is always 0; `export_kv` / `import_kv` raise `NotImplementedError`, as SGLang's adapter does),
   experts (`routed_experts` is always None, as for a dense model, whatever `return_routed_experts` asks).
+- Holding, for tests whose outcome must not depend on the script ending or on timing: after `hold(after_tokens=n)`
+  every request streams at most its first `n` tokens and then waits, in flight, until `release()` or its abort (it
+  ends `abort` with those tokens); `await until_held(count)` returns once `count` requests wait there. A request
+  that ends within its first `n` tokens (a stop id, the reply's end, `max_new_tokens`) ends as usual.
 - `calls` counts the requests that started running; with `record_requests=True`, `requests` holds them in order.
 
 Imports are the stdlib and the protocol's module (no torch, no numpy; numpy only when the vocabulary check runs),
@@ -76,6 +80,7 @@ class _Flight:
         self.admitted = asyncio.Event()
         self.running = False
         self.aborted = False
+        self.wake = asyncio.Event()  # a held request goes on: set by release() and abort()
 
 
 class ScriptedEngine(AcceptingLifecycle):
@@ -125,6 +130,9 @@ class ScriptedEngine(AcceptingLifecycle):
         self._kv_released = False
         self._idle = asyncio.Event()  # set whenever nothing is in flight (drain waits for it)
         self._idle.set()
+        self._hold_after: int | None = None  # hold(): requests wait before their token of this index
+        self._held: set[_Flight] = set()  # the requests waiting at the hold
+        self._held_changed = asyncio.Event()
 
     # ----------------------------------------------------------------- requests
 
@@ -181,6 +189,9 @@ class ScriptedEngine(AcceptingLifecycle):
             if finish is not None:  # a last chunk with no token
                 yield self._chunk(request, index, (), finish, flight, admitted, first_token_at)
                 return
+            if self._hold_after is not None and index >= self._hold_after:
+                await self._wait_released(flight)
+                continue  # released or aborted: look again
             delay = self.token_delay_s + (self.first_token_delay_s if index == 0 else 0.0)
             await asyncio.sleep(delay)
             if flight.aborted:
@@ -198,6 +209,35 @@ class ScriptedEngine(AcceptingLifecycle):
             if finish is not None:
                 return
             index += 1
+
+    async def _wait_released(self, flight: _Flight) -> None:
+        flight.wake.clear()
+        self._held.add(flight)
+        self._held_changed.set()
+        try:
+            await flight.wake.wait()
+        finally:
+            self._held.discard(flight)
+
+    # ----------------------------------------------------------------- holding (tests)
+
+    def hold(self, after_tokens: int = 0) -> None:
+        """From now on every request streams at most its first `after_tokens` tokens, then waits in flight until
+        `release()` or its abort. Call it on the engine's event loop (`ServerThread.call` from another thread)."""
+        require_int("after_tokens", after_tokens, ge=0)
+        self._hold_after = after_tokens
+
+    def release(self) -> None:
+        """End the hold: the waiting requests go on and later ones are not held."""
+        self._hold_after = None
+        for flight in self._held:
+            flight.wake.set()
+
+    async def until_held(self, count: int = 1) -> None:
+        """Return once `count` requests wait at the hold (bound it with a timeout: nothing else ends the wait)."""
+        while len(self._held) < count:
+            self._held_changed.clear()
+            await self._held_changed.wait()
 
     def _chunk(self, request, index, token_ids, finish, flight, admitted, first_token_at) -> TokenChunk:
         timings = cached = None
@@ -246,6 +286,7 @@ class ScriptedEngine(AcceptingLifecycle):
         if flight is None or flight.aborted:
             return flight is not None
         flight.aborted = True
+        flight.wake.set()  # a held request ends now
         if not flight.running:  # queued: leave the queue now and end with no tokens
             self._waiting.remove(flight)
             flight.admitted.set()

@@ -3,8 +3,8 @@
 Before: generation went on, the non-streaming call got a 500, the stream an "execution ... is closed" error, and
 nothing was recorded. The contract now (docs/proxy.md, routes): the key stops working at once; calls in flight
 finish as usual, each is recorded once, and the tree and file close when the last one ends. The engine is
-`ScriptedEngine` (a stand-in, named as such) pacing its tokens, so the calls are reliably in flight when the close
-comes.
+`ScriptedEngine` (a stand-in, named as such) holding both calls after their first token until the test releases
+them, so the calls are in flight when the close comes, however slow the machine.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import http.client
 import itertools
 import json
 import threading
-import time
 from urllib.parse import urlparse
 
 from gyre.config import EngineConfig, ProxyConfig, ServeConfig
@@ -27,7 +26,7 @@ from gyre.serve.stack import build_stack
 from gyre.traj.store import load_tree
 
 TIMEOUT_S = 120.0
-TOKENS = 60  # 60 tokens 20 ms apart: each call runs for about a second
+TOKENS = 60
 
 
 def post(url: str, path: str, body: dict, headers: dict) -> tuple[int, bytes]:
@@ -44,8 +43,9 @@ def post(url: str, path: str, body: dict, headers: dict) -> tuple[int, bytes]:
 def test_a_close_lets_the_calls_in_flight_finish_and_records_each_once(tmp_path):
     template = ChatTemplate.from_pretrained(tiny_model_dir())
     letter = template.tokenizer.encode("a").ids
-    engine = ServerThread(lambda: ScriptedEngine(lambda request: itertools.cycle(letter), token_delay_s=0.02))
+    engine = ServerThread(lambda: ScriptedEngine(lambda request: itertools.cycle(letter)))
     engine_url = engine.start()
+    engine.call(lambda scripted: scripted.hold(after_tokens=1))
     sampling = SamplingConfig(max_new_tokens=TOKENS)
     cfg = ServeConfig(
         engine=EngineConfig(enabled=False), engine_urls=[engine_url], proxy=ProxyConfig(sampling=sampling), executions=0
@@ -70,16 +70,15 @@ def test_a_close_lets_the_calls_in_flight_finish_and_records_each_once(tmp_path)
             threads = [threading.Thread(target=client, args=(name,), daemon=True) for name in calls]
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + 30
-            while session.calls_in_flight < 2:
-                assert time.monotonic() < deadline, "the calls did not start"
-                await asyncio.sleep(0.01)
+            await asyncio.to_thread(engine.call, lambda scripted: scripted.until_held(2), 30)
+            assert session.calls_in_flight == 2
             admin = {"authorization": f"Bearer {stack.proxy.admin_key}"}
             closed = await asyncio.to_thread(post, stack.proxy.url, "/gyre/executions/closing/close", {}, admin)
             assert closed[0] == 200 and json.loads(closed[1]) == {"closed": "closing", "calls_in_flight": 2}
             later = await asyncio.to_thread(post, stack.proxy.url, *calls["whole"], key)
             assert later[0] == 401  # the key stopped working at once
             assert not session.tree.closed  # ... while the calls in flight go on
+            await asyncio.to_thread(engine.call, lambda scripted: scripted.release())
             for thread in threads:
                 await asyncio.to_thread(thread.join, 60)
             assert session.tree.closed and session.calls_in_flight == 0

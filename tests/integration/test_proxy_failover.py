@@ -6,7 +6,8 @@ retry would hide an error). Engine A dies mid-call (`ServerThread.kill`: it stop
 connection, as a crashed process's sockets are; one test SIGKILLs a real `python -m gyre.engine serve` process).
 The engines are `ScriptedEngine`s whose token i of a call is a function of its position in the context, so a call
 continued anywhere goes on the same sequence, and whose log-probs name the engine (A -1.0, B -2.0): the record
-shows exactly which engine sampled each token. Every wait is bounded; every endpoint is stopped.
+shows exactly which engine sampled each token. Engine A holds its calls after their first tokens (`hold`), so they
+are in flight when it dies, however slow the machine. Every wait is bounded; every endpoint is stopped.
 """
 
 from __future__ import annotations
@@ -36,22 +37,26 @@ from gyre.proxy.routing import EngineLost, RoutingTable
 from gyre.serve.stack import build_stack
 
 MAX_NEW = 60
-DELAY_S = 0.02  # per token: a call runs ~1.2 s, long enough to die in the middle of
+HELD_AT = 10  # engine A holds its calls after this many tokens: it dies with them in flight
 VERSION = 7  # both engines hold the same weights, as the rollout engines of one step do
 TIMEOUT_S = 120.0
 A, B = "external-0", "external-1"
 
 
-def counting_reply(reached: threading.Event | None = None, at: int = 10):
-    """Token i of a call is `(len(context) + i) % 40 + 5`; `reached` is set when the 10th token was sampled."""
+def counting_reply(request):
+    """Token i of a call is `(len(context) + i) % 40 + 5`."""
+    return ((len(request.input_ids) + i) % 40 + 5 for i in itertools.count())
 
-    def reply(request):
-        for i in itertools.count():
-            if reached is not None and i == at:
-                reached.set()
-            yield (len(request.input_ids) + i) % 40 + 5
 
-    return reply
+def held_engine(at: int = HELD_AT, **options) -> ScriptedEngine:
+    """Engine A: every call stays in flight after its first `at` tokens (until A dies)."""
+    engine = ScriptedEngine(counting_reply, logprob=-1.0, **options)
+    engine.hold(after_tokens=at)
+    return engine
+
+
+async def until_held(thread: ServerThread, count: int = 1) -> None:
+    await asyncio.to_thread(thread.call, lambda engine: engine.until_held(count), 60)
 
 
 def expected_ids(prompt_tokens: int) -> list[int]:
@@ -142,10 +147,9 @@ CASES = [("anthropic", True), ("anthropic", False), ("openai", True), ("openai",
 @pytest.mark.parametrize(("api", "stream"), CASES)
 def test_a_call_whose_engine_dies_mid_stream_finishes_on_the_live_engine_with_no_error(api, stream, tmp_path):
     records = tmp_path / "records"
-    reached = threading.Event()
     factories = (
-        lambda: ScriptedEngine(counting_reply(reached), logprob=-1.0, token_delay_s=DELAY_S, policy_version=VERSION),
-        lambda: ScriptedEngine(counting_reply(), logprob=-2.0, token_delay_s=DELAY_S, policy_version=VERSION),
+        lambda: held_engine(policy_version=VERSION),
+        lambda: ScriptedEngine(counting_reply, logprob=-2.0, policy_version=VERSION),
     )
 
     async def main(threads):
@@ -158,7 +162,7 @@ def test_a_call_whose_engine_dies_mid_stream_finishes_on_the_live_engine_with_no
             table.assign(idle.execution, A)  # placed on A, no call in flight when A dies
             table.assign(other.execution, B)
             call = asyncio.ensure_future(ask(api, stream, stack, mover.key, "Count to sixty."))
-            assert await asyncio.to_thread(reached.wait, 60), "engine A never sampled its 10th token"
+            await until_held(threads[0])  # A sampled its first HELD_AT tokens; the call is in flight
             started = time.monotonic()
             await asyncio.to_thread(threads[0].kill)  # A's endpoint dies with the call in flight
             first = await call
@@ -182,7 +186,7 @@ def test_a_call_whose_engine_dies_mid_stream_finishes_on_the_live_engine_with_no
     assert record["response"]["ids"] == expected_ids(prompt_tokens)  # the sequence went on exactly where A stopped
     assert decoded(stack, record["response"]["ids"]) == text  # what the client saw is exactly what was recorded
     on_a = record["response"]["logprobs"].count(-1.0)
-    assert 1 <= on_a < MAX_NEW  # A sampled the first tokens (before it died), B the rest, each with its log-prob
+    assert 1 <= on_a <= HELD_AT  # A sampled the first tokens (before it died), B the rest, each with its log-prob
     assert record["response"]["logprobs"] == [-1.0] * on_a + [-2.0] * (MAX_NEW - on_a)
     assert record["engine"] == f"{A},{B}" and record["policy_version"] == VERSION
     assert record["response"]["finish"] == "length"
@@ -209,11 +213,7 @@ CLIENTS = 16
 def test_sixteen_streaming_clients_on_an_engine_that_dies_all_finish_on_the_live_engine(tmp_path):
     """Every call in flight on A breaks at once: one loss, every execution moved, every call recorded once."""
     records = tmp_path / "records"
-    reached = threading.Event()
-    factories = (
-        lambda: ScriptedEngine(counting_reply(reached, at=20), logprob=-1.0, token_delay_s=DELAY_S),
-        lambda: ScriptedEngine(counting_reply(), logprob=-2.0, token_delay_s=DELAY_S),
-    )
+    factories = (lambda: held_engine(at=20), lambda: ScriptedEngine(counting_reply, logprob=-2.0))
 
     async def main(threads):
         stack = await scheduler_stack([thread.server.url for thread in threads], records)
@@ -226,8 +226,8 @@ def test_sixteen_streaming_clients_on_an_engine_that_dies_all_finish_on_the_live
                 asyncio.ensure_future(ask("anthropic", True, stack, s.key, f"Client {i}: count."))
                 for i, s in enumerate(sessions)
             ]
-            assert await asyncio.to_thread(reached.wait, 60)
-            assert (await engine_a.refresh_load()).running == CLIENTS  # all of them decoding on A
+            await until_held(threads[0], CLIENTS)
+            assert (await engine_a.refresh_load()).running == CLIENTS  # all of them in flight on A
             await asyncio.to_thread(threads[0].kill)
             results = await asyncio.gather(*calls)
             return sessions, results, stack.proxy.stats(), stack
@@ -241,7 +241,7 @@ def test_sixteen_streaming_clients_on_an_engine_that_dies_all_finish_on_the_live
         assert streamed == text == decoded(stack, record["response"]["ids"])
         assert record["response"]["ids"] == expected_ids(prompt_tokens)
         on_a = record["response"]["logprobs"].count(-1.0)
-        assert on_a >= 1 and record["response"]["logprobs"] == [-1.0] * on_a + [-2.0] * (MAX_NEW - on_a)
+        assert 1 <= on_a <= 20 and record["response"]["logprobs"] == [-1.0] * on_a + [-2.0] * (MAX_NEW - on_a)
         assert record["engine"] == f"{A},{B}"
     total = stats["total"]
     assert total["answered"] == total["failed_over"] == total["recorded"] == CLIENTS and total["failed"] == {}
@@ -250,7 +250,6 @@ def test_sixteen_streaming_clients_on_an_engine_that_dies_all_finish_on_the_live
 
 def test_with_no_live_engine_left_the_call_fails_with_an_overloaded_error_at_once(tmp_path):
     records = tmp_path / "records"
-    reached = threading.Event()
 
     async def main(threads):
         stack = await scheduler_stack([threads[0].server.url], records)
@@ -266,7 +265,7 @@ def test_with_no_live_engine_left_the_call_fails_with_an_overloaded_error_at_onc
                         pass
 
             call = asyncio.ensure_future(streamed())
-            assert await asyncio.to_thread(reached.wait, 60)
+            await until_held(threads[0])
             started = time.monotonic()
             await asyncio.to_thread(threads[0].kill)
             with pytest.raises(anthropic.APIError) as in_stream:
@@ -281,8 +280,7 @@ def test_with_no_live_engine_left_the_call_fails_with_an_overloaded_error_at_onc
         finally:
             await stack.close()
 
-    factory = lambda: ScriptedEngine(counting_reply(reached), token_delay_s=DELAY_S)  # noqa: E731
-    with endpoints(factory) as threads:
+    with endpoints(held_engine) as threads:
         in_stream, in_stream_s, next_call, next_call_s, stats = asyncio.run(asyncio.wait_for(main(threads), TIMEOUT_S))
     assert "overloaded" in str(in_stream) and "every engine of the table is lost" in str(in_stream)
     assert next_call.status_code == 503 and "every engine of the table is lost" in str(next_call)
@@ -347,7 +345,7 @@ def test_a_sigkilled_engine_process_mid_stream_is_invisible_to_a_streaming_sdk_c
             finally:
                 await stack.close()
 
-        factory = lambda: ScriptedEngine(counting_reply(), logprob=-2.0)  # noqa: E731
+        factory = lambda: ScriptedEngine(counting_reply, logprob=-2.0)  # noqa: E731
         with endpoints(factory) as threads:
             streamed, final, stats, stack = asyncio.run(asyncio.wait_for(main(threads), TIMEOUT_S))
     finally:

@@ -5,7 +5,9 @@ assigned. At a transition the controller stops the source, moves each execution 
 exported on the source and imported on the destination, or, for an engine without KV export, aborted there), and
 assigns it last; the calls continue on the destination from the tokens produced so far. Engines run behind real
 endpoints (threads, 127.0.0.1): native engines on the tiny model, and `ScriptedEngine`s (no KV export, as SGLang)
-for the re-prefill path. Every wait is bounded.
+for the re-prefill path. The source engine holds its calls in flight until they are moved (`NativeEngine.hold` and
+`release(steps=k)`: exactly k steps; `ScriptedEngine.hold`), so what is moved does not depend on how fast the
+machine is. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ def model():
 
 @contextlib.contextmanager
 def endpoints(factories):
-    """Engines behind their own endpoints (each on a thread and loop of its own); their urls, stopped at the end."""
+    """Engines behind their own endpoints (each on a thread and loop of its own); their urls and threads (to hold
+    and release an engine on its loop), stopped at the end."""
     threads = [ServerThread(factory) for factory in factories]
     try:
-        yield [thread.start() for thread in threads]
+        yield [thread.start() for thread in threads], threads
     finally:
         for thread in threads:
             thread.stop()
@@ -58,6 +61,23 @@ async def wait_until(condition, timeout_s=60.0):
     while not await condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+async def on_engine(thread: ServerThread, fn):
+    """`fn(engine)` on the engine's own loop (hold, release, until_held, load), awaited from this loop."""
+    return await asyncio.to_thread(thread.call, fn, 60)
+
+
+async def hold_then_step(thread: ServerThread, queued: int, steps: int) -> None:
+    """With the engine held: once `queued` calls wait on it, run exactly `steps` steps (every call admitted at the
+    first has steps + 1 tokens, or ended), and wait until it holds again."""
+    await wait_until(lambda: _queued_at_least(thread, queued))
+    await on_engine(thread, lambda engine: engine.release(steps=steps))
+    await on_engine(thread, lambda engine: engine.until_held())
+
+
+async def _queued_at_least(thread: ServerThread, count: int) -> bool:
+    return (await on_engine(thread, lambda engine: engine.load())).queued >= count
 
 
 async def collect(stream, on_tokens=None):
@@ -79,7 +99,8 @@ def test_streaming_clients_follow_the_controllers_reroute_with_their_kv_and_neve
     is idle the whole time: a least-loaded table would send the dropped calls there before the KV import."""
     factories = [lambda: NativeEngine(copy.deepcopy(model), max_running=16) for _ in range(3)]
 
-    async def main(urls):
+    async def main(urls, threads):
+        await on_engine(threads[0], lambda engine: engine.hold())  # the calls wait there until moved
         cfg = ServeConfig(
             engine=EngineConfig(enabled=False),
             engine_urls=list(urls),
@@ -113,13 +134,7 @@ def test_streaming_clients_follow_the_controllers_reroute_with_their_kv_and_neve
                 await ready.acquire()
             go.set()
 
-            async def all_running():
-                """Every call running on the source, or (a random-init model may sample its end early) every call
-                that is not running done. A failed client raises here instead of the wait running out."""
-                done = [call.result() for call in calls if call.done()]
-                return (await source.refresh_load()).running + len(done) >= CLIENTS
-
-            await wait_until(all_running)
+            await hold_then_step(threads[0], CLIENTS, steps=2)  # all admitted together: 3 tokens each, held
             source.stop_accepting()  # BeginTransition: the cell leaves rollout
             moves = [await reroute_execution(table, s.execution, "external-2") for s in sessions]  # Reroute
             await source.drain(abort_after_s=0.0)  # the backstop: nothing is left on the source
@@ -129,8 +144,8 @@ def test_streaming_clients_follow_the_controllers_reroute_with_their_kv_and_neve
             await stack.close()
         return sessions, moves, results
 
-    with endpoints(factories) as urls:
-        sessions, moves, results = asyncio.run(asyncio.wait_for(main(urls), TIMEOUT_S))
+    with endpoints(factories) as (urls, threads):
+        sessions, moves, results = asyncio.run(asyncio.wait_for(main(urls, threads), TIMEOUT_S))
     migrated = sum(len(move.migrated) for move in moves)
     moved_mid_stream = 0
     for session, (streamed, final) in zip(sessions, results, strict=True):
@@ -143,6 +158,13 @@ def test_streaming_clients_follow_the_controllers_reroute_with_their_kv_and_neve
         assert call.meta.engine in {"external-0", "external-0,external-2", "external-2"}  # never external-1
         moved_mid_stream += call.meta.engine == "external-0,external-2"
     print(f"KV migrated: {migrated} of {CLIENTS}; calls continued on the destination: {moved_mid_stream}")
+    # Held in flight on the source, every call still running there (all, unless one sampled its end within its
+    # first 3 tokens) was migrated with its KV and continued on the destination; none was restarted.
+    ended_on_source = sum(
+        load_tree(tmp_path / "records" / f"{s.execution}.jsonl").calls[0].meta.engine == "external-0" for s in sessions
+    )
+    assert migrated == moved_mid_stream == CLIENTS - ended_on_source
+    assert not any(move.restarted for move in moves)
     assert migrated >= CLIENTS // 2 and moved_mid_stream >= CLIENTS // 2
 
 
@@ -153,16 +175,18 @@ def test_a_kv_migration_over_http_continues_the_greedy_call_exactly_and_prefills
     def greedy(rid, execution):
         return GenerateRequest(request_id=rid, execution_id=execution, input_ids=prompt, params=params)
 
-    async def main(urls):
+    async def main(urls, threads):
         a, b = [await RemoteEngine.connect(url) for url in urls]
         try:
             expected = await b.generate(greedy("ref", "reference"))  # alone, never moved
             table = RoutingTable({"a": a, "b": b}, placement="scheduler")
             table.assign("exec", "a")
             ten = asyncio.Event()
+            await on_engine(threads[0], lambda engine: engine.hold())
             call = asyncio.ensure_future(
                 collect(generate_routed(table, greedy("r", "exec")), lambda n: n >= 10 and ten.set())
             )
+            await hold_then_step(threads[0], 1, steps=9)  # exactly 10 tokens on a, held there
             await asyncio.wait_for(ten.wait(), 60)
             a.stop_accepting()
             moved = await reroute_execution(table, "exec", "b")
@@ -173,12 +197,13 @@ def test_a_kv_migration_over_http_continues_the_greedy_call_exactly_and_prefills
         return expected, moved, tokens, engines, finish
 
     factories = [lambda: NativeEngine(copy.deepcopy(model)) for _ in range(2)]
-    with endpoints(factories) as urls:
-        expected, moved, tokens, engines, finish = asyncio.run(asyncio.wait_for(main(urls), TIMEOUT_S))
+    with endpoints(factories) as (urls, threads):
+        expected, moved, tokens, engines, finish = asyncio.run(asyncio.wait_for(main(urls, threads), TIMEOUT_S))
     assert moved.migrated == ("r",) and moved.restarted == ()
     assert tuple(tokens) == expected.output_ids  # no token twice, none missing
     assert finish.engines == ("a", "b") and finish.finish_reason == expected.finish_reason
     on_a = engines.count("a")
+    assert on_a == 10  # held after exactly 10 tokens
     assert finish.continuation_cached_tokens == len(prompt) + on_a - 1  # only the last token was prefilled on b
 
 
@@ -196,12 +221,13 @@ def test_without_kv_export_the_call_is_aborted_on_the_source_and_re_prefilled_on
         request_id="r", execution_id="exec", input_ids=prompt, params=SamplingParams(max_new_tokens=budget)
     )
 
-    async def main(urls):
+    async def main(urls, threads):
         a, b = [await RemoteEngine.connect(url) for url in urls]
         try:
             table = RoutingTable({"a": a, "b": b}, placement="scheduler")
             table.assign("exec", "a")
             ten = asyncio.Event()
+            await on_engine(threads[0], lambda engine: engine.hold(after_tokens=10))  # in flight until moved
             call = asyncio.ensure_future(collect(generate_routed(table, request), lambda n: n >= 10 and ten.set()))
             await asyncio.wait_for(ten.wait(), 60)
             a.stop_accepting()
@@ -210,9 +236,13 @@ def test_without_kv_export_the_call_is_aborted_on_the_source_and_re_prefilled_on
                 moved = await reroute_execution(table, "exec", "b")  # export_kv: NotImplementedError -> abort
             else:
                 await a.drain(abort_after_s=0.0)  # the call is dropped; it waits for the controller
-                await asyncio.sleep(0.1)
-                (waiting,) = table.calls_in_flight(execution="exec")
-                assert waiting.engine is None and not call.done()
+
+                async def dropped():
+                    (waiting,) = table.calls_in_flight(execution="exec")
+                    return waiting.engine is None
+
+                await wait_until(dropped)
+                assert not call.done()
                 table.assign("exec", "b")
             tokens, engines, finish = await call
         finally:
@@ -220,11 +250,11 @@ def test_without_kv_export_the_call_is_aborted_on_the_source_and_re_prefilled_on
             await b.close()
         return moved, tokens, engines, finish
 
-    factories = [lambda: ScriptedEngine(counting_reply, token_delay_s=0.01) for _ in range(2)]
-    with endpoints(factories) as urls:
-        moved, tokens, engines, finish = asyncio.run(asyncio.wait_for(main(urls), TIMEOUT_S))
+    factories = [lambda: ScriptedEngine(counting_reply) for _ in range(2)]
+    with endpoints(factories) as (urls, threads):
+        moved, tokens, engines, finish = asyncio.run(asyncio.wait_for(main(urls, threads), TIMEOUT_S))
     if moved is not None:
         assert moved.migrated == () and moved.restarted == ("r",)
     assert tokens == [(len(prompt) + i) % 40 + 5 for i in range(budget)]  # no token twice, none missing
     assert finish.engines == ("a", "b") and finish.finish_reason == "length"
-    assert finish.continuation_cached_tokens == 0 and engines.count("a") >= 10
+    assert finish.continuation_cached_tokens == 0 and engines.count("a") == 10  # held after 10 tokens on a

@@ -1,8 +1,10 @@
 """Rerouting under load: 100 concurrent streaming clients, the serving engine is cancelled mid-stream.
 
 Two native engines behind real endpoints (threads), the real proxy, 100 real `anthropic` SDK clients streaming
-at once, every execution placed on engine A. When A is busy, A drains with a zero deadline (a cell leaving
-rollout): everything in flight on it is aborted. Every client must still get a complete, well-formed stream whose
+at once, every execution placed on engine A. A's step loop is held (`NativeEngine.hold`) until every call waits on
+it, then runs exactly two steps (16 calls admitted with 3 tokens each, the rest queued) and holds again; then A
+drains with a zero deadline (a cell leaving rollout): everything in flight on it is aborted, however slow the
+machine. Every client must still get a complete, well-formed stream whose
 text is exactly what the recorded output ids decode to (no delta twice, none missing), and every call must be
 recorded once.
 """
@@ -38,15 +40,20 @@ def engines():
     model_dir = tiny_model_dir()
     threads = [ServerThread(lambda: NativeEngine(load_pretrained(model_dir), max_running=16)) for _ in range(2)]
     urls = [thread.start() for thread in threads]
-    yield urls
+    yield urls, threads
     for thread in threads:
         thread.stop()
 
 
 def test_cancelling_the_serving_engine_mid_stream_is_invisible_to_100_streaming_clients(engines, tmp_path):
+    urls, threads = engines
+
+    def on_a(fn, timeout_s: float = 60.0):
+        return asyncio.to_thread(threads[0].call, fn, timeout_s)
+
     cfg = ServeConfig(
         engine=EngineConfig(enabled=False),
-        engine_urls=list(engines),
+        engine_urls=list(urls),
         proxy=ProxyConfig(sampling=SamplingConfig(max_new_tokens=MAX_NEW)),
         executions=0,
     )
@@ -68,12 +75,14 @@ def test_cancelling_the_serving_engine_mid_stream_is_invisible_to_100_streaming_
                 await sdk.close()
                 return "".join(deltas), final
 
+            await on_a(lambda engine: engine.hold())
             calls = [asyncio.ensure_future(client(session, i)) for i, session in enumerate(sessions)]
-            for _ in range(3000):  # wait (bounded) until A is decoding a full batch
-                load = await engine_a.refresh_load()
-                if load.running >= 16:
+            for _ in range(6000):  # wait (bounded) until every call waits on the held A
+                if (await on_a(lambda engine: engine.load())).queued >= CLIENTS:
                     break
                 await asyncio.sleep(0.01)
+            await on_a(lambda engine: engine.release(steps=2))  # a full batch of 16 admitted: 3 tokens each
+            await on_a(lambda engine: engine.until_held())
             await engine_a.drain(abort_after_s=0.0)  # the cell leaves rollout: its in-flight calls are aborted
             results = await asyncio.gather(*calls)
         finally:

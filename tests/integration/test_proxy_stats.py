@@ -1,11 +1,13 @@
 """The proxy's own counters over real HTTP (`gyre.proxy.stats`, `GET /gyre/stats`): exact after a mix of calls.
 
-The serving stack (proxy + one native engine on the tiny model) runs on its own thread and loop (`proxy_stack`);
-the test talks to it with plain `http.client`. Valid calls of every dialect (streamed and not), refusals of each
-kind, a token count and a client that hangs up mid-stream: each route's counters must be exactly those calls,
+The serving stack (the proxy over `ScriptedEngine`, the stand-in: the counters are the proxy's, not the model's)
+runs on its own thread and loop (`proxy_stack.held_stack`); the test talks to it with plain `http.client`. Valid
+calls of every dialect (streamed and not), refusals of each kind, a token count and a client that hangs up
+mid-stream (the engine holds that call in flight until the hang-up, so it cannot end first): each route's counters
+must be exactly those calls,
 every request must have exactly one outcome, and the calls recorded must equal the record files' calls, per route
 and per execution. A reroute and a KV migration (two native engines behind real endpoints, the controller's
-`reroute_execution`) are counted as such.
+`reroute_execution`; the source's step loop held with the call in flight, `NativeEngine.hold`) are counted as such.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ import json
 import threading
 
 import pytest
-from proxy_stack import StackThread
-from test_proxy_bad_input import hang_up_mid_call
+from proxy_stack import StackThread, hang_up_mid_call, held_stack
 
 from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
@@ -60,7 +61,7 @@ def served(tmp_path):
         proxy=ProxyConfig(max_body_bytes=BODY_CAP, sampling=SamplingConfig(max_new_tokens=3000)),
         executions=0,
     )
-    stack = StackThread(cfg, tmp_path / "records")
+    stack = held_stack(cfg, tmp_path / "records")
     yield stack
     stack.stop()
 
@@ -86,10 +87,7 @@ def test_after_valid_refused_and_hung_up_calls_the_counters_are_exact_and_match_
     assert post(COUNT_TOKENS, count_body, key="gyre-wrong")[0] == 401
 
     long_call = {"model": "gyre", "max_tokens": 3000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    finished_first = 0  # the random model may end its turn before we hang up: that call is answered
-    while not hang_up_mid_call(served, long_call, stream=True):
-        finished_first += 1
-        assert finished_first < 5, "five calls in a row finished before the client hung up"
+    hang_up_mid_call(served, long_call, stream=True)  # held in flight by the engine until the client hangs up
     for _ in range(200):  # bounded: the proxy notices the hang-up, aborts, records
         messages = served.stack.proxy.stats()["routes"][MESSAGES]
         if outcomes(messages) == messages["requests"]:
@@ -99,14 +97,13 @@ def test_after_valid_refused_and_hung_up_calls_the_counters_are_exact_and_match_
 
     stats = served.stack.proxy.stats()
     empty = {"rerouted": 0, "kv_migrated": 0, "failed_over": 0, "refused": {}, "failed": {}}
-    hang_ups = finished_first + 1
     assert stats["routes"][MESSAGES] == {
         **empty,
-        "requests": 7 + hang_ups,
-        "admitted": 3 + hang_ups,
-        "answered": 3 + finished_first,
+        "requests": 8,
+        "admitted": 4,
+        "answered": 3,
         "hung_up": 1,
-        "recorded": 3 + hang_ups,  # the hung-up call too, with what was sampled
+        "recorded": 4,  # the hung-up call too, with what was sampled
         "refused": {"authentication": 1, "invalid_request": 1, "not_found": 1, "request_too_large": 1},
     }
     chat = {"requests": 3, "admitted": 2, "answered": 2, "hung_up": 0, "recorded": 2}
@@ -163,6 +160,8 @@ def test_a_reroute_with_kv_is_counted_as_rerouted_and_kv_migrated(tmp_path):
             table.assign("moved", "external-0")
             table.assign("stays", "external-1")
             body = {"model": "gyre", "max_tokens": 200, "stream": True, "messages": SHORT["messages"]}
+            source = threads[0]
+            await asyncio.to_thread(source.call, lambda engine: engine.hold())  # the call cannot end on a
             reader, writer = await asyncio.open_connection(stack.proxy.config.host, stack.proxy.port)
             payload = json.dumps(body).encode()
             head = (
@@ -170,6 +169,11 @@ def test_a_reroute_with_kv_is_counted_as_rerouted_and_kv_migrated(tmp_path):
             )
             writer.write(f"{head}content-length: {len(payload)}\r\nconnection: close\r\n\r\n".encode() + payload)
             await writer.drain()
+            async with asyncio.timeout(60):  # queued on a, then exactly 3 steps: 4 tokens, held in flight
+                while (await asyncio.to_thread(source.call, lambda engine: engine.load())).queued < 1:
+                    await asyncio.sleep(0.01)
+            await asyncio.to_thread(source.call, lambda engine: engine.release(steps=3))
+            await asyncio.to_thread(source.call, lambda engine: engine.until_held(), 60)
             first = await asyncio.wait_for(reader.readuntil(b"content_block_delta"), 60)  # tokens are flowing
             assert b"200 OK" in first
             table.engines["external-0"].stop_accepting()
@@ -192,12 +196,10 @@ def test_a_reroute_with_kv_is_counted_as_rerouted_and_kv_migrated(tmp_path):
     calls = load_tree(tmp_path / "records" / "moved.jsonl").calls
     messages = stats["routes"][MESSAGES]
     assert (messages["admitted"], messages["answered"], messages["recorded"]) == (2, 2, 2)
-    # The counters say exactly what the move did (no skip: a greedy call that ended before the move was moved by
-    # nothing, and one the move restarted without its KV is counted rerouted but not migrated).
-    moved_engines = "external-0,external-1" if migration.calls else "external-0"
-    assert [call.meta.engine for call in calls] == [moved_engines]
-    assert (messages["rerouted"], messages["kv_migrated"]) == (migration.calls, len(migration.migrated))
-    assert migration.calls == 0 or (messages["rerouted"], messages["kv_migrated"]) == (1, 1), migration
+    # The call was held in flight on a (4 tokens) when the controller moved it: moved with its KV, counted once each.
+    assert migration.calls == 1 and len(migration.migrated) == 1, migration
+    assert [call.meta.engine for call in calls] == ["external-0,external-1"]
+    assert (messages["rerouted"], messages["kv_migrated"]) == (1, 1)
 
 
 async def _post_short(stack, key: str, model: str) -> None:

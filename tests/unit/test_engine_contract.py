@@ -86,6 +86,48 @@ class Engines:
 
     def __init__(self, kind: str, model, tmp_path):
         self.kind, self.model, self.tmp_path = kind, model, tmp_path
+        self.served: dict[RemoteEngine, ServerThread] = {}
+
+    async def hold_running(self, engine, count: int = 1) -> bool:
+        """Hold `engine` with the next `count` requests running and their first tokens out, whatever the time: call
+        it before submitting them; it returns once they are held (False for sglang, which cannot be held: its
+        requests run free). Native and remote: the step loop held until the requests queue, then one step (2 tokens
+        each); scripted: each held after its first token. `release_held` lets them go on."""
+        if self.kind == "sglang":  # pragma: no cover - needs a GPU with sglang
+            return False
+        if self.kind == "scripted":
+            engine.hold(after_tokens=1)
+            self._holding = lambda: engine.until_held(count)
+            return True
+        on_loop = self._on_loop(engine)
+        await on_loop(lambda native: native.hold())
+        self._holding = lambda: self._step_once_when_queued(engine, count)
+        return True
+
+    async def until_held(self) -> None:
+        await asyncio.wait_for(self._holding(), TIMEOUT_S / 2)
+
+    async def _step_once_when_queued(self, engine, count: int) -> None:
+        await until_in_flight(engine, count)  # queued on the held loop
+        on_loop = self._on_loop(engine)
+        await on_loop(lambda native: native.release(steps=1))
+        await on_loop(lambda native: native.until_held())
+
+    async def release_held(self, engine) -> None:
+        if self.kind in ("native", "remote", "scripted"):
+            await self._on_loop(engine)(lambda held: held.release())
+
+    def _on_loop(self, engine):
+        """`fn(engine)` on the engine's own loop: a remote engine's native engine is behind its endpoint."""
+        thread = self.served.get(engine)
+
+        async def call(fn):
+            if thread is None:
+                outcome = fn(engine)
+                return await outcome if asyncio.iscoroutine(outcome) else outcome
+            return await asyncio.to_thread(thread.call, fn, TIMEOUT_S / 2)
+
+        return call
 
     def needs_kv_migration(self) -> None:
         if self.kind not in KV_MIGRATION:
@@ -112,6 +154,7 @@ class Engines:
             thread = ServerThread(lambda: NativeEngine(model, **options))
             url = await asyncio.to_thread(thread.start)
             engine = await RemoteEngine.connect(url)
+            self.served[engine] = thread  # the native engine behind it, held on its own loop (hold_running)
             try:
                 yield engine
             finally:
@@ -354,11 +397,16 @@ def test_drain_finishes_in_flight_requests_and_rejects_new_ones(engines):
             assert engine.load().accepting is False
             engine.resume_accepting()
             assert (await engine.generate(request("late", [1]))).finish_reason == "length"
-            # a bounded drain aborts what is still running
+            # a bounded drain aborts what is still running (held running, so it cannot end first)
+            held = await engines.hold_running(engine)
             slow = asyncio.ensure_future(engine.generate(request("slow", [1], SamplingParams(max_new_tokens=110))))
-            await until_in_flight(engine, 1)
+            if held:
+                await engines.until_held()
+            else:  # pragma: no cover - sglang: not holdable
+                await until_in_flight(engine, 1)
             await engine.drain(abort_after_s=0.0)
             assert (await slow).finish_reason == "abort"
+            await engines.release_held(engine)
 
     run(main())
 
@@ -368,12 +416,17 @@ def test_release_and_resume_memory_refuse_a_busy_engine_and_keep_outputs(engines
         async with engines.open(max_running=4) as engine:
             batch = prompts(4, seed=2)
             before = await asyncio.gather(*(engine.generate(request(f"m{i}", p)) for i, p in enumerate(batch)))
+            held = await engines.hold_running(engine)  # busy cannot end before release_memory is refused
             busy = asyncio.ensure_future(engine.generate(request("busy", [1], SamplingParams(max_new_tokens=100))))
-            await until_in_flight(engine, 1)
+            if held:
+                await engines.until_held()
+            else:  # pragma: no cover - sglang: not holdable
+                await until_in_flight(engine, 1)
             with pytest.raises(EngineBusyError):
                 await engine.release_memory()
             engine.abort("busy")
-            await busy
+            assert (await busy).finish_reason == "abort"
+            await engines.release_held(engine)
             await engine.release_memory()
             load = await current_load(engine)
             assert load.memory_released and load.kv_tokens_total == 0 and not load.accepting

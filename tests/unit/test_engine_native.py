@@ -291,3 +291,38 @@ def test_a_cached_prefix_without_routing_is_computed_again_for_a_request_that_as
     (cached_1, unrouted_1), (cached_2, unrouted_2) = run(main())
     assert cached_1 == 0 and cached_2 > 0  # recomputed once, then reused with its routing
     assert len(unrouted_1) == 0 and len(unrouted_2) == 0
+
+
+def test_a_held_step_loop_moves_only_by_the_steps_released_and_still_aborts_and_exports(model):
+    """`hold()`: queued requests wait unadmitted whatever the time; `release(steps=k)` admits and runs exactly k steps
+    (k + 1 tokens: the first comes from prefill); held, an abort ends its request and an export takes the KV;
+    `release()` lets the rest finish exactly as an unheld engine would."""
+    long = SamplingParams(temperature=0.0, max_new_tokens=40)
+
+    async def main():
+        engine = NativeEngine(copy.deepcopy(model), max_running=4)
+        reference = await engine.generate(request("ref", [1, 2, 3], long))
+        engine.hold()
+        tasks = {rid: asyncio.ensure_future(engine.generate(request(rid, [1, 2, 3], long))) for rid in "abc"}
+        await asyncio.sleep(0.05)
+        assert engine.load().queued == 3 and not any(task.done() for task in tasks.values())
+        engine.release(steps=4)
+        await asyncio.wait_for(engine.until_held(), 10)
+        await asyncio.sleep(0.05)  # time passes: nothing moves
+        assert engine.load().running == 3 and not any(task.done() for task in tasks.values())
+        assert engine.abort("a") is True
+        aborted = await asyncio.wait_for(tasks["a"], 10)
+        export = await engine.export_kv("b")
+        exported = await tasks["b"]
+        engine.release()
+        finished = await tasks["c"]
+        assert engine.release_export("b") is True
+        await engine.close()
+        return reference, aborted, export, exported, finished
+
+    reference, aborted, export, exported, finished = run(main())
+    assert aborted.finish_reason == "abort" and aborted.output_ids == reference.output_ids[:5]
+    assert exported.finish_reason == "abort" and export.output_ids == reference.output_ids[:5]
+    assert finished.output_ids == reference.output_ids and finished.finish_reason == "length"
+    with pytest.raises(ValueError, match="steps"):
+        NativeEngine(copy.deepcopy(model)).release(steps=0)

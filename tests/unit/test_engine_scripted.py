@@ -1,6 +1,6 @@
 """`gyre.engine.scripted.ScriptedEngine`, the stand-in engine, beyond the contract suite (test_engine_contract.py runs
-its request lifecycle): how a script ends a request, pacing and timings, recording, `chat_reply`, bad options, and
-that the module imports the stdlib and the protocol only (light processes serve it)."""
+its request lifecycle): how a script ends a request, pacing and timings, holding, recording, `chat_reply`, bad
+options, and that the module imports the stdlib and the protocol only (light processes serve it)."""
 
 from __future__ import annotations
 
@@ -146,3 +146,51 @@ def test_module_imports_the_stdlib_and_the_protocol_only():
             modules.add(node.module or "")
     allowed = {"__future__", "asyncio", "time", "collections", "collections.abc", "typing"}
     assert modules <= allowed | {"gyre.engine.protocol", "gyre.config.checks"}, modules
+
+
+def test_a_hold_keeps_requests_in_flight_after_their_first_tokens_until_release_or_abort():
+    """`hold(after_tokens=n)`: an endless request and one whose script ends right after the hold both wait there, in
+    flight, whatever the time; a request ending within its first n tokens ends as usual; abort ends a held one with
+    its tokens, release lets the other finish."""
+    engine = ScriptedEngine(lambda request: itertools.cycle([4, 9]) if request.request_id != "end" else [5, 6, 7])
+
+    async def main():
+        engine.hold(after_tokens=2)
+        short = await engine.generate(request("short", max_new_tokens=2))  # ends at the hold: not held
+        kept = asyncio.ensure_future(engine.generate(request("kept", max_new_tokens=100)))
+        end = asyncio.ensure_future(engine.generate(request("end")))
+        await asyncio.wait_for(engine.until_held(2), 5)
+        await asyncio.sleep(0.05)  # time passes: nothing moves
+        assert not kept.done() and not end.done() and engine.load().running == 2
+        assert engine.abort("kept") is True
+        aborted = await kept
+        assert not end.done()
+        engine.release()
+        return short, aborted, await end, await engine.generate(request("later", max_new_tokens=5))
+
+    short, aborted, end, later = asyncio.run(asyncio.wait_for(main(), 10))
+    assert (short.output_ids, short.finish_reason) == ((4, 9), "length")
+    assert (aborted.output_ids, aborted.finish_reason) == ((4, 9), "abort")
+    assert (end.output_ids, end.finish_reason) == ((5, 6, 7), "stop")
+    assert (later.output_ids, later.finish_reason) == ((4, 9, 4, 9, 4), "length")  # released: no hold any more
+
+
+def test_a_held_stream_whose_reader_is_cancelled_leaves_the_engine():
+    engine = ScriptedEngine(lambda request: itertools.cycle([4]))
+    chunks = []
+
+    async def read():
+        async for chunk in engine.generate_stream(request("s", max_new_tokens=100)):
+            chunks.append(chunk)
+
+    async def main():
+        engine.hold(after_tokens=1)
+        reader = asyncio.ensure_future(read())
+        await asyncio.wait_for(engine.until_held(1), 5)
+        reader.cancel()  # a client that hangs up while the request is held
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        return engine.load()
+
+    load = asyncio.run(asyncio.wait_for(main(), 10))
+    assert [chunk.token_ids for chunk in chunks] == [(4,)] and (load.running, load.queued) == (0, 0)
