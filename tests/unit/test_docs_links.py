@@ -100,3 +100,13 @@ def test_markdown_links_in_docs_resolve_to_files_and_headings():
 def test_github_anchors_follow_githubs_rule():
     page = "# Top\n## Group creation order (`gyre.distributed.groups`)\n```\n# not a heading\n```\n## Top\n"
     assert github_anchors(page) == {"top", "group-creation-order-gyredistributedgroups", "top-1"}
+
+
+def test_the_docs_index_lists_every_page_once():
+    """docs/index.md names every page of docs/ (and the READMEs beside the code) with a link: a new page is listed."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    linked = re.findall(r"\]\(([^)#]+\.md)\)", index)
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "index.md")
+    assert sorted({link for link in linked if "/" not in link}) == pages
+    for readme in ("../launch/README.md", "../conf/experiment/README.md"):
+        assert readme in linked, readme
