@@ -117,7 +117,7 @@ def test_two_shards_serve_their_executions_and_move_their_calls_with_kv_on_a_rer
             await shards.stop()
         return names, moves, results, closes, live, shards, heard
 
-    with endpoints(factories) as urls:
+    with endpoints(factories) as (urls, _threads):
         names, moves, results, closes, live, shards, heard = asyncio.run(asyncio.wait_for(main(urls), TIMEOUT_S))
     assert max(heard) == CLIENTS and len(shards.in_flight) == 0  # every start heard, every end heard
     assert all(close == {"in_flight": 0, "final": True} for close in closes), closes
@@ -184,7 +184,7 @@ def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_command
             await shards.stop()
         return closed, recorded, message, pids
 
-    with endpoints([lambda: slow]) as urls:
+    with endpoints([lambda: slow]) as (urls, _threads):
         closed, recorded, message, pids = asyncio.run(asyncio.wait_for(main(urls), TIMEOUT_S))
     assert closed == {"in_flight": 1, "final": True} and recorded == 1 and message.usage.output_tokens > 0
     assert pids_alive(pids) == []
