@@ -15,7 +15,8 @@ machine, and a rank that dies ends the job, under torchrun and in a plainly laun
   Signal 9 (SIGKILL) ...`, exit 3); under two torchrun nodes (rank 1, the other node's) in
   `test_harness_nodes.py`, which then resumes the job.
 - `launch/slurm.sbatch` with stand-ins for srun and scontrol runs a 2-task job through gyre's srun path, in the
-  run directory of the job's id.
+  run directory of the job's id; its tasks come from directories, and its held-out task directories are played
+  before the first step and after the last, never trained on (the run of `test_train_held_out_tasks.py`, folded in).
 
 Processes are real and started in sessions of their own; torchrun's workers start sessions of their own too, so
 every process that carries the test's marker (or runs in its run directory) is killed by PID at the end.
@@ -202,9 +203,18 @@ FAKE_SCONTROL = '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && echo 
 
 
 @pytest.mark.slow
-def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
+def test_the_sbatch_script_runs_a_job_through_srun_that_plays_held_out_task_directories(tmp_path):
     """launch/slurm.sbatch with stand-ins for srun and scontrol: 2 tasks, gyre's srun path (SLURM_PROCID, the
-    process group over tcp://MASTER_ADDR:MASTER_PORT), the run directory of the job's id."""
+    process group over tcp://MASTER_ADDR:MASTER_PORT), the run directory of the job's id.
+
+    The job's tasks come from directories (`tasks.held_out_dir`, docs/runtime.md, "Tasks and the held-out
+    evaluation"): the held-out task directories are played through the run's harness and scored by their
+    evaluators, greedily, before the first step and after the last, and never trained on. Folded in from
+    `test_train_held_out_tasks.py`, whose own run it was (docs/testing.md, "Seventh round"): the held-out path is
+    rank 0's, the same under any launcher."""
+    from test_train_held_out_tasks import make_sets
+
+    train_tasks, held = make_sets(tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -222,7 +232,14 @@ def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
         "SLURM_NTASKS": "2",
         "MASTER_PORT": str(free_port()),
     }
-    args = [*SMALL, *PAIRS, "cluster.num_cells=2", "steps=1", "tasks.eval_every=0", "logging.wandb=disabled"]
+    args = [*SMALL, *PAIRS, "cluster.num_cells=2", "steps=1", "logging.wandb=disabled"]
+    args += [
+        f"tasks.task_dir={tmp_path / 'train'}",
+        f"tasks.held_out_dir={tmp_path / 'held'}",
+        "tasks.num_held_out=0",  # all 3
+        "tasks.eval_every=1",
+        "harness.isolate_user=false",  # demo tasks from a directory are untrusted; pytest's tmp_path is mode 700
+    ]
     run_dir = tmp_path / "outputs" / "train" / "slurm-4242"
     process = subprocess.Popen(
         ["bash", str(ROOT / "launch" / "slurm.sbatch"), *args],
@@ -248,6 +265,18 @@ def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
     assert Path(ends[0]["run_dir"]) == run_dir.resolve()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
     assert left == []
+    # The held-out task directories: played before the first step and after the last, scored, never trained on.
+    lines = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    assert [line["version"] for line in lines] == [0, 1]
+    for line in lines:
+        assert line["episodes"] == 3 and line["failed"] == 0, line
+        assert 0 <= line["pass_rate"] <= line["mean_score"] <= 1 and "tool_call_rate" not in line
+    played = sorted(p.name for p in (run_dir / "held_out_executions" / "v0").iterdir() if p.is_dir())
+    assert played == ["held-out-v0-0", "held-out-v0-1", "held-out-v0-2"], played
+    trained_on = {json.loads(line)["task"] for line in (run_dir / "executions.jsonl").read_text().splitlines()}
+    assert trained_on and trained_on <= {t.id for t in train_tasks}
+    assert trained_on.isdisjoint({t.id for t in held})
+    assert "held-out: policy version 1: pass" in out, out[-3000:]
 
 
 def wait_for_a_satellite_training(run_dir: Path, alive, timeout_s: float) -> tuple[int, int]:
