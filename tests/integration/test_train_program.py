@@ -82,16 +82,17 @@ SIM_SUMMARY_KEYS = {
 
 
 def pid_of_rank(marker: str, rank: int, run_dir: Path, timeout_s: float = 60.0) -> int:
-    """The PID of the job's worker of `rank`: the one train.log names (`job ready: rank 2: ...; pid N`, the last such
-    line; a plainly launched job's ranks all log there), else the `gyre.train` process with RANK=`rank` and `marker`
-    (the run's GYRE_TEST_RUN) in its environment (torchrun's workers, which log to train.log on rank 0 only).
+    """The PID of the job's worker of `rank`: the one train.log names (`gyre.runtime.job.spmd: job ready: rank 2: ...;
+    pid N`, the last such line; a plainly launched job's ranks all log there), else the `gyre.train` process with
+    RANK=`rank` and `marker` (the run's GYRE_TEST_RUN) in its environment (torchrun's workers, which log to train.log
+    on rank 0 only).
 
     Not any process with RANK in /proc/<pid>/environ: a plainly launched job's workers fork from a forkserver and set
     RANK after they start (their /proc environ lacks it), while rank 0's wandb-core, exec'd by rank 0, has RANK=0 in
     its environment (a test killed it instead of rank 0)."""
     deadline = time.monotonic() + timeout_s
     log = run_dir / "train.log"
-    pattern = re.compile(rf"\[rank {rank}\] gyre\.runtime\.job: job ready: .*; pid (\d+)$", re.M)
+    pattern = re.compile(rf"\[rank {rank}\] gyre\.runtime\.job\.spmd: job ready: .*; pid (\d+)$", re.M)
     ours, of_rank = f"GYRE_TEST_RUN={marker}".encode(), f"RANK={rank}".encode()
     while time.monotonic() < deadline:
         named = pattern.findall(log.read_text() if log.is_file() else "")
