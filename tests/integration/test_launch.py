@@ -207,9 +207,9 @@ def test_the_sbatch_script_runs_a_job_through_srun_that_plays_held_out_task_dire
     """launch/slurm.sbatch with stand-ins for srun and scontrol: 2 tasks, gyre's srun path (SLURM_PROCID, the
     process group over tcp://MASTER_ADDR:MASTER_PORT), the run directory of the job's id.
 
-    The job's tasks come from directories (`tasks.held_out_dir`, docs/runtime.md, "Tasks and the held-out
-    evaluation"): the held-out task directories are played through the run's harness and scored by their
-    evaluators, greedily, before the first step and after the last, and never trained on. Folded in from
+    The job's tasks come from directories (`tasks.task_dir`, and `tasks.held_out_dir`: docs/runtime.md, "Tasks and
+    the held-out evaluation"): the held-out task directories are played through the run's harness and scored by
+    their evaluators, greedily, before the first step and after the last, and never trained on. Folded in from
     `test_train_held_out_tasks.py`, whose own run it was (docs/testing.md, "Seventh round"): the held-out path is
     rank 0's, the same under any launcher."""
     from test_train_held_out_tasks import make_sets
