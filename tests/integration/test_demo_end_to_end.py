@@ -42,43 +42,56 @@ def warm_model() -> Path:
     return model_dir
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["anthropic", "openai"])
-def test_the_builtin_harness_solves_demo_tasks_through_gyre_serve(tmp_path, warm_model, backend):
-    tasks = generate_demo_tasks(NUM_TASKS, seed=11, out_dir=tmp_path / "tasks", config=DemoConfig(operators="*"))
-    served = start_serve(
-        tmp_path / "run",
+# One `gyre.serve` for the module (each start imports torch and loads the model: docs/testing.md, "Seventh round"),
+# served greedily, with a key for each execution of every test here: the two backends' 4 each, then the slow
+# executions' 3. Each test plays only its own executions and reads only their records.
+KEYS_OF = {
+    "anthropic": slice(0, NUM_TASKS),
+    "openai": slice(NUM_TASKS, 2 * NUM_TASKS),
+    "slow": slice(2 * NUM_TASKS, 2 * NUM_TASKS + 3),
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, warm_model):
+    server = start_serve(
+        tmp_path_factory.mktemp("serve") / "run",
         f"model_dir={warm_model}",
-        f"executions={NUM_TASKS}",
+        f"executions={2 * NUM_TASKS + 3}",
         "proxy.sampling.temperature=0",
     )
-    try:
-        proxy = ProxyAccess(anthropic_base_url=served.anthropic_url, openai_base_url=served.openai_url, model="gyre")
-        sandbox = LocalSandbox(root=tmp_path / "executions", isolate_user=False)
-        limits = ExecutionLimits(harness_timeout_s=120, overall_timeout_s=240, grace_period_s=2)
-        executions = sorted(served.keys)[:NUM_TASKS]
-        group = GroupOutcomes(NUM_TASKS, executions)
+    yield server
+    server.stop()
 
-        async def main():
-            return await asyncio.gather(
-                *(
-                    run_episode(
-                        task,
-                        execution_id=execution,
-                        api_key=served.keys[execution],
-                        runner=BuiltinRunner.for_task(task, backend=backend, max_turns=4),
-                        sandbox=sandbox,
-                        proxy=proxy,
-                        limits=limits,
-                        group=group,
-                    )
-                    for task, execution in zip(tasks, executions, strict=True)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["anthropic", "openai"])
+def test_the_builtin_harness_solves_demo_tasks_through_gyre_serve(tmp_path, served, backend):
+    tasks = generate_demo_tasks(NUM_TASKS, seed=11, out_dir=tmp_path / "tasks", config=DemoConfig(operators="*"))
+    proxy = ProxyAccess(anthropic_base_url=served.anthropic_url, openai_base_url=served.openai_url, model="gyre")
+    sandbox = LocalSandbox(root=tmp_path / "executions", isolate_user=False)
+    limits = ExecutionLimits(harness_timeout_s=120, overall_timeout_s=240, grace_period_s=2)
+    executions = sorted(served.keys)[KEYS_OF[backend]]
+    group = GroupOutcomes(NUM_TASKS, executions)
+
+    async def main():
+        return await asyncio.gather(
+            *(
+                run_episode(
+                    task,
+                    execution_id=execution,
+                    api_key=served.keys[execution],
+                    runner=BuiltinRunner.for_task(task, backend=backend, max_turns=4),
+                    sandbox=sandbox,
+                    proxy=proxy,
+                    limits=limits,
+                    group=group,
                 )
+                for task, execution in zip(tasks, executions, strict=True)
             )
+        )
 
-        results = asyncio.run(main())
-    finally:
-        served.stop()
+    results = asyncio.run(main())
     details = [(r.task_id, r.status, r.reward, r.reason) for r in results]
     assert all(r.status is Status.VALID for r in results), details
     solved = [r for r in results if r.reward == 1.0]
@@ -92,7 +105,7 @@ def test_the_builtin_harness_solves_demo_tasks_through_gyre_serve(tmp_path, warm
 
 
 @pytest.mark.slow
-def test_slow_executions_spend_their_time_in_the_check_command_and_meet_both_budgets(tmp_path, warm_model):
+def test_slow_executions_spend_their_time_in_the_check_command_and_meet_both_budgets(tmp_path, served):
     """docs/tasks.md, "Slow executions": one execution of each outcome the workload shape gives, through the real
     harness and the proxy: the check command's time inside the harness, a harness timeout scored with the answer it
     left, a stuck evaluation discarded at the overall budget."""
@@ -115,34 +128,30 @@ def test_slow_executions_spend_their_time_in_the_check_command_and_meet_both_bud
         kind: generate_demo_tasks(1, seed=5, out_dir=tmp_path / kind, config=DemoConfig(operators="*", work=work))[0]
         for kind, work in works.items()
     }
-    served = start_serve(tmp_path / "run", f"model_dir={warm_model}", "executions=3", "proxy.sampling.temperature=0")
-    try:
-        proxy = ProxyAccess(anthropic_base_url=served.anthropic_url, openai_base_url=served.openai_url, model="gyre")
-        sandbox = LocalSandbox(root=tmp_path / "executions", isolate_user=False)
-        executions = dict(zip(works, sorted(served.keys)[:3], strict=True))
-        group = GroupOutcomes(3, list(executions.values()))
+    proxy = ProxyAccess(anthropic_base_url=served.anthropic_url, openai_base_url=served.openai_url, model="gyre")
+    sandbox = LocalSandbox(root=tmp_path / "executions", isolate_user=False)
+    executions = dict(zip(works, sorted(served.keys)[KEYS_OF["slow"]], strict=True))
+    group = GroupOutcomes(3, list(executions.values()))
 
-        async def one(kind: str):
-            task, execution = tasks[kind], executions[kind]
-            started = time.monotonic()
-            result = await run_episode(
-                task,
-                execution_id=execution,
-                api_key=served.keys[execution],
-                runner=BuiltinRunner.for_task(task, backend="openai"),
-                sandbox=sandbox,
-                proxy=proxy,
-                limits=ExecutionLimits(harness_timeout_s=120, overall_timeout_s=240, grace_period_s=2),
-                group=group,
-            )
-            return result, time.monotonic() - started
+    async def one(kind: str):
+        task, execution = tasks[kind], executions[kind]
+        started = time.monotonic()
+        result = await run_episode(
+            task,
+            execution_id=execution,
+            api_key=served.keys[execution],
+            runner=BuiltinRunner.for_task(task, backend="openai"),
+            sandbox=sandbox,
+            proxy=proxy,
+            limits=ExecutionLimits(harness_timeout_s=120, overall_timeout_s=240, grace_period_s=2),
+            group=group,
+        )
+        return result, time.monotonic() - started
 
-        async def main():
-            return await asyncio.gather(*(one(kind) for kind in works))
+    async def main():
+        return await asyncio.gather(*(one(kind) for kind in works))
 
-        results = dict(zip(works, asyncio.run(main()), strict=True))
-    finally:
-        served.stop()
+    results = dict(zip(works, asyncio.run(main()), strict=True))
     details = {kind: (r.status, r.reward, r.reason, round(s, 1)) for kind, (r, s) in results.items()}
     print(f"slow executions: {details}")
     completed, seconds = results["completed"]

@@ -9,10 +9,15 @@ machine (`launch/torchrun.sh` twice, one rank each) with `harness.hosts=nodes` a
   dispatch again the executions that were running at it, and finish: both nodes played executions
   (`executions.jsonl` says which node played each), both shards served calls, every model call is recorded once
   and no harness saw an API error (`gyre.runtime.audit`), and no process is left.
+- The two-node launch itself (what `test_launch.py`'s two-node smoke checked, folded in here: docs/testing.md,
+  "Seventh round"): the first launch's c10d rendezvous, groups across nodes and steps (it reaches a checkpoint with
+  node 1's executions played), and the second's end: both nodes exit 0, exactly one printed the run's end line
+  (completed, every step, the run directory), metrics.jsonl has a line a step and summary.json the steps.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -50,12 +55,15 @@ def audit_clean(run_dir) -> dict:
 
 @pytest.mark.slow  # two torchrun nodes twice (killed, then resumed): ~2-3 min on 2 cores
 def test_node_1_killed_mid_run_ends_the_job_and_the_resumed_run_dispatches_its_executions_again(tmp_path):
-    from test_train_program import SMALL, pid_of_rank
+    from test_train_program import PAIRS, SMALL, pid_of_rank
     from test_train_resume import checkpoints, in_flight, state_of
 
     steps = 3
+    # Groups of 2 (PAIRS): what is checked is a node's death, the re-dispatch across the resume and where executions
+    # ran, not what a step learns; every step still trains two groups, half the harness processes.
     args = [
         *SMALL,
+        *PAIRS,
         f"steps={steps}",
         "tasks.eval_every=0",
         "tasks.demo.work.enabled=true",  # slow executions: steps end while some still run
@@ -107,7 +115,11 @@ def test_node_1_killed_mid_run_ends_the_job_and_the_resumed_run_dispatches_its_e
         left = again.close()
     assert left == []
     ends = [end for end in (end_line(out) for out, _ in outputs) if end is not None]
-    assert len(ends) == 1 and ends[0]["end"] == "completed" and ends[0]["steps"] == steps, outputs
+    assert len(ends) == 1 and ends[0]["end"] == "completed" and ends[0]["steps"] == steps, outputs  # rank 0's node
+    assert ends[0]["run_dir"] == str(run_dir)
+    metrics = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == list(range(steps)), metrics
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
     assert f"resuming from {before}" in outputs[0][0]
     final = state_of(checkpoints(run_dir)[-1])
     reruns = {int(e): k for e, k in final["reruns"].items()}

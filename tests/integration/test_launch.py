@@ -2,18 +2,21 @@
 machine, and a rank that dies ends the job, under torchrun and in a plainly launched run.
 
 - Two torchrun "nodes" (`launch/torchrun.sh` twice: NNODES=2, NPROC_PER_NODE=1, NODE_RANK 0 and 1, c10d
-  rendezvous on 127.0.0.1) run the 2-step smoke of 2 cells: both exit 0, the run directory has 2 lines of metrics
-  and the summary, one of them printed the run's end, no process is left. One rank a node: the rendezvous, the
-  ranks' groups and the run across nodes are the same with two (they were, measured), and each rank under
-  torchrun is a fresh interpreter (~5 CPU s of imports).
-- A torchrun job restarted by torchrun (MAX_RESTARTS=1) comes back to the same run directory, named by its
-  RDZV_ID (each attempt here stops at once: 1 rank for 4 cells is a config error, logged in train.log).
+  rendezvous on 127.0.0.1) of 2 cells: `test_harness_nodes.py` starts such a job (one rank a node: the rendezvous,
+  the ranks' groups and the run across nodes are the same with two, measured; each rank under torchrun is a fresh
+  interpreter, ~5 CPU s of imports), kills node 1's rank, and launches both nodes again to finish the run: both
+  exit 0, the run directory has a line of metrics per step and the summary, one of them printed the run's end, no
+  process is left (what the two-node smoke of this module checked before: docs/testing.md, "Seventh round").
+- A satellite SIGKILLed mid-step under torchrun with MAX_RESTARTS=1: torchrun restarts the job, which comes back
+  to the same run directory, named by its RDZV_ID (one directory, both attempts' starts in its train.log),
+  resumes from its checkpoint and finishes.
 - A rank SIGKILLed mid-run (a satellite) ends the job within 30 s, and the output names the rank and the signal:
   in a plainly launched run (rank 2; `python -m gyre.train`, one line `gyre.train: run error: rank 2 failed:
   Signal 9 (SIGKILL) ...`, exit 3); under two torchrun nodes (rank 1, the other node's) in
   `test_harness_nodes.py`, which then resumes the job.
 - `launch/slurm.sbatch` with stand-ins for srun and scontrol runs a 2-task job through gyre's srun path, in the
-  run directory of the job's id.
+  run directory of the job's id; its tasks come from directories, and its held-out task directories are played
+  before the first step and after the last, never trained on (the run of `test_train_held_out_tasks.py`, folded in).
 
 Processes are real and started in sessions of their own; torchrun's workers start sessions of their own too, so
 every process that carries the test's marker (or runs in its run directory) is killed by PID at the end.
@@ -41,13 +44,6 @@ from gyre.distributed.local import HOST, free_port
 pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
-SMOKE = [
-    *SMALL,
-    *PAIRS,
-    "steps=2",
-    "tasks.eval_every=0",
-    "logging.wandb=disabled",
-]  # held-out evals: the plain 2-step run
 DEATH_BOUND_S = 30.0  # a rank's death ends the job within this
 
 
@@ -147,46 +143,6 @@ def wait_for_rollouts(run_dir: Path, alive, timeout_s: float) -> None:
     raise AssertionError(f"no model call recorded in {timeout_s} s (alive: {alive()})")
 
 
-@pytest.mark.slow
-def test_two_torchrun_nodes_on_one_machine_run_the_smoke(tmp_path):
-    started = time.monotonic()
-    nodes = Nodes(tmp_path, [*SMOKE, "cluster.num_cells=2"], nnodes=2, nproc=1, env={"RUN_DIR": str(tmp_path / "run")})
-    try:
-        codes = nodes.wait(900)
-        wall_s = time.monotonic() - started
-        outputs = [nodes.output(node) for node in (0, 1)]
-        assert codes == [0, 0], [err[-3000:] for _, err in outputs]
-        left = nodes.close()
-    finally:
-        nodes.close()
-    assert left == []
-    ends = [end for end in (end_line(out) for out, _ in outputs) if end is not None]
-    assert len(ends) == 1 and ends[0]["end"] == "completed" and ends[0]["steps"] == 2, outputs  # rank 0's node
-    run_dir = tmp_path / "run"
-    assert ends[0]["run_dir"] == str(run_dir)
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
-    print(f"2 torchrun nodes x 1 rank: rc {codes}, {wall_s:.1f} s")
-
-
-@pytest.mark.slow
-def test_a_restarted_torchrun_job_comes_back_to_its_run_directory(tmp_path):
-    # One rank for the default 4 cells: each attempt writes its run directory's train.log, then exits 2.
-    nodes = Nodes(tmp_path, ["logging.wandb=disabled"], nnodes=1, nproc=1, env={"MAX_RESTARTS": "1"})
-    try:
-        codes = nodes.wait(300)
-        _, err = nodes.output(0)
-    finally:
-        left = nodes.close()
-    assert codes[0] != 0 and left == [], err[-3000:]
-    runs = list((tmp_path / "outputs" / "train").iterdir())
-    assert [run.name for run in runs] == [nodes.rdzv_id], runs  # one directory, named by RDZV_ID
-    log = (runs[0] / "train.log").read_text()
-    starts = [line for line in log.splitlines() if "training -> " in line]
-    # two attempts (torchrun restarted the worker), both in the one directory
-    assert len(starts) == 2 and all(line.endswith(f"outputs/train/{nodes.rdzv_id}") for line in starts), log
-
-
 def assert_names_rank_killed(text: str, rank: int) -> None:
     """torchrun's summary of the failure: `rank : 1 (local_rank: 0)` ... `Signal 9 (SIGKILL) received by PID n`."""
     assert re.search(rf"rank\s+: {rank} \(local_rank: \d+\)", text), text[-3000:]
@@ -247,9 +203,18 @@ FAKE_SCONTROL = '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] && echo 
 
 
 @pytest.mark.slow
-def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
+def test_the_sbatch_script_runs_a_job_through_srun_that_plays_held_out_task_directories(tmp_path):
     """launch/slurm.sbatch with stand-ins for srun and scontrol: 2 tasks, gyre's srun path (SLURM_PROCID, the
-    process group over tcp://MASTER_ADDR:MASTER_PORT), the run directory of the job's id."""
+    process group over tcp://MASTER_ADDR:MASTER_PORT), the run directory of the job's id.
+
+    The job's tasks come from directories (`tasks.task_dir`, and `tasks.held_out_dir`: docs/runtime.md, "Tasks and
+    the held-out evaluation"): the held-out task directories are played through the run's harness and scored by
+    their evaluators, greedily, before the first step and after the last, and never trained on. Folded in from
+    `test_train_held_out_tasks.py`, whose own run it was (docs/testing.md, "Seventh round"): the held-out path is
+    rank 0's, the same under any launcher."""
+    from test_train_held_out_tasks import make_sets
+
+    train_tasks, held = make_sets(tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -267,7 +232,14 @@ def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
         "SLURM_NTASKS": "2",
         "MASTER_PORT": str(free_port()),
     }
-    args = [*SMALL, *PAIRS, "cluster.num_cells=2", "steps=1", "tasks.eval_every=0", "logging.wandb=disabled"]
+    args = [*SMALL, *PAIRS, "cluster.num_cells=2", "steps=1", "logging.wandb=disabled"]
+    args += [
+        f"tasks.task_dir={tmp_path / 'train'}",
+        f"tasks.held_out_dir={tmp_path / 'held'}",
+        "tasks.num_held_out=0",  # all 3
+        "tasks.eval_every=1",
+        "harness.isolate_user=false",  # demo tasks from a directory are untrusted; pytest's tmp_path is mode 700
+    ]
     run_dir = tmp_path / "outputs" / "train" / "slurm-4242"
     process = subprocess.Popen(
         ["bash", str(ROOT / "launch" / "slurm.sbatch"), *args],
@@ -293,6 +265,18 @@ def test_the_sbatch_script_runs_the_job_through_srun(tmp_path):
     assert Path(ends[0]["run_dir"]) == run_dir.resolve()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
     assert left == []
+    # The held-out task directories: played before the first step and after the last, scored, never trained on.
+    lines = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    assert [line["version"] for line in lines] == [0, 1]
+    for line in lines:
+        assert line["episodes"] == 3 and line["failed"] == 0, line
+        assert 0 <= line["pass_rate"] <= line["mean_score"] <= 1 and "tool_call_rate" not in line
+    played = sorted(p.name for p in (run_dir / "held_out_executions" / "v0").iterdir() if p.is_dir())
+    assert played == ["held-out-v0-0", "held-out-v0-1", "held-out-v0-2"], played
+    trained_on = {json.loads(line)["task"] for line in (run_dir / "executions.jsonl").read_text().splitlines()}
+    assert trained_on and trained_on <= {t.id for t in train_tasks}
+    assert trained_on.isdisjoint({t.id for t in held})
+    assert "held-out: policy version 1: pass" in out, out[-3000:]
 
 
 def wait_for_a_satellite_training(run_dir: Path, alive, timeout_s: float) -> tuple[int, int]:
@@ -315,10 +299,11 @@ def wait_for_a_satellite_training(run_dir: Path, alive, timeout_s: float) -> tup
 
 @pytest.mark.slow
 def test_a_satellite_killed_mid_step_under_torchrun_max_restarts_resumes_and_finishes(tmp_path):
-    run_dir = tmp_path / "run"
     args = [*SMALL, *PAIRS, "cluster.num_cells=2", "steps=6", "tasks.eval_every=0", "logging.wandb=disabled"]
     args.append("checkpoint.every_steps=1")  # the core and one satellite: each torchrun attempt starts 2 interpreters
-    nodes = Nodes(tmp_path, args, nnodes=1, nproc=2, env={"RUN_DIR": str(run_dir), "MAX_RESTARTS": "1"})
+    # No RUN_DIR: the run directory is the one torchrun.sh names by RDZV_ID, and torchrun's restart comes back to it.
+    nodes = Nodes(tmp_path, args, nnodes=1, nproc=2, env={"MAX_RESTARTS": "1"})
+    run_dir = nodes.run_dir = tmp_path / "outputs" / "train" / nodes.rdzv_id  # left(): harnesses run in it
     try:
         alive = lambda: nodes.processes[0].poll() is None  # noqa: E731
         cell, step = wait_for_a_satellite_training(run_dir, alive, 600)
@@ -350,3 +335,8 @@ def test_a_satellite_killed_mid_step_under_torchrun_max_restarts_resumes_and_fin
     metrics = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics == list(range(6)), metrics
     assert left == []
+    # The restarted job came back to its run directory: one directory, named by RDZV_ID, holding both attempts.
+    runs = list((tmp_path / "outputs" / "train").iterdir())
+    assert [run.name for run in runs] == [nodes.rdzv_id], runs
+    starts = [line for line in text.splitlines() if "training -> " in line]
+    assert len(starts) == 2 and all(line.endswith(f"outputs/train/{nodes.rdzv_id}") for line in starts), starts

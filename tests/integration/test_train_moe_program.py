@@ -43,6 +43,10 @@ def test_moe_cells_with_expert_parallelism_replay_the_engines_routing(tmp_path):
     # weights (grad norm 0), and what is checked is per token (the routes recorded, the trainer's replay of them).
     # The real vocabulary's 151,936 logits a token make the training the cost: 4 rows a step instead of 8.
     args = [*SMALL, *PAIRS, *MOE, f"model.model_dir={model_dir}", "algo=colocate", "algo.mu=1", "tasks.eval_every=0"]
+    # 32 sampled tokens a call (was the demo's 128): the random-init model never samples its end, so every call
+    # decodes its cap, each token through the 151,936-logit head in the engine and again in the trainer; the routes
+    # and the replay are checked per token, the same at any length.
+    args.append("proxy.sampling.max_new_tokens=32")
     process = train([*args, "steps=2", "logging.wandb=disabled"], run_dir, env=QUIET)
     code, out, err = finish(process, 600)
     assert code == 0, err[-3000:]

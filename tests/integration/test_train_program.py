@@ -82,16 +82,17 @@ SIM_SUMMARY_KEYS = {
 
 
 def pid_of_rank(marker: str, rank: int, run_dir: Path, timeout_s: float = 60.0) -> int:
-    """The PID of the job's worker of `rank`: the one train.log names (`job ready: rank 2: ...; pid N`, the last such
-    line; a plainly launched job's ranks all log there), else the `gyre.train` process with RANK=`rank` and `marker`
-    (the run's GYRE_TEST_RUN) in its environment (torchrun's workers, which log to train.log on rank 0 only).
+    """The PID of the job's worker of `rank`: the one train.log names (`gyre.runtime.job.spmd: job ready: rank 2: ...;
+    pid N`, the last such line; a plainly launched job's ranks all log there), else the `gyre.train` process with
+    RANK=`rank` and `marker` (the run's GYRE_TEST_RUN) in its environment (torchrun's workers, which log to train.log
+    on rank 0 only).
 
     Not any process with RANK in /proc/<pid>/environ: a plainly launched job's workers fork from a forkserver and set
     RANK after they start (their /proc environ lacks it), while rank 0's wandb-core, exec'd by rank 0, has RANK=0 in
     its environment (a test killed it instead of rank 0)."""
     deadline = time.monotonic() + timeout_s
     log = run_dir / "train.log"
-    pattern = re.compile(rf"\[rank {rank}\] gyre\.runtime\.job: job ready: .*; pid (\d+)$", re.M)
+    pattern = re.compile(rf"\[rank {rank}\] gyre\.runtime\.job\.spmd: job ready: .*; pid (\d+)$", re.M)
     ours, of_rank = f"GYRE_TEST_RUN={marker}".encode(), f"RANK={rank}".encode()
     while time.monotonic() < deadline:
         named = pattern.findall(log.read_text() if log.is_file() else "")
@@ -295,7 +296,7 @@ def mooncake_missing() -> str | None:
 @pytest.mark.slow
 def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_publish(tmp_path):
     from safetensors import safe_open
-    from test_train_sglang_standin import calls_by_engine, standin_env
+    from test_train_sglang_standin import calls_by_engine, check_adapter_calls, standin_env
 
     from gyre.models.hf_weights import load_pretrained
     from gyre.obs.record import record_from_dict
@@ -329,6 +330,11 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     # rollout before the run ended (timing; else it is policy/ only). Both workers of each received it.
     per_engine = [sum(c["call"] == "update_distributed" for c in calls) for calls in engines.values()]
     assert per_engine in ([1, 1], [2, 2]) and all(u["success"] and u["workers"] == 2 for u in updates), updates
+    # The adapter's calls as test_train_sglang_standin.py checks them over HTTP, here on the weight-group path
+    # (`engine.weight_sync=auto`; that module's second run until docs/testing.md's "Seventh round"): built first and
+    # shut down last, released and resumed around training, each update inside a pause in place, on one path, no
+    # call aborted, every call the proxy answered served by an engine.
+    check_adapter_calls(standin_log, run_dir, "update_distributed", tp_size=2, groups=[(3, 1), (3, 1)])
     assert ("Transfer Engine" in err) == (mooncake_missing() is None), err[-3000:]  # Mooncake's own log lines
     assert wait_until_gone(process) == []
     end = json.loads(out.strip().splitlines()[-1])
@@ -337,6 +343,7 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     assert [r.step for r in records] == [0, 1] and [r.burst for r in records] == [0, 1]
     assert [r.training_cells for r in records] == [2, 2]
     assert all(r.train_tokens > 0 and r.grad_norm is not None and "seq_ratio_max" in r.loss for r in records)
+    assert all(r.kv_migrations == 0 and r.calls_reprefilled >= 0 for r in records)  # SGLang exports no KV
     returned = {t.cell for r in records for t in r.transitions if t.to == "rollout"}
     assert returned == {0, 1}, [r.transitions for r in records]  # back to rollout with the publication
     log = (run_dir / "train.log").read_text()

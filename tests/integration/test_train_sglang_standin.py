@@ -56,31 +56,18 @@ def calls_by_engine(log_path) -> dict[int, list[dict]]:
     return calls
 
 
-@pytest.mark.parametrize(("weight_sync", "update"), [("auto", "update_distributed"), ("http", "update")])
-def test_a_two_step_run_goes_through_the_sglang_adapter(tmp_path, weight_sync, update):
-    run_dir, log_path = tmp_path / "run", tmp_path / "standin.jsonl"
-    env = standin_env(log_path)
-    # Elastic, one step a burst, groups of 2: each step's burst ends with a publication to the engines that stayed
-    # in rollout and to the cells that come back from training.
-    args = [*SMALL, "algo.group_size=2", "algo.mu=1", "steps=2", "engine.backend=sglang"]
-    process = train([*args, f"engine.weight_sync={weight_sync}"], run_dir, env=env)
-    code, out, err = finish(process, 600)
-    assert code == 0, err[-3000:]
-    end = json.loads(out.strip().splitlines()[-1])
-    assert end["end"] == "completed" and end["steps"] == 2
-
+def check_adapter_calls(log_path, run_dir, update: str, *, tp_size: int, groups: list[tuple]) -> tuple[dict, list]:
+    """What a run through the SGLang adapter must show in the stand-in's log (`update`: the publication path's call,
+    `groups`: the (world_size, rank_offset) of each engine's weight group, none over HTTP): each engine built first
+    and shut down last at `tp_size`; cells that went to training released their memory and resumed it before their
+    update; every update succeeded, on one path only, inside a pause in place; no call aborted; the proxy answered
+    exactly the calls the engines served. The engines' calls by process, and the updates."""
     engines = calls_by_engine(log_path)
-    assert len(engines) == 4, engines.keys()  # one sglang.Engine per cell, each in its leader's process
     kinds = {pid: [c["call"] for c in calls] for pid, calls in engines.items()}
     assert all(k[0] == "init" and k[-1] == "shutdown" for k in kinds.values()), kinds
-    assert all(c["tp_size"] == 1 for calls in engines.values() for c in calls if c["call"] == "init")
-    groups = [c for calls in engines.values() for c in calls if c["call"] == "init_group"]
-    if weight_sync == "auto":  # every engine's worker joined a group with rank 0 at start
-        assert len(groups) == 4 and all(
-            (g["world_size"], g["rank_offset"], g["backend"]) == (2, 1, "gloo") for g in groups
-        )
-    else:
-        assert groups == []
+    assert all(c["tp_size"] == tp_size for calls in engines.values() for c in calls if c["call"] == "init")
+    joined = [c for calls in engines.values() for c in calls if c["call"] == "init_group"]
+    assert [(g["world_size"], g["rank_offset"], g["backend"]) for g in joined] == [(*g, "gloo") for g in groups], joined
     released = [pid for pid, k in kinds.items() if "release" in k]
     resumed = [pid for pid, k in kinds.items() if "resume" in k]
     assert released and resumed and set(resumed) <= set(released), kinds
@@ -98,15 +85,34 @@ def test_a_two_step_run_goes_through_the_sglang_adapter(tmp_path, weight_sync, u
     assert all(c["mode"] == "in_place" for calls in engines.values() for c in calls if c["call"] == "pause")
     assert not [c for calls in engines.values() for c in calls if c["call"] == "abort"]  # no call aborted
     served = sum(k.count("generate") for k in kinds.values())
+    log = (run_dir / "train.log").read_text()
+    counts = json.loads([line for line in log.splitlines() if "proxy: calls" in line][-1].split("proxy: calls ", 1)[1])
+    assert counts["answered"] == served and counts["failed"] == counts["refused"] == 0, (counts, served)
+    return engines, updates
 
+
+def test_a_two_step_run_goes_through_the_sglang_adapter(tmp_path):
+    """Over HTTP (`engine.weight_sync=http`). Rank 0's broadcast over each engine's weight group
+    (`engine.weight_sync=auto`) is `test_train_program.py`'s Megatron TP 2 run, checked with `check_adapter_calls`
+    too (docs/testing.md, "Seventh round": it was a second run of this test)."""
+    run_dir, log_path = tmp_path / "run", tmp_path / "standin.jsonl"
+    env = standin_env(log_path)
+    # Elastic, one step a burst, groups of 2: each step's burst ends with a publication to the engines that stayed
+    # in rollout and to the cells that come back from training.
+    args = [*SMALL, "algo.group_size=2", "algo.mu=1", "steps=2", "engine.backend=sglang"]
+    process = train([*args, "engine.weight_sync=http"], run_dir, env=env)
+    code, out, err = finish(process, 600)
+    assert code == 0, err[-3000:]
+    end = json.loads(out.strip().splitlines()[-1])
+    assert end["end"] == "completed" and end["steps"] == 2
+
+    engines, updates = check_adapter_calls(log_path, run_dir, "update", tp_size=1, groups=[])
+    assert len(engines) == 4, engines.keys()  # one sglang.Engine per cell, each in its leader's process
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["train_tokens"] > 0 for r in records)
     # SGLang exports no KV: a reroute's calls in flight are re-prefilled, never migrated (counted per step).
     assert all(r["kv_migrations"] == 0 and r["calls_reprefilled"] >= 0 for r in records), records
-    log = (run_dir / "train.log").read_text()
-    counts = json.loads([line for line in log.splitlines() if "proxy: calls" in line][-1].split("proxy: calls ", 1)[1])
-    assert counts["answered"] == served and counts["failed"] == counts["refused"] == 0, (counts, served)
     assert json.loads((run_dir / "policy" / "policy.json").read_text())["version"] == 2
     assert wait_until_gone(process) == []
     in_flight = [u["in_flight"] for u in updates]
-    print(f"sglang stand-in: {served} calls, {len(updates)} updates (calls in flight then: {in_flight}), {kinds}")
+    print(f"sglang stand-in: {len(updates)} updates (calls in flight then: {in_flight})")
