@@ -169,11 +169,11 @@ def build_plan(
 def run_sandbox(plan: RunPlan):
     """The run's sandbox for harnesses and evaluators: workspaces under `executions/`, `records/` protected (made
     here, not checked again: the plan checked it; a sandbox prepares itself at its first execution)."""
-    plan.records_dir.mkdir(parents=True, exist_ok=True)
     return _sandbox(plan.cfg, plan.run_dir, trusted_tasks=plan.task_sets.trusted)
 
 
 def _sandbox(cfg: TrainConfig, run_dir: Path, *, trusted_tasks: bool):
+    """The sandbox of `run_sandbox`, made from the config (the plan's harness check makes one before the plan)."""
     (run_dir / RECORDS_DIR).mkdir(parents=True, exist_ok=True)
     return make_sandbox(
         cfg.harness,
