@@ -414,7 +414,9 @@ async def saturate(http, target: str, url: str, keys: list[str], body_of, durati
     }
 
 
-async def saturation(http, engine: Child, proxy: Child, passthrough: Child, setup: dict, duration_s: float) -> dict:
+async def saturation(
+    http, engine: Child, proxy: Child, passthrough: Child, setup: dict, duration_s: float, rounds: int
+) -> dict:
     clients = 64
     await set_pace(http, engine, 0.001)
     keys = await issue_keys(http, proxy, clients)
@@ -430,7 +432,7 @@ async def saturation(http, engine: Child, proxy: Child, passthrough: Child, setu
         duration_s,
         {"engine": engine.pid, "load_generator": me},
     )
-    for _ in range(2):
+    for _ in range(rounds):
         runs["passthrough"].append(
             await saturate(
                 http,
@@ -459,7 +461,8 @@ async def saturation(http, engine: Child, proxy: Child, passthrough: Child, setu
     gyre_cpu = statistics.mean(r["relay_cpu_ms_per_request"] for r in runs["proxy"])
     ratio = gyre_rps / floor
     return {
-        "what": f"{clients} clients back to back, 8 tokens per call 1 ms apart; pass-through and proxy alternated x2",
+        "what": f"{clients} clients back to back, 8 tokens per call 1 ms apart; pass-through and proxy alternated"
+        f" x{rounds}",
         "direct_engine": direct,
         "passthrough": runs["passthrough"],
         "proxy": runs["proxy"],
@@ -822,14 +825,16 @@ async def run(args, setup: dict, engine: Child, proxy: Child, passthrough: Child
     async with aiohttp.ClientSession(connector=connector, timeout=CALL_TIMEOUT) as http:
         started = time.perf_counter()
         a = await one_session(http, engine, proxy, setup, calls=40 if quick else 400, warmup=5 if quick else 40)
-        c = await saturation(http, engine, proxy, passthrough, setup, duration_s=1.5 if quick else 8.0)
+        c = await saturation(
+            http, engine, proxy, passthrough, setup, duration_s=1.0 if quick else 8.0, rounds=1 if quick else 2
+        )
         b = await agents(
             http,
             engine,
             proxy,
             setup,
             sessions=64 if quick else 512,
-            duration_s=3.0 if quick else 45.0,
+            duration_s=1.5 if quick else 45.0,
             saturation_rps=c["proxy_requests_per_s"],
         )
         d = await long_history_path(http, engine, proxy, setup, reps=1 if quick else 12)

@@ -242,14 +242,16 @@ def fuzz_case(rng) -> tuple[str, bytes, dict]:
 
 
 def test_fuzzed_requests_never_get_a_5xx_never_record_a_refused_call_and_leave_the_key_working(served):
-    """Issue 13's fuzz acceptance: >= 1,000 generated bodies over the four routes; 0 answers >= 500, nothing recorded
-    for an answer that is not 2xx, and the same key answers a valid call after each. At the end the record file holds
-    exactly the calls of the tree."""
+    """>= 1,000 generated bodies over the four routes: 0 answers >= 500, nothing recorded for an answer that is not 2xx,
+    and the same key answers a valid call after each (its token count; every tenth body a recorded generation of the
+    body's route, ~11 ms each on the tiny model: the generations were 60% of this test). At the end the record file
+    holds exactly the calls of the tree."""
     import random
 
     rng = random.Random(1213)
     tree = served.session.tree
-    for _ in range(FUZZ_BODIES):
+    count_tokens = "/v1/messages/count_tokens"
+    for index in range(FUZZ_BODIES):
         path, raw, headers = fuzz_case(rng)
         before = len(tree.calls)
         code, reply = served.post(path, raw, headers=headers)
@@ -258,9 +260,12 @@ def test_fuzzed_requests_never_get_a_5xx_never_record_a_refused_call_and_leave_t
             assert len(tree.calls) == before, (path, raw[:300], reply)
             assert error_message(path, reply)
         before = len(tree.calls)
-        valid = "/v1/messages" if path.endswith("count_tokens") else path
-        code, reply = served.post(valid, json.dumps(VALID[valid]).encode())
-        assert code == 200 and len(tree.calls) == before + 1, (path, raw[:300], reply)
+        code, reply = served.post(count_tokens, json.dumps(VALID[count_tokens]).encode())
+        assert code == 200 and reply["input_tokens"] > 0 and len(tree.calls) == before, (path, raw[:300], reply)
+        if index % 10 == 9 or index == FUZZ_BODIES - 1:
+            valid = "/v1/messages" if path == count_tokens else path
+            code, reply = served.post(valid, json.dumps(VALID[valid]).encode())
+            assert code == 200 and len(tree.calls) == before + 1, (path, raw[:300], reply)
     assert len(load_tree(served.stack.registry.records_dir / "fuzz.jsonl").calls) == len(tree.calls)
 
 

@@ -36,11 +36,11 @@ import pytest
 from test_train_program import PAIRS, SMALL, finish, left_of, pid_of_rank, train, wait_until_gone
 
 pytestmark = pytest.mark.warm_start  # tests/conftest.py: ordered after the modules that do not need it
-# Slow executions (docs/tasks.md, "Slow executions"): steps end while executions still run. 4 steps: a checkpoint
-# with executions running and a group waiting comes at step 1 or 2, and the resumed run still trains after it.
+# Slow executions (docs/tasks.md, "Slow executions"): steps end while executions still run. 3 steps: a checkpoint
+# with executions running and a group waiting comes at step 1 (or 2), and the resumed run still trains after it.
 # Groups of 2 (PAIRS): what is checked is accounting across the kill (each execution trained, kept or run again once),
 # not what a step learns; every step still trains two groups, and 2 groups beyond the burst still wait.
-STEPS = 4
+STEPS = 3
 ARGS = [
     *SMALL,
     *PAIRS,
