@@ -854,7 +854,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run (~30 s on 2 cores): each section, too few samples to mean much",
+        help="a smoke run (~20 s on 2 cores): each section, too few samples to mean much",
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--role", choices=("engine", "proxy", "passthrough"), help=argparse.SUPPRESS)
