@@ -3,7 +3,7 @@
 Engines run behind real endpoints on 127.0.0.1 (threads), the real proxy in front, the routing table of the
 training runtime (`placement="scheduler"`), real `anthropic` and `openai` SDK clients with retries off (a client
 retry would hide an error). Engine A dies mid-call (`ServerThread.kill`: it stops listening and resets every open
-connection, as a crashed process's sockets are; one test SIGKILLs a real `python -m gyre.engine serve` process).
+connection, as a crashed process's sockets are; one test SIGKILLs A's own process, `held_engine_process`).
 The engines are `ScriptedEngine`s whose token i of a call is a function of its position in the context, so a call
 continued anywhere goes on the same sequence, and whose log-probs name the engine (A -1.0, B -2.0): the record
 shows exactly which engine sampled each token. Engine A holds its calls after their first tokens (`hold`), so they
@@ -14,19 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import anthropic
 import openai
 import pytest
+from held_engine_process import HeldEngineProcess, counting_reply
 
 from gyre.config import EngineConfig, ServeConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
@@ -41,11 +37,6 @@ HELD_AT = 10  # engine A holds its calls after this many tokens: it dies with th
 VERSION = 7  # both engines hold the same weights, as the rollout engines of one step do
 TIMEOUT_S = 120.0
 A, B = "external-0", "external-1"
-
-
-def counting_reply(request):
-    """Token i of a call is `(len(context) + i) % 40 + 5`."""
-    return ((len(request.input_ids) + i) % 40 + 5 for i in itertools.count())
 
 
 def held_engine(at: int = HELD_AT, **options) -> ScriptedEngine:
@@ -290,55 +281,29 @@ def test_with_no_live_engine_left_the_call_fails_with_an_overloaded_error_at_onc
     assert stats["engines_lost"][A]["unplaced"] == 1
 
 
-LONG = 1000  # tokens the killed process is asked for: it is still sampling when the kill reaches it
-
-
-def start_engine_process() -> tuple[subprocess.Popen, str]:
-    """`python -m gyre.engine serve` (the tiny native model) on a free port; its URL, read (bounded) from stdout."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gyre.engine", "serve"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            assert process.poll() is None, "the engine process exited before it served"
-            continue
-        if line.startswith("engine endpoint: "):
-            return process, line.split(": ", 1)[1].strip()
-    process.kill()
-    process.wait(30)
-    raise AssertionError("the engine process did not print its endpoint within 120 s")
-
-
 def test_a_sigkilled_engine_process_mid_stream_is_invisible_to_a_streaming_sdk_client(tmp_path):
-    """The real thing: the engine is its own process, SIGKILLed while it streams; the call goes on on engine B."""
+    """The real thing: engine A is a process of its own (`held_engine_process`: the stand-in on the real endpoint),
+    SIGKILLed while it holds the call in flight after its first HELD_AT tokens; the call goes on on engine B."""
     records = tmp_path / "records"
-    process, url = start_engine_process()
+    engine_a = HeldEngineProcess(HELD_AT, logprob=-1.0)
     try:
 
         async def main(threads):
-            stack = await scheduler_stack([url, threads[0].server.url], records, max_new=LONG)
+            stack = await scheduler_stack([engine_a.url, threads[0].server.url], records)
             try:
                 session = stack.registry.issue("killed")
                 stack.proxy.table.assign(session.execution, A)
                 sdk = anthropic.AsyncAnthropic(base_url=stack.proxy.url, api_key=session.key, max_retries=0)
-                messages = [{"role": "user", "content": "Tell me a long story."}]
-                deltas = []
-                async with sdk.messages.stream(model="gyre", max_tokens=LONG, messages=messages) as events:
+                messages = [{"role": "user", "content": "Count to sixty."}]
+                deltas, killed = [], False
+                async with sdk.messages.stream(model="gyre", max_tokens=MAX_NEW, messages=messages) as events:
                     async for event in events:
                         if event.type == "text" and event.text:
                             deltas.append(event.text)
-                            if process.poll() is None:
-                                os.kill(process.pid, signal.SIGKILL)  # at its first text: dies mid-stream
+                            if not killed:  # at its first text, with A holding the call: it dies mid-stream
+                                await asyncio.to_thread(engine_a.until_held)
+                                os.kill(engine_a.process.pid, signal.SIGKILL)
+                                killed = True
                     final = await events.get_final_message()
                 await sdk.close()
                 return "".join(deltas), final, stack.proxy.stats(), stack
@@ -349,19 +314,18 @@ def test_a_sigkilled_engine_process_mid_stream_is_invisible_to_a_streaming_sdk_c
         with endpoints(factory) as threads:
             streamed, final, stats, stack = asyncio.run(asyncio.wait_for(main(threads), TIMEOUT_S))
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(30)
+        engine_a.stop()
+    assert engine_a.process.returncode == -signal.SIGKILL  # it died of the kill, not of its own accord
     text = "".join(block.text for block in final.content if block.type == "text")
-    assert streamed == text and final.stop_reason in {"end_turn", "max_tokens"}
+    assert streamed == text and final.stop_reason == "max_tokens" and final.usage.output_tokens == MAX_NEW
     (record,) = call_lines(records, "killed")
-    logprobs = record["response"]["logprobs"]
+    prompt_tokens = final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
+    assert record["response"]["ids"] == expected_ids(prompt_tokens)  # B went on exactly where A stopped
     assert decoded(stack, record["response"]["ids"]) == text
-    print(f"engines {record['engine']}: {len(logprobs)} tokens, {logprobs.count(-2.0)} of them from B")
-    if record["engine"] == f"{A},{B}":  # A sampled part of it (the usual case): B sampled all of the rest
-        on_a = next(i for i, logprob in enumerate(logprobs) if logprob == -2.0)
-        assert on_a >= 1 and logprobs[on_a:] == [-2.0] * (len(logprobs) - on_a)
-        assert stats["total"]["failed_over"] == 1
-    else:  # A finished its answer before the kill reached it (a tiny model is fast): nothing to fail over
-        assert record["engine"] == A and record["response"]["finish"] in {"stop", "length"}
+    logprobs = record["response"]["logprobs"]
+    on_a = logprobs.count(-1.0)
+    print(f"engines {record['engine']}: {len(logprobs)} tokens, {on_a} of them from A")
+    assert 1 <= on_a <= HELD_AT and logprobs == [-1.0] * on_a + [-2.0] * (MAX_NEW - on_a)
+    assert record["engine"] == f"{A},{B}" and record["response"]["finish"] == "length"
+    assert stats["total"]["failed_over"] == 1 and stats["engines_lost"][A]["moved"] == 1
     assert stats["total"]["failed"] == {} and stats["total"]["answered"] == 1

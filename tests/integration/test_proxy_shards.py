@@ -6,7 +6,10 @@ execution with its calls in flight on its own shard (KV exported from the source
 destination); every call is recorded once, in its execution's record file; the shards' counters add up; the
 controller heard every call's start and end. Then the edges: a close answered only once the call in flight was
 recorded, a command to a killed shard failing fast with its reason, a shard that cannot start, the control route
-refusing a wrong key. Every wait is bounded and every process is reaped.
+refusing a wrong key. The engines hold the calls the test needs in flight (docs/testing.md, "Deterministic
+in-flight tests"): the source engine until the reroute (`NativeEngine.hold`, then exactly two steps), the engine of
+the closed execution until its close has reached the shard (`ScriptedEngine.hold`). Every wait is bounded and every
+process is reaped.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 import aiohttp
 import anthropic
 import pytest
-from test_proxy_migration import endpoints
+from test_proxy_migration import endpoints, hold_then_step, on_engine
 
 from gyre.config.proxy import ProxyConfig, SamplingConfig
 from gyre.engine.native import NativeEngine
@@ -72,7 +75,8 @@ def test_two_shards_serve_their_executions_and_move_their_calls_with_kv_on_a_rer
     model = load_pretrained(tiny_model_dir())
     factories = [lambda: NativeEngine(copy.deepcopy(model), max_running=16) for _ in range(3)]
 
-    async def main(urls):
+    async def main(urls, threads):
+        await on_engine(threads[0], lambda engine: engine.hold())  # the calls wait there until moved
         shards = await ProxyShards.start(specs(2, urls, tmp_path / "records"))
         source = await RemoteEngine.connect(urls[0])
         heard = []
@@ -100,10 +104,11 @@ def test_two_shards_serve_their_executions_and_move_their_calls_with_kv_on_a_rer
             for _ in calls:
                 await ready.acquire()
             go.set()
+            await hold_then_step(threads[0], CLIENTS, steps=2)  # all admitted together: 3 tokens each, held
             deadline = time.monotonic() + 60
-            while (await source.refresh_load()).running + sum(c.done() for c in calls) < CLIENTS:
+            while len(shards.in_flight) < CLIENTS:  # the shards' start events reach the controller
                 heard.append(len(shards.in_flight))
-                assert time.monotonic() < deadline, "the calls did not start"
+                assert time.monotonic() < deadline, "the controller did not hear every call start"
                 await asyncio.sleep(0.01)
             heard.append(len(shards.in_flight))
             source.stop_accepting()  # the cell leaves rollout
@@ -117,8 +122,10 @@ def test_two_shards_serve_their_executions_and_move_their_calls_with_kv_on_a_rer
             await shards.stop()
         return names, moves, results, closes, live, shards, heard
 
-    with endpoints(factories) as (urls, _threads):
-        names, moves, results, closes, live, shards, heard = asyncio.run(asyncio.wait_for(main(urls), TIMEOUT_S))
+    with endpoints(factories) as (urls, threads):
+        names, moves, results, closes, live, shards, heard = asyncio.run(
+            asyncio.wait_for(main(urls, threads), TIMEOUT_S)
+        )
     assert max(heard) == CLIENTS and len(shards.in_flight) == 0  # every start heard, every end heard
     assert all(close == {"in_flight": 0, "final": True} for close in closes), closes
     migrated = sum(len(move.migrated) for move in moves)
@@ -132,6 +139,13 @@ def test_two_shards_serve_their_executions_and_move_their_calls_with_kv_on_a_rer
         assert tree.calls[0].meta.engine in {"cell-0", "cell-0,cell-2", "cell-2"}  # never cell-1
         moved_mid_stream += tree.calls[0].meta.engine == "cell-0,cell-2"
     print(f"KV migrated: {migrated} of {CLIENTS}; continued on the destination: {moved_mid_stream}")
+    # Held in flight on the source, every call still running there (all, unless one sampled its end within its
+    # first 3 tokens) was migrated with its KV and continued on the destination; none was restarted.
+    ended_on_source = sum(
+        load_tree(tmp_path / "records" / f"{name}.jsonl").calls[0].meta.engine == "cell-0" for name in names
+    )
+    assert migrated == moved_mid_stream == CLIENTS - ended_on_source
+    assert not any(move.restarted for move in moves)
     assert migrated >= CLIENTS // 2 and moved_mid_stream >= CLIENTS // 2
     total = shards.final_stats["total"]
     assert total["answered"] == total["recorded"] == CLIENTS and total["kv_migrated"] == moved_mid_stream, total
@@ -140,9 +154,11 @@ def test_two_shards_serve_their_executions_and_move_their_calls_with_kv_on_a_rer
 
 def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_commands(tmp_path):
     template = ChatTemplate.from_pretrained(tiny_model_dir())
-    slow = ScriptedEngine(chat_reply(template, lambda request, prompt: "one two three four five"), token_delay_s=0.05)
+    answer = "one two three four five"
+    factory = lambda: ScriptedEngine(chat_reply(template, lambda request, prompt: answer))  # noqa: E731
 
-    async def main(urls):
+    async def main(urls, threads):
+        await on_engine(threads[0], lambda engine: engine.hold(after_tokens=2))  # in flight until released
         shards = await ProxyShards.start(specs(2, urls, tmp_path / "records"))
         pids = shards.pids
         try:
@@ -150,18 +166,27 @@ def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_command
             shards.place("exec-a")
             await shards.open("exec-a", key, "cell-0")
             sdk = anthropic.AsyncAnthropic(base_url=shards.url_of("exec-a"), api_key=key, max_retries=0)
-            call = asyncio.ensure_future(
-                sdk.messages.create(model="gyre", max_tokens=50, messages=[{"role": "user", "content": "hi"}])
-            )
-            while len(shards.in_flight) == 0:
+            hi = [{"role": "user", "content": "hi"}]
+            call = asyncio.ensure_future(sdk.messages.create(model="gyre", max_tokens=50, messages=hi))
+            await on_engine(threads[0], lambda engine: engine.until_held(1))  # the call is in flight, held
+            closing = asyncio.ensure_future(shards.close("exec-a", wait_s=30))
+            deadline = time.monotonic() + 60
+            while True:  # the close reached the shard once the key stopped working (at once, the call still held)
+                try:
+                    await sdk.messages.count_tokens(model="gyre", messages=hi)
+                except anthropic.AuthenticationError:
+                    break
+                assert time.monotonic() < deadline, "the close did not reach the shard"
                 await asyncio.sleep(0.01)
-            closed = await shards.close("exec-a", wait_s=30)  # answered once the call ended and was recorded
+            assert not closing.done()  # it waits for the held call
+            await on_engine(threads[0], lambda engine: engine.release())
+            closed = await closing  # answered once the call ended and was recorded
             recorded = len(load_tree(tmp_path / "records" / "exec-a.jsonl").calls)
             message = await call
             await sdk.close()
             with pytest.raises(anthropic.AuthenticationError):  # its key stopped working at the close
                 sdk = anthropic.AsyncAnthropic(base_url=shards.url_of("exec-a"), api_key=key, max_retries=0)
-                await sdk.messages.create(model="gyre", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+                await sdk.messages.create(model="gyre", max_tokens=5, messages=hi)
             await sdk.close()
 
             async with aiohttp.ClientSession() as http:  # the control route takes the admin key only
@@ -184,9 +209,11 @@ def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_command
             await shards.stop()
         return closed, recorded, message, pids
 
-    with endpoints([lambda: slow]) as (urls, _threads):
-        closed, recorded, message, pids = asyncio.run(asyncio.wait_for(main(urls), TIMEOUT_S))
-    assert closed == {"in_flight": 1, "final": True} and recorded == 1 and message.usage.output_tokens > 0
+    with endpoints([factory]) as (urls, threads):
+        closed, recorded, message, pids = asyncio.run(asyncio.wait_for(main(urls, threads), TIMEOUT_S))
+    assert closed == {"in_flight": 1, "final": True} and recorded == 1
+    text = "".join(block.text for block in message.content if block.type == "text")
+    assert text == answer and message.stop_reason == "end_turn"  # the held call went on to its end after the close
     assert pids_alive(pids) == []
 
 
