@@ -183,8 +183,8 @@ class Engines:
                 await engine.close()
                 await asyncio.to_thread(thread.stop)
         elif self.kind == "scripted":
-            # 1 ms a token, so requests stay in flight long enough to abort, queue and drain them.
-            options = {"token_delay_s": 0.001, "vocab_size": VOCAB, "context_length": SCRIPTED_CONTEXT} | options
+            # no pacing: the cases that need a request in flight hold it (hold_running), none needs a window
+            options = {"vocab_size": VOCAB, "context_length": SCRIPTED_CONTEXT} | options
             yield ScriptedEngine(counting_reply, **options)
         else:  # pragma: no cover - needs a GPU with sglang
             engine = self._sglang(model, **options)
