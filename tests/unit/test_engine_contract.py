@@ -88,34 +88,56 @@ class Engines:
         self.kind, self.model, self.tmp_path = kind, model, tmp_path
         self.served: dict[RemoteEngine, ServerThread] = {}
 
-    async def hold_running(self, engine, count: int = 1) -> bool:
-        """Hold `engine` with the next `count` requests running and their first tokens out, whatever the time: call
-        it before submitting them; it returns once they are held (False for sglang, which cannot be held: its
-        requests run free). Native and remote: the step loop held until the requests queue, then one step (2 tokens
-        each); scripted: each held after its first token. `release_held` lets them go on."""
+    async def hold_running(self, engine, count: int = 1, tokens: int = 2) -> bool:
+        """Hold `engine` with the next `count` requests (at most its `max_running`) running and exactly `tokens`
+        tokens out each (fewer only if one ends first), whatever the time: call it before submitting them;
+        `until_held` returns once they are held, and they wait until `release_held`, their abort or an export.
+        Native and remote (the native engine behind the endpoint, on its loop): the step loop held until the
+        requests queue, then `tokens - 1` steps (an admitted request's first token comes with its prefill);
+        scripted: each held before its token `tokens` (its streams run as they are read: the one `until_held` reads
+        is held once its tokens are out, its next read waits). False for sglang, which cannot be held: its requests
+        run free (`budget` gives them a window) and `until_held` only waits until they are in flight."""
+        if tokens < 2:
+            raise ValueError("tokens >= 2: a native step admits and decodes (its first token comes with prefill)")
+        self._tokens = tokens
         if self.kind == "sglang":  # pragma: no cover - needs a GPU with sglang
+            self._holding = lambda read: until_in_flight(engine, count)
             return False
         if self.kind == "scripted":
-            engine.hold(after_tokens=1)
-            self._holding = lambda: engine.until_held(count)
+            engine.hold(after_tokens=tokens)
+            self._holding = lambda read: engine.until_held(count - read)
             return True
         on_loop = self._on_loop(engine)
         await on_loop(lambda native: native.hold())
-        self._holding = lambda: self._step_once_when_queued(engine, count)
+        self._holding = lambda read: self._steps_when_queued(engine, count, tokens - 1)
         return True
 
-    async def until_held(self) -> None:
-        await asyncio.wait_for(self._holding(), TIMEOUT_S / 2)
+    async def until_held(self, stream=None):
+        """Wait until the requests of `hold_running` are held. With `stream` (one of them, not read yet), read it
+        meanwhile (its first `__anext__` submits it) and return its chunks so far: its held tokens."""
+        reading = None if stream is None else asyncio.ensure_future(until_tokens(stream, self._tokens))
+        try:
+            await asyncio.wait_for(self._holding(0 if stream is None else 1), TIMEOUT_S / 2)
+        except BaseException:
+            if reading is not None:
+                reading.cancel()
+            raise
+        return None if reading is None else await asyncio.wait_for(reading, TIMEOUT_S / 2)
 
-    async def _step_once_when_queued(self, engine, count: int) -> None:
+    async def _steps_when_queued(self, engine, count: int, steps: int) -> None:
         await until_in_flight(engine, count)  # queued on the held loop
         on_loop = self._on_loop(engine)
-        await on_loop(lambda native: native.release(steps=1))
+        await on_loop(lambda native: native.release(steps=steps))
         await on_loop(lambda native: native.until_held())
 
     async def release_held(self, engine) -> None:
         if self.kind in ("native", "remote", "scripted"):
             await self._on_loop(engine)(lambda held: held.release())
+
+    def budget(self, tokens: int) -> int:
+        """`max_new_tokens` of a request the test acts on while it runs: `tokens` where it is held (it cannot end
+        before the test moves on); for sglang, which runs free, a 100-token window."""
+        return tokens if self.kind != "sglang" else max(tokens, 100)
 
     def _on_loop(self, engine):
         """`fn(engine)` on the engine's own loop: a remote engine's native engine is behind its endpoint."""
@@ -161,8 +183,8 @@ class Engines:
                 await engine.close()
                 await asyncio.to_thread(thread.stop)
         elif self.kind == "scripted":
-            # 1 ms a token, so requests stay in flight long enough to abort, queue and drain them.
-            options = {"token_delay_s": 0.001, "vocab_size": VOCAB, "context_length": SCRIPTED_CONTEXT} | options
+            # no pacing: the cases that need a request in flight hold it (hold_running), none needs a window
+            options = {"vocab_size": VOCAB, "context_length": SCRIPTED_CONTEXT} | options
             yield ScriptedEngine(counting_reply, **options)
         else:  # pragma: no cover - needs a GPU with sglang
             engine = self._sglang(model, **options)
@@ -215,14 +237,19 @@ async def current_load(engine: Engine):
     return await refresh() if refresh is not None else engine.load()
 
 
-async def until_in_flight(engine: Engine, count: int) -> None:
-    """Wait (bounded) until the engine itself holds `count` requests, running or queued."""
+async def until_load(engine: Engine, reached, what: str):
+    """Wait (bounded) until the engine's own load satisfies `reached`; returns that load."""
     for _ in range(2000):
         load = await current_load(engine)
-        if load.running + load.queued >= count:
-            return
+        if reached(load):
+            return load
         await asyncio.sleep(0.002)
-    raise AssertionError(f"the engine never held {count} requests")
+    raise AssertionError(f"the engine never {what}: {load}")
+
+
+async def until_in_flight(engine: Engine, count: int) -> None:
+    """Wait (bounded) until the engine itself holds `count` requests, running or queued."""
+    await until_load(engine, lambda load: load.running + load.queued >= count, f"held {count} requests")
 
 
 async def until_tokens(stream, count: int):
@@ -335,61 +362,75 @@ def test_a_seeded_request_samples_one_stream_whatever_runs_beside_it(engines):
 
 
 def test_abort_mid_stream_returns_partial_output_and_the_engine_keeps_serving(engines):
-    long_params = SamplingParams(temperature=0.0, max_new_tokens=110)
+    """An abort ends a running stream with the tokens it has, a cancelled generate is aborted, and the engine serves
+    on. Both requests are held running when the test ends them, so neither can end by itself first."""
 
     async def main():
         async with engines.open(max_running=4) as engine:
+            long_params = SamplingParams(temperature=0.0, max_new_tokens=engines.budget(12))
+            held = await engines.hold_running(engine, count=2, tokens=3)
             other = asyncio.ensure_future(engine.generate(request("other", [5, 6, 7], GREEDY)))
-            chunks = []
-            async for chunk in engine.generate_stream(request("long", [1, 2, 3], long_params)):
-                chunks.append(chunk)
-                if len(chunks) == 3:
-                    assert engine.abort("long") is True
+            stream = engine.generate_stream(request("long", [1, 2, 3], long_params))
+            chunks = await engines.until_held(stream)
+            assert engine.abort("long") is True
+            chunks += [c async for c in stream]
             assert chunks[-1].finish_reason == "abort"
             streamed = [t for c in chunks for t in c.token_ids]
-            assert 3 <= len(streamed) < 110
+            assert len(streamed) == 3 if held else 3 <= len(streamed) < long_params.max_new_tokens
             assert engine.abort("unknown") is False
+            await engines.release_held(engine)
             result = await other
             assert result.finish_reason == "length" and len(result.output_ids) == GREEDY.max_new_tokens
-            # cancelling a generate aborts its request
+            # cancelling a generate aborts its request: held, it leaves the engine only by that abort
+            await engines.hold_running(engine)
             task = asyncio.ensure_future(engine.generate(request("cancelled", [4], long_params)))
-            await until_in_flight(engine, 1)
+            await engines.until_held()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            await until_load(engine, lambda load: load.running == load.queued == 0, "dropped the cancelled request")
+            await engines.release_held(engine)
             after = await engine.generate(request("after", [5, 6, 7], GREEDY))
             assert after.output_ids == result.output_ids
-            for _ in range(500):  # the cancelled request leaves within a few steps
-                load = await current_load(engine)
-                if load.running == load.queued == 0:
-                    break
-                await asyncio.sleep(0.002)
-            assert load.running == 0 and load.queued == 0
 
     run(main())
 
 
 def test_abort_of_a_queued_request_ends_it_with_no_tokens(engines):
+    """The one slot is held taken, so the second request is queued at the engine when it is aborted."""
+
     async def main():
         async with engines.open(max_running=1) as engine:
-            first = asyncio.ensure_future(engine.generate(request("first", [1, 2], SamplingParams(max_new_tokens=100))))
-            await until_in_flight(engine, 1)
+            await engines.hold_running(engine)
+            first_params = SamplingParams(max_new_tokens=engines.budget(12))
+            first = asyncio.ensure_future(engine.generate(request("first", [1, 2], first_params)))
+            await engines.until_held()
             queued = asyncio.ensure_future(engine.generate(request("queued", [3], GREEDY)))
-            await asyncio.sleep(0)
+            await until_in_flight(engine, 2)  # it reached the engine, behind the held one
             assert engine.abort("queued") is True
             result = await queued
             assert result.finish_reason == "abort" and result.output_ids == () and result.output_logprobs == ()
+            await engines.release_held(engine)
             assert (await first).finish_reason == "length"
 
     run(main())
 
 
 def test_drain_finishes_in_flight_requests_and_rejects_new_ones(engines):
+    """The drain starts while its five requests are held (two running, three queued: none can end before it), and
+    returns once they finished; a bounded drain aborts what is held running."""
+
     async def main():
         async with engines.open(max_running=2) as engine:
+            held = await engines.hold_running(engine, count=2)
             tasks = [asyncio.ensure_future(engine.generate(request(f"d{i}", p))) for i, p in enumerate(prompts(5))]
+            await engines.until_held()
             await until_in_flight(engine, 5)
-            await engine.drain()
+            drain = asyncio.ensure_future(engine.drain())
+            await until_load(engine, lambda load: not load.accepting, "stopped accepting")
+            assert not (held and drain.done())  # it waits for the held requests
+            await engines.release_held(engine)
+            await drain
             results = [t.result() for t in tasks]
             assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in results)
             with pytest.raises(EngineUnavailableError):
@@ -398,12 +439,10 @@ def test_drain_finishes_in_flight_requests_and_rejects_new_ones(engines):
             engine.resume_accepting()
             assert (await engine.generate(request("late", [1]))).finish_reason == "length"
             # a bounded drain aborts what is still running (held running, so it cannot end first)
-            held = await engines.hold_running(engine)
-            slow = asyncio.ensure_future(engine.generate(request("slow", [1], SamplingParams(max_new_tokens=110))))
-            if held:
-                await engines.until_held()
-            else:  # pragma: no cover - sglang: not holdable
-                await until_in_flight(engine, 1)
+            await engines.hold_running(engine)
+            slow_params = SamplingParams(max_new_tokens=engines.budget(12))
+            slow = asyncio.ensure_future(engine.generate(request("slow", [1], slow_params)))
+            await engines.until_held()
             await engine.drain(abort_after_s=0.0)
             assert (await slow).finish_reason == "abort"
             await engines.release_held(engine)
@@ -416,12 +455,10 @@ def test_release_and_resume_memory_refuse_a_busy_engine_and_keep_outputs(engines
         async with engines.open(max_running=4) as engine:
             batch = prompts(4, seed=2)
             before = await asyncio.gather(*(engine.generate(request(f"m{i}", p)) for i, p in enumerate(batch)))
-            held = await engines.hold_running(engine)  # busy cannot end before release_memory is refused
-            busy = asyncio.ensure_future(engine.generate(request("busy", [1], SamplingParams(max_new_tokens=100))))
-            if held:
-                await engines.until_held()
-            else:  # pragma: no cover - sglang: not holdable
-                await until_in_flight(engine, 1)
+            await engines.hold_running(engine)  # busy cannot end before release_memory is refused
+            busy_params = SamplingParams(max_new_tokens=engines.budget(12))
+            busy = asyncio.ensure_future(engine.generate(request("busy", [1], busy_params)))
+            await engines.until_held()
             with pytest.raises(EngineBusyError):
                 await engine.release_memory()
             engine.abort("busy")
@@ -462,18 +499,23 @@ def test_update_weights_makes_outputs_those_of_the_new_weights_and_records_the_v
     async def main():
         async with engines.open(max_running=4) as engine, engines.open(new_model, policy_version=3) as reference:
             old = [await engine.generate(request(f"o{i}", p)) for i, p in enumerate(batch)]
-            chunks = []
-            async for chunk in engine.generate_stream(request("span", [1, 2], SamplingParams(max_new_tokens=100))):
-                chunks.append(chunk)
-                if len(chunks) == 5:
-                    with pytest.raises(ValueError, match="unknown parameter"):
-                        await engine.update_weights({"nope": torch.zeros(1)}, version=3)
-                    await engine.update_weights(update, version=3)
-                    with pytest.raises(ValueError, match="version"):
-                        await engine.update_weights(update, version=2)
-            versions = [c.policy_version for c in chunks]
-            assert versions[:5] == [0] * 5 and versions[-1] == 3 and versions == sorted(versions)
-            assert chunks[-1].finish_reason == "length"
+            # the update lands while the stream is held running after its first 5 tokens
+            held = await engines.hold_running(engine, tokens=5)
+            span_params = SamplingParams(max_new_tokens=engines.budget(12))
+            stream = engine.generate_stream(request("span", [1, 2], span_params))
+            before = await engines.until_held(stream)
+            with pytest.raises(ValueError, match="unknown parameter"):
+                await engine.update_weights({"nope": torch.zeros(1)}, version=3)
+            await engine.update_weights(update, version=3)
+            with pytest.raises(ValueError, match="version"):
+                await engine.update_weights(update, version=2)
+            await engines.release_held(engine)
+            after = [c async for c in stream]
+            versions = [c.policy_version for c in before + after]
+            assert sum(len(c.token_ids) for c in before) >= 5 and {c.policy_version for c in before} == {0}
+            assert versions[-1] == 3 and versions == sorted(versions) and after[-1].finish_reason == "length"
+            if held:  # nothing decoded between the hold and the update: exactly 5 old tokens, the rest new
+                assert sum(len(c.token_ids) for c in before) == 5 and {c.policy_version for c in after} == {3}
             new = [await engine.generate(request(f"n{i}", p)) for i, p in enumerate(batch)]
             expected = [await reference.generate(request(f"e{i}", p)) for i, p in enumerate(batch)]
             assert [r.output_ids for r in new] == [r.output_ids for r in expected]
@@ -489,9 +531,12 @@ def test_a_request_spanning_an_update_records_both_versions_and_its_kv_is_not_re
 
     async def main():
         async with engines.open() as engine:
-            stream = engine.generate_stream(request("span", [1, 2], SamplingParams(max_new_tokens=100), "ex"))
-            chunks = await until_tokens(stream, 3)
+            await engines.hold_running(engine, tokens=3)  # the update lands while it runs
+            span_params = SamplingParams(max_new_tokens=engines.budget(12))
+            stream = engine.generate_stream(request("span", [1, 2], span_params, "ex"))
+            chunks = await engines.until_held(stream)
             await engine.update_weights(update, version=7)
+            await engines.release_held(engine)
             chunks += [c async for c in stream]
             tokens = tuple(t for c in chunks for t in c.token_ids)
             assert (chunks[0].policy_version, chunks[-1].policy_version) == (0, 7)
@@ -506,20 +551,21 @@ def test_a_request_spanning_an_update_records_both_versions_and_its_kv_is_not_re
 def test_kv_export_import_continues_like_an_unmigrated_run_computing_only_new_tokens(engines):
     engines.needs_kv_migration()
     prompt = [7, 3, 11, 42, 5, 9]
-    total = 120  # the export must reach the source before the request ends: a window of ~110 tokens, not ~50 (once,
-    # under the whole suite's load, a 60-token request ended first and the export was a 404); the context is 128
+    total = 40
 
     async def main():
         async with engines.open(max_running=4) as source, engines.open(max_running=4) as destination:
             greedy = SamplingParams(temperature=0.0, max_new_tokens=total)
             unmigrated = await source.generate(request("ref", prompt, greedy))
+            await engines.hold_running(source, count=2, tokens=8)  # exported while held: it cannot end first
             neighbour = asyncio.ensure_future(source.generate(request("nb", [1, 2, 3], GREEDY)))
             stream = source.generate_stream(request("mig", prompt, greedy))
-            await until_tokens(stream, 8)
+            await engines.until_held(stream)
             export = await source.export_kv("mig")
             rest = [c async for c in stream]
-            assert rest[-1].finish_reason == "abort"
-            assert export.token_ids == (*prompt, *export.output_ids[:-1])
+            assert rest[-1].finish_reason == "abort" and rest[-1].token_ids == ()
+            await engines.release_held(source)
+            assert len(export.output_ids) == 8 and export.token_ids == (*prompt, *export.output_ids[:-1])
             await destination.import_kv(export)
             done = len(export.output_ids)
             cont = await destination.generate(
@@ -549,10 +595,13 @@ def test_a_seeded_stream_continues_unchanged_across_a_kv_migration(engines):
     async def main():
         async with engines.open(max_running=4) as source, engines.open(max_running=4) as destination:
             unmigrated = await source.generate(request("ref", prompt, params))
+            await engines.hold_running(source, tokens=8)  # exported while held: it cannot end first
             stream = source.generate_stream(request("mig", prompt, params))
-            await until_tokens(stream, 8)
+            await engines.until_held(stream)
             export = await source.export_kv("mig")
             [c async for c in stream]
+            await engines.release_held(source)
+            assert len(export.output_ids) == 8
             await destination.import_kv(export)
             done = len(export.output_ids)
             rest = SamplingParams(temperature=1.0, max_new_tokens=total - done, seed=31)
@@ -573,10 +622,13 @@ def test_an_export_stays_pinned_until_released(engines):
 
     async def main():
         async with engines.open(max_running=2) as engine:
-            stream = engine.generate_stream(request("p", [1, 2, 3], SamplingParams(max_new_tokens=100)))
-            await until_tokens(stream, 3)
+            await engines.hold_running(engine, tokens=3)  # exported while held: it cannot end first
+            stream = engine.generate_stream(request("p", [1, 2, 3], SamplingParams(max_new_tokens=12)))
+            await engines.until_held(stream)
             export = await engine.export_kv("p")
             assert [c async for c in stream][-1].finish_reason == "abort"
+            await engines.release_held(engine)
+            assert len(export.output_ids) == 3
             free = (await current_load(engine)).kv_tokens_free
             assert free <= (await current_load(engine)).kv_tokens_total - len(export.token_ids)
             with pytest.raises(EngineBusyError):
@@ -595,10 +647,12 @@ def test_import_rejects_another_policy_version(engines):
 
     async def main():
         async with engines.open() as source, engines.open(policy_version=1) as other:
-            stream = source.generate_stream(request("p", [1, 2, 3], SamplingParams(max_new_tokens=100)))
-            await until_tokens(stream, 3)
+            await engines.hold_running(source, tokens=3)  # exported while held: it cannot end first
+            stream = source.generate_stream(request("p", [1, 2, 3], SamplingParams(max_new_tokens=12)))
+            await engines.until_held(stream)
             export = await source.export_kv("p")
             _ = [c async for c in stream]
+            await engines.release_held(source)
             with pytest.raises(ValueError, match="policy_version"):
                 await other.import_kv(export)
             source.release_export("p")
@@ -636,8 +690,10 @@ def test_prefix_reuse_for_a_request_extending_an_earlier_one_of_the_same_executi
 def test_bad_input_raises_for_that_request_and_the_engine_keeps_serving(engines):
     async def main():
         async with engines.open(max_running=4) as engine:
-            good = asyncio.ensure_future(engine.generate(request("good", [1, 2, 3], SamplingParams(max_new_tokens=60))))
-            await until_in_flight(engine, 1)
+            await engines.hold_running(engine)  # good stays in flight through every check below
+            good_params = SamplingParams(max_new_tokens=engines.budget(12))
+            good = asyncio.ensure_future(engine.generate(request("good", [1, 2, 3], good_params)))
+            await engines.until_held()
             with pytest.raises(ValueError, match="out of vocabulary"):
                 await engine.generate(request("oov", [1, VOCAB]))
             with pytest.raises(ValueError, match="context limit"):
@@ -650,6 +706,7 @@ def test_bad_input_raises_for_that_request_and_the_engine_keeps_serving(engines)
             if engines.kind in KV_MIGRATION:
                 with pytest.raises(KeyError):
                     await engine.export_kv("nobody")
+            await engines.release_held(engine)
             assert (await good).finish_reason == "length"
 
     run(main())
@@ -754,13 +811,16 @@ def test_a_kv_export_carries_the_routing_of_the_positions_it_covers(engines, moe
     computes those positions again, so their routing is known (a gap would be asked for by every later call)."""
     engines.needs_kv_migration()
     prompt = [7, 3, 11, 42, 5, 9]
-    long = SamplingParams(temperature=0.0, max_new_tokens=40)
+    long = SamplingParams(temperature=0.0, max_new_tokens=12)
 
     async def migrate(source, destination, rid: str, ask: bool):
+        await engines.hold_running(source, tokens=6)  # exported while held: it cannot end first
         stream = source.generate_stream(request(rid, prompt, long, return_routed_experts=ask))
-        await until_tokens(stream, 6)
+        await engines.until_held(stream)
         export = await source.export_kv(rid)
         last = [c async for c in stream][-1]
+        await engines.release_held(source)
+        assert len(export.output_ids) == 6
         await destination.import_kv(export)
         rest = SamplingParams(temperature=0.0, max_new_tokens=5)
         cont = await destination.generate(

@@ -27,6 +27,7 @@ from gyre.models.hf_weights import save_pretrained
 
 TIMEOUT_S = 60.0
 LONG = {"temperature": 0.0, "max_new_tokens": 110}
+HELD = {"temperature": 0.0, "max_new_tokens": 40}  # more than a held request gets: it cannot end by its budget
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +75,23 @@ async def engine_load(session, url: str) -> dict:
         return wire.loads(await response.read())
 
 
-async def until_idle(session, url: str) -> dict:
+async def until_load(session, url: str, reached, what: str) -> dict:
+    """Wait (bounded) until the endpoint's load satisfies `reached`; returns that load."""
     for _ in range(1000):
         load = await engine_load(session, url)
-        if load["running"] == load["queued"] == 0:
+        if reached(load):
             return load
         await asyncio.sleep(0.005)
-    raise AssertionError(f"the engine never became idle: {load}")
+    raise AssertionError(f"the engine never {what}: {load}")
+
+
+async def until_idle(session, url: str) -> dict:
+    return await until_load(session, url, lambda load: load["running"] == load["queued"] == 0, "became idle")
+
+
+async def on_engine(server: ServerThread, fn):
+    """`fn(engine)` on the endpoint's loop (the native engine behind it: `hold`, `release`, `until_held`)."""
+    return await asyncio.to_thread(server.call, fn)
 
 
 def test_bad_requests_get_the_engines_error_shape_and_the_server_keeps_serving(server):
@@ -135,28 +146,33 @@ def test_an_abort_that_overtakes_its_request_still_ends_it(server):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_aborts_its_request(server, stream, caplog):
+    """The engine behind the endpoint holds the request running (its first 2 tokens out) when its client hangs up,
+    so it can only leave by the abort. A stream's client reads a chunk and hangs up while the endpoint writes a few
+    more steps' chunks (the engine released for 8 steps, then held again: it cannot reach its budget either)."""
     url = server.server.url
     caplog.set_level(logging.INFO, logger="gyre.engine.endpoint")
 
     async def main():
         async with aiohttp.ClientSession() as session:
-            body = wire.dumps(generate_body("gone", [1, 2, 3], LONG, stream=stream))
+            body = wire.dumps(generate_body("gone", [1, 2, 3], HELD, stream=stream))
+            await on_engine(server, lambda engine: engine.hold())
+            sent = asyncio.ensure_future(session.post(url + "/generate", data=body))
+            await until_load(session, url, lambda load: load["queued"] == 1, "queued the request")
+            await on_engine(server, lambda engine: engine.release(steps=1))  # admitted: 2 tokens, then held
+            await on_engine(server, lambda engine: engine.until_held())
             if stream:  # read a chunk, then hang up
-                response = await session.post(url + "/generate", data=body)
+                response = await sent
                 assert wire.loads(await response.content.readline())["token_ids"]
+                await on_engine(server, lambda engine: engine.release(steps=8))
                 response.close()
             else:  # the reply comes at the end: hang up while waiting for it
-                task = asyncio.ensure_future(session.post(url + "/generate", data=body))
-                for _ in range(1000):
-                    if (await engine_load(session, url))["running"] == 1:
-                        break
-                    await asyncio.sleep(0.002)
-                task.cancel()
+                sent.cancel()
                 with pytest.raises(asyncio.CancelledError):
-                    await task
-            load = await until_idle(session, url)
+                    await sent
+            load = await until_idle(session, url)  # held, or held again: the abort ended it
             assert load["accepting"] and server.call(lambda engine: engine.aborted) == ["gone"]
-        # the engine dropped it before its 110 tokens: a new request with the same id is accepted at once
+            await on_engine(server, lambda engine: engine.release())
+        # the engine dropped it: a new request with the same id is accepted at once
         engine = await RemoteEngine.connect(url)
         params = SamplingParams(max_new_tokens=2)
         again = GenerateRequest(request_id="gone", execution_id="x", input_ids=[1], params=params)
