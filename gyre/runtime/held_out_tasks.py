@@ -35,6 +35,7 @@ HELD_OUT_EXECUTIONS_DIR = "held_out_executions"
 
 PASS_REWARD = 1.0  # an execution passed when its reward reaches this (a full score: the demo check's)
 
+
 def load_held_out_tasks(cfg: TrainConfig, train: list[Task]) -> list[Task]:
     """The tasks of `tasks.held_out_dir` (module docstring); `TaskSetError` for a directory that cannot be used or a
     task that is also a training task."""

@@ -72,6 +72,7 @@ from gyre.trainer.moe import TokenSplitMoELayer, moe_overrides
 
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
+
 def transformer_config(
     config: DecoderConfig,
     *,

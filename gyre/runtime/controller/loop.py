@@ -254,5 +254,3 @@ class Controller:
         )
         last = self.records[-1] if self.records else None
         return format_live(state, self.cfg.steps, elapsed_s=self.now(), last=last)
-
-
