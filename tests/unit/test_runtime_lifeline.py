@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from gyre.distributed.local import HOST
-from gyre.runtime.job.lifeline import LifelineServer, RankLost, connect_lifeline, watch_lifelines
+from gyre.runtime.job.lifeline import LifelineServer, RankLost, connect_lifeline, rank_lost_behind, watch_lifelines
 
 
 def connected(world_size: int):
@@ -51,3 +51,22 @@ def test_a_rank_that_never_connects_is_named_after_the_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[2\] did not connect their lifeline"):
         server.accept(3, timeout_s=0.3)
     first.close()
+
+
+def test_an_error_that_a_ranks_death_caused_first_is_named_as_that_ranks_loss():
+    """A dead rank's engine endpoint refuses the next call (here the error) before its lifeline is read: the run's
+    error becomes `RankLost` naming the rank; with every lifeline open, the error stays, after the grace."""
+    lines, ends = connected(3)
+    refused = ConnectionRefusedError("the engine endpoint of cell 2 refused a drain")
+
+    async def main() -> None:
+        watch = asyncio.ensure_future(watch_lifelines(lines))
+        await asyncio.sleep(0.05)
+        assert await rank_lost_behind(refused, watch, grace_s=0.2) is refused  # every rank alive
+        asyncio.get_running_loop().call_later(0.1, ends[2].close)  # the lifeline ends just after the error
+        lost = await rank_lost_behind(refused, watch, grace_s=5.0)
+        assert isinstance(lost, RankLost) and lost.rank == 2
+
+    asyncio.run(main())
+    for end in ends.values():
+        end.close()

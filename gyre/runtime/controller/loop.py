@@ -47,7 +47,7 @@ from gyre.runtime.controller.parts import SLOW_STOP_S, ControllerParts, RunEnd, 
 from gyre.runtime.controller.steps import Steps
 from gyre.runtime.controller.trace import RoleTrace
 from gyre.runtime.job.checkpoint import Checkpoint
-from gyre.runtime.job.lifeline import watch_lifelines
+from gyre.runtime.job.lifeline import RankLost, rank_lost_behind, watch_lifelines
 from gyre.sched import (
     POOL,
     BeginStep,
@@ -129,6 +129,8 @@ class Controller:
         proxy_watch = self.spawn(self.parts.proxy.watch())  # a proxy shard that dies ends the run (ShardError)
         try:
             reason, error = await self.end
+            if reason == "error" and not isinstance(error, RankLost) and self.parts.job.lifelines:
+                error = await rank_lost_behind(error, watch)  # a rank's death, seen first as its engine's
         finally:
             progress.cancel()
             watch.cancel()

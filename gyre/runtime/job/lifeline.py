@@ -10,6 +10,9 @@ once and ends the run with `RankLost` naming the rank (docs/cluster.md, "A rank 
 - Every other rank: `connect_lifeline(host, port, rank)`, kept open as long as the process lives (`Job.lifeline`).
 - Rank 0's controller: `await watch_lifelines(lines)` raises `RankLost` at the first lifeline that ends; the
   controller cancels the watch before it tells the ranks to stop, so a run's normal end is no loss.
+- A run that ends with another error first asks `rank_lost_behind(error, watch)`: a dead rank's engine endpoint
+  refuses the next call at once (a drain, a weight update), and that error can reach the loop before the rank's
+  lifeline is read. The run then ends with `RankLost` naming the rank, and the first error is one line in the log.
 
 TCP keepalive (Linux: first probe after 10 s idle, every 5 s, 3 probes) also ends a lifeline to a host that vanished
 without closing its connections (a node powered off) within about 25 s.
@@ -18,15 +21,21 @@ without closing its connections (a node powered off) within about 25 s.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
 import time
 from collections.abc import Mapping
 
-__all__ = ["LifelineServer", "RankLost", "connect_lifeline", "watch_lifelines"]
+__all__ = ["LifelineServer", "RankLost", "connect_lifeline", "rank_lost_behind", "watch_lifelines"]
+
+log = logging.getLogger(__name__)
 
 HANDSHAKE = struct.Struct("!I")  # the connecting rank
 KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
+# How long after the run's error a lifeline may still end and be named instead: the kernel closes a dead process's
+# sockets together, so this covers the loop's turn to read the end, and a lifeline from another host.
+LOSS_GRACE_S = 2.0
 
 
 class RankLost(RuntimeError):
@@ -119,3 +128,15 @@ async def watch_lifelines(lines: Mapping[int, socket.socket]) -> None:
             wait.cancel()
     rank, how = min(task.result() for task in done)
     raise RankLost(rank, how)
+
+
+async def rank_lost_behind(error: BaseException, watch: asyncio.Future, grace_s: float = LOSS_GRACE_S) -> BaseException:
+    """`error`, or the `RankLost` that `watch` (a `watch_lifelines` task) raises within `grace_s`: the run's error was
+    then the rank's death seen from another side first (its engine's endpoint refused a call), and the run ends
+    naming the rank."""
+    done, _ = await asyncio.wait({watch}, timeout=grace_s)
+    if watch in done and not watch.cancelled() and isinstance(watch.exception(), RankLost):
+        lost = watch.exception()
+        log.info("%r came from the loss of rank %d", error, lost.rank)
+        return lost
+    return error
