@@ -414,9 +414,7 @@ async def saturate(http, target: str, url: str, keys: list[str], body_of, durati
     }
 
 
-async def saturation(
-    http, engine: Child, proxy: Child, passthrough: Child, setup: dict, duration_s: float, rounds: int
-) -> dict:
+async def saturation(http, engine: Child, proxy: Child, passthrough: Child, setup: dict, duration_s: float) -> dict:
     clients = 64
     await set_pace(http, engine, 0.001)
     keys = await issue_keys(http, proxy, clients)
@@ -432,7 +430,7 @@ async def saturation(
         duration_s,
         {"engine": engine.pid, "load_generator": me},
     )
-    for _ in range(rounds):
+    for _ in range(2):
         runs["passthrough"].append(
             await saturate(
                 http,
@@ -461,8 +459,7 @@ async def saturation(
     gyre_cpu = statistics.mean(r["relay_cpu_ms_per_request"] for r in runs["proxy"])
     ratio = gyre_rps / floor
     return {
-        "what": f"{clients} clients back to back, 8 tokens per call 1 ms apart; pass-through and proxy alternated"
-        f" x{rounds}",
+        "what": f"{clients} clients back to back, 8 tokens per call 1 ms apart; pass-through and proxy alternated x2",
         "direct_engine": direct,
         "passthrough": runs["passthrough"],
         "proxy": runs["proxy"],
@@ -526,6 +523,8 @@ async def agents(
     new_tokens, token_delay_s, load_fraction = 8, 0.025, 0.35
     await set_pace(http, engine, token_delay_s)
     call_s = new_tokens * token_delay_s
+    if saturation_rps <= 0:  # the agents' pacing is a fraction of it
+        raise SystemExit("proxy_overhead: the proxy completed no call in the saturation phase (a machine too loaded)")
     tool_mean_s = max(1.0, sessions / (load_fraction * saturation_rps) - call_s)
     keys = await issue_keys(http, proxy, sessions)
     me = os.getpid()
@@ -825,16 +824,14 @@ async def run(args, setup: dict, engine: Child, proxy: Child, passthrough: Child
     async with aiohttp.ClientSession(connector=connector, timeout=CALL_TIMEOUT) as http:
         started = time.perf_counter()
         a = await one_session(http, engine, proxy, setup, calls=40 if quick else 400, warmup=5 if quick else 40)
-        c = await saturation(
-            http, engine, proxy, passthrough, setup, duration_s=1.0 if quick else 8.0, rounds=1 if quick else 2
-        )
+        c = await saturation(http, engine, proxy, passthrough, setup, duration_s=1.5 if quick else 8.0)
         b = await agents(
             http,
             engine,
             proxy,
             setup,
             sessions=64 if quick else 512,
-            duration_s=1.5 if quick else 45.0,
+            duration_s=3.0 if quick else 45.0,
             saturation_rps=c["proxy_requests_per_s"],
         )
         d = await long_history_path(http, engine, proxy, setup, reps=1 if quick else 12)
@@ -854,7 +851,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run (~20 s on 2 cores): each section, too few samples to mean much",
+        help="a smoke run (~30 s on 2 cores): each section, too few samples to mean much",
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--role", choices=("engine", "proxy", "passthrough"), help=argparse.SUPPRESS)
