@@ -407,6 +407,10 @@ class ServerThread:
 
         return self._thread.call(run(), timeout_s)
 
+    async def call_async(self, fn: Callable, timeout_s: float = 30.0):
+        """`call` awaited from another event loop (a test's, the proxy's), which goes on meanwhile."""
+        return await asyncio.to_thread(self.call, fn, timeout_s)
+
     def kill(self, timeout_s: float = 30.0) -> None:
         """`EngineServer.kill` on the endpoint's loop: it dies as a crashed process's would (fault tests)."""
         self._thread.call(self.server.kill(), timeout_s)

@@ -20,8 +20,9 @@ import queue
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
+
+from serve_process import pump_lines
 
 START_TIMEOUT_S = 60.0
 
@@ -44,18 +45,12 @@ class HeldEngineProcess:
             text=True,
             env=env,
         )
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._lines = pump_lines(self.process.stdout)
         try:
             self.url = self._line("engine endpoint: ", START_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise
-
-    def _pump(self) -> None:
-        for line in self.process.stdout:
-            self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
 
     def _line(self, prefix: str, timeout_s: float) -> str:
         try:

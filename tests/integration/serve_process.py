@@ -47,10 +47,18 @@ class Served:
         return self.process.wait(timeout=timeout_s)
 
 
-def _pump(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line.rstrip("\n"))
-    lines.put(None)
+def pump_lines(stream) -> queue.Queue:
+    """The lines of a child's `stream`, read on a daemon thread into a queue (None once it ends): a bounded
+    `get(timeout=...)` then never blocks on a child that hangs without printing."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
 
 
 def start_serve(run_dir: Path, *overrides: str, timeout_s: float = START_TIMEOUT_S) -> Served:
@@ -63,8 +71,7 @@ def start_serve(run_dir: Path, *overrides: str, timeout_s: float = START_TIMEOUT
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
         )
     served = Served(process=process, run_dir=run_dir)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
+    lines = pump_lines(process.stdout)
     deadline = time.monotonic() + timeout_s
     try:
         while True:

@@ -70,7 +70,7 @@ def test_a_close_lets_the_calls_in_flight_finish_and_records_each_once(tmp_path)
             threads = [threading.Thread(target=client, args=(name,), daemon=True) for name in calls]
             for thread in threads:
                 thread.start()
-            await asyncio.to_thread(engine.call, lambda scripted: scripted.until_held(2), 30)
+            await engine.call_async(lambda scripted: scripted.until_held(2), 30)
             assert session.calls_in_flight == 2
             admin = {"authorization": f"Bearer {stack.proxy.admin_key}"}
             closed = await asyncio.to_thread(post, stack.proxy.url, "/gyre/executions/closing/close", {}, admin)
@@ -78,7 +78,7 @@ def test_a_close_lets_the_calls_in_flight_finish_and_records_each_once(tmp_path)
             later = await asyncio.to_thread(post, stack.proxy.url, *calls["whole"], key)
             assert later[0] == 401  # the key stopped working at once
             assert not session.tree.closed  # ... while the calls in flight go on
-            await asyncio.to_thread(engine.call, lambda scripted: scripted.release())
+            await engine.call_async(lambda scripted: scripted.release())
             for thread in threads:
                 await asyncio.to_thread(thread.join, 60)
             assert session.tree.closed and session.calls_in_flight == 0

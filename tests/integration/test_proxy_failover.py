@@ -47,7 +47,7 @@ def held_engine(at: int = HELD_AT, **options) -> ScriptedEngine:
 
 
 async def until_held(thread: ServerThread, count: int = 1) -> None:
-    await asyncio.to_thread(thread.call, lambda engine: engine.until_held(count), 60)
+    await thread.call_async(lambda engine: engine.until_held(count), 60)
 
 
 def expected_ids(prompt_tokens: int) -> list[int]:

@@ -63,21 +63,16 @@ async def wait_until(condition, timeout_s=60.0):
         await asyncio.sleep(0.01)
 
 
-async def on_engine(thread: ServerThread, fn):
-    """`fn(engine)` on the engine's own loop (hold, release, until_held, load), awaited from this loop."""
-    return await asyncio.to_thread(thread.call, fn, 60)
-
-
 async def hold_then_step(thread: ServerThread, queued: int, steps: int) -> None:
     """With the engine held: once `queued` calls wait on it, run exactly `steps` steps (every call admitted at the
     first has steps + 1 tokens, or ended), and wait until it holds again."""
     await wait_until(lambda: _queued_at_least(thread, queued))
-    await on_engine(thread, lambda engine: engine.release(steps=steps))
-    await on_engine(thread, lambda engine: engine.until_held())
+    await thread.call_async(lambda engine: engine.release(steps=steps), 60)
+    await thread.call_async(lambda engine: engine.until_held(), 60)
 
 
 async def _queued_at_least(thread: ServerThread, count: int) -> bool:
-    return (await on_engine(thread, lambda engine: engine.load())).queued >= count
+    return (await thread.call_async(lambda engine: engine.load(), 60)).queued >= count
 
 
 async def collect(stream, on_tokens=None):
@@ -100,7 +95,7 @@ def test_streaming_clients_follow_the_controllers_reroute_with_their_kv_and_neve
     factories = [lambda: NativeEngine(copy.deepcopy(model), max_running=16) for _ in range(3)]
 
     async def main(urls, threads):
-        await on_engine(threads[0], lambda engine: engine.hold())  # the calls wait there until moved
+        await threads[0].call_async(lambda engine: engine.hold(), 60)  # the calls wait there until moved
         cfg = ServeConfig(
             engine=EngineConfig(enabled=False),
             engine_urls=list(urls),
@@ -182,7 +177,7 @@ def test_a_kv_migration_over_http_continues_the_greedy_call_exactly_and_prefills
             table = RoutingTable({"a": a, "b": b}, placement="scheduler")
             table.assign("exec", "a")
             ten = asyncio.Event()
-            await on_engine(threads[0], lambda engine: engine.hold())
+            await threads[0].call_async(lambda engine: engine.hold(), 60)
             call = asyncio.ensure_future(
                 collect(generate_routed(table, greedy("r", "exec")), lambda n: n >= 10 and ten.set())
             )
@@ -227,7 +222,7 @@ def test_without_kv_export_the_call_is_aborted_on_the_source_and_re_prefilled_on
             table = RoutingTable({"a": a, "b": b}, placement="scheduler")
             table.assign("exec", "a")
             ten = asyncio.Event()
-            await on_engine(threads[0], lambda engine: engine.hold(after_tokens=10))  # in flight until moved
+            await threads[0].call_async(lambda engine: engine.hold(after_tokens=10), 60)  # in flight until moved
             call = asyncio.ensure_future(collect(generate_routed(table, request), lambda n: n >= 10 and ten.set()))
             await asyncio.wait_for(ten.wait(), 60)
             a.stop_accepting()

@@ -49,7 +49,7 @@ def test_cancelling_the_serving_engine_mid_stream_is_invisible_to_100_streaming_
     urls, threads = engines
 
     def on_a(fn, timeout_s: float = 60.0):
-        return asyncio.to_thread(threads[0].call, fn, timeout_s)
+        return threads[0].call_async(fn, timeout_s)
 
     cfg = ServeConfig(
         engine=EngineConfig(enabled=False),

@@ -23,7 +23,7 @@ import time
 import aiohttp
 import anthropic
 import pytest
-from test_proxy_migration import endpoints, hold_then_step, on_engine
+from test_proxy_migration import endpoints, hold_then_step
 
 from gyre.config.proxy import ProxyConfig, SamplingConfig
 from gyre.engine.native import NativeEngine
@@ -76,7 +76,7 @@ def test_two_shards_serve_their_executions_and_move_their_calls_with_kv_on_a_rer
     factories = [lambda: NativeEngine(copy.deepcopy(model), max_running=16) for _ in range(3)]
 
     async def main(urls, threads):
-        await on_engine(threads[0], lambda engine: engine.hold())  # the calls wait there until moved
+        await threads[0].call_async(lambda engine: engine.hold(), 60)  # the calls wait there until moved
         shards = await ProxyShards.start(specs(2, urls, tmp_path / "records"))
         source = await RemoteEngine.connect(urls[0])
         heard = []
@@ -158,7 +158,7 @@ def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_command
     factory = lambda: ScriptedEngine(chat_reply(template, lambda request, prompt: answer))  # noqa: E731
 
     async def main(urls, threads):
-        await on_engine(threads[0], lambda engine: engine.hold(after_tokens=2))  # in flight until released
+        await threads[0].call_async(lambda engine: engine.hold(after_tokens=2), 60)  # in flight until released
         shards = await ProxyShards.start(specs(2, urls, tmp_path / "records"))
         pids = shards.pids
         try:
@@ -168,7 +168,7 @@ def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_command
             sdk = anthropic.AsyncAnthropic(base_url=shards.url_of("exec-a"), api_key=key, max_retries=0)
             hi = [{"role": "user", "content": "hi"}]
             call = asyncio.ensure_future(sdk.messages.create(model="gyre", max_tokens=50, messages=hi))
-            await on_engine(threads[0], lambda engine: engine.until_held(1))  # the call is in flight, held
+            await threads[0].call_async(lambda engine: engine.until_held(1), 60)  # the call is in flight, held
             closing = asyncio.ensure_future(shards.close("exec-a", wait_s=30))
             deadline = time.monotonic() + 60
             while True:  # the close reached the shard once the key stopped working (at once, the call still held)
@@ -179,7 +179,7 @@ def test_close_waits_for_the_call_in_flight_and_a_killed_shard_fails_its_command
                 assert time.monotonic() < deadline, "the close did not reach the shard"
                 await asyncio.sleep(0.01)
             assert not closing.done()  # it waits for the held call
-            await on_engine(threads[0], lambda engine: engine.release())
+            await threads[0].call_async(lambda engine: engine.release(), 60)
             closed = await closing  # answered once the call ended and was recorded
             recorded = len(load_tree(tmp_path / "records" / "exec-a.jsonl").calls)
             message = await call

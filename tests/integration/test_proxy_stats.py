@@ -161,7 +161,7 @@ def test_a_reroute_with_kv_is_counted_as_rerouted_and_kv_migrated(tmp_path):
             table.assign("stays", "external-1")
             body = {"model": "gyre", "max_tokens": 200, "stream": True, "messages": SHORT["messages"]}
             source = threads[0]
-            await asyncio.to_thread(source.call, lambda engine: engine.hold())  # the call cannot end on a
+            await source.call_async(lambda engine: engine.hold())  # the call cannot end on a
             reader, writer = await asyncio.open_connection(stack.proxy.config.host, stack.proxy.port)
             payload = json.dumps(body).encode()
             head = (
@@ -170,10 +170,10 @@ def test_a_reroute_with_kv_is_counted_as_rerouted_and_kv_migrated(tmp_path):
             writer.write(f"{head}content-length: {len(payload)}\r\nconnection: close\r\n\r\n".encode() + payload)
             await writer.drain()
             async with asyncio.timeout(60):  # queued on a, then exactly 3 steps: 4 tokens, held in flight
-                while (await asyncio.to_thread(source.call, lambda engine: engine.load())).queued < 1:
+                while (await source.call_async(lambda engine: engine.load())).queued < 1:
                     await asyncio.sleep(0.01)
-            await asyncio.to_thread(source.call, lambda engine: engine.release(steps=3))
-            await asyncio.to_thread(source.call, lambda engine: engine.until_held(), 60)
+            await source.call_async(lambda engine: engine.release(steps=3))
+            await source.call_async(lambda engine: engine.until_held(), 60)
             first = await asyncio.wait_for(reader.readuntil(b"content_block_delta"), 60)  # tokens are flowing
             assert b"200 OK" in first
             table.engines["external-0"].stop_accepting()

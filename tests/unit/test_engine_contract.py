@@ -147,7 +147,7 @@ class Engines:
             if thread is None:
                 outcome = fn(engine)
                 return await outcome if asyncio.iscoroutine(outcome) else outcome
-            return await asyncio.to_thread(thread.call, fn, TIMEOUT_S / 2)
+            return await thread.call_async(fn, TIMEOUT_S / 2)
 
         return call
 

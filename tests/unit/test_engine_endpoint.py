@@ -89,11 +89,6 @@ async def until_idle(session, url: str) -> dict:
     return await until_load(session, url, lambda load: load["running"] == load["queued"] == 0, "became idle")
 
 
-async def on_engine(server: ServerThread, fn):
-    """`fn(engine)` on the endpoint's loop (the native engine behind it: `hold`, `release`, `until_held`)."""
-    return await asyncio.to_thread(server.call, fn)
-
-
 def test_bad_requests_get_the_engines_error_shape_and_the_server_keeps_serving(server):
     url = server.server.url
 
@@ -155,15 +150,15 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream, caplog):
     async def main():
         async with aiohttp.ClientSession() as session:
             body = wire.dumps(generate_body("gone", [1, 2, 3], HELD, stream=stream))
-            await on_engine(server, lambda engine: engine.hold())
+            await server.call_async(lambda engine: engine.hold())
             sent = asyncio.ensure_future(session.post(url + "/generate", data=body))
             await until_load(session, url, lambda load: load["queued"] == 1, "queued the request")
-            await on_engine(server, lambda engine: engine.release(steps=1))  # admitted: 2 tokens, then held
-            await on_engine(server, lambda engine: engine.until_held())
+            await server.call_async(lambda engine: engine.release(steps=1))  # admitted: 2 tokens, then held
+            await server.call_async(lambda engine: engine.until_held())
             if stream:  # read a chunk, then hang up
                 response = await sent
                 assert wire.loads(await response.content.readline())["token_ids"]
-                await on_engine(server, lambda engine: engine.release(steps=8))
+                await server.call_async(lambda engine: engine.release(steps=8))
                 response.close()
             else:  # the reply comes at the end: hang up while waiting for it
                 sent.cancel()
@@ -171,7 +166,7 @@ def test_a_client_that_goes_away_aborts_its_request(server, stream, caplog):
                     await sent
             load = await until_idle(session, url)  # held, or held again: the abort ended it
             assert load["accepting"] and server.call(lambda engine: engine.aborted) == ["gone"]
-            await on_engine(server, lambda engine: engine.release())
+            await server.call_async(lambda engine: engine.release())
         # the engine dropped it: a new request with the same id is accepted at once
         engine = await RemoteEngine.connect(url)
         params = SamplingParams(max_new_tokens=2)
@@ -287,7 +282,7 @@ def test_a_call_extending_the_executions_last_prompt_sends_only_what_it_adds(ser
             server.server._prompts.max_bytes = 0
             server.server._prompts.remember(GenerateRequest(request_id="z", execution_id="y", input_ids=[1]))
 
-        await asyncio.to_thread(server.call, forget_every_base)  # the client then falls back to whole prompts
+        await server.call_async(forget_every_base)  # the client then falls back to whole prompts
         third_prompt = [*longer, *second.output_ids, 6]
         third = GenerateRequest(request_id="c", execution_id="x", input_ids=third_prompt, params=params)
         stream = [c async for c in engine.generate_stream(third)]
