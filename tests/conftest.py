@@ -49,7 +49,12 @@ _background: subprocess.Popen | None = None  # the background warm start, and th
 _background_log = None
 
 
+TEST_SESSION_LABEL = "gyre.test"  # on every container and image the tests make: checked empty at the session's end
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # One id per session, inherited by the workers (started after this): the value of the tests' container label.
+    os.environ.setdefault("GYRE_TEST_SESSION", f"{os.getpid()}-{int(time.time())}")
     if hasattr(config, "workerinput"):
         os.nice(WORKER_NICENESS)  # the worker and what its tests start; among themselves, as before
     # Inductor compiles in a pool of worker processes, one per core, started at the first compilation: on the two
@@ -94,6 +99,8 @@ def _start_background_warm_start() -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        _check_no_containers_left(session)
     if _background is None:
         return
     if _background.poll() is None:  # no test needed it (a subset of the suite): stop it, its staging dir removed
@@ -104,6 +111,27 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             _background.kill()
             _background.wait()
     _background_log.close()
+
+
+def _check_no_containers_left(session: pytest.Session) -> None:
+    """Fail the session when a container or image of its label is left (removing them), where podman runs."""
+    from gyre.harness.container.engine import ContainerEngine, EngineError
+    from gyre.harness.container.setup import cache_dir
+
+    engine = ContainerEngine.for_machine("podman", cache_dir())
+    if not engine.binary:
+        return
+    label = f"{TEST_SESSION_LABEL}={os.environ['GYRE_TEST_SESSION']}"
+    try:
+        containers, images = engine.containers_labeled(label), engine.images_labeled(label)
+        engine.remove(containers)
+        engine.remove_images(images)
+    except EngineError as error:
+        print(f"\ncould not list the tests' containers: {error}", file=sys.stderr)
+        return
+    if containers or images:
+        print(f"\nleft behind by the tests ({label}): containers {containers}, images {images}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 CPU_LOG = os.environ.get("GYRE_TEST_CPU_LOG")  # a file: one JSON line a test with its wall and CPU seconds

@@ -22,6 +22,7 @@ BUILTIN_BACKENDS = ("anthropic", "openai", "anthropic-http")  # gyre.harness.bui
 SANDBOXES = ("local", "bubblewrap", "container")
 HARNESS_HOSTS = ("controller", "nodes")  # where executions run: docs/cluster.md, "Harness hosts on every node"
 CONTAINER_ENGINES = ("docker", "podman", "apptainer")
+CONTAINER_NETWORKS = ("proxy", "host")  # docs/harness.md, "Container network"
 
 
 @dataclass(kw_only=True)
@@ -113,6 +114,66 @@ class AgentConfig:
 
 
 @dataclass(kw_only=True)
+class ContainerConfig:
+    """`harness.sandbox=container`: the engine, the task set's default image, and how containers start
+    (docs/harness.md, "The container sandbox")."""
+
+    engine: str = "podman"
+    """podman or docker (one CLI shape), or apptainer (its argv only: docs/cluster.md)."""
+    image: str = ""
+    """The image of tasks that name none (no [environment] image and no environment/Dockerfile); pulled when
+    absent. Required when such a task is in the task set."""
+    max_starting: int = 4
+    """Containers starting at once on one node (`run`, the first `exec`); the others wait their turn."""
+    max_preparing: int = 2
+    """Image pulls and builds at once on one node, before the first dispatch."""
+    build_timeout_s: float = 900.0
+    """A build or pull past it fails (a task's [environment] build_timeout_s overrides it for its build)."""
+    network: str = "proxy"
+    """proxy: the container's own network namespace where only the proxy's port is forwarded (a task's
+    allow_internet adds a user-mode route to the internet); host: the host's network (everything of the job is
+    reachable; for engines where the forward cannot be made, e.g. docker without root)."""
+    workdir: str = "/workspace"
+    """Where the execution's workspace is mounted in the container (a task's [environment] workdir overrides it)."""
+    cpus: float = 0.0
+    """CPUs per container (0: no limit; a task's [environment] cpus overrides it)."""
+    memory_mb: int = 0
+    """Memory per container in MiB (0: no limit; a task's [environment] memory_mb overrides it)."""
+    harness_from_image: bool = False
+    """Run the harness program the image has (found on the image's PATH by name) instead of the host's install
+    bound read-only."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Extra labels on every container and built image (e.g. a test session's)."""
+
+    def __post_init__(self) -> None:
+        require_choice("harness.container.engine", self.engine, CONTAINER_ENGINES)
+        require(isinstance(self.image, str), "harness.container.image", self.image, "an image reference or ''")
+        require(
+            not any(c.isspace() for c in self.image), "harness.container.image", self.image, "a reference, no spaces"
+        )
+        require_int("harness.container.max_starting", self.max_starting, ge=1)
+        require_int("harness.container.max_preparing", self.max_preparing, ge=1)
+        require_duration("harness.container.build_timeout_s", self.build_timeout_s)
+        require_choice("harness.container.network", self.network, CONTAINER_NETWORKS)
+        require(
+            isinstance(self.workdir, str) and self.workdir.startswith("/") and self.workdir != "/",
+            "harness.container.workdir",
+            self.workdir,
+            "an absolute path below /",
+        )
+        require_number("harness.container.cpus", self.cpus, ge=0)
+        require_int("harness.container.memory_mb", self.memory_mb, ge=0)
+        require_bool("harness.container.harness_from_image", self.harness_from_image)
+        require(
+            isinstance(self.labels, dict)
+            and all(isinstance(k, str) and k and isinstance(v, str) for k, v in self.labels.items()),
+            "harness.container.labels",
+            self.labels,
+            "a mapping of label names to strings",
+        )
+
+
+@dataclass(kw_only=True)
 class HarnessConfig:
     """Which harness runs each execution of a training run, with its options and its sandbox (docs/harness.md)."""
 
@@ -141,10 +202,8 @@ class HarnessConfig:
     config.toml gyre writes per execution; empty: none. Read and checked at start (exit 2 with one line)."""
     sandbox: str = "local"
     """local (plain processes, an own uid per execution as root), bubblewrap or container."""
-    container_engine: str = "docker"
-    """sandbox=container: docker, podman or apptainer."""
-    container_image: str = ""
-    """sandbox=container: the image (docker reference, or the path of an apptainer .sif); required there."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """sandbox=container: the engine, the default image, limits and starts (docs/harness.md)."""
     isolate_user: bool | None = None
     """sandbox=local: run each execution under its own uid (needs root; the harness's interpreter or binary must be
     readable by other users). null: own uid when the controller runs as root, except for the builtin harness on the
@@ -179,8 +238,6 @@ class HarnessConfig:
         for name in ("instructions_file", "settings_file"):
             require(isinstance(getattr(self, name), str), f"harness.{name}", getattr(self, name), "a file path or ''")
         require_choice("harness.sandbox", self.sandbox, SANDBOXES)
-        require_choice("harness.container_engine", self.container_engine, CONTAINER_ENGINES)
-        require(isinstance(self.container_image, str), "harness.container_image", self.container_image, "a string")
         require(
             self.isolate_user is None or isinstance(self.isolate_user, bool),
             "harness.isolate_user",
@@ -214,18 +271,4 @@ class HarnessConfig:
                 "harness.extra_args",
                 self.extra_args,
                 "[] with harness.name=command (put every argument in harness.argv)",
-            )
-        if self.sandbox == "container":
-            require(
-                bool(self.container_image),
-                "harness.container_image",
-                self.container_image,
-                "an image with harness.sandbox=container",
-            )
-        else:
-            require(
-                not self.container_image,
-                "harness.container_image",
-                self.container_image,
-                f"'' with harness.sandbox={self.sandbox} (set harness.sandbox=container to use an image)",
             )

@@ -54,7 +54,7 @@ from gyre.config.harness import ExecutionLimits
 from gyre.harness.evaluation import sandboxed_evaluation
 from gyre.harness.execution import HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, HarnessRunner
-from gyre.harness.sandbox import Sandbox
+from gyre.harness.sandbox import ImageUnavailable, Sandbox, SandboxError
 from gyre.tasks.evaluate import EvaluationResult, LocalHost, evaluate, evaluated_state, to_evaluation
 from gyre.tasks.spec import Task, prepare_workspace
 from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status
@@ -174,6 +174,7 @@ async def run_episode(
         )
     finally:
         report(None)  # a no-op once reported; else the episode raised or was cancelled before the harness ended
+        await asyncio.to_thread(sandbox.close, execution_id)  # a container is removed once its evaluation is over
     if report.error is not None:
         raise HarnessEndError(result) from report.error
     return result
@@ -202,9 +203,12 @@ async def _run_episode(
     group.start(execution_id, deadline=started + overall_timeout_s)
     result = EpisodeResult(execution_id=execution_id, task_id=task.id, run=None)
     try:
-        dirs = await asyncio.to_thread(sandbox.prepare, execution_id)
+        dirs = await asyncio.to_thread(sandbox.prepare, execution_id, task)
         await asyncio.to_thread(prepare_workspace, task, dirs.workspace)
-    except (OSError, ValueError) as error:  # no workspace: a total failure (no evaluable work)
+    except ImageUnavailable as error:  # the image could not be pulled or built: warned once, when it was prepared
+        report(None)
+        return _finish(result, group, CloseKind.FAILED, reason=str(error), quiet=True)
+    except (OSError, ValueError, SandboxError) as error:  # no workspace or no sandbox: a total failure
         report(None)
         return _finish(result, group, CloseKind.FAILED, reason=f"workspace of task {task.id!r}: {error}")
     context = ExecutionContext(
@@ -213,8 +217,8 @@ async def _run_episode(
         workspace=dirs.workspace,
         home=dirs.home,
         log_dir=dirs.log_dir,
-        anthropic_base_url=proxy.anthropic_base_url,
-        openai_base_url=proxy.openai_base_url,
+        anthropic_base_url=sandbox.proxy_url(proxy.anthropic_base_url),
+        openai_base_url=sandbox.proxy_url(proxy.openai_base_url),
         api_key=api_key,
         model=proxy.model,
     )
@@ -343,11 +347,15 @@ def _retrieve(attempt: asyncio.Future) -> None:
         log.warning("a discarded evaluation attempt raised: %r", attempt.exception())
 
 
-def _finish(result: EpisodeResult, group: GroupOutcomes, kind: CloseKind, *, reason: str | None) -> EpisodeResult:
+def _finish(
+    result: EpisodeResult, group: GroupOutcomes, kind: CloseKind, *, reason: str | None, quiet: bool = False
+) -> EpisodeResult:
     group.close(result.execution_id, kind, now=time.monotonic())
     outcome = group.execution(result.execution_id)
     result.status, result.reward, result.reason = outcome.status, outcome.reward, reason
-    if kind is CloseKind.FAILED:
+    if kind is CloseKind.FAILED and quiet:
+        log.debug("execution %s of task %s failed: %s", result.execution_id, result.task_id, reason)
+    elif kind is CloseKind.FAILED:
         log.warning("execution %s of task %s failed: %s", result.execution_id, result.task_id, reason)
     return result
 

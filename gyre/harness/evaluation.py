@@ -15,6 +15,8 @@ and the hidden files below it, and the evaluator process is started with `sandbo
   directories of `sys.path`, the gyre package; and the task's directory), which `{python}` and python evaluators
   need.
 - `LocalSandbox(isolate_user=False)`: its own session, rlimits and the scrubbed environment; no file isolation.
+- `ContainerSandbox` (`evaluates_in_execution`): in the execution's own container, after its harness, so the
+  evaluator sees what the agent changed outside the workspace; the task's files are copied in first (`task_copy`).
 
 The process goes through the harness lifecycle (`gyre.harness.execution.run_harness`: its own session, the group
 killed when it ends or at the time limit, the sandbox released). The environment stays the evaluator's own (PATH
@@ -29,6 +31,7 @@ end (what `run_episode` calls). All of them block: call them from a worker threa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import sys
@@ -42,10 +45,10 @@ from gyre.harness.execution import HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
 from gyre.harness.sandbox import Sandbox, SandboxError, chown_tree
 from gyre.tasks.evaluate import STOP_POLL_S, EvaluationResult, EvaluatorStartError, evaluate, not_started
-from gyre.tasks.spec import PythonEvaluatorSpec, Task
+from gyre.tasks.spec import BUILD_CONTEXT, PythonEvaluatorSpec, Task
 from gyre.traj.outcomes import CloseKind
 
-__all__ = ["SandboxHost", "evaluator_read_paths", "sandboxed_evaluation"]
+__all__ = ["SandboxHost", "evaluator_read_paths", "sandboxed_evaluation", "task_copy"]
 
 EVALUATION_SUFFIX = ".evaluate"
 GRACE_PERIOD_S = 1.0  # an evaluator past its time limit: SIGTERM, then SIGKILL this much later
@@ -156,14 +159,34 @@ def sandboxed_evaluation(
     spec = task.evaluator
     if isinstance(spec, PythonEvaluatorSpec) and spec.isolation == "inline":
         return evaluate(task, workspace)
+    in_execution = getattr(sandbox, "evaluates_in_execution", False)  # a container: its binds are made already
     try:
-        host = SandboxHost(sandbox, execution_id, ro_paths=evaluator_read_paths(task.task_dir), stop=stop)
+        ro_paths = () if in_execution else evaluator_read_paths(task.task_dir)
+        host = SandboxHost(sandbox, execution_id, ro_paths=ro_paths, stop=stop)
     except (SandboxError, OSError) as error:  # e.g. no uid left: retried like any other failed attempt
         return not_started(task, workspace, f"evaluation sandbox: {error}")
     try:
+        if in_execution:
+            task = task_copy(task, host.directory / "task")
         return evaluate(task, workspace, host=host)
+    except OSError as error:  # the task's files could not be copied in: retried like any other failed attempt
+        return not_started(task, workspace, f"evaluation sandbox: {error}")
     finally:
         host.close()
+
+
+def task_copy(task: Task, destination: Path) -> Task:
+    """`task` with its directory copied to `destination` (its workspace template and build context left out): what
+    an evaluator inside the execution's own container reads (the checker beside task.toml, hidden/), which the
+    agent never saw there; it is copied in only once the harness has ended."""
+    skip = {task.workspace_dir.resolve(), (task.task_dir / BUILD_CONTEXT).resolve()}
+
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        return [name for name in names if (Path(directory) / name).resolve() in skip]
+
+    shutil.copytree(task.task_dir, destination, symlinks=True, ignore=ignore)
+    hidden = destination / task.hidden_dir.relative_to(task.task_dir) if task.hidden_dir is not None else None
+    return dataclasses.replace(task, task_dir=destination, hidden_dir=hidden)
 
 
 def evaluator_read_paths(task_dir: Path | None = None) -> tuple[Path, ...]:

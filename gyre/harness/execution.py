@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,8 +90,14 @@ async def _wait_group(process: asyncio.subprocess.Process, timeout_s: float) -> 
             return process.returncode is not None and not _group_exists(process.pid)
 
 
-async def _stop_group(process: asyncio.subprocess.Process, grace_period_s: float, kill_wait_s: float) -> None:
-    """SIGTERM the process group, SIGKILL it once the grace period has passed with any member left; bounded."""
+async def _stop_group(
+    process: asyncio.subprocess.Process, grace_period_s: float, kill_wait_s: float, inside: Callable | None = None
+) -> None:
+    """SIGTERM the process group, SIGKILL it once the grace period has passed with any member left; bounded.
+    `inside(grace_period_s)`: a sandbox whose harness runs beyond the client's group (a container: the client is
+    `exec`) gives it the same SIGTERM, grace and SIGKILL there first."""
+    if inside is not None:
+        await inside(grace_period_s)
     pgid = process.pid  # the sandbox starts a new session: the leader's pid is the group id
     _signal_group(pgid, signal.SIGTERM)
     if await _wait_group(process, grace_period_s):
@@ -180,7 +188,9 @@ async def run_harness(
                 kind, reason = CloseKind.CANCELLED, "cancelled (surplus)"
             else:
                 kind, reason = CloseKind.HARNESS_TIMEOUT, f"harness timeout after {harness_timeout_s:g} s"
-            await _stop_group(process, grace_period_s, kill_wait_s)
+            stop_inside = getattr(sandbox, "stop_inside", None)
+            inside = functools.partial(stop_inside, context) if stop_inside is not None else None
+            await _stop_group(process, grace_period_s, kill_wait_s, inside)
         for task in (feeding, waiting):
             if task is not None and not task.done():
                 task.cancel()

@@ -21,8 +21,12 @@ Implementations (what each isolates is measured in tests/integration/test_harnes
 - `BubblewrapSandbox`: `bwrap` (a mount namespace) on top of `LocalSandbox`: only system directories (read-only),
   the harness's install prefix (read-only), `ro_binds` and the execution's own workspace and home (read-write)
   exist inside; a private /tmp, /proc of its own pid namespace.
-- `ContainerSandbox`: the argv for `docker run` / `apptainer exec`; an interface for clusters, tested for the argv
-  it builds only (no container engine runs on the development machines).
+- `ContainerSandbox` (`gyre.harness.container`): one podman or docker container of the task's image per execution,
+  harness and evaluation in it; `ApptainerSandbox`: the argv of `apptainer exec`, tested for its argv only.
+
+Beyond the contract above, three calls every sandbox answers (no-ops here, a container's lifecycle there):
+`prepare(execution_id, task)` gets the task (its image), `proxy_url(url)` says how a harness inside reaches the
+proxy, and `close(execution_id)` ends the execution's sandbox once the episode is over (evaluation included).
 """
 
 from __future__ import annotations
@@ -40,19 +44,22 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from gyre.config.harness import ResourceLimits
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
 from gyre.harness.uid_leases import DEFAULT_LEASE_DIR, UidLeaseError, UidLeases, leases_for
+from gyre.tasks.spec import Task
 
 __all__ = [
+    "ApptainerSandbox",
     "BubblewrapSandbox",
-    "ContainerSandbox",
     "ExecutionDirs",
+    "ImageUnavailable",
     "LocalSandbox",
     "Sandbox",
     "SandboxError",
+    "write_launch_files",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,6 +71,11 @@ TRAVERSE_ONLY_MODE = 0o711  # others may pass through to their own subdirectory,
 
 class SandboxError(RuntimeError):
     """The sandbox cannot host this execution (misconfiguration, missing tool, permission); the message says why."""
+
+
+class ImageUnavailable(SandboxError):
+    """The task's image could not be pulled or built (the message names the image and the engine's words): its
+    executions close FAILED, the placeholder outcome, without trying again (`gyre.harness.container.images`)."""
 
 
 def rlimit_pairs(limits: ResourceLimits, *, own_uid: bool) -> list[tuple[int, int]]:
@@ -170,8 +182,16 @@ class Sandbox(Protocol):
         """Raise `SandboxError` if this sandbox cannot run here (tool missing, configuration unusable)."""
         ...
 
-    def prepare(self, execution_id: str) -> ExecutionDirs:
-        """Create the execution's directories (idempotent for the same id)."""
+    def prepare(self, execution_id: str, task: Task | None = None) -> ExecutionDirs:
+        """Create the execution's directories (idempotent for the same id); `task`: what it runs (its image)."""
+        ...
+
+    def proxy_url(self, url: str) -> str:
+        """The proxy's base URL as a harness in this sandbox reaches it."""
+        ...
+
+    def close(self, execution_id: str) -> None:
+        """The execution is over (harness and evaluation): end what the sandbox still holds of it."""
         ...
 
     async def start(
@@ -212,6 +232,23 @@ def chown_tree(top: Path, uid: int, gid: int) -> None:
         for name in (*dirnames, *filenames):
             with contextlib.suppress(FileNotFoundError):  # removed meanwhile
                 os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def write_launch_files(spec: LaunchSpec, context: ExecutionContext) -> None:
+    """Write `spec.files`, each inside the execution's home or workspace, never through a symlink the harness may
+    have planted there (the controller writes as root into directories the harness owned before, on a re-run)."""
+    for path, text in spec.files.items():
+        path = Path(path)
+        if not (_inside(path, context.home) or _inside(path, context.workspace)):
+            raise SandboxError(f"launch file {path} lies outside the execution's home and workspace")
+        top = context.home if _inside(path, context.home) else context.workspace
+        for part in (path, *path.parents):
+            if part == top:
+                break
+            if part.is_symlink():
+                raise SandboxError(f"launch file {path}: {part} is a symlink; refusing to write through it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 def unreachable_by_others(executable: str) -> Path | None:
@@ -278,7 +315,7 @@ class LocalSandbox:
                 os.chmod(path, path.stat().st_mode & ~0o077)
         self._checked = True
 
-    def prepare(self, execution_id: str) -> ExecutionDirs:
+    def prepare(self, execution_id: str, task: Task | None = None) -> ExecutionDirs:
         _check_id(execution_id)
         if not self._checked:
             self.check()
@@ -308,6 +345,12 @@ class LocalSandbox:
         """The uid an execution runs as (None: the controller's own)."""
         return self._uids.get(execution_id)
 
+    def proxy_url(self, url: str) -> str:
+        return url  # the harness shares the controller's network
+
+    def close(self, execution_id: str) -> None:
+        pass  # `release` handed everything back already
+
     def _lease_uid(self) -> int:
         """The next uid of `uid_range` no controller on this machine holds (`gyre.harness.uid_leases`: round robin
         across controllers, so files a released uid left in a shared /tmp do not pass to the next execution soon).
@@ -319,22 +362,6 @@ class LocalSandbox:
             raise SandboxError(f"LocalSandbox.uid_range: {exc}") from exc
 
     # -- start --------------------------------------------------------------------------------------
-    def _write_files(self, spec: LaunchSpec, context: ExecutionContext) -> None:
-        for path, text in spec.files.items():
-            path = Path(path)
-            if not (_inside(path, context.home) or _inside(path, context.workspace)):
-                raise SandboxError(f"launch file {path} lies outside the execution's home and workspace")
-            top = context.home if _inside(path, context.home) else context.workspace
-            # The controller writes as root into a directory the harness owned before (a re-run): never follow
-            # a link the harness may have planted there.
-            for part in (path, *path.parents):
-                if part == top:
-                    break
-                if part.is_symlink():
-                    raise SandboxError(f"launch file {path}: {part} is a symlink; refusing to write through it")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-
     def _environment(self, spec: LaunchSpec, context: ExecutionContext) -> dict[str, str]:
         env = dict(spec.env)
         env.setdefault("TMPDIR", str(context.home / "tmp"))
@@ -358,7 +385,7 @@ class LocalSandbox:
                     "users; install the harness where all users may read it, use BubblewrapSandbox, or "
                     "LocalSandbox(isolate_user=False)"
                 )
-        self._write_files(spec, context)
+        write_launch_files(spec, context)
         if uid is not None:
             # Everything the controller put there since `prepare` (the task's template files, the launch files)
             # becomes the execution's to change.
@@ -497,18 +524,16 @@ class BubblewrapSandbox(LocalSandbox):
 
 
 @dataclass(kw_only=True)
-class ContainerSandbox(LocalSandbox):
-    """The harness in a container (docker or podman: `run`; apptainer: `exec` of a SIF image).
+class ApptainerSandbox(LocalSandbox):
+    """The harness in `apptainer exec` of a SIF image: the argv only (apptainer cannot be installed on the
+    development machines, so it is tested for the argv it builds; docs/cluster.md, "Only apptainer").
 
     Only the execution's workspace and home are mounted (at the same paths). Environment values never appear on
-    the command line (other users can read it): docker gets `-e NAME` and reads the value from its own
-    environment; apptainer gets `APPTAINERENV_NAME` variables with `--cleanenv`. The container engine's client
-    is the process group leader; `release` removes a docker container that outlived its client.
+    the command line: `APPTAINERENV_NAME` variables with `--cleanenv`. Apptainer's processes are the client's own
+    children: the process group kill ends them. Podman and docker: `gyre.harness.container.ContainerSandbox`.
     """
 
-    engine: Literal["docker", "podman", "apptainer"] = "docker"
-    image: str = ""  # docker image reference, or the path of an apptainer .sif
-    network: str = "host"  # the harness must reach the proxy; "host" keeps 127.0.0.1 the controller's
+    image: str = ""  # the path of an apptainer .sif
     extra_args: Sequence[str] = ()
     isolate_user: bool | None = False
     name: str = "container"
@@ -516,66 +541,21 @@ class ContainerSandbox(LocalSandbox):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.image:
-            raise ValueError("ContainerSandbox.image is required (a docker image, or an apptainer .sif path)")
-        if self.engine not in ("docker", "podman", "apptainer"):
-            raise ValueError(f"ContainerSandbox.engine must be docker, podman or apptainer, got {self.engine!r}")
+            raise ValueError("ApptainerSandbox.image is required (the path of an apptainer .sif)")
 
     def check(self) -> None:
-        if shutil.which(self.engine) is None:
-            raise SandboxError(f"container engine {self.engine!r} not found on PATH")
+        if shutil.which("apptainer") is None:
+            raise SandboxError("container engine 'apptainer' not found on PATH (docs/cluster.md, 'Only apptainer')")
         super().check()
 
-    def container_name(self, context: ExecutionContext) -> str:
-        return f"gyre-{context.execution_id}"
-
     def command(self, spec: LaunchSpec, context: ExecutionContext) -> list[str]:
-        mounts = (context.workspace, context.home)
-        env_names = sorted({*spec.env, "TMPDIR"})
-        if self.engine == "apptainer":
-            argv = ["apptainer", "exec", "--containall", "--cleanenv", "--no-home"]
-            for path in mounts:
-                argv += ["--bind", f"{path}:{path}"]
-            for path in spec.ro_paths:
-                argv += ["--bind", f"{path}:{path}:ro"]
-            argv += ["--pwd", str(context.workspace), *self.extra_args, self.image, *spec.argv]
-            return argv
-        argv = [self.engine, "run", "--rm", "--init", "-i", "--name", self.container_name(context)]
-        argv += ["--network", self.network, "--workdir", str(context.workspace)]
-        lim = self.limits
-        if lim.max_processes is not None:
-            argv += ["--pids-limit", str(lim.max_processes)]
-        if lim.cpu_seconds is not None:
-            argv += ["--ulimit", f"cpu={lim.cpu_seconds}:{lim.cpu_seconds}"]
-        if lim.file_size_bytes is not None:
-            argv += ["--ulimit", f"fsize={lim.file_size_bytes}:{lim.file_size_bytes}"]
-        if lim.open_files is not None:
-            argv += ["--ulimit", f"nofile={lim.open_files}:{lim.open_files}"]
-        for path in mounts:
-            argv += ["-v", f"{path}:{path}"]
+        argv = ["apptainer", "exec", "--containall", "--cleanenv", "--no-home"]
+        for path in (context.workspace, context.home):
+            argv += ["--bind", f"{path}:{path}"]
         for path in spec.ro_paths:
-            argv += ["-v", f"{path}:{path}:ro"]
-        for name in env_names:  # PATH is no secret, and the client keeps its own PATH to find itself
-            argv += ["-e", f"PATH={spec.env['PATH']}" if name == "PATH" else name]
-        argv += [*self.extra_args, self.image, *spec.argv]
-        return argv
+            argv += ["--bind", f"{path}:{path}:ro"]
+        return [*argv, "--pwd", str(context.workspace), *self.extra_args, self.image, *spec.argv]
 
     def _environment(self, spec: LaunchSpec, context: ExecutionContext) -> dict[str, str]:
         env = super()._environment(spec, context)
-        if self.engine != "apptainer":
-            return {**env, "PATH": os.environ.get("PATH", os.defpath)}  # the client needs its own PATH; -e NAME
         return {"PATH": os.environ.get("PATH", os.defpath), **{f"APPTAINERENV_{k}": v for k, v in env.items()}}
-
-    def stop_argv(self, context: ExecutionContext) -> list[str] | None:
-        """The command that removes a container left behind by a killed client (None: nothing to do)."""
-        if self.engine == "apptainer":
-            return None  # apptainer's processes are the client's own children: the process group kill ends them
-        return [self.engine, "rm", "-f", self.container_name(context)]
-
-    def release(self, context: ExecutionContext) -> None:
-        stop = self.stop_argv(context)
-        if stop is not None:
-            try:
-                subprocess.run(stop, timeout=REAP_TIMEOUT_S, check=False, capture_output=True)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                logger.warning("could not remove container %s: %s", self.container_name(context), exc)
-        super().release(context)

@@ -89,7 +89,7 @@ class TaskPlayer:
             )
             root = self.root / f"v{version}"
             shutil.rmtree(root, ignore_errors=True)  # an evaluation of this version cut off before a resume
-            sandbox = make_sandbox(cfg.harness, cfg.limits, root=root, trusted_tasks=False)
+            sandbox = make_sandbox(cfg.harness, cfg.limits, root=root, trusted_tasks=False, run_dir=self.root)
             access = ProxyAccess(
                 anthropic_base_url=proxy.url, openai_base_url=proxy.url + "/v1", model=cfg.proxy.model_names[0]
             )

@@ -39,6 +39,7 @@ __all__ = [
     "CommandEvaluatorSpec",
     "PythonEvaluatorSpec",
     "Task",
+    "TaskEnvironment",
     "TaskError",
     "load_task",
     "load_tasks",
@@ -51,10 +52,22 @@ TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FUNCTION_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 SCORE_PARSERS = ("pytest", "fraction", "float")
 ISOLATIONS = ("subprocess", "inline")
-_TOP_FIELDS = ("id", "prompt", "prompt_file", "workspace", "hidden", "evaluator", "timeouts", "metadata")
+_TOP_FIELDS = (
+    "id",
+    "prompt",
+    "prompt_file",
+    "workspace",
+    "hidden",
+    "evaluator",
+    "timeouts",
+    "environment",
+    "metadata",
+)
 _COMMAND_FIELDS = ("kind", "command", "score", "timeout_s", "hidden_dest", "env")
 _PYTHON_FIELDS = ("kind", "function", "timeout_s", "isolation")
 _TIMEOUT_FIELDS = ("harness_s", "overall_s")
+_ENVIRONMENT_FIELDS = ("image", "build_timeout_s", "cpus", "memory_mb", "pids", "allow_internet", "workdir")
+BUILD_CONTEXT = "environment"  # a task's build context: environment/Dockerfile beside task.toml
 
 
 class TaskError(ValueError):
@@ -95,6 +108,26 @@ EvaluatorSpec = CommandEvaluatorSpec | PythonEvaluatorSpec
 
 
 @dataclass(frozen=True, kw_only=True)
+class TaskEnvironment:
+    """Where the task's executions run under `harness.sandbox=container` (docs/tasks.md, "Its own image"): an image
+    reference (pulled when absent) or a build context (`environment/Dockerfile`, built once per content digest),
+    neither: the task set's default image; and the container's limits (None: the config's)."""
+
+    image: str | None = None
+    build_context: Path | None = None  # the directory holding the Dockerfile
+    build_timeout_s: float | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    pids: int | None = None
+    allow_internet: bool = False
+    workdir: str | None = None  # where the workspace is mounted in the container (None: the config's)
+
+    @property
+    def own_image(self) -> bool:
+        return self.image is not None or self.build_context is not None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Task:
     """One loaded task. Paths are absolute; `hidden_dir` is None when the task has none."""
 
@@ -107,6 +140,7 @@ class Task:
     harness_timeout_s: float | None = None  # the harness's budget; past it the preserved work is scored
     overall_timeout_s: float | None = None  # the execution's total budget, evaluation retries included
     metadata: Mapping[str, Any] = field(default_factory=dict)  # free-form (tools, difficulty, source)
+    environment: TaskEnvironment = field(default_factory=TaskEnvironment)  # its image and container limits
 
 
 # -- loading -------------------------------------------------------------------------------------------
@@ -155,7 +189,41 @@ def _inside(task_dir: Path, fields: _Fields, key: str, rel: str) -> Path:
     return path
 
 
-def _evaluator(fields: _Fields, task_dir: Path, has_hidden: bool) -> EvaluatorSpec:
+def _environment(fields: _Fields, task_dir: Path) -> TaskEnvironment:
+    env = _Fields(
+        fields.task, fields.path, fields.get("environment", dict, "a table", {}), "environment.", _ENVIRONMENT_FIELDS
+    )
+    image = env.get("image", str, "an image reference, e.g. 'python:3.11-slim'")
+    if image is not None and (not image.strip() or any(c.isspace() for c in image)):
+        env.fail("image", f"expected an image reference without spaces, got {image!r}")
+    dockerfile = task_dir / BUILD_CONTEXT / "Dockerfile"
+    if image is not None and dockerfile.is_file():
+        env.fail("image", f"set, but {dockerfile} exists too: name an image or ship a build context, not both")
+    numbers = {}
+    for key, kind, what in (("cpus", (int, float), "a positive number"), ("memory_mb", int, "a positive integer")):
+        value = env.get(key, kind, what)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            env.fail(key, f"expected {what}, got {value!r}")
+        numbers[key] = value
+    pids = env.get("pids", int, "a positive integer")
+    if pids is not None and pids <= 0:
+        env.fail("pids", f"expected a positive integer, got {pids!r}")
+    workdir = env.get("workdir", str, "an absolute path in the container")
+    if workdir is not None and (not workdir.startswith("/") or ".." in Path(workdir).parts or workdir == "/"):
+        env.fail("workdir", f"expected an absolute path below /, got {workdir!r}")
+    return TaskEnvironment(
+        image=image,
+        build_context=dockerfile.parent.resolve() if dockerfile.is_file() else None,
+        build_timeout_s=env.seconds("build_timeout_s", None),
+        cpus=None if numbers["cpus"] is None else float(numbers["cpus"]),
+        memory_mb=numbers["memory_mb"],
+        pids=pids,
+        allow_internet=env.get("allow_internet", bool, "true or false", False),
+        workdir=workdir,
+    )
+
+
+def _evaluator(fields: _Fields, task_dir: Path, has_hidden: bool, *, own_image: bool = False) -> EvaluatorSpec:
     table = fields.require("evaluator", dict, "a table [evaluator] with kind = 'command' or 'python'")
     kind = table.get("kind")
     if kind == "command":
@@ -173,7 +241,7 @@ def _evaluator(fields: _Fields, task_dir: Path, has_hidden: bool) -> EvaluatorSp
         if not argv:
             ev.fail("command", "expected a non-empty command")
         program = argv[0]
-        if "{" not in program and "/" not in program and shutil.which(program) is None:
+        if not own_image and "{" not in program and "/" not in program and shutil.which(program) is None:
             ev.fail("command", f"program {program!r} not found on PATH (use {{python}} for this interpreter)")
         if not has_hidden and any("{hidden}" in a for a in argv):
             ev.fail("command", "uses {hidden} but the task has no hidden/ directory")
@@ -254,7 +322,8 @@ def load_task(task_dir: str | Path) -> Task:
     ):
         fields.fail("hidden", "the hidden directory and the workspace template must not contain each other")
 
-    evaluator = _evaluator(fields, task_dir, hidden_dir is not None)
+    environment = _environment(fields, task_dir)
+    evaluator = _evaluator(fields, task_dir, hidden_dir is not None, own_image=environment.own_image)
     timeouts = _Fields(task_id, toml_path, fields.get("timeouts", dict, "a table", {}), "timeouts.", _TIMEOUT_FIELDS)
     harness_s, overall_s = timeouts.seconds("harness_s", None), timeouts.seconds("overall_s", None)
     if harness_s is not None and overall_s is not None and overall_s < harness_s:
@@ -270,6 +339,7 @@ def load_task(task_dir: str | Path) -> Task:
         harness_timeout_s=harness_s,
         overall_timeout_s=overall_s,
         metadata=metadata,
+        environment=environment,
     )
 
 

@@ -26,7 +26,7 @@ from gyre.config import (
     check_context_limit,
     layout_fields,
 )
-from gyre.config.harness import HARNESS_NAMES
+from gyre.config.harness import HARNESS_NAMES, ContainerConfig
 
 
 def packing(batch_groups: int = 4, group_size: int = 8, budget: int = 1024) -> PackingConfig:
@@ -228,8 +228,10 @@ BAD = [
         "harness.extra_args=['-v'] is not allowed",
     ),
     (lambda: HarnessConfig(sandbox="vm"), "harness.sandbox='vm' is not allowed"),
-    (lambda: HarnessConfig(sandbox="container"), "harness.container_image='' is not allowed: expected an image"),
-    (lambda: HarnessConfig(container_image="img"), "harness.container_image='img' is not allowed"),
+    (lambda: ContainerConfig(engine="lxc"), "harness.container.engine='lxc' is not allowed"),
+    (lambda: ContainerConfig(max_starting=0), "harness.container.max_starting=0 is not allowed"),
+    (lambda: ContainerConfig(workdir="rel"), "harness.container.workdir='rel' is not allowed"),
+    (lambda: ContainerConfig(network="bridge"), "harness.container.network='bridge' is not allowed"),
     (lambda: HarnessConfig(env={"A": 1}), "harness.env={'A': 1} is not allowed"),
     (lambda: HarnessConfig(max_turns=0), "harness.max_turns=0 is not allowed"),
 ]

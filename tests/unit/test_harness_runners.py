@@ -3,7 +3,7 @@
 Checked: every runner satisfies `HarnessRunner`; the environment is exactly the documented keys (nothing of the
 controller's environment, e.g. a secret, leaks in); Claude Code and Codex get the docs/harness.md switches and files;
 `runner_for` names the known runners; a missing binary raises `HarnessNotFoundError` saying what to install;
-`ExecutionLimits` and `ResourceLimits`; the docker and apptainer argv.
+`ExecutionLimits` and `ResourceLimits`; the container engine's exec and run argv, and apptainer's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from gyre.config import ExecutionLimits, ResourceLimits
 from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, HarnessRunner
 from gyre.harness.runners import ClaudeCodeRunner, CodexRunner, CommandRunner, runner_for
-from gyre.harness.sandbox import ContainerSandbox
+from gyre.harness.sandbox import ApptainerSandbox
 from gyre.traj.roles import classifier_for
 
 BASE_KEYS = {
@@ -182,37 +182,69 @@ def test_limits_validate_and_overall_timeout_applies_only_to_evaluable_work():
         ResourceLimits(cpu_seconds=-1)
 
 
-def test_docker_argv_mounts_only_the_execution_and_keeps_values_off_the_command_line(tmp_path):
+def test_container_exec_argv_passes_the_environment_by_name_only(tmp_path):
+    from gyre.harness.container.engine import ContainerEngine
+
     context = make_context(tmp_path)
     spec = CommandRunner(argv=["sh", "-c", "echo {prompt}"]).launch_spec(context)
-    sandbox = ContainerSandbox(root=tmp_path, image="ghcr.io/acme/agent:1", limits=ResourceLimits(max_processes=256))
-    argv = sandbox.command(spec, context)
-    assert argv[:7] == ["docker", "run", "--rm", "--init", "-i", "--name", "gyre-exec-00007"]
-    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
-    assert mounts == [f"{context.workspace}:{context.workspace}", f"{context.home}:{context.home}"]
-    assert argv[argv.index("--pids-limit") + 1] == "256"
-    assert argv[argv.index("--network") + 1] == "host"
-    env_args = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
-    assert "OPENAI_API_KEY" in env_args and f"PATH={spec.env['PATH']}" in env_args
-    assert not any("sk-exec-7" in a for a in argv)
-    assert argv[argv.index("ghcr.io/acme/agent:1") + 1 :] == list(spec.argv)
-    assert sandbox._environment(spec, context)["OPENAI_API_KEY"] == "sk-exec-7"  # docker reads it from its env
-    assert sandbox.stop_argv(context) == ["docker", "rm", "-f", "gyre-exec-00007"]
+    engine = ContainerEngine(kind="podman", binary="/usr/bin/podman")
+    argv = engine.exec_argv(
+        "gyre-x-exec-00007", spec.argv, workdir="/workspace", env_names=sorted(spec.env), stdin=True
+    )
+    assert argv[:5] == ["/usr/bin/podman", "exec", "-i", "--workdir", "/workspace"]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == sorted(spec.env)
+    assert not any("sk-exec-7" in a for a in argv)  # the client reads each value from its own environment
+    assert argv[argv.index("gyre-x-exec-00007") + 1 :] == list(spec.argv)
+
+
+def test_container_run_argv_labels_binds_and_limits(tmp_path):
+    from gyre.config.harness import ContainerConfig
+    from gyre.harness.container.engine import ContainerEngine
+    from gyre.harness.container.images import ImageSet
+    from gyre.harness.container.sandbox import ContainerSandbox, ExecutionDirs, container_name
+    from gyre.tasks.spec import TaskEnvironment
+
+    engine = ContainerEngine(kind="podman", binary="/usr/bin/podman")
+    sandbox = ContainerSandbox(
+        root=tmp_path,
+        engine=engine,
+        images=ImageSet(engine),
+        settings=ContainerConfig(cpus=2, labels={"a": "b"}),
+        limits=ResourceLimits(max_processes=256),
+        run_label="r" * 16,
+        ro_binds=(Path("/opt/python"),),
+    )
+    dirs = ExecutionDirs(
+        root=tmp_path / "e", workspace=tmp_path / "e/workspace", home=tmp_path / "e/home", log_dir=tmp_path / "e/logs"
+    )
+    name = container_name("r" * 16, "exec/7")
+    assert name.startswith("gyre-rrrrrrrrrrrr-exec_7-") and "/" not in name
+    args = sandbox._run_args(name, "exec/7", TaskEnvironment(memory_mb=512), "img:1", dirs, "/workspace")
+    labels = [args[i + 1] for i, a in enumerate(args) if a == "--label"]
+    assert labels == ["gyre.run=" + "r" * 16, "gyre.execution=exec/7", "a=b"]
+    assert args[args.index("--network") + 1] == "none"
+    assert (args[args.index("--pids-limit") + 1], args[args.index("--cpus") + 1]) == ("256", "2")
+    assert args[args.index("--memory") + 1] == "512m"
+    mounts = [args[i + 1] for i, a in enumerate(args) if a == "-v"]
+    assert mounts[0] == f"{dirs.workspace}:/workspace" and "/opt/python:/opt/python:ro" in mounts
+    assert not any(m.startswith(str(dirs.log_dir)) for m in mounts)  # the logs are the controller's
+    assert args[args.index("img:1") + 1 :][0] == "-c"
+    with_internet = sandbox._run_args(name, "x", TaskEnvironment(allow_internet=True), "img:1", dirs, "/w")
+    assert with_internet[with_internet.index("--network") + 1] == "slirp4netns"
 
 
 def test_apptainer_argv_uses_cleanenv_and_prefixed_variables(tmp_path):
     context = make_context(tmp_path)
     spec = CommandRunner(argv=["sh"]).launch_spec(context)
-    sandbox = ContainerSandbox(root=tmp_path, engine="apptainer", image="/images/agent.sif")
+    sandbox = ApptainerSandbox(root=tmp_path, image="/images/agent.sif")
     argv = sandbox.command(spec, context)
     assert argv[:5] == ["apptainer", "exec", "--containall", "--cleanenv", "--no-home"]
     assert argv[argv.index("--pwd") + 1] == str(context.workspace)
     assert argv[-2:] == ["/images/agent.sif", spec.argv[0]]
     env = sandbox._environment(spec, context)
     assert env["APPTAINERENV_OPENAI_API_KEY"] == "sk-exec-7" and "OPENAI_API_KEY" not in env
-    assert sandbox.stop_argv(context) is None
     with pytest.raises(ValueError, match="image is required"):
-        ContainerSandbox(root=tmp_path)
+        ApptainerSandbox(root=tmp_path)
 
 
 def test_the_builtin_runner_takes_its_tools_and_prompts_from_the_task(tmp_path):
@@ -246,7 +278,5 @@ def test_the_builtin_runner_takes_its_tools_and_prompts_from_the_task(tmp_path):
 def test_container_argv_mounts_the_specs_read_only_paths_read_only(tmp_path):
     context = make_context(tmp_path)
     spec = dataclasses.replace(CommandRunner(argv=["sh"]).launch_spec(context), ro_paths=(Path("/opt/python"),))
-    docker = ContainerSandbox(root=tmp_path, image="img").command(spec, context)
-    assert [docker[i + 1] for i, a in enumerate(docker) if a == "-v"][-1] == "/opt/python:/opt/python:ro"
-    apptainer = ContainerSandbox(root=tmp_path, engine="apptainer", image="/i.sif").command(spec, context)
+    apptainer = ApptainerSandbox(root=tmp_path, image="/i.sif").command(spec, context)
     assert [apptainer[i + 1] for i, a in enumerate(apptainer) if a == "--bind"][-1] == "/opt/python:/opt/python:ro"

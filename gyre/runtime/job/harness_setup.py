@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from gyre.config.harness import ExecutionLimits, HarnessConfig
 from gyre.harness.protocol import ExecutionContext
-from gyre.harness.sandbox import BubblewrapSandbox, ContainerSandbox, LocalSandbox, unreachable_by_others
+from gyre.harness.sandbox import ApptainerSandbox, BubblewrapSandbox, LocalSandbox, unreachable_by_others
 from gyre.tasks.spec import PythonEvaluatorSpec, Task
 
 __all__ = [
@@ -163,13 +163,21 @@ def make_sandbox(
     root: Path,
     trusted_tasks: bool,
     protected: tuple[Path, ...] = (),
+    run_dir: Path | None = None,
 ):
-    """The executions' sandbox under `root` (module docstring)."""
+    """The executions' sandbox under `root` (module docstring); a container's carries `run_dir`'s label (`root`'s
+    when None), by which a later start of the run removes what a killed controller left."""
     common = {"root": root, "limits": limits.resources, "protected_paths": protected}
     if harness.sandbox == "bubblewrap":
         return BubblewrapSandbox(**common)
+    if harness.sandbox == "container" and harness.container.engine == "apptainer":
+        return ApptainerSandbox(**common, image=harness.container.image)
     if harness.sandbox == "container":
-        return ContainerSandbox(**common, engine=harness.container_engine, image=harness.container_image)
+        from gyre.harness.container.setup import make_container_sandbox
+
+        return make_container_sandbox(
+            harness, limits.resources, root=root, run_dir=run_dir or root, protected=protected
+        )
     return LocalSandbox(**common, isolate_user=isolate_user(harness, trusted_tasks=trusted_tasks))
 
 
@@ -192,6 +200,9 @@ def check_harness(runner, sandbox, tasks: Sequence[Task] = (), *, timeout_s: flo
             check()
         except Exception as error:  # each part raises its own kind (not found, not permitted, ...)
             raise HarnessSetupError(f"{what}: {error}") from None
+    if getattr(sandbox, "evaluates_in_execution", False):  # podman or docker: in a container of each image
+        _check_images(runner, sandbox, tasks, timeout_s)
+        return
     if sandbox.name == "container" or (sandbox.name == "local" and not sandbox.isolate_user):
         return
     argv, env, ro_paths = _harness_probe(runner, sandbox)
@@ -204,6 +215,37 @@ def check_harness(runner, sandbox, tasks: Sequence[Task] = (), *, timeout_s: flo
         argv = (sys.executable, "-c", "import sys")
         ro_paths = evaluator_read_paths(evaluated[0].task_dir)
         _probe(sandbox, "the evaluators' interpreter", argv, _child_env(), ro_paths, timeout_s)
+
+
+def _check_images(runner, sandbox, tasks: Sequence[Task], timeout_s: float) -> None:
+    """Every image of `tasks` prepared (pulled or built; one that cannot be is warned about and its tasks get the
+    placeholder outcome), then the harness's program and the evaluators' interpreter run once in a container of
+    each ready image; HarnessSetupError naming the image when either cannot run there."""
+    failed = sandbox.images.prepare(tasks)
+    images: dict[str, Task] = {}
+    for task in tasks:
+        if task.id not in failed:
+            images.setdefault(sandbox.images.image_for(task), task)
+    argv, env, _ro_paths = _harness_probe(runner, sandbox)
+    commands = [(argv, env)]
+    if any(_evaluator_runs_python(task) for task in tasks):
+        from gyre.tasks.evaluate import _child_env
+
+        commands.append(((sys.executable, "-c", "import sys"), _child_env()))
+    whats = [f"harness {runner.name}", "the evaluators' interpreter"]
+    for image in images:
+        try:
+            answers = sandbox.probe(image, commands, timeout_s=timeout_s)
+        except Exception as error:  # the engine's error (SandboxError) or an OS error starting the container
+            raise HarnessSetupError(f"sandbox container: a container of image {image} cannot start: {error}") from None
+        for what, (command, _env), (code, last) in zip(whats, commands, answers, strict=False):
+            if code != 0:
+                why = f"no answer within {timeout_s:g} s" if code is None else last or f"exit status {code}"
+                raise HarnessSetupError(
+                    f"{what}: {command[0]} cannot run in a container of image {image}: {why}; bind a working "
+                    "install (docs/harness.md, 'The harness comes from the host') or set "
+                    "harness.container.harness_from_image=true with the program in the image"
+                )
 
 
 def _evaluator_runs_python(task: Task) -> bool:

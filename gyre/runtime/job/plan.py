@@ -181,6 +181,7 @@ def _sandbox(cfg: TrainConfig, run_dir: Path, *, trusted_tasks: bool):
         root=run_dir / EXECUTIONS_DIR,
         trusted_tasks=trusted_tasks,
         protected=(run_dir / RECORDS_DIR,),
+        run_dir=run_dir,
     )
 
 

@@ -1,0 +1,359 @@
+"""`ContainerSandbox`: each execution in one container of its task's image, harness then evaluation, then removed.
+
+The lifecycle (docs/harness.md, "The container sandbox"):
+- `prepare(execution_id, task)`: the execution's directories on the host, then `run -d` of a container of the
+  task's image (`ImageSet.image_for`; an unavailable image raises `ImageUnavailable`, the placeholder outcome)
+  whose first process is a keeper: a shell as pid 1 that ignores signals and reaps orphans. The workspace is bound
+  at the task's working directory (default /workspace) and at its host path, the home and the evaluation directory
+  at their host paths, and `ro_binds` (the host's install of the harness and of the evaluator's Python) read-only
+  at their host paths. Labels: `gyre.run` (the run) and `gyre.execution`. At most `max_starting` at once.
+- `start(spec, context)`: `exec` of the harness (or, for `<id>.evaluate`, of the evaluator) in that container,
+  the environment passed by name only (`-e NAME`: no value on a command line). The first start opens the proxy's
+  port inside the container's network namespace (`gyre.harness.container.network`).
+- `stop_inside(context, grace_s)`: SIGTERM to every process in the container that is not the keeper's, SIGKILL to
+  what is left after `grace_s`; run by `run_harness` at a timeout or cancel before it signals the client.
+  `release(context)`: the same with no grace, after each harness or evaluator (what it left running ends).
+- `close(execution_id)`: the container is removed (its forward closed); the workspace stays on the host.
+`check()` also removes, once, every container of this run left by a controller that was killed (`gyre.run`).
+
+Evaluation runs in the same container, on a copy of the preserved workspace in the evaluation directory
+(`gyre.harness.evaluation`): it sees what the agent changed outside the workspace (packages, files elsewhere in
+the image), and a retried evaluation starts from the same preserved work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from gyre.config.harness import ContainerConfig, ResourceLimits
+from gyre.harness.container.engine import ContainerEngine, EngineError
+from gyre.harness.container.images import ImageSet
+from gyre.harness.container.network import Forwarder, ForwardThread, listen_in_namespace
+from gyre.harness.protocol import ExecutionContext, LaunchSpec
+from gyre.harness.sandbox import (
+    PRIVATE_DIR_MODE,
+    ExecutionDirs,
+    SandboxError,
+    _check_id,
+    write_launch_files,
+)
+from gyre.tasks.spec import Task, TaskEnvironment
+
+__all__ = ["EXECUTION_LABEL", "KEEPER_SCRIPT", "RUN_LABEL", "SWEEP_SCRIPT", "ContainerSandbox"]
+
+log = logging.getLogger(__name__)
+
+RUN_LABEL = "gyre.run"
+EXECUTION_LABEL = "gyre.execution"
+EVALUATION_SUFFIX = ".evaluate"  # gyre.harness.evaluation's ids: the evaluation of <id> runs in <id>'s container
+SWEEP_TIMEOUT_S = 30.0  # the sweep's own exec, beyond its grace
+
+# pid 1 of every container: ignores the signals it may get, reaps every orphan (`wait` takes any child), and
+# keeps one `sleep` child to wait on. A process in the container cannot signal it (pid 1 of its namespace).
+KEEPER_SCRIPT = 'trap "" HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait $!; done'
+
+# Signal every process of the container that is not in the keeper's session (1) or the sweep's own ($$): `exec`
+# starts each process as a session leader, so a harness, its children and daemons all lie outside session 1.
+# $1: the signal; $2: tenths of a second of grace before SIGKILL to what is left (0: SIGKILL at once).
+SWEEP_SCRIPT = r"""
+sweep() {
+  n=0
+  for d in /proc/[0-9]*; do
+    read -r line < "$d/stat" 2>/dev/null || continue
+    set -- ${line##*) }
+    [ "$4" = 1 ] || [ "$4" = "$$" ] && continue
+    kill -s "$sig" "${d#/proc/}" 2>/dev/null && n=$((n + 1))
+  done
+}
+sig=$1; grace=$2; i=0
+[ "$grace" -gt 0 ] || sig=KILL
+sweep
+while [ "$n" -gt 0 ] && [ "$i" -lt "$grace" ]; do sleep 0.1; sig=0; sweep; i=$((i + 1)); done
+if [ "$n" -gt 0 ]; then
+  i=0; sig=KILL; sweep
+  while [ "$n" -gt 0 ] && [ "$i" -lt 50 ]; do sleep 0.1; sig=0; sweep; i=$((i + 1)); done
+fi
+"""
+
+_NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def container_name(run_label: str, execution_id: str) -> str:
+    """A valid, unique container name for the execution (characters the engines refuse replaced, then a digest)."""
+    clean = _NAME_RE.sub("_", execution_id)[:80]
+    if clean != execution_id:
+        clean += "-" + hashlib.sha256(execution_id.encode()).hexdigest()[:8]
+    return f"gyre-{run_label[:12]}-{clean}"
+
+
+@dataclass
+class _Container:
+    name: str
+    pid: int
+    workspace: Path  # on the host
+    workdir: str  # where the workspace is mounted inside
+    forwarder: Forwarder | None = None
+
+
+@dataclass(kw_only=True)
+class ContainerSandbox:
+    """Executions in containers of their tasks' images (module docstring)."""
+
+    root: Path
+    engine: ContainerEngine
+    images: ImageSet
+    settings: ContainerConfig = field(default_factory=ContainerConfig)
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
+    run_label: str  # the value of the `gyre.run` label: a digest of the run directory
+    protected_paths: Sequence[Path] = ()
+    ro_binds: Sequence[Path] = ()  # host paths bound read-only at the same path in every container
+    name: str = "container"
+    isolate_user: bool = False  # the container is the isolation (its root is no uid of the host's harness)
+    evaluates_in_execution = True  # gyre.harness.evaluation: the evaluator runs in the execution's container
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).absolute()
+        self.protected_paths = tuple(Path(p).absolute() for p in self.protected_paths)
+        self._containers: dict[str, _Container] = {}
+        self._lock = threading.Lock()
+        self._starting = threading.BoundedSemaphore(self.settings.max_starting)
+        self._forwards = ForwardThread()
+        self._targets: dict[int, tuple[str, int]] = {}  # port inside -> the proxy's address outside
+        self._reaped = False
+
+    # -- setup --------------------------------------------------------------------------------------
+    def check(self) -> None:
+        try:
+            self.engine.check()
+        except EngineError as error:
+            raise SandboxError(str(error)) from None
+        if self.settings.network == "proxy" and os.geteuid() != 0:
+            raise SandboxError(
+                "harness.container.network=proxy forwards the proxy into each container's network namespace, which "
+                "needs root; run the controller as root (rootful podman) or set harness.container.network=host"
+            )
+        if not self._reaped:
+            self._reaped = True
+            self.reap()
+
+    def reap(self) -> list[str]:
+        """Remove every container of this run (left by a controller that was killed); their names."""
+        try:
+            names = self.engine.containers_labeled(f"{RUN_LABEL}={self.run_label}")
+            self.engine.remove(names)
+        except EngineError as error:
+            raise SandboxError(f"listing the containers of this run: {error}") from None
+        if names:
+            log.warning("removed %d container(s) an earlier controller of this run left behind", len(names))
+        return names
+
+    def uid_of(self, execution_id: str) -> int | None:
+        return None
+
+    def proxy_url(self, url: str) -> str:
+        """The proxy's base URL as a harness inside reaches it: 127.0.0.1 at the same port (network=proxy)."""
+        if self.settings.network != "proxy":
+            return url
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._targets[port] = (parts.hostname or "127.0.0.1", port)
+        return urlunsplit(parts._replace(netloc=f"127.0.0.1:{port}"))
+
+    # -- prepare ------------------------------------------------------------------------------------
+    def _dirs(self, execution_id: str) -> ExecutionDirs:
+        top = self.root / execution_id
+        return ExecutionDirs(root=top, workspace=top / "workspace", home=top / "home", log_dir=top / "logs")
+
+    def prepare(self, execution_id: str, task: Task | None = None) -> ExecutionDirs:
+        if execution_id.endswith(EVALUATION_SUFFIX):  # in the execution's container, below its evaluation dir
+            base = execution_id[: -len(EVALUATION_SUFFIX)]
+            current = self.root / base / "evaluation" / "current"
+            dirs = ExecutionDirs(root=current, workspace=current / "work", home=current / "home", log_dir=current)
+            for path in (dirs.home, dirs.tmp):
+                path.mkdir(parents=True, exist_ok=True)
+            return dirs
+        _check_id(execution_id)
+        if task is None:
+            raise SandboxError(f"execution {execution_id!r}: a container sandbox prepares an execution of a task")
+        self.root.mkdir(parents=True, exist_ok=True)
+        dirs = self._dirs(execution_id)
+        for path in (dirs.root, dirs.workspace, dirs.home, dirs.tmp, dirs.log_dir, dirs.root / "evaluation"):
+            path.mkdir(exist_ok=True)
+        for path in (dirs.root, dirs.workspace, dirs.home, dirs.log_dir):
+            os.chmod(path, PRIVATE_DIR_MODE)
+        with self._lock:
+            if execution_id in self._containers:
+                return dirs
+        image = self.images.image_for(task)  # ImageUnavailable: the placeholder outcome
+        container = self._create(execution_id, task.environment, image, dirs)
+        with self._lock:
+            self._containers[execution_id] = container
+        return dirs
+
+    def _create(self, execution_id: str, env: TaskEnvironment, image: str, dirs: ExecutionDirs) -> _Container:
+        """`run -d` of the container (at most `max_starting` at once) and its first process's host pid."""
+        name = container_name(self.run_label, execution_id)
+        workdir = env.workdir or self.settings.workdir
+        with self._starting:
+            try:
+                self.engine.remove([name])  # a container of an earlier attempt of this id
+                self.engine.call(self._run_args(name, execution_id, env, image, dirs, workdir))
+                pid = self.engine.main_pid(name)
+            except EngineError as error:
+                self._remove(name)
+                raise SandboxError(f"container for execution {execution_id!r} ({image}): {error}") from None
+        return _Container(name=name, pid=pid, workspace=dirs.workspace, workdir=workdir)
+
+    def probe(
+        self, image: str, commands: Sequence[tuple[Sequence[str], Mapping[str, str]]], *, timeout_s: float
+    ) -> list[tuple[int | None, str]]:
+        """Run each (argv, environment) once in a fresh container of `image` with the executions' binds and no
+        network, then remove it: (exit status, None past `timeout_s`; the last line it wrote) of each."""
+        probe_id = "preflight-" + hashlib.sha256(image.encode()).hexdigest()[:12]
+        self.root.mkdir(parents=True, exist_ok=True)
+        dirs = self._dirs(probe_id)
+        for path in (dirs.root, dirs.workspace, dirs.home, dirs.tmp, dirs.root / "evaluation"):
+            path.mkdir(parents=True, exist_ok=True)
+        container = self._create(probe_id, TaskEnvironment(), image, dirs)
+        try:
+            return [
+                self.engine.exec_run(container.name, argv, env=env, workdir=container.workdir, timeout_s=timeout_s)
+                for argv, env in commands
+            ]
+        finally:
+            self._remove(container.name)
+            shutil.rmtree(dirs.root, ignore_errors=True)
+
+    def _run_args(
+        self, name: str, execution_id: str, env: TaskEnvironment, image: str, dirs: ExecutionDirs, workdir: str
+    ) -> list[str]:
+        args = ["run", "-d", "--name", name, "--label", f"{RUN_LABEL}={self.run_label}"]
+        args += ["--label", f"{EXECUTION_LABEL}={execution_id}"]
+        for key, value in sorted(self.settings.labels.items()):
+            args += ["--label", f"{key}={value}"]
+        args += ["--network", self._network(env.allow_internet)]
+        args += ["--workdir", workdir, "--entrypoint", "/bin/sh"]
+        pids = env.pids or self.limits.max_processes
+        if pids:
+            args += ["--pids-limit", str(pids)]
+        cpus = env.cpus or self.settings.cpus
+        if cpus:
+            args += ["--cpus", f"{cpus:g}"]
+        memory_mb = env.memory_mb or self.settings.memory_mb
+        if memory_mb:
+            args += ["--memory", f"{memory_mb}m"]
+        # No --ulimit: any one makes the engine add its own nofile and nproc defaults, above what some machines
+        # allow ("setrlimit ... Operation not permitted"); processes inherit the engine's limits, and the container
+        # is bounded as a whole by --pids-limit, --memory and --cpus (docs/harness.md, "Limits").
+        args += ["-v", f"{dirs.workspace}:{workdir}"]
+        for path in (dirs.workspace, dirs.home, dirs.root / "evaluation"):
+            args += ["-v", f"{path}:{path}"]
+        for path in self.ro_binds:
+            args += ["-v", f"{path}:{path}:ro"]
+        return [*args, image, "-c", KEEPER_SCRIPT]
+
+    def _network(self, allow_internet: bool) -> str:
+        if self.settings.network == "host":
+            return "host"
+        if not allow_internet:
+            return "none"
+        return "slirp4netns" if self.engine.kind == "podman" else "bridge"
+
+    # -- start and stop -----------------------------------------------------------------------------
+    def _container(self, execution_id: str) -> _Container:
+        base = execution_id.removesuffix(EVALUATION_SUFFIX)
+        with self._lock:
+            container = self._containers.get(base)
+        if container is None:
+            raise SandboxError(f"execution {base!r} has no container (call prepare with its task)")
+        return container
+
+    async def start(
+        self, spec: LaunchSpec, context: ExecutionContext, *, stdout: int, stderr: int
+    ) -> asyncio.subprocess.Process:
+        container = self._container(context.execution_id)
+        write_launch_files(spec, context)
+        if container.forwarder is None and self.settings.network == "proxy" and self._targets:
+            container.forwarder = await asyncio.to_thread(self._forward, container)
+        env = {**spec.env}
+        env.setdefault("TMPDIR", str(context.home / "tmp"))
+        workdir = container.workdir if context.workspace == container.workspace else str(context.workspace)
+        argv = self.engine.exec_argv(
+            container.name, spec.argv, workdir=workdir, env_names=sorted(env), stdin=spec.stdin is not None
+        )
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            env={**self.engine.environ(), **env},
+            stdin=subprocess.DEVNULL if spec.stdin is None else subprocess.PIPE,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+
+    def _forward(self, container: _Container) -> Forwarder:
+        (port, target), *more = self._targets.items()
+        if more:
+            raise SandboxError(f"the proxy is reached at several ports {sorted(self._targets)}; expected one")
+        try:
+            sock = listen_in_namespace(container.pid, port)
+        except OSError as error:
+            raise SandboxError(f"opening the proxy's port {port} in container {container.name}: {error}") from None
+        return self._forwards.forward(sock, target)
+
+    def _sweep(self, container: _Container, signal_name: str, grace_s: float) -> None:
+        tenths = max(0, round(grace_s * 10))
+        try:
+            self.engine.call(
+                ["exec", container.name, "/bin/sh", "-c", SWEEP_SCRIPT, "sweep", signal_name, str(tenths)],
+                timeout_s=grace_s + SWEEP_TIMEOUT_S,
+            )
+        except EngineError as error:  # the container is gone already: nothing of it runs
+            log.debug("sweeping %s: %s", container.name, error)
+
+    async def stop_inside(self, context: ExecutionContext, grace_s: float) -> None:
+        """SIGTERM to every process of the container but the keeper, SIGKILL after `grace_s` (bounded)."""
+        try:
+            container = self._container(context.execution_id)
+        except SandboxError:
+            return
+        await asyncio.to_thread(self._sweep, container, "TERM", grace_s)
+
+    def release(self, context: ExecutionContext) -> None:
+        try:
+            container = self._container(context.execution_id)
+        except SandboxError:
+            return
+        self._sweep(container, "KILL", 0.0)
+
+    # -- close --------------------------------------------------------------------------------------
+    def close(self, execution_id: str) -> None:
+        """Remove the execution's container (the workspace stays on the host)."""
+        with self._lock:
+            container = self._containers.pop(execution_id, None)
+        if container is None:
+            return
+        if container.forwarder is not None:
+            self._forwards.close(container.forwarder)
+        self._remove(container.name)
+
+    def _remove(self, name: str) -> None:
+        try:
+            self.engine.remove([name])
+        except EngineError as error:
+            log.warning("could not remove container %s: %s (removed when the run starts again)", name, error)
+
+    def containers(self) -> Mapping[str, str]:
+        """Execution id -> container name, of those prepared and not closed."""
+        with self._lock:
+            return {execution_id: c.name for execution_id, c in self._containers.items()}

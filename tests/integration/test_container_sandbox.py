@@ -1,0 +1,269 @@
+"""The container sandbox with real podman containers (docs/harness.md, "The container sandbox").
+
+Each test runs executions through `run_episode` in containers of images built here with no registry: a Debian base
+from mmdebstrap (`gyre.harness.container.debian_base`, cached by the engine across sessions), task images `FROM` it.
+Every container and task image carries the session's `gyre.test` label; tests/conftest.py fails the session if
+one is left. Skipped with the reason where podman, root or mmdebstrap is missing (`.ci/run` installs them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from gyre.config.harness import ContainerConfig, ExecutionLimits, HarnessConfig
+from gyre.harness.container.engine import ContainerEngine, EngineError
+from gyre.harness.container.sandbox import RUN_LABEL
+from gyre.harness.container.setup import cache_dir, make_container_sandbox, run_label
+from gyre.harness.episode import ProxyAccess, run_episode
+from gyre.harness.runners import runner_for
+from gyre.harness.sandbox import BubblewrapSandbox, SandboxError
+from gyre.tasks.spec import load_task
+from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status
+
+LABELS = {"gyre.test": os.environ.get("GYRE_TEST_SESSION", "unset")}
+PROXY = ProxyAccess(anthropic_base_url="http://127.0.0.1:9", openai_base_url="http://127.0.0.1:9/v1", model="m")
+
+
+@pytest.fixture(scope="module")
+def engine() -> ContainerEngine:
+    engine = ContainerEngine.for_machine("podman", cache_dir())
+    if not engine.binary:
+        pytest.skip("podman is not installed (Debian: apt-get install podman runc slirp4netns; .ci/run does)")
+    if os.geteuid() != 0:
+        pytest.skip("the proxy's forward into a container's network namespace needs root")
+    return engine
+
+
+@pytest.fixture(scope="module")
+def base_image(engine: ContainerEngine) -> str:
+    from gyre.harness.container.debian_base import debian_base
+
+    if shutil.which("mmdebstrap") is None:
+        pytest.skip("mmdebstrap is not installed (Debian: apt-get install mmdebstrap; .ci/run does)")
+    try:
+        return debian_base(engine)
+    except EngineError as error:
+        pytest.skip(f"no Debian base image could be made here: {error}")
+
+
+def write_task(root: Path, base: str, *, evaluator: str, dockerfile: str | None = "", extra_toml: str = "") -> Path:
+    """A task whose image is `base` plus `dockerfile`'s lines (None: it names `base` itself), with a hidden check."""
+    task = root / "task"
+    (task / "workspace").mkdir(parents=True)
+    (task / "hidden").mkdir()
+    (task / "hidden" / "check.py").write_text(evaluator)
+    image_line = f'image = "{base}"' if dockerfile is None else ""
+    (task / "task.toml").write_text(
+        textwrap.dedent(
+            f"""
+            id = "in-image"
+            prompt = "Do the task."
+            [evaluator]
+            kind = "command"
+            command = "python3 {{hidden}}/check.py"
+            score = "float"
+            timeout_s = 60
+            [environment]
+            {image_line}
+            """
+        )
+        + extra_toml
+    )
+    if dockerfile is not None:
+        (task / "environment").mkdir()
+        (task / "environment" / "Dockerfile").write_text(f"FROM {base}\n{dockerfile}\n")
+    return task
+
+
+PACKAGE_DIR = "/usr/lib/python3/dist-packages/imagepkg"  # the image's python3 only: the host has no such package
+IMAGE_ONLY_PACKAGE = f"RUN mkdir -p {PACKAGE_DIR} && echo 'SCORE = 1.0' > {PACKAGE_DIR}/__init__.py"
+IMPORT_CHECK = "try:\n    import imagepkg\n    print(imagepkg.SCORE)\nexcept ImportError:\n    print(0.0)\n"
+
+
+def sandbox_for(tmp_path: Path, harness_argv: list[str], **settings) -> tuple:
+    harness = HarnessConfig(
+        name="command", argv=harness_argv, sandbox="container", container=ContainerConfig(labels=LABELS, **settings)
+    )
+    sandbox = make_container_sandbox(
+        harness,
+        ExecutionLimits().resources,
+        root=tmp_path / "run" / "executions",
+        run_dir=tmp_path / "run",
+        protected=(),
+    )
+    return sandbox, runner_for("command", argv=tuple(harness_argv), env={})
+
+
+def episode(task_dir: Path, sandbox, runner, *, execution_id: str = "e1", proxy: ProxyAccess = PROXY, **limits):
+    task = load_task(task_dir)
+    group = GroupOutcomes(1, [execution_id])
+    limits = ExecutionLimits(
+        harness_timeout_s=limits.get("harness_timeout_s", 60), overall_timeout_s=120, grace_period_s=2.0
+    )
+    result = asyncio.run(
+        run_episode(
+            task,
+            execution_id=execution_id,
+            api_key="key-1",
+            runner=runner,
+            sandbox=sandbox,
+            proxy=proxy,
+            limits=limits,
+            group=group,
+            evaluation_retry_s=0.1,
+        )
+    )
+    return result, group
+
+
+@pytest.fixture
+def cleanup(engine: ContainerEngine):
+    """Removes the task images a test built (its containers are removed by the sandbox; conftest checks)."""
+    built: list[str] = []
+    yield built
+    engine.remove_images(built)
+
+
+def test_the_images_environment_is_used_and_bubblewrap_lacks_it(tmp_path, engine, base_image, cleanup):
+    task_dir = write_task(tmp_path, base_image, evaluator=IMPORT_CHECK, dockerfile=IMAGE_ONLY_PACKAGE)
+    sandbox, runner = sandbox_for(tmp_path, ["/bin/sh", "-c", "python3 -c 'import imagepkg' && echo in-image"])
+    sandbox.check()
+    cleanup.append(sandbox.images.image_for(load_task(task_dir)))
+    result, _group = episode(task_dir, sandbox, runner)
+    assert result.run.close_kind is CloseKind.COMPLETED
+    assert result.run.stdout_path.read_text().strip() == "in-image"
+    assert (result.status, result.reward) == (Status.VALID, 1.0)
+    assert engine.containers_labeled(f"{RUN_LABEL}={sandbox.run_label}") == []
+
+    if shutil.which("bwrap") is None or shutil.which("python3") is None:
+        pytest.skip("bubblewrap or the host's python3 is missing: the comparison half cannot run")
+    bubblewrap = BubblewrapSandbox(root=tmp_path / "bwrap")
+    result, _group = episode(task_dir, bubblewrap, runner)
+    assert (result.status, result.reward) == (Status.VALID, 0.0)  # the host has no imagepkg: the import fails
+
+
+def test_evaluation_runs_in_the_same_container_and_sees_changes_outside_the_workspace(
+    tmp_path, engine, base_image, cleanup
+):
+    check = "import os\nprint(1.0 if open('/opt/agent-was-here').read() == 'yes' else 0.0)\n"
+    task_dir = write_task(tmp_path, base_image, evaluator=check, dockerfile=None)
+    sandbox, runner = sandbox_for(tmp_path, ["/bin/sh", "-c", "printf yes > /opt/agent-was-here"])
+    sandbox.check()
+    result, _group = episode(task_dir, sandbox, runner)
+    assert (result.status, result.reward) == (Status.VALID, 1.0), result.evaluations
+
+
+def test_a_stop_gives_the_harness_its_grace_and_the_container_goes(tmp_path, engine, base_image):
+    task_dir = write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=None)
+    script = "trap 'echo term > stopped; exit 0' TERM; (sleep 300 &); while :; do sleep 0.1; done"
+    sandbox, runner = sandbox_for(tmp_path, ["/bin/sh", "-c", script])
+    sandbox.check()
+    result, _group = episode(task_dir, sandbox, runner, harness_timeout_s=3)
+    assert result.run.close_kind is CloseKind.HARNESS_TIMEOUT
+    assert (result.run.workspace / "stopped").read_text() == "term\n"  # SIGTERM reached it inside, in its grace
+    assert result.reward == 1.0
+    assert engine.containers_labeled(f"{RUN_LABEL}={sandbox.run_label}") == []
+
+
+class _Answer(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"proxy answered")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_the_container_reaches_the_proxy_and_no_other_port_of_the_job(tmp_path, engine, base_image):
+    proxy = HTTPServer(("127.0.0.1", 0), _Answer)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    store = socket.create_server(("127.0.0.1", 0))  # stands for the job's store, an engine endpoint, Mooncake
+    port, store_port = proxy.server_address[1], store.getsockname()[1]
+    probe = textwrap.dedent(
+        f"""
+        import os, socket, urllib.request
+        base = os.environ["OPENAI_BASE_URL"].removesuffix("/v1")
+        print("proxy", urllib.request.urlopen(base + "/", timeout=10).read().decode())
+        for host in ("127.0.0.1", "10.0.2.2"):
+            try:
+                socket.create_connection((host, {store_port}), timeout=3)
+                print("store", host, "reached")
+            except OSError as error:
+                print("store", host, "unreachable", error.errno)
+        """
+    )
+    task_dir = write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=None)
+    sandbox, runner = sandbox_for(tmp_path, ["python3", "-c", probe])
+    sandbox.check()
+    access = ProxyAccess(
+        anthropic_base_url=f"http://127.0.0.1:{port}", openai_base_url=f"http://127.0.0.1:{port}/v1", model="m"
+    )
+    try:
+        result, _group = episode(task_dir, sandbox, runner, proxy=access)
+    finally:
+        proxy.shutdown()
+        store.close()
+    lines = result.run.stdout_path.read_text().splitlines()
+    assert lines[0] == "proxy proxy answered", result.run.stderr_path.read_text()
+    assert lines[1].startswith("store 127.0.0.1 unreachable")
+    assert lines[2].startswith("store 10.0.2.2 unreachable")
+
+
+def test_an_image_that_cannot_be_built_is_the_placeholder_with_one_warning(tmp_path, engine, base_image, caplog):
+    task_dir = write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile="RUN echo no such step && false")
+    sandbox, runner = sandbox_for(tmp_path, ["/bin/true"])
+    sandbox.check()
+    task = load_task(task_dir)
+    with caplog.at_level(logging.WARNING):
+        failures = sandbox.images.prepare([task])
+        assert list(failures) == ["in-image"] and "false" in failures["in-image"]
+        group = GroupOutcomes(2, ["e1", "e2"])
+        results = [
+            asyncio.run(
+                run_episode(
+                    task,
+                    execution_id=e,
+                    api_key="k",
+                    runner=runner,
+                    sandbox=sandbox,
+                    proxy=PROXY,
+                    limits=ExecutionLimits(harness_timeout_s=30, overall_timeout_s=60),
+                    group=group,
+                )
+            )
+            for e in ("e1", "e2")
+        ]
+    assert [r.run for r in results] == [None, None]  # no harness started
+    assert group.ready and [group.execution(e).reward for e in ("e1", "e2")] == [0.0, 0.0]  # the placeholder
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "in-image" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+def test_a_restarted_run_removes_the_containers_a_killed_controller_left(tmp_path, engine, base_image):
+    task_dir = write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=None)
+    sandbox, _runner = sandbox_for(tmp_path, ["/bin/true"])
+    sandbox.check()
+    sandbox.prepare("left-1", load_task(task_dir))  # started, never closed: as after a SIGKILL of the controller
+    label = f"{RUN_LABEL}={run_label(tmp_path / 'run')}"
+    assert len(engine.containers_labeled(label)) == 1
+    again, _runner = sandbox_for(tmp_path, ["/bin/true"])
+    again.check()
+    assert engine.containers_labeled(label) == []
+
+
+def test_a_machine_without_the_engine_is_one_line_naming_the_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no podman on it
+    sandbox, _runner = sandbox_for(tmp_path, ["/bin/true"])
+    with pytest.raises(SandboxError, match=r"apt-get install podman"):
+        sandbox.check()
