@@ -267,3 +267,58 @@ def test_a_machine_without_the_engine_is_one_line_naming_the_package(tmp_path, m
     sandbox, _runner = sandbox_for(tmp_path, ["/bin/true"])
     with pytest.raises(SandboxError, match=r"apt-get install podman"):
         sandbox.check()
+
+
+ISOLATION_PROBE = r"""
+import os
+from pathlib import Path
+others = sorted(p for p in os.listdir("/proc") if p.isdigit())
+print("processes", len(others))
+for path in ("{other}", "{run_dir}", "{checkout_file}", "/root/.cache", "/etc/gyre-host-only"):
+    print(path, "present" if os.path.exists(path) else "absent")
+for limit in ("/sys/fs/cgroup/pids/pids.max", "/sys/fs/cgroup/pids.max"):
+    if os.path.exists(limit):
+        print("pids.max", Path(limit).read_text().strip())
+os.system("setsid sleep 300 > /dev/null 2>&1 < /dev/null &")  # a daemon in a session of its own, left running
+"""
+LEFTOVER_CHECK = r"""
+import os
+mine = os.getpid()
+stray = []
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        comm = open(f"/proc/{pid}/comm").read().strip()
+        if comm == "sleep" and open(f"/proc/{pid}/cmdline").read().startswith("sleep\0" + "300"):
+            stray.append(pid)
+print(0.0 if stray else 1.0)
+"""
+
+
+def test_isolation_of_a_container_execution(tmp_path, engine, base_image):
+    """docs/harness.md's isolation table, the container column: what a harness sees and what outlives it."""
+    other = tmp_path / "run" / "executions" / "someone-else" / "workspace"
+    other.mkdir(parents=True)
+    host_only = Path("/etc/gyre-host-only")
+    checkout_file = Path(__file__).resolve()  # the host's checkout: only gyre/ and the venv are bound, not tests/
+    probe = ISOLATION_PROBE.replace("{other}", str(other)).replace("{run_dir}", str(tmp_path / "run" / "records"))
+    probe = probe.replace("{checkout_file}", str(checkout_file))
+    (tmp_path / "run" / "records").mkdir(parents=True)
+    task_dir = write_task(tmp_path, base_image, evaluator=LEFTOVER_CHECK, dockerfile=None, extra_toml="pids = 77\n")
+    sandbox, runner = sandbox_for(tmp_path, ["python3", "-c", probe])
+    sandbox.check()
+    try:
+        host_only.write_text("host\n")
+        result, _group = episode(task_dir, sandbox, runner)
+    finally:
+        host_only.unlink(missing_ok=True)
+    lines = result.run.stdout_path.read_text().splitlines()
+    assert lines[0] in ("processes 3", "processes 4"), lines  # the keeper, its sleep, the probe (and its shell)
+    assert lines[1:6] == [
+        f"{other} absent",
+        f"{tmp_path / 'run' / 'records'} absent",
+        f"{checkout_file} absent",
+        "/root/.cache absent",
+        "/etc/gyre-host-only absent",
+    ], lines
+    assert "pids.max 77" in lines
+    assert (result.status, result.reward) == (Status.VALID, 1.0)  # the setsid daemon was gone before the evaluator
