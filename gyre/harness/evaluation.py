@@ -145,7 +145,8 @@ class SandboxHost:
 
     def close(self) -> None:
         try:
-            self.sandbox.release(self._context(self.directory))  # when `run` never ran: the uid goes back
+            if not getattr(self.sandbox, "evaluates_in_execution", False):  # a container's was released by `run`
+                self.sandbox.release(self._context(self.directory))  # when `run` never ran: the uid goes back
         finally:
             shutil.rmtree(self._dirs.root, ignore_errors=True)
 

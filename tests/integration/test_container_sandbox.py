@@ -322,3 +322,58 @@ def test_isolation_of_a_container_execution(tmp_path, engine, base_image):
     ], lines
     assert "pids.max 77" in lines
     assert (result.status, result.reward) == (Status.VALID, 1.0)  # the setsid daemon was gone before the evaluator
+
+
+@pytest.mark.parametrize("cli", ["claude_code", "codex"])
+def test_the_real_clis_run_from_the_host_in_an_image_without_node(tmp_path, engine, base_image, cli):
+    """The preflight runs `<cli> --version` in a container of the image: Claude Code's native binary as it is,
+    Codex's `#!/usr/bin/env node` launcher on the host's node through the host's loader (the image has no node)."""
+    from gyre.harness.runners.claude_code import CLAUDE_CODE_PACKAGE, CLAUDE_CODE_VERSION, find_cli
+    from gyre.harness.runners.codex import CODEX_PACKAGE, CODEX_VERSION
+    from gyre.runtime.job.harness_setup import check_harness, make_runner, make_sandbox
+
+    package, version, bin_name = {
+        "claude_code": (CLAUDE_CODE_PACKAGE, CLAUDE_CODE_VERSION, "claude"),
+        "codex": (CODEX_PACKAGE, CODEX_VERSION, "codex"),
+    }[cli]
+    if find_cli(None, bin_name, package, version) is None:
+        pytest.skip(f"{package}@{version} is not installed (tests/integration/test_harness_clis.py installs it)")
+    task_dir = write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=None)
+    harness = HarnessConfig(name=cli, sandbox="container", container=ContainerConfig(labels=LABELS))
+    sandbox = make_sandbox(harness, ExecutionLimits(), root=tmp_path / "run" / "executions", trusted_tasks=False)
+    task = load_task(task_dir)
+    assert engine.exec_run  # the engine fixture: podman is here
+    no_node = sandbox.probe(base_image, [(["/bin/sh", "-c", "command -v node || echo none"], {})], timeout_s=30)
+    assert no_node == [(0, "none")]
+    check_harness(make_runner(harness, task), sandbox, [task], timeout_s=60)  # raises HarnessSetupError if not
+
+
+def test_concurrent_executions_on_a_fresh_sandbox_all_finish(tmp_path, engine, base_image):
+    """As the run's sandbox is used: no explicit check first, several executions prepared at once (the first
+    prepare reaps leftovers of the run, never a container of its own), at most `max_starting` starting at once."""
+    task = load_task(write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=None))
+    sandbox, runner = sandbox_for(tmp_path, ["/bin/sh", "-c", "echo $GYRE_EXECUTION_ID > mine"], max_starting=2)
+    ids = [f"c{i}" for i in range(4)]
+    group = GroupOutcomes(4, ids)
+
+    async def all_of_them():
+        return await asyncio.gather(
+            *(
+                run_episode(
+                    task,
+                    execution_id=e,
+                    api_key=f"k-{e}",
+                    runner=runner,
+                    sandbox=sandbox,
+                    proxy=PROXY,
+                    limits=ExecutionLimits(harness_timeout_s=60, overall_timeout_s=120),
+                    group=group,
+                )
+                for e in ids
+            )
+        )
+
+    results = asyncio.run(all_of_them())
+    assert [(r.run.close_kind, r.reward) for r in results] == [(CloseKind.COMPLETED, 1.0)] * 4
+    assert [(r.run.workspace / "mine").read_text().strip() for r in results] == ids
+    assert engine.containers_labeled(f"{RUN_LABEL}={sandbox.run_label}") == []

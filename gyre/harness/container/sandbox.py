@@ -14,7 +14,8 @@ The lifecycle (docs/harness.md, "The container sandbox"):
   what is left after `grace_s`; run by `run_harness` at a timeout or cancel before it signals the client.
   `release(context)`: the same with no grace, after each harness or evaluator (what it left running ends).
 - `close(execution_id)`: the container is removed (its forward closed); the workspace stays on the host.
-`check()` also removes, once, every container of this run left by a controller that was killed (`gyre.run`).
+`check()`, or the first `prepare`, also removes every container of this run left by a controller that was killed
+(`gyre.run`), once per sandbox and before any container of its own exists.
 
 Evaluation runs in the same container, on a copy of the preserved workspace in the evaluation directory
 (`gyre.harness.evaluation`): it sees what the agent changed outside the workspace (packages, files elsewhere in
@@ -38,6 +39,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gyre.config.harness import ContainerConfig, ResourceLimits
 from gyre.harness.container.engine import ContainerEngine, EngineError
+from gyre.harness.container.host_programs import host_argv, host_mounts, parse_shebang
 from gyre.harness.container.images import ImageSet
 from gyre.harness.container.network import Forwarder, ForwardThread, listen_in_namespace
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
@@ -118,6 +120,7 @@ class ContainerSandbox:
     run_label: str  # the value of the `gyre.run` label: a digest of the run directory
     protected_paths: Sequence[Path] = ()
     ro_binds: Sequence[Path] = ()  # host paths bound read-only at the same path in every container
+    host_usr: bool = False  # the host's /usr bound at HOST_ROOT/usr: a `#!` harness runs on its host interpreter
     name: str = "container"
     isolate_user: bool = False  # the container is the isolation (its root is no uid of the host's harness)
     evaluates_in_execution = True  # gyre.harness.evaluation: the evaluator runs in the execution's container
@@ -131,6 +134,7 @@ class ContainerSandbox:
         self._forwards = ForwardThread()
         self._targets: dict[int, tuple[str, int]] = {}  # port inside -> the proxy's address outside
         self._reaped = False
+        self._reap_lock = threading.Lock()  # held while reaping: no container of this sandbox exists before it ends
 
     # -- setup --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -143,9 +147,15 @@ class ContainerSandbox:
                 "harness.container.network=proxy forwards the proxy into each container's network namespace, which "
                 "needs root; run the controller as root (rootful podman) or set harness.container.network=host"
             )
-        if not self._reaped:
-            self._reaped = True
-            self.reap()
+        self._reap_once()
+
+    def _reap_once(self) -> None:
+        """`reap`, once per sandbox and before its first container (its `prepare` calls this first, and the others
+        wait for it): never a container of this sandbox's own executions."""
+        with self._reap_lock:
+            if not self._reaped:
+                self._reaped = True
+                self.reap()
 
     def reap(self) -> list[str]:
         """Remove every container of this run (left by a controller that was killed); their names."""
@@ -195,6 +205,7 @@ class ContainerSandbox:
         with self._lock:
             if execution_id in self._containers:
                 return dirs
+        self._reap_once()
         image = self.images.image_for(task)  # ImageUnavailable: the placeholder outcome
         container = self._create(execution_id, task.environment, image, dirs)
         with self._lock:
@@ -228,7 +239,13 @@ class ContainerSandbox:
         container = self._create(probe_id, TaskEnvironment(), image, dirs)
         try:
             return [
-                self.engine.exec_run(container.name, argv, env=env, workdir=container.workdir, timeout_s=timeout_s)
+                self.engine.exec_run(
+                    container.name,
+                    self.inside_argv(argv, env.get("PATH", os.defpath)),
+                    env=env,
+                    workdir=container.workdir,
+                    timeout_s=timeout_s,
+                )
                 for argv, env in commands
             ]
         finally:
@@ -261,7 +278,26 @@ class ContainerSandbox:
             args += ["-v", f"{path}:{path}"]
         for path in self.ro_binds:
             args += ["-v", f"{path}:{path}:ro"]
+        if self.host_usr:
+            for host, inside in host_mounts():
+                args += ["-v", f"{host}:{inside}:ro"]
         return [*args, image, "-c", KEEPER_SCRIPT]
+
+    def inside_argv(self, argv: Sequence[str], path: str) -> list[str]:
+        """`argv` as the container runs it: a host `#!` script (e.g. Codex's `#!/usr/bin/env node` launcher) on its
+        host interpreter through the host's loader and libraries (`host_programs.host_argv`), since the image need
+        not have the interpreter; an ELF binary or a name as it is (an ELF runs on the image's libc: Claude Code's
+        native binary needs glibc 2.17, the host's Python the host's glibc or newer, which the preflight checks)."""
+        program = argv[0] if argv else ""
+        if not (self.host_usr and os.path.isabs(program) and os.path.isfile(program)):
+            return list(argv)
+        with open(program, "rb") as file:
+            if parse_shebang(file.read(256)) is None:
+                return list(argv)
+        try:
+            return host_argv(argv, path)
+        except (OSError, ValueError) as error:
+            raise SandboxError(f"{program} cannot be run from the host's install in a container: {error}") from None
 
     def _network(self, allow_internet: bool) -> str:
         if self.settings.network == "host":
@@ -289,8 +325,9 @@ class ContainerSandbox:
         env = {**spec.env}
         env.setdefault("TMPDIR", str(context.home / "tmp"))
         workdir = container.workdir if context.workspace == container.workspace else str(context.workspace)
+        inside = self.inside_argv(spec.argv, env.get("PATH", os.defpath))
         argv = self.engine.exec_argv(
-            container.name, spec.argv, workdir=workdir, env_names=sorted(env), stdin=spec.stdin is not None
+            container.name, inside, workdir=workdir, env_names=sorted(env), stdin=spec.stdin is not None
         )
         return await asyncio.create_subprocess_exec(
             *argv,

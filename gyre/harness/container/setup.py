@@ -96,6 +96,7 @@ def make_container_sandbox(
         limits=resources,
         run_label=run_label(run_dir),
         protected_paths=protected,
+        host_usr=harness.name in ("codex", "command") and not harness.container.harness_from_image,
     )
     sandbox.ro_binds = _outside_private_paths(sandbox, host_read_paths(harness))
     return sandbox
