@@ -55,6 +55,7 @@ from gyre.harness.evaluation import sandboxed_evaluation
 from gyre.harness.execution import HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, HarnessRunner
 from gyre.harness.sandbox import ImageUnavailable, Sandbox, SandboxError
+from gyre.harness.threads import blocking
 from gyre.tasks.evaluate import EvaluationResult, LocalHost, evaluate, evaluated_state, to_evaluation
 from gyre.tasks.spec import Task, prepare_workspace
 from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status
@@ -174,7 +175,7 @@ async def run_episode(
         )
     finally:
         report(None)  # a no-op once reported; else the episode raised or was cancelled before the harness ended
-        await asyncio.to_thread(sandbox.close, execution_id)  # a container is removed once its evaluation is over
+        await blocking(sandbox.close, execution_id)  # a container is removed once its evaluation is over
     if report.error is not None:
         raise HarnessEndError(result) from report.error
     return result
@@ -203,8 +204,8 @@ async def _run_episode(
     group.start(execution_id, deadline=started + overall_timeout_s)
     result = EpisodeResult(execution_id=execution_id, task_id=task.id, run=None)
     try:
-        dirs = await asyncio.to_thread(sandbox.prepare, execution_id, task)
-        await asyncio.to_thread(prepare_workspace, task, dirs.workspace)
+        dirs = await blocking(sandbox.prepare, execution_id, task)
+        await blocking(prepare_workspace, task, dirs.workspace)
     except ImageUnavailable as error:  # the image could not be pulled or built: warned once, when it was prepared
         report(None)
         return _finish(result, group, CloseKind.FAILED, reason=str(error), quiet=True)
@@ -236,7 +237,7 @@ async def _run_episode(
     if not kind.evaluable:  # FAILED (placeholder) or CANCELLED (surplus)
         return _finish(result, group, kind, reason=result.run.reason)
     try:
-        state = await asyncio.to_thread(evaluated_state, execution_id, dirs.workspace)
+        state = await blocking(evaluated_state, execution_id, dirs.workspace)
     except (OSError, ValueError) as error:  # the harness removed its own workspace: nothing to evaluate
         return _finish(result, group, CloseKind.FAILED, reason=f"preserved workspace unreadable: {error}")
     group.close(execution_id, kind, now=time.monotonic(), final_state=state)
@@ -316,7 +317,7 @@ async def _evaluate_once(
         call = functools.partial(sandboxed_evaluation, task, workspace, sandbox, execution_id, stop=stop)
     else:
         call = functools.partial(_evaluate_as_controller, task, workspace, stop)
-    attempt = asyncio.ensure_future(asyncio.to_thread(call))
+    attempt = asyncio.ensure_future(blocking(call))
     try:
         waiters = {attempt}
         if cancel_event is not None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from gyre.config.harness import DEFAULT_GRACE_PERIOD_S, DEFAULT_KILL_WAIT_S
 from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, HarnessRunner
 from gyre.harness.sandbox import Sandbox, SandboxError
+from gyre.harness.threads import blocking
 from gyre.traj.outcomes import CloseKind
 
 __all__ = ["HarnessRun", "run_harness"]
@@ -154,7 +155,7 @@ async def run_harness(
     if cancel_event is not None and cancel_event.is_set():
         stdout_path.touch()
         stderr_path.touch()
-        await asyncio.to_thread(sandbox.release, context)
+        await blocking(sandbox.release, context)
         return result(CloseKind.CANCELLED, None, "cancelled before start")
 
     process: asyncio.subprocess.Process | None = None
@@ -198,4 +199,4 @@ async def run_harness(
     finally:
         if process is not None and process.returncode is None:  # we were cancelled or failed mid-wait
             _signal_group(process.pid, signal.SIGKILL)
-        await asyncio.to_thread(sandbox.release, context)  # reaping and chown walk the tree: off the event loop
+        await blocking(sandbox.release, context)  # reaping and chown walk the tree: off the event loop

@@ -40,6 +40,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -465,6 +466,20 @@ ETC_RO_PATHS = (
     "/etc/ld.so.conf",
     "/etc/ld.so.conf.d",
 )
+
+
+def python_paths() -> tuple[Path, ...]:
+    """What this process's Python reads beyond the system directories when a harness or an evaluator runs it: its
+    prefix (a venv), its base prefix (the interpreter and standard library) and the gyre package. Not the rest of
+    `sys.path`: it can hold the directory a run was started from (a home directory), which would then be bound into
+    every sandbox; a package installed in editable mode elsewhere is therefore not there."""
+    import gyre
+
+    paths: list[Path] = []
+    for path in (Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent):
+        if path.is_dir() and path not in paths:
+            paths.append(path)
+    return tuple(paths)
 
 
 def install_prefix(executable: str) -> Path | None:

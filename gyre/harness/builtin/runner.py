@@ -20,6 +20,7 @@ from pathlib import Path
 import gyre
 from gyre.harness.protocol import ExecutionContext, HarnessNotFoundError, LaunchSpec
 from gyre.harness.runners.command import harness_environment
+from gyre.harness.sandbox import python_paths
 from gyre.tasks.spec import Task
 
 TASK_FILE = "task.md"
@@ -112,4 +113,6 @@ class BuiltinRunner:
         env = harness_environment(context)  # PATH, HOME, LANG, NO_PROXY, both SDKs' URL and key, extra_env
         ours = {"PYTHONPATH": str(Path(gyre.__file__).resolve().parent.parent), "PYTHONUNBUFFERED": "1"}
         env.update({k: v for k, v in ours.items() if k not in context.extra_env})
-        return LaunchSpec(argv=argv, env=env, files=files)
+        # A sandbox with a filesystem view of its own (bubblewrap, a container) binds this Python read-only.
+        ro_paths = python_paths() if self.python == sys.executable else ()
+        return LaunchSpec(argv=argv, env=env, files=files, ro_paths=ro_paths)

@@ -65,7 +65,7 @@ class ImageSource:
         return f"image {self.ref}" + (f" (built from {self.context / 'Dockerfile'})" if self.context else "")
 
 
-_RESULTS: dict[tuple[str, ImageSource], str | None] = {}  # (engine, source) -> None (ready) or the failure
+_RESULTS: dict[tuple[str, str], str | None] = {}  # (engine, image reference) -> None (ready) or the failure
 _RESULTS_LOCK = threading.Lock()
 
 
@@ -95,18 +95,22 @@ class ImageSet:
     def prepare(self, tasks: Iterable[Task]) -> dict[str, str]:
         """Make every image of `tasks` ready; {task id: failure} of those whose image is unavailable (warned once)."""
         needs: dict[ImageSource, list[str]] = {}
+        by_ref: dict[str, ImageSource] = {}  # build contexts of the same content are one image (its tag is the digest)
         failures: dict[str, str] = {}
         for task in tasks:
             try:
-                needs.setdefault(self.source(task), []).append(task.id)
+                source = self.source(task)
             except ImageUnavailable as error:
                 failures[task.id] = str(error)
-        fresh = [source for source in needs if (self.engine.kind, source) not in _RESULTS]
+                continue
+            source = by_ref.setdefault(source.ref, source)
+            needs.setdefault(source, []).append(task.id)
+        fresh = [source for source in needs if (self.engine.kind, source.ref) not in _RESULTS]
         if fresh:
             with ThreadPoolExecutor(self.max_preparing, thread_name_prefix="gyre-image") as pool:
                 for source, outcome in zip(fresh, pool.map(self._make_ready, fresh), strict=True):
                     with _RESULTS_LOCK:
-                        _RESULTS[(self.engine.kind, source)] = outcome
+                        _RESULTS[(self.engine.kind, source.ref)] = outcome
                     if outcome is not None:
                         task_ids = needs[source]
                         shown = ", ".join(task_ids[:5]) + (
@@ -114,7 +118,7 @@ class ImageSet:
                         )
                         log.warning("tasks %s: %s; their executions get the placeholder outcome", shown, outcome)
         for source, task_ids in needs.items():
-            outcome = _RESULTS.get((self.engine.kind, source))
+            outcome = _RESULTS.get((self.engine.kind, source.ref))
             for task_id in task_ids:
                 if outcome is not None:
                     failures[task_id] = outcome
@@ -139,7 +143,7 @@ class ImageSet:
     def image_for(self, task: Task) -> str:
         """The ready image of `task` (prepared now if it was not); ImageUnavailable when it cannot be had."""
         source = self.source(task)
-        outcome = _RESULTS.get((self.engine.kind, source), "")
+        outcome = _RESULTS.get((self.engine.kind, source.ref), "")
         if outcome == "":
             outcome = self.prepare([task]).get(task.id)
         if outcome is not None:

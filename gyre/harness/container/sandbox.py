@@ -10,9 +10,10 @@ The lifecycle (docs/harness.md, "The container sandbox"):
 - `start(spec, context)`: `exec` of the harness (or, for `<id>.evaluate`, of the evaluator) in that container,
   the environment passed by name only (`-e NAME`: no value on a command line). The first start opens the proxy's
   port inside the container's network namespace (`gyre.harness.container.network`).
-- `stop_inside(context, grace_s)`: SIGTERM to every process in the container that is not the keeper's, SIGKILL to
-  what is left after `grace_s`; run by `run_harness` at a timeout or cancel before it signals the client.
-  `release(context)`: the same with no grace, after each harness or evaluator (what it left running ends).
+- `stop_inside(context, grace_s)`: SIGTERM to every process in the container outside the keeper's session,
+  SIGKILL to what is left after `grace_s`, from the host (`gyre.harness.container.processes`); run by
+  `run_harness` at a timeout or cancel before it signals the client. `release(context)`: the same with no grace,
+  after each harness or evaluator (what it left running ends).
 - `close(execution_id)`: the container is removed (its forward closed); the workspace stays on the host.
 `check()`, or the first `prepare`, also removes every container of this run left by a controller that was killed
 (`gyre.run`), once per sandbox and before any container of its own exists.
@@ -38,6 +39,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from gyre.config.harness import ContainerConfig, ResourceLimits
+from gyre.harness.container import processes
 from gyre.harness.container.engine import ContainerEngine, EngineError
 from gyre.harness.container.host_programs import host_argv, host_mounts, parse_shebang
 from gyre.harness.container.images import ImageSet
@@ -50,43 +52,20 @@ from gyre.harness.sandbox import (
     _check_id,
     write_launch_files,
 )
+from gyre.harness.threads import blocking
 from gyre.tasks.spec import Task, TaskEnvironment
 
-__all__ = ["EXECUTION_LABEL", "KEEPER_SCRIPT", "RUN_LABEL", "SWEEP_SCRIPT", "ContainerSandbox"]
+__all__ = ["EXECUTION_LABEL", "KEEPER_SCRIPT", "RUN_LABEL", "ContainerSandbox"]
 
 log = logging.getLogger(__name__)
 
 RUN_LABEL = "gyre.run"
 EXECUTION_LABEL = "gyre.execution"
 EVALUATION_SUFFIX = ".evaluate"  # gyre.harness.evaluation's ids: the evaluation of <id> runs in <id>'s container
-SWEEP_TIMEOUT_S = 30.0  # the sweep's own exec, beyond its grace
 
 # pid 1 of every container: ignores the signals it may get, reaps every orphan (`wait` takes any child), and
 # keeps one `sleep` child to wait on. A process in the container cannot signal it (pid 1 of its namespace).
 KEEPER_SCRIPT = 'trap "" HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait $!; done'
-
-# Signal every process of the container that is not in the keeper's session (1) or the sweep's own ($$): `exec`
-# starts each process as a session leader, so a harness, its children and daemons all lie outside session 1.
-# $1: the signal; $2: tenths of a second of grace before SIGKILL to what is left (0: SIGKILL at once).
-SWEEP_SCRIPT = r"""
-sweep() {
-  n=0
-  for d in /proc/[0-9]*; do
-    read -r line < "$d/stat" 2>/dev/null || continue
-    set -- ${line##*) }
-    [ "$4" = 1 ] || [ "$4" = "$$" ] && continue
-    kill -s "$sig" "${d#/proc/}" 2>/dev/null && n=$((n + 1))
-  done
-}
-sig=$1; grace=$2; i=0
-[ "$grace" -gt 0 ] || sig=KILL
-sweep
-while [ "$n" -gt 0 ] && [ "$i" -lt "$grace" ]; do sleep 0.1; sig=0; sweep; i=$((i + 1)); done
-if [ "$n" -gt 0 ]; then
-  i=0; sig=KILL; sweep
-  while [ "$n" -gt 0 ] && [ "$i" -lt 50 ]; do sleep 0.1; sig=0; sweep; i=$((i + 1)); done
-fi
-"""
 
 _NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -218,7 +197,6 @@ class ContainerSandbox:
         workdir = env.workdir or self.settings.workdir
         with self._starting:
             try:
-                self.engine.remove([name])  # a container of an earlier attempt of this id
                 self.engine.call(self._run_args(name, execution_id, env, image, dirs, workdir))
                 pid = self.engine.main_pid(name)
             except EngineError as error:
@@ -256,6 +234,8 @@ class ContainerSandbox:
         self, name: str, execution_id: str, env: TaskEnvironment, image: str, dirs: ExecutionDirs, workdir: str
     ) -> list[str]:
         args = ["run", "-d", "--name", name, "--label", f"{RUN_LABEL}={self.run_label}"]
+        if self.engine.kind == "podman":
+            args.append("--replace")  # a container of this name left by an earlier controller of the run
         args += ["--label", f"{EXECUTION_LABEL}={execution_id}"]
         for key, value in sorted(self.settings.labels.items()):
             args += ["--label", f"{key}={value}"]
@@ -321,7 +301,7 @@ class ContainerSandbox:
         container = self._container(context.execution_id)
         write_launch_files(spec, context)
         if container.forwarder is None and self.settings.network == "proxy" and self._targets:
-            container.forwarder = await asyncio.to_thread(self._forward, container)
+            container.forwarder = await blocking(self._forward, container)
         env = {**spec.env}
         env.setdefault("TMPDIR", str(context.home / "tmp"))
         workdir = container.workdir if context.workspace == container.workspace else str(context.workspace)
@@ -348,15 +328,10 @@ class ContainerSandbox:
             raise SandboxError(f"opening the proxy's port {port} in container {container.name}: {error}") from None
         return self._forwards.forward(sock, target)
 
-    def _sweep(self, container: _Container, signal_name: str, grace_s: float) -> None:
-        tenths = max(0, round(grace_s * 10))
-        try:
-            self.engine.call(
-                ["exec", container.name, "/bin/sh", "-c", SWEEP_SCRIPT, "sweep", signal_name, str(tenths)],
-                timeout_s=grace_s + SWEEP_TIMEOUT_S,
-            )
-        except EngineError as error:  # the container is gone already: nothing of it runs
-            log.debug("sweeping %s: %s", container.name, error)
+    def _sweep(self, container: _Container, grace_s: float) -> None:
+        left = processes.stop(container.pid, grace_s)
+        if left:
+            log.error("container %s: processes %s survived SIGKILL (stuck in the kernel?)", container.name, left)
 
     async def stop_inside(self, context: ExecutionContext, grace_s: float) -> None:
         """SIGTERM to every process of the container but the keeper, SIGKILL after `grace_s` (bounded)."""
@@ -364,14 +339,14 @@ class ContainerSandbox:
             container = self._container(context.execution_id)
         except SandboxError:
             return
-        await asyncio.to_thread(self._sweep, container, "TERM", grace_s)
+        await blocking(self._sweep, container, grace_s)
 
     def release(self, context: ExecutionContext) -> None:
         try:
             container = self._container(context.execution_id)
         except SandboxError:
             return
-        self._sweep(container, "KILL", 0.0)
+        self._sweep(container, 0.0)
 
     # -- close --------------------------------------------------------------------------------------
     def close(self, execution_id: str) -> None:

@@ -1,28 +1,25 @@
 """A run's `ContainerSandbox` from its config (`harness.container`, docs/configuration.md).
 
 What the host binds into every container read-only, at the same paths (`host_read_paths`): the controller's Python
-(`python_paths`: its prefix, base prefix and the gyre package: what the builtin harness, a python `command` agent
-and every `{python}` or python evaluator run; a package installed in editable mode elsewhere is not bound), and for
-the claude_code and codex CLIs their npm install (above node_modules). Paths that hold the run's executions or
-protected paths are left out (`gyre.harness.evaluation._outside_private_paths`). With
-`harness.container.harness_from_image` only the Python is bound (the evaluators still need it) and the image runs
-its own copy of the CLI.
+(`gyre.harness.sandbox.python_paths`: its prefix, base prefix and the gyre package: what the builtin harness, a
+python `command` agent and every `{python}` or python evaluator run), and for the claude_code and codex CLIs their
+npm install (above node_modules). Paths that hold the run's executions or protected paths are left out
+(`gyre.harness.evaluation._outside_private_paths`). With `harness.container.harness_from_image` only the Python is
+bound (the evaluators still need it) and the image runs its own copy of the CLI.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from pathlib import Path
 
-import gyre
 from gyre.config.harness import HarnessConfig, ResourceLimits
 from gyre.harness.container.engine import ContainerEngine
 from gyre.harness.container.images import ImageSet
 from gyre.harness.container.sandbox import ContainerSandbox
 from gyre.harness.evaluation import _outside_private_paths
-from gyre.harness.sandbox import install_prefix
+from gyre.harness.sandbox import install_prefix, python_paths
 
 __all__ = ["cache_dir", "host_read_paths", "make_container_sandbox", "run_label"]
 
@@ -38,17 +35,9 @@ def run_label(run_dir: Path) -> str:
     return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
-def python_paths() -> list[Path]:
-    """The controller's Python as a container needs it: its prefix (a venv), base prefix (the interpreter and
-    standard library) and the gyre package; not the other directories of `sys.path`, which may be the working
-    directory a run was started from (a home directory) and would be bound into every agent's container."""
-    paths = [Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent]
-    return [path for path in paths if path.is_dir()]
-
-
 def host_read_paths(harness: HarnessConfig) -> list[Path]:
     """The host paths bound read-only into every container (module docstring)."""
-    paths = python_paths()
+    paths = list(python_paths())
     if harness.name in ("claude_code", "codex") and not harness.container.harness_from_image:
         from gyre.harness.runners.claude_code import CLAUDE_CODE_PACKAGE, CLAUDE_CODE_VERSION, find_cli
         from gyre.harness.runners.codex import CODEX_PACKAGE, CODEX_VERSION
