@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness.container.engine import ContainerEngine
+from gyre.harness.container.engine import ContainerEngine, EngineError
 from gyre.harness.container.images import ImageSet, ImageUnavailable, build_tag, context_digest
 from gyre.tasks.spec import TaskError, load_task
 
@@ -15,7 +15,8 @@ from gyre.tasks.spec import TaskError, load_task
 def make_task(root: Path, environment: str = "", dockerfile: str | None = None) -> Path:
     (root / "workspace").mkdir(parents=True)
     (root / "task.toml").write_text(
-        'id = "t"\nprompt = "p"\n[evaluator]\nkind = "command"\ncommand = "python3 check.py"\nscore = "float"\n'
+        f'id = "{root.name}"\nprompt = "p"\n'
+        + '[evaluator]\nkind = "command"\ncommand = "python3 check.py"\nscore = "float"\n'
         + environment
     )
     if dockerfile is not None:
@@ -83,3 +84,45 @@ def test_a_program_only_the_image_has_is_accepted_for_a_task_with_its_own_image(
     (root / "task.toml").write_text(f'id = "t"\nprompt = "p"\n{command}')
     with pytest.raises(TaskError, match="not found on PATH"):
         load_task(root)
+
+
+class CountingEngine(ContainerEngine):
+    """The engine's image calls only, counted (no engine runs): an image exists once built."""
+
+    def __post_init__(self) -> None:
+        self.kind, self.binary, self.built, self.pulled = "podman", "/nonexistent/podman", [], []
+
+    def image_exists(self, ref: str) -> bool:
+        return ref in self.built
+
+    def build(self, context, tag, *, labels, timeout_s) -> None:
+        if (context / "FAIL").exists():
+            raise EngineError(f"podman build: step 2 failed in {context}")
+        self.built.append(tag)
+
+    def pull(self, ref, *, timeout_s) -> None:
+        self.pulled.append(ref)
+        raise EngineError(f"podman pull: {ref}: manifest unknown")
+
+
+def test_each_image_is_made_once_and_a_failure_is_kept(tmp_path, caplog):
+    from gyre.harness.container import images as images_module
+
+    tasks = [load_task(make_task(tmp_path / f"same-{i}", dockerfile="FROM base:1\n")) for i in range(3)]
+    failing = load_task(make_task(tmp_path / "fails", dockerfile="FROM base:1\nRUN false\n"))
+    (failing.environment.build_context / "FAIL").write_text("")
+    missing = load_task(make_task(tmp_path / "pull", '[environment]\nimage = "nowhere/none:1"\n'))
+    engine = CountingEngine()
+    images_module._RESULTS.clear()
+    image_set = ImageSet(engine, max_preparing=2)
+    failures = image_set.prepare([*tasks, failing, missing])
+    assert len(engine.built) == 1  # three build contexts of the same content: one image
+    assert sorted(failures) == ["fails", "pull"]
+    assert image_set.image_for(tasks[2]) == engine.built[0]
+    with pytest.raises(ImageUnavailable, match="manifest unknown"):
+        image_set.image_for(missing)
+    with pytest.raises(ImageUnavailable, match="step 2 failed"):
+        image_set.image_for(failing)
+    image_set.prepare([failing, missing])
+    assert engine.pulled == ["nowhere/none:1"] and len(engine.built) == 1  # no second try of either
+    images_module._RESULTS.clear()
