@@ -276,9 +276,16 @@ others = sorted(p for p in os.listdir("/proc") if p.isdigit())
 print("processes", len(others))
 for path in ("{other}", "{run_dir}", "{checkout_file}", "/root/.cache", "/etc/gyre-host-only"):
     print(path, "present" if os.path.exists(path) else "absent")
-for limit in ("/sys/fs/cgroup/pids/pids.max", "/sys/fs/cgroup/pids.max"):
-    if os.path.exists(limit):
-        print("pids.max", Path(limit).read_text().strip())
+limits = [  # cgroups v1 paths, then v2 (no braces: the command runner reads them as its placeholders)
+    ("pids.max", ("/sys/fs/cgroup/pids/pids.max", "/sys/fs/cgroup/pids.max")),
+    ("memory", ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory.max")),
+    ("cpu", ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu.max")),
+]
+for name, paths in limits:
+    for limit in paths:
+        if os.path.exists(limit):
+            print(name, Path(limit).read_text().split()[0])
+            break
 os.system("setsid sleep 300 > /dev/null 2>&1 < /dev/null &")  # a daemon in a session of its own, left running
 """
 LEFTOVER_CHECK = r"""
@@ -303,7 +310,13 @@ def test_isolation_of_a_container_execution(tmp_path, engine, base_image):
     probe = ISOLATION_PROBE.replace("{other}", str(other)).replace("{run_dir}", str(tmp_path / "run" / "records"))
     probe = probe.replace("{checkout_file}", str(checkout_file))
     (tmp_path / "run" / "records").mkdir(parents=True)
-    task_dir = write_task(tmp_path, base_image, evaluator=LEFTOVER_CHECK, dockerfile=None, extra_toml="pids = 77\n")
+    task_dir = write_task(
+        tmp_path,
+        base_image,
+        evaluator=LEFTOVER_CHECK,
+        dockerfile=None,
+        extra_toml="pids = 77\nmemory_mb = 256\ncpus = 1.5\n",
+    )
     sandbox, runner = sandbox_for(tmp_path, ["python3", "-c", probe])
     sandbox.check()
     try:
@@ -320,7 +333,7 @@ def test_isolation_of_a_container_execution(tmp_path, engine, base_image):
         "/root/.cache absent",
         "/etc/gyre-host-only absent",
     ], lines
-    assert "pids.max 77" in lines
+    assert {"pids.max 77", f"memory {256 << 20}", "cpu 150000"} <= set(lines), lines  # the task's limits
     assert (result.status, result.reward) == (Status.VALID, 1.0)  # the setsid daemon was gone before the evaluator
 
 
