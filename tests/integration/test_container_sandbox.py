@@ -390,3 +390,66 @@ def test_concurrent_executions_on_a_fresh_sandbox_all_finish(tmp_path, engine, b
     assert [(r.run.close_kind, r.reward) for r in results] == [(CloseKind.COMPLETED, 1.0)] * 4
     assert [(r.run.workspace / "mine").read_text().strip() for r in results] == ids
     assert engine.containers_labeled(f"{RUN_LABEL}={sandbox.run_label}") == []
+
+
+def test_harness_from_image_runs_the_images_own_program(tmp_path, engine, base_image, cleanup):
+    """`harness.container.harness_from_image`: the program by name on the image's PATH (the host has none)."""
+    from gyre.runtime.job.harness_setup import check_harness
+
+    tool = "RUN printf '#!/bin/sh\\necho image-agent \"$@\" > done\\n' > /usr/local/bin/image-agent"
+    task_dir = write_task(
+        tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=f"{tool} && chmod +x /usr/local/bin/image-agent"
+    )
+    from gyre.runtime.job.harness_setup import make_runner
+
+    sandbox, _runner = sandbox_for(tmp_path, ["image-agent", "{execution_id}"])
+    sandbox.settings.harness_from_image = True
+    harness = HarnessConfig(
+        name="command",
+        argv=["image-agent", "{execution_id}"],
+        sandbox="container",
+        container=ContainerConfig(harness_from_image=True),
+    )
+    task = load_task(task_dir)
+    runner = make_runner(harness, task)
+    check_harness(runner, sandbox, [task], timeout_s=60)
+    cleanup.append(sandbox.images.image_for(task))
+    result, _group = episode(task_dir, sandbox, runner)
+    assert (result.run.workspace / "done").read_text() == "image-agent e1\n"
+    bare = write_task(tmp_path / "bare", base_image, evaluator="print(1.0)\n", dockerfile=None)
+    with pytest.raises(Exception, match=r"image-agent: not on the image PATH"):  # the base image has no such program
+        check_harness(runner, sandbox, [load_task(bare)], timeout_s=60)
+
+
+def _reaches(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_allow_internet_is_per_task_and_off_by_default(tmp_path, engine, base_image):
+    """Tested both ways where the machine itself reaches the internet (pypi.org:443 here)."""
+    if shutil.which("slirp4netns") is None:
+        pytest.skip("slirp4netns is not installed (Debian: apt-get install slirp4netns)")
+    if not _reaches("pypi.org", 443):
+        pytest.skip("this machine does not reach pypi.org:443: allow_internet cannot be shown either way")
+    probe = (
+        "import socket\ntry:\n    socket.create_connection(('pypi.org', 443), timeout=10).close()\n"
+        "    print('reached')\nexcept OSError as error:\n    print('unreachable', error)\n"
+    )
+    sandbox, runner = sandbox_for(tmp_path, ["python3", "-c", probe])
+    outputs = []
+    for allowed in (False, True):
+        root = tmp_path / f"allowed-{allowed}"
+        task_dir = write_task(
+            root,
+            base_image,
+            evaluator="print(1.0)\n",
+            dockerfile=None,
+            extra_toml=f"allow_internet = {str(allowed).lower()}\n",
+        )
+        result, _group = episode(task_dir, sandbox, runner, execution_id=f"net-{allowed}")
+        outputs.append(result.run.stdout_path.read_text().split()[0])
+    assert outputs == ["unreachable", "reached"]

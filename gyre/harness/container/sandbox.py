@@ -263,6 +263,18 @@ class ContainerSandbox:
                 args += ["-v", f"{host}:{inside}:ro"]
         return [*args, image, "-c", KEEPER_SCRIPT]
 
+    @property
+    def harness_on_host(self) -> bool:
+        """Whether the harness's program is the host's (bound in), which its runner checks on the host first."""
+        return not self.settings.harness_from_image
+
+    def harness_argv(self, argv: Sequence[str]) -> list[str]:
+        """The harness's argv: with `harness.container.harness_from_image`, its program by name, found on the image's
+        PATH (the image's own copy; the host's is not bound)."""
+        if self.settings.harness_from_image and argv:
+            return [os.path.basename(argv[0]), *argv[1:]]
+        return list(argv)
+
     def inside_argv(self, argv: Sequence[str], path: str) -> list[str]:
         """`argv` as the container runs it: a host `#!` script (e.g. Codex's `#!/usr/bin/env node` launcher) on its
         host interpreter through the host's loader and libraries (`host_programs.host_argv`), since the image need
@@ -305,7 +317,8 @@ class ContainerSandbox:
         env = {**spec.env}
         env.setdefault("TMPDIR", str(context.home / "tmp"))
         workdir = container.workdir if context.workspace == container.workspace else str(context.workspace)
-        inside = self.inside_argv(spec.argv, env.get("PATH", os.defpath))
+        argv = spec.argv if context.execution_id.endswith(EVALUATION_SUFFIX) else self.harness_argv(spec.argv)
+        inside = self.inside_argv(argv, env.get("PATH", os.defpath))
         argv = self.engine.exec_argv(
             container.name, inside, workdir=workdir, env_names=sorted(env), stdin=spec.stdin is not None
         )

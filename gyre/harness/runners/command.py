@@ -66,6 +66,7 @@ class CommandRunner:
     env: Mapping[str, str] = field(default_factory=dict)  # fixed additions (not secrets of ours)
     path: str = DEFAULT_PATH  # PATH of the harness; argv[0] is looked up here and in the controller's PATH
     stdin: str | None = None  # text fed to stdin (a template like argv); None: /dev/null
+    in_image: bool = False  # argv[0] is the container image's program (harness.container.harness_from_image): as given
 
     def __post_init__(self) -> None:
         self.argv = tuple(self.argv)
@@ -82,6 +83,8 @@ class CommandRunner:
             raise ValueError(f"CommandRunner.argv[0] must be a fixed program, got {self.argv[0]!r}")
 
     def _executable(self) -> str | None:
+        if self.in_image:  # found on the image's PATH when the container runs it; nothing of the host to look up
+            return self.argv[0]
         return resolve_executable(self.argv[0], self.path) or resolve_executable(
             self.argv[0], os.environ.get("PATH", os.defpath)
         )

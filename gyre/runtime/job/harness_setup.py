@@ -120,7 +120,8 @@ def make_runner(harness: HarnessConfig, task, provisioning: Provisioning | None 
             task, backend=harness.backend, max_turns=harness.max_turns, extra_args=tuple(harness.extra_args)
         )
     if harness.name == "command":
-        return runner_for("command", argv=tuple(harness.argv), env=dict(harness.env))
+        in_image = harness.sandbox == "container" and harness.container.harness_from_image
+        return runner_for("command", argv=tuple(harness.argv), env=dict(harness.env), in_image=in_image)
     provisioning = provisioning if provisioning is not None else harness_provisioning(harness)
     own = task.metadata.get("instructions") if isinstance(task.metadata.get("instructions"), str) else ""
     instructions = "\n\n".join(text.strip("\n") for text in (provisioning.instructions, own) if text.strip())
@@ -191,8 +192,13 @@ def check_harness(runner, sandbox, tasks: Sequence[Task] = (), *, timeout_s: flo
     run once through that same sandbox, as an execution and an evaluation are (`SandboxHost`: the same uid, paths,
     binds and environment): `<cli> --version`, `<python> -c "import sys"`, or for a `command` harness a shell test
     that its program may be read and executed. A plain local sandbox runs both as the controller, which `check`
-    covered; a container's filesystem is its image's (not probed)."""
-    for part, what in ((runner, f"harness {getattr(runner, 'name', '?')}"), (sandbox, f"sandbox {sandbox.name}")):
+    covered. A container sandbox: each image prepared, then both run once in a container of each image
+    (`_check_images`);
+    with `harness.container.harness_from_image` the host's copy is not looked for, the image's is."""
+    parts = [(runner, f"harness {getattr(runner, 'name', '?')}"), (sandbox, f"sandbox {sandbox.name}")]
+    if not getattr(sandbox, "harness_on_host", True):  # the image's own copy: probed in the image below
+        parts = parts[1:]
+    for part, what in parts:
         check = getattr(part, "check", None)
         if check is None:
             continue
@@ -227,6 +233,10 @@ def _check_images(runner, sandbox, tasks: Sequence[Task], timeout_s: float) -> N
         if task.id not in failed:
             images.setdefault(sandbox.images.image_for(task), task)
     argv, env, _ro_paths = _harness_probe(runner, sandbox)
+    if sandbox.settings.harness_from_image:  # the image's own copy: found by name on its PATH
+        program = os.path.basename(runner.launch_spec(_probe_context(sandbox)).argv[0])
+        argv = ("/bin/sh", "-c", 'command -v "$0" > /dev/null || { echo "$0: not on the image PATH" >&2; exit 127; }')
+        argv += (program,)
     commands = [(argv, env)]
     if any(_evaluator_runs_python(task) for task in tasks):
         from gyre.tasks.evaluate import _child_env
@@ -257,15 +267,10 @@ def _evaluator_runs_python(task: Task) -> bool:
     return any("{python}" in arg for arg in spec.argv)
 
 
-def _harness_probe(runner, sandbox) -> tuple[tuple[str, ...], dict[str, str], tuple[Path, ...]]:
-    """The smallest harmless command of `runner`'s program, with the environment and read-only paths its executions
-    get (from its own `launch_spec`, so a CLI's `#!/usr/bin/env node` finds node on the same PATH)."""
-    from gyre.harness.builtin.runner import BuiltinRunner
-    from gyre.harness.runners import ClaudeCodeRunner, CodexRunner
-    from gyre.harness.sandbox import install_prefix
-
+def _probe_context(sandbox) -> ExecutionContext:
+    """The context of the preflight's probe (its directories below the sandbox's root, a proxy that answers nothing)."""
     home = sandbox.root / PROBE_ID
-    context = ExecutionContext(
+    return ExecutionContext(
         execution_id=PROBE_ID,
         task_prompt="",
         workspace=home / "workspace",
@@ -276,7 +281,16 @@ def _harness_probe(runner, sandbox) -> tuple[tuple[str, ...], dict[str, str], tu
         api_key="preflight",
         model="preflight",
     )
-    spec = runner.launch_spec(context)
+
+
+def _harness_probe(runner, sandbox) -> tuple[tuple[str, ...], dict[str, str], tuple[Path, ...]]:
+    """The smallest harmless command of `runner`'s program, with the environment and read-only paths its executions
+    get (from its own `launch_spec`, so a CLI's `#!/usr/bin/env node` finds node on the same PATH)."""
+    from gyre.harness.builtin.runner import BuiltinRunner
+    from gyre.harness.runners import ClaudeCodeRunner, CodexRunner
+    from gyre.harness.sandbox import install_prefix
+
+    spec = runner.launch_spec(_probe_context(sandbox))
     program, ro_paths = spec.argv[0], tuple(spec.ro_paths)
     if isinstance(runner, ClaudeCodeRunner | CodexRunner):
         argv: tuple[str, ...] = (program, "--version")
