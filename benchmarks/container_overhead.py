@@ -9,14 +9,15 @@
     checker beside task.toml (`isolation = "inline"`: it runs in this process, no evaluator process in either
     sandbox; it scores 1.0 when both stamps exist):
     - start overhead = the harness's first stamp (`started`) - `time.time()` just before `run_episode` is called
-      (container: an `rm -f` of an earlier attempt's container, `run -d`, `inspect`, the workspace copy, the proxy's
-      forward into its namespace (to port 9, where nothing listens: (a) makes no call), the `exec` of the harness;
-      bubblewrap: the workspace copy and `bwrap`'s start);
+      (container: `run -d --replace`, `inspect`, the workspace copy, the proxy's forward into its namespace (to port
+      9, where nothing listens: (a) makes no call), the `exec` of the harness; bubblewrap: the workspace copy and
+      `bwrap`'s start);
     - stop overhead = `time.time()` when `run_episode` returns - the harness's last stamp (`ended`): the harness's
-      exit seen, `release` (container: the sweep `exec`), the inline evaluation, `close` (container: `rm -f`).
+      exit seen, `release` (container: a scan of /proc from the host, no engine call), the inline evaluation,
+      `close` (container: `rm -f`).
     A level is `rounds` batches per sandbox, each batch `level` executions started at once with `asyncio.gather`
     (the way the runtime starts them: `run_episode` per `Start` on one event loop, its blocking sandbox calls on the
-    loop's default executor, `min(32, cpus + 4)` threads); the two sandboxes alternate batch by batch, the first
+    executions' own thread pool, `gyre.harness.threads`); the two sandboxes alternate batch by batch, the first
     swapped each round, so load drift hits both. Per level and sandbox: start and stop overhead p50 and p99 (ms,
     over every execution of every batch), the wall time of a batch (s, median and max), and `failed`: executions
     that did not end COMPLETED with a VALID score of 1.0 (they are counted and listed, never dropped silently; they
@@ -30,9 +31,8 @@
     (`gyre.engine.endpoint.ServerThread`) serves `gyre.engine.scripted.ScriptedEngine`, a stand-in that answers as a
     tool-using model: the calculator call for the prompt's expression, then the tool's result as the answer
     (2 model calls an episode, reward 1.0 when all went through). The same 32 tasks then run under bubblewrap as the
-    floor (the harness's own Python start and imports), with the controller's Python bound read-only as the container
-    binds it (`host_read_paths`; bubblewrap alone binds only the resolved interpreter's directory, not the venv's
-    `bin/python` that `BuiltinRunner` starts). Figures per sandbox: executions finished (COMPLETED, VALID, reward
+    floor (the harness's own Python start and imports; the builtin runner's `LaunchSpec` names the Python it needs,
+    which bubblewrap binds). Figures per sandbox: executions finished (COMPLETED, VALID, reward
     1.0), harness-visible errors, the batch's wall time, and the start overhead p50/p99, here the harness
     transcript's `start` event (`time.time()` in the harness, after its Python start and imports; ms resolution)
     - the `run_episode` call. A harness-visible error is what the builtin harness itself reports
@@ -50,8 +50,6 @@ built: both sections run the base itself). At the end the script lists this run'
 ~20 s).
 
     python benchmarks/container_overhead.py [--quick] [--no-builtin] [--out benchmarks/results/container_overhead.json]
-
-`--executor-threads N` gives the loop a default executor of N threads instead (a what-if, not what the runtime does).
 """
 
 from __future__ import annotations
@@ -71,7 +69,6 @@ import textwrap
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,10 +79,11 @@ if str(REPO) not in sys.path:  # `python benchmarks/container_overhead.py` from 
 from benchmarks.report import emit  # noqa: E402
 from gyre.config.harness import ContainerConfig, ExecutionLimits, HarnessConfig  # noqa: E402
 from gyre.harness.container.engine import ContainerEngine  # noqa: E402
-from gyre.harness.container.setup import cache_dir, host_read_paths, make_container_sandbox  # noqa: E402
+from gyre.harness.container.setup import cache_dir, make_container_sandbox  # noqa: E402
 from gyre.harness.episode import EpisodeResult, ProxyAccess, run_episode  # noqa: E402
 from gyre.harness.runners import runner_for  # noqa: E402
 from gyre.harness.sandbox import BubblewrapSandbox  # noqa: E402
+from gyre.harness.threads import EXECUTION_THREADS  # noqa: E402
 from gyre.tasks.spec import Task, load_task  # noqa: E402
 from gyre.traj.outcomes import CloseKind, GroupOutcomes, Status  # noqa: E402
 
@@ -412,8 +410,6 @@ async def builtin_section(base: str, work: Path, count: int) -> dict:
                 harness, LIMITS, root=work / f"builtin-{kind}" / "executions", trusted_tasks=True,
                 run_dir=work / f"builtin-{kind}",
             )  # fmt: skip
-            if kind == "bubblewrap":  # the controller's Python, as the container binds it (`host_read_paths`)
-                sandbox.ro_binds = host_read_paths(harness)
             sandbox.check()
             out[kind] = await builtin_batch(tasks, harness, sandbox, proxy, f"b{kind[:3]}")
             print(f"builtin {kind}: " + json.dumps(out[kind]), file=sys.stderr, flush=True)
@@ -437,8 +433,6 @@ def leftovers(engine: ContainerEngine) -> dict:
 
 
 async def run(args: argparse.Namespace, base: str, engine: ContainerEngine, work: Path) -> dict:
-    if args.executor_threads:  # a what-if: the runtime leaves the loop's default executor as it is
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(args.executor_threads))
     task = write_stamp_task(work, base)
     harness = HarnessConfig(
         name="command", argv=list(HARNESS_ARGV), sandbox="container", container=ContainerConfig(labels=LABELS)
@@ -485,7 +479,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: levels 1 and 2, 2 and 1 batches; no (b)")
     parser.add_argument("--builtin", action=argparse.BooleanOptionalAction, default=True, help="section (b)")
     parser.add_argument("--builtin-executions", type=int, default=BUILTIN_EXECUTIONS, help=argparse.SUPPRESS)
-    parser.add_argument("--executor-threads", type=int, default=0, help="the loop's default executor's threads")
     parser.add_argument("--levels", default="", help=argparse.SUPPRESS)  # e.g. "1:2,2:1": level:batches (smoke)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -508,12 +501,12 @@ def main() -> None:
     emit(
         {
             "benchmark": "container_overhead",
-            "mode": "quick" if args.quick else "custom" if args.levels or args.executor_threads else "full",
+            "mode": "quick" if args.quick else "custom" if args.levels else "full",
             "base_image": base,
             "podman": engine.call(["version", "--format", "{{.Client.Version}}"]).strip(),
             "podman_host": engine.call(["info", "--format", PODMAN_HOST]).strip(),
             "max_starting": ContainerConfig().max_starting,
-            "executor_threads": args.executor_threads or min(32, (os.cpu_count() or 1) + 4),
+            "execution_threads": EXECUTION_THREADS,
             "load_average_1_5_15": {
                 "before": [round(x, 2) for x in load_before],
                 "after": [round(x, 2) for x in os.getloadavg()],

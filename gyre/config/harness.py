@@ -124,7 +124,7 @@ class ContainerConfig:
     """The image of tasks that name none (no [environment] image and no environment/Dockerfile); pulled when
     absent. Required when such a task is in the task set."""
     max_starting: int = 4
-    """Containers starting at once on one node (`run`, the first `exec`); the others wait their turn."""
+    """Containers being created at once on one node (`run -d` and the `inspect` after it); the others wait."""
     max_preparing: int = 2
     """Image pulls and builds at once on one node, before the first dispatch."""
     build_timeout_s: float = 900.0

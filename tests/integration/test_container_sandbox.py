@@ -453,3 +453,19 @@ def test_allow_internet_is_per_task_and_off_by_default(tmp_path, engine, base_im
         result, _group = episode(task_dir, sandbox, runner, execution_id=f"net-{allowed}")
         outputs.append(result.run.stdout_path.read_text().split()[0])
     assert outputs == ["unreachable", "reached"]
+
+
+def test_an_image_removed_after_it_was_made_ready_is_made_again(tmp_path, engine, base_image):
+    """The images' readiness is kept per process; an image pruned since is built again at the next prepare."""
+    task_dir = write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile="RUN echo pruned > /pruned")
+    sandbox, runner = sandbox_for(tmp_path, ["/bin/true"])
+    sandbox.check()
+    task = load_task(task_dir)
+    image = sandbox.images.image_for(task)
+    try:
+        engine.remove_images([image])
+        result, _group = episode(task_dir, sandbox, runner)
+        assert (result.run.close_kind, result.reward) == (CloseKind.COMPLETED, 1.0)
+        assert engine.image_exists(image)
+    finally:
+        engine.remove_images([image])

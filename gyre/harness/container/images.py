@@ -140,6 +140,11 @@ class ImageSet:
             return f"{source.what} is unavailable: {error}"
         return None
 
+    def forget(self, ref: str) -> None:
+        """Drop what is known of `ref` (an image removed since it was made ready: prepared again when next asked)."""
+        with _RESULTS_LOCK:
+            _RESULTS.pop((self.engine.kind, ref), None)
+
     def image_for(self, task: Task) -> str:
         """The ready image of `task` (prepared now if it was not); ImageUnavailable when it cannot be had."""
         source = self.source(task)

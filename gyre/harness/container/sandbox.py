@@ -186,7 +186,14 @@ class ContainerSandbox:
                 return dirs
         self._reap_once()
         image = self.images.image_for(task)  # ImageUnavailable: the placeholder outcome
-        container = self._create(execution_id, task.environment, image, dirs)
+        try:
+            container = self._create(execution_id, task.environment, image, dirs)
+        except SandboxError:
+            if self.engine.image_exists(image):
+                raise
+            self.images.forget(image)  # removed since it was made ready (a prune): made again, once
+            image = self.images.image_for(task)
+            container = self._create(execution_id, task.environment, image, dirs)
         with self._lock:
             self._containers[execution_id] = container
         return dirs
