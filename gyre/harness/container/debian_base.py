@@ -12,6 +12,7 @@ prints the tag. Measured on a 2-core machine: 17-19 s for bookworm with python3 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import shutil
 import subprocess
@@ -46,6 +47,19 @@ def debian_base(
     tag = base_tag(suite, packages)
     if engine.image_exists(tag):
         return tag
+    # One maker at a time on this machine (two test workers asked at once: two mmdebstraps, and the loser's import
+    # was left as a dangling 218 MB image); the others wait, then find it made.
+    lock_path = Path(tempfile.gettempdir()) / f"gyre-{tag.replace(':', '-')}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if engine.image_exists(tag):
+            return tag
+        return _make(engine, tag, suite, packages, labels)
+
+
+def _make(
+    engine: ContainerEngine, tag: str, suite: str, packages: Sequence[str], labels: Mapping[str, str] | None
+) -> str:
     mmdebstrap = shutil.which("mmdebstrap")
     if mmdebstrap is None:
         raise EngineError("mmdebstrap not found: install it (Debian: apt-get install mmdebstrap)")
