@@ -10,6 +10,7 @@ Pure: stdlib only.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from gyre.config.checks import require, require_bool, require_choice, require_duration, require_int, require_number
@@ -22,7 +23,9 @@ BUILTIN_BACKENDS = ("anthropic", "openai", "anthropic-http")  # gyre.harness.bui
 SANDBOXES = ("local", "bubblewrap", "container")
 HARNESS_HOSTS = ("controller", "nodes")  # where executions run: docs/cluster.md, "Harness hosts on every node"
 CONTAINER_ENGINES = ("docker", "podman", "apptainer")
-CONTAINER_NETWORKS = ("proxy", "host")  # docs/harness.md, "Container network"
+CONTAINER_NETWORKS = ("proxy", "host")
+IMAGE_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")  # as gyre.tasks.spec's: never a '-' option
+WORKDIR_RE = re.compile(r"^/[^:,\s]+$")  # docs/harness.md, "Container network"
 
 
 @dataclass(kw_only=True)
@@ -149,17 +152,20 @@ class ContainerConfig:
         require_choice("harness.container.engine", self.engine, CONTAINER_ENGINES)
         require(isinstance(self.image, str), "harness.container.image", self.image, "an image reference or ''")
         require(
-            not any(c.isspace() for c in self.image), "harness.container.image", self.image, "a reference, no spaces"
+            not self.image or IMAGE_REF_RE.match(self.image) is not None,
+            "harness.container.image",
+            self.image,
+            "an image reference (letters, digits, '._/:@-', not starting with one)",
         )
         require_int("harness.container.max_starting", self.max_starting, ge=1)
         require_int("harness.container.max_preparing", self.max_preparing, ge=1)
         require_duration("harness.container.build_timeout_s", self.build_timeout_s)
         require_choice("harness.container.network", self.network, CONTAINER_NETWORKS)
         require(
-            isinstance(self.workdir, str) and self.workdir.startswith("/") and self.workdir != "/",
+            isinstance(self.workdir, str) and WORKDIR_RE.match(self.workdir) is not None and ".." not in self.workdir,
             "harness.container.workdir",
             self.workdir,
-            "an absolute path below /",
+            "an absolute path below / (no ':' or ',')",
         )
         require_number("harness.container.cpus", self.cpus, ge=0)
         require_int("harness.container.memory_mb", self.memory_mb, ge=0)

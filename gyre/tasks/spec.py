@@ -68,6 +68,8 @@ _PYTHON_FIELDS = ("kind", "function", "timeout_s", "isolation")
 _TIMEOUT_FIELDS = ("harness_s", "overall_s")
 _ENVIRONMENT_FIELDS = ("image", "build_timeout_s", "cpus", "memory_mb", "pids", "allow_internet", "workdir")
 BUILD_CONTEXT = "environment"  # a task's build context: environment/Dockerfile beside task.toml
+IMAGE_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")  # an OCI reference; never a '-' option  (gyre.config.harness: the same)
+WORKDIR_RE = re.compile(r"^/[^:,\s]+$")  # a container path: no ':' or ',' (the engine's -v separators)
 
 
 class TaskError(ValueError):
@@ -194,8 +196,10 @@ def _environment(fields: _Fields, task_dir: Path) -> TaskEnvironment:
         fields.task, fields.path, fields.get("environment", dict, "a table", {}), "environment.", _ENVIRONMENT_FIELDS
     )
     image = env.get("image", str, "an image reference, e.g. 'python:3.11-slim'")
-    if image is not None and (not image.strip() or any(c.isspace() for c in image)):
-        env.fail("image", f"expected an image reference without spaces, got {image!r}")
+    if image is not None and not IMAGE_REF_RE.match(image):  # never an option of the engine's command line
+        env.fail(
+            "image", f"expected an image reference (letters, digits, '._/:@-', not starting with one), got {image!r}"
+        )
     dockerfile = task_dir / BUILD_CONTEXT / "Dockerfile"
     if image is not None and dockerfile.is_file():
         env.fail("image", f"set, but {dockerfile} exists too: name an image or ship a build context, not both")
@@ -209,8 +213,8 @@ def _environment(fields: _Fields, task_dir: Path) -> TaskEnvironment:
     if pids is not None and pids <= 0:
         env.fail("pids", f"expected a positive integer, got {pids!r}")
     workdir = env.get("workdir", str, "an absolute path in the container")
-    if workdir is not None and (not workdir.startswith("/") or ".." in Path(workdir).parts or workdir == "/"):
-        env.fail("workdir", f"expected an absolute path below /, got {workdir!r}")
+    if workdir is not None and (not WORKDIR_RE.match(workdir) or ".." in Path(workdir).parts):
+        env.fail("workdir", f"expected an absolute path below / (no ':' or ','), got {workdir!r}")
     return TaskEnvironment(
         image=image,
         build_context=dockerfile.parent.resolve() if dockerfile.is_file() else None,

@@ -232,6 +232,7 @@ BAD = [
     (lambda: ContainerConfig(max_starting=0), "harness.container.max_starting=0 is not allowed"),
     (lambda: ContainerConfig(workdir="rel"), "harness.container.workdir='rel' is not allowed"),
     (lambda: ContainerConfig(network="bridge"), "harness.container.network='bridge' is not allowed"),
+    (lambda: ContainerConfig(image="--privileged"), "harness.container.image='--privileged' is not allowed"),
     (lambda: HarnessConfig(env={"A": 1}), "harness.env={'A': 1} is not allowed"),
     (lambda: HarnessConfig(max_turns=0), "harness.max_turns=0 is not allowed"),
 ]

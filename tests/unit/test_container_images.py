@@ -59,7 +59,9 @@ def test_the_build_tag_follows_the_content_only(tmp_path):
 @pytest.mark.parametrize(
     ("environment", "dockerfile", "message"),
     [
-        ('[environment]\nimage = "a b"\n', None, "without spaces"),
+        ('[environment]\nimage = "a b"\n', None, "an image reference"),
+        ('[environment]\nimage = "--volume=/:/host"\n', None, "not starting with one"),
+        ('[environment]\nworkdir = "/w:/etc"\n', None, "no ':' or ','"),
         ('[environment]\nimage = "x:1"\n', "FROM y\n", "not both"),
         ("[environment]\ncpus = 0\n", None, "a positive number"),
         ("[environment]\nmemory_mb = 1.5\n", None, "integer"),
