@@ -68,7 +68,8 @@ _PYTHON_FIELDS = ("kind", "function", "timeout_s", "isolation")
 _TIMEOUT_FIELDS = ("harness_s", "overall_s")
 _ENVIRONMENT_FIELDS = ("image", "build_timeout_s", "cpus", "memory_mb", "pids", "allow_internet", "workdir")
 BUILD_CONTEXT = "environment"  # a task's build context: environment/Dockerfile beside task.toml
-IMAGE_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")  # an OCI reference; never a '-' option  (gyre.config.harness: the same)
+# An OCI reference that is never a '-' option of the engine's command line (gyre.config.harness checks the same).
+IMAGE_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
 WORKDIR_RE = re.compile(r"^/[^:,\s]+$")  # a container path: no ':' or ',' (the engine's -v separators)
 
 
