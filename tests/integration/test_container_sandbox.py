@@ -469,3 +469,19 @@ def test_an_image_removed_after_it_was_made_ready_is_made_again(tmp_path, engine
         assert engine.image_exists(image)
     finally:
         engine.remove_images([image])
+
+
+def test_a_link_the_agent_plants_in_the_evaluation_directory_is_not_followed(tmp_path, engine, base_image):
+    """The harness is root in its container and the evaluation directory is bound there: a `current` link to a host
+    directory would have sent the controller's copies of the work there. It is removed before the evaluation."""
+    target = tmp_path / "host-only"
+    target.mkdir()
+    plant = f"ln -s {target} {tmp_path}/run/executions/e1/evaluation/current && echo planted"
+    task_dir = write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=None)
+    sandbox, runner = sandbox_for(tmp_path, ["/bin/sh", "-c", plant])
+    sandbox.check()
+    result, _group = episode(task_dir, sandbox, runner)
+    assert result.run.stdout_path.read_text() == "planted\n"  # the link was made, inside the container
+    assert (result.status, result.reward) == (Status.VALID, 1.0)
+    assert list(target.iterdir()) == []  # and nothing was written through it on the host
+    assert result.run.stdout_path.read_text() == "planted\n"  # the evaluation's logs did not replace the harness's

@@ -166,12 +166,7 @@ class ContainerSandbox:
 
     def prepare(self, execution_id: str, task: Task | None = None) -> ExecutionDirs:
         if execution_id.endswith(EVALUATION_SUFFIX):  # in the execution's container, below its evaluation dir
-            base = execution_id[: -len(EVALUATION_SUFFIX)]
-            current = self.root / base / "evaluation" / "current"
-            dirs = ExecutionDirs(root=current, workspace=current / "work", home=current / "home", log_dir=current)
-            for path in (dirs.home, dirs.tmp):
-                path.mkdir(parents=True, exist_ok=True)
-            return dirs
+            return self._evaluation_dirs(execution_id[: -len(EVALUATION_SUFFIX)])
         _check_id(execution_id)
         if task is None:
             raise SandboxError(f"execution {execution_id!r}: a container sandbox prepares an execution of a task")
@@ -196,6 +191,27 @@ class ContainerSandbox:
             container = self._create(execution_id, task.environment, image, dirs)
         with self._lock:
             self._containers[execution_id] = container
+        return dirs
+
+    def _evaluation_dirs(self, base: str) -> ExecutionDirs:
+        """A fresh directory for one evaluation of `base`, below its evaluation directory (bound in the container).
+
+        The harness, root in its container, could write there: a link planted as `current` would send the
+        controller's copies of the work (as root, on the host) anywhere. So it is emptied first, never following a
+        link, once the harness's processes are gone (`release` ran) and before the controller writes anything; the
+        logs go to the execution's own log directory, which no container sees."""
+        top = self.root / base
+        evaluation = top / "evaluation"
+        for entry in os.scandir(evaluation):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        current = evaluation / "current"
+        logs = top / "logs" / "evaluation"  # beside the harness's stdout.log and stderr.log, not over them
+        dirs = ExecutionDirs(root=current, workspace=current / "work", home=current / "home", log_dir=logs)
+        for path in (current, dirs.home, dirs.tmp):
+            path.mkdir()
         return dirs
 
     def _create(self, execution_id: str, env: TaskEnvironment, image: str, dirs: ExecutionDirs) -> _Container:
