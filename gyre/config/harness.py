@@ -151,12 +151,20 @@ class ContainerConfig:
     def __post_init__(self) -> None:
         require_choice("harness.container.engine", self.engine, CONTAINER_ENGINES)
         require(isinstance(self.image, str), "harness.container.image", self.image, "an image reference or ''")
-        require(
-            not self.image or IMAGE_REF_RE.match(self.image) is not None,
-            "harness.container.image",
-            self.image,
-            "an image reference (letters, digits, '._/:@-', not starting with one)",
-        )
+        if self.engine == "apptainer":
+            require(
+                not self.image or self.image.startswith("/"),
+                "harness.container.image",
+                self.image,
+                "the absolute path of a .sif with engine=apptainer",
+            )
+        else:
+            require(
+                not self.image or IMAGE_REF_RE.match(self.image) is not None,
+                "harness.container.image",
+                self.image,
+                "an image reference (letters, digits, '._/:@-', not starting with one)",
+            )
         require_int("harness.container.max_starting", self.max_starting, ge=1)
         require_int("harness.container.max_preparing", self.max_preparing, ge=1)
         require_duration("harness.container.build_timeout_s", self.build_timeout_s)

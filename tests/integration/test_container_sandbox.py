@@ -248,6 +248,10 @@ def test_an_image_that_cannot_be_built_is_the_placeholder_with_one_warning(tmp_p
     assert group.ready and [group.execution(e).reward for e in ("e1", "e2")] == [0.0, 0.0]  # the placeholder
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "in-image" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    from gyre.runtime.job.harness_setup import HarnessSetupError, check_harness
+
+    with pytest.raises(HarnessSetupError, match="no task's image can be had"):  # every task: the job stops at once
+        check_harness(runner, sandbox, [task], timeout_s=30)
 
 
 def test_a_restarted_run_removes_the_containers_a_killed_controller_left(tmp_path, engine, base_image):
@@ -287,6 +291,8 @@ for name, paths in limits:
             print(name, Path(limit).read_text().split()[0])
             break
 os.system("setsid sleep 300 > /dev/null 2>&1 < /dev/null &")  # a daemon in a session of its own, left running
+# and one in a pid namespace of its own (a user namespace first: no capability needed)
+os.system("unshare -Urpf sleep 301 > /dev/null 2>&1 < /dev/null &")
 """
 LEFTOVER_CHECK = r"""
 import os
@@ -295,7 +301,7 @@ stray = []
 for pid in os.listdir("/proc"):
     if pid.isdigit():
         comm = open(f"/proc/{pid}/comm").read().strip()
-        if comm == "sleep" and open(f"/proc/{pid}/cmdline").read().startswith("sleep\0" + "300"):
+        if comm == "sleep" and open(f"/proc/{pid}/cmdline").read()[:9] in ("sleep\0" + "300", "sleep\0" + "301"):
             stray.append(pid)
 print(0.0 if stray else 1.0)
 """
@@ -325,7 +331,7 @@ def test_isolation_of_a_container_execution(tmp_path, engine, base_image):
     finally:
         host_only.unlink(missing_ok=True)
     lines = result.run.stdout_path.read_text().splitlines()
-    assert lines[0] in ("processes 3", "processes 4"), lines  # the keeper, its sleep, the probe (and its shell)
+    assert lines[0] in ("processes 2", "processes 3"), lines  # the keeper and the probe (and its shell)
     assert lines[1:6] == [
         f"{other} absent",
         f"{tmp_path / 'run' / 'records'} absent",
@@ -485,3 +491,48 @@ def test_a_link_the_agent_plants_in_the_evaluation_directory_is_not_followed(tmp
     assert (result.status, result.reward) == (Status.VALID, 1.0)
     assert list(target.iterdir()) == []  # and nothing was written through it on the host
     assert result.run.stdout_path.read_text() == "planted\n"  # the evaluation's logs did not replace the harness's
+
+
+def test_the_harnesss_environment_never_reaches_the_engine_client(tmp_path, engine, base_image):
+    """A task or harness environment with LD_PRELOAD or CONTAINERS_CONF is the container's, not the root podman
+    client's on the host (which would otherwise load that library or read that config)."""
+    hostile = {"CONTAINERS_CONF": str(tmp_path / "no-such.conf"), "LD_PRELOAD": str(tmp_path / "no-such.so")}
+    task_dir = write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=None)
+    sandbox, _runner = sandbox_for(tmp_path, ["/bin/true"])
+    sandbox.check()
+    argv = ("/bin/sh", "-c", 'echo "$CONTAINERS_CONF $LD_PRELOAD"')
+    runner = runner_for("command", argv=argv, env=hostile)
+    result, _group = episode(task_dir, sandbox, runner)
+    assert result.run.close_kind is CloseKind.COMPLETED, result.run.stderr_path.read_text()
+    assert result.run.stdout_path.read_text().split() == [hostile["CONTAINERS_CONF"], hostile["LD_PRELOAD"]]
+    assert not list((tmp_path / "run" / "executions" / "e1" / "logs").glob(".env-*"))  # removed at release
+
+
+def test_an_episode_cancelled_while_its_container_starts_leaves_none(tmp_path, engine, base_image):
+    """The prepare thread goes on after the cancel; the episode's close comes first and marks the id, and the
+    prepare removes the container it made."""
+    import time
+
+    task = load_task(write_task(tmp_path, base_image, evaluator="print(1.0)\n", dockerfile=None))
+    sandbox, runner = sandbox_for(tmp_path, ["/bin/true"])
+    sandbox.check()
+    group = GroupOutcomes(1, ["e1"])
+
+    async def cancelled_early() -> None:
+        episode_task = asyncio.ensure_future(
+            run_episode(
+                task, execution_id="e1", api_key="k", runner=runner, sandbox=sandbox, proxy=PROXY,
+                limits=ExecutionLimits(harness_timeout_s=30, overall_timeout_s=60), group=group,
+            )
+        )  # fmt: skip
+        await asyncio.sleep(0.05)  # inside prepare's `run -d`
+        episode_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await episode_task
+
+    asyncio.run(cancelled_early())
+    label = f"{RUN_LABEL}={sandbox.run_label}"
+    deadline = time.monotonic() + 20
+    while engine.containers_labeled(label) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine.containers_labeled(label) == [] and sandbox.containers() == {}

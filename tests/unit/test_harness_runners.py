@@ -182,19 +182,28 @@ def test_limits_validate_and_overall_timeout_applies_only_to_evaluable_work():
         ResourceLimits(cpu_seconds=-1)
 
 
-def test_container_exec_argv_passes_the_environment_by_name_only(tmp_path):
+def test_container_exec_argv_passes_the_environment_in_a_private_file_only(tmp_path):
     from gyre.harness.container.engine import ContainerEngine
+    from gyre.harness.container.sandbox import write_env_file
+    from gyre.harness.sandbox import SandboxError
 
     context = make_context(tmp_path)
     spec = CommandRunner(argv=["sh", "-c", "echo {prompt}"]).launch_spec(context)
     engine = ContainerEngine(kind="podman", binary="/usr/bin/podman")
-    argv = engine.exec_argv(
-        "gyre-x-exec-00007", spec.argv, workdir="/workspace", env_names=sorted(spec.env), stdin=True
-    )
-    assert argv[:5] == ["/usr/bin/podman", "exec", "-i", "--workdir", "/workspace"]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-e"] == sorted(spec.env)
-    assert not any("sk-exec-7" in a for a in argv)  # the client reads each value from its own environment
+    env_file = write_env_file(tmp_path / "logs" / ".env-harness", spec.env)
+    argv = engine.exec_argv("gyre-x-exec-00007", spec.argv, workdir="/workspace", env_file=env_file, stdin=True)
+    assert argv[:7] == ["/usr/bin/podman", "exec", "-i", "--workdir", "/workspace", "--env-file", str(env_file)]
+    assert not any("sk-exec-7" in a for a in argv)  # the key is in the file, not on the command line
     assert argv[argv.index("gyre-x-exec-00007") + 1 :] == list(spec.argv)
+    assert oct(env_file.stat().st_mode & 0o777) == "0o600"
+    assert dict(line.split("=", 1) for line in env_file.read_text().splitlines()) == dict(spec.env)
+    for bad in ({"A": "two\nlines"}, {"A=B": "x"}, {"": "x"}):
+        with pytest.raises(SandboxError, match=r"newline|'='"):
+            write_env_file(tmp_path / "bad", bad)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        write_env_file(link, {"A": "1"})  # never written through a link
 
 
 def test_container_run_argv_labels_binds_and_limits(tmp_path):
@@ -217,6 +226,7 @@ def test_container_run_argv_labels_binds_and_limits(tmp_path):
     dirs = ExecutionDirs(
         root=tmp_path / "e", workspace=tmp_path / "e/workspace", home=tmp_path / "e/home", log_dir=tmp_path / "e/logs"
     )
+    sandbox._catatonit = lambda: "/usr/bin/catatonit"  # the host's keeper binary (not needed to build argv)
     name = container_name("r" * 16, "exec/7")
     assert name.startswith("gyre-rrrrrrrrrrrr-exec_7-") and "/" not in name
     args = sandbox._run_args(name, "exec/7", TaskEnvironment(memory_mb=512), "img:1", dirs, "/workspace")
@@ -226,9 +236,10 @@ def test_container_run_argv_labels_binds_and_limits(tmp_path):
     assert (args[args.index("--pids-limit") + 1], args[args.index("--cpus") + 1]) == ("256", "2")
     assert args[args.index("--memory") + 1] == "512m"
     mounts = [args[i + 1] for i, a in enumerate(args) if a == "-v"]
-    assert mounts[0] == f"{dirs.workspace}:/workspace" and "/opt/python:/opt/python:ro" in mounts
+    assert mounts[0].endswith(":/run/gyre/keeper:ro")  # the host's catatonit, the keeper: nothing of the image
+    assert args[args.index("--entrypoint") + 1] == "/run/gyre/keeper" and args[-1] == "-P"
+    assert mounts[1] == f"{dirs.workspace}:/workspace" and "/opt/python:/opt/python:ro" in mounts
     assert not any(m.startswith(str(dirs.log_dir)) for m in mounts)  # the logs are the controller's
-    assert args[args.index("img:1") + 1 :][0] == "-c"
     with_internet = sandbox._run_args(name, "x", TaskEnvironment(allow_internet=True), "img:1", dirs, "/w")
     assert with_internet[with_internet.index("--network") + 1] == "slirp4netns"
 

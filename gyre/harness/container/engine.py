@@ -2,7 +2,7 @@
 
 Every call is bounded in time and returns or raises `EngineError` with the engine's own message (its last line of
 stderr): nothing here leaves a process behind. Values of the harness's environment never appear on a command
-line: `exec_argv` passes `-e NAME` and the client reads the value from its own environment.
+line nor in the client's own environment: `exec_argv` passes `--env-file` (written by the sandbox, 0600).
 
 Podman on some machines needs two settings (docs/harness.md, "Container engine setup"): the `runc` runtime where
 cgroups are v1 or hybrid (crun refuses that layout), and no default ulimits where the machine's hard limits are
@@ -20,14 +20,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre.harness.sandbox import SandboxError
+
 __all__ = ["ContainerEngine", "EngineError", "EngineMissing", "podman_conf"]
 
 CALL_TIMEOUT_S = 60.0  # any call but pull and build: create, exec of a helper, rm, inspect, list
 ENGINE_PACKAGES = {"podman": "podman", "docker": "docker.io"}  # Debian's package of each engine
 
 
-class EngineError(RuntimeError):
-    """An engine call failed; the message is the call and the engine's own last line."""
+class EngineError(SandboxError):
+    """An engine call failed; the message is the call and the engine's own last line (the sandbox cannot host the
+    execution: a total failure, the placeholder outcome)."""
 
 
 class EngineMissing(EngineError):
@@ -171,27 +174,23 @@ class ContainerEngine:
             raise EngineError(f"{self.kind} inspect {name}: not running (pid {pid!r})")
         return pid
 
-    def exec_argv(
-        self, name: str, argv: Sequence[str], *, workdir: str, env_names: Sequence[str], stdin: bool
-    ) -> list[str]:
-        """The client command that runs `argv` in container `name` (values of `env_names` from the client's env)."""
+    def exec_argv(self, name: str, argv: Sequence[str], *, workdir: str, env_file: Path, stdin: bool) -> list[str]:
+        """The client command that runs `argv` in container `name` with the environment of `env_file` (NAME=value
+        lines: no value on a command line, none in the client's own environment)."""
         args = [self.binary or self.kind, "exec"]
         if stdin:
             args.append("-i")
-        args += ["--workdir", workdir]
-        for env_name in env_names:
-            args += ["-e", env_name]
-        return [*args, name, *argv]
+        return [*args, "--workdir", workdir, "--env-file", str(env_file), name, *argv]
 
     def exec_run(
-        self, name: str, argv: Sequence[str], *, env: Mapping[str, str], workdir: str, timeout_s: float
+        self, name: str, argv: Sequence[str], *, env_file: Path, workdir: str, timeout_s: float
     ) -> tuple[int | None, str]:
         """Run `argv` in container `name` to its end: (exit status, None past `timeout_s`; its last stderr line)."""
-        command = self.exec_argv(name, argv, workdir=workdir, env_names=sorted(env), stdin=False)
+        command = self.exec_argv(name, argv, workdir=workdir, env_file=env_file, stdin=False)
         try:
             done = subprocess.run(
                 command,
-                env={**self.environ(), **env},
+                env=self.environ(),
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 text=True,

@@ -10,8 +10,9 @@ proxy's real address, from the host's namespace. So the harness reaches the prox
 and no other port of the job (torch.distributed stores, engine endpoints, Mooncake) exists in its namespace. No
 process runs in the container for this, and nothing of the image is needed. Entering a namespace needs root.
 
-`ForwardThread` is one event loop on its own thread for every forward of a sandbox: the bytes of streamed
-responses never pass through the controller's own loop.
+`FORWARDS` is one event loop on its own thread for every forward of the process (every sandbox's: a held-out
+evaluation makes a sandbox per version): the bytes of streamed responses never pass through the controller's own
+loop.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import socket
 import threading
 
-__all__ = ["ForwardThread", "Forwarder", "listen_in_namespace"]
+__all__ = ["FORWARDS", "ForwardThread", "Forwarder", "listen_in_namespace"]
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,11 @@ class ForwardThread:
 
     def forward(self, sock: socket.socket, target: tuple[str, int], timeout_s: float = 10.0) -> Forwarder:
         forwarder = Forwarder(sock, target)
-        asyncio.run_coroutine_threadsafe(forwarder.start(), self._running_loop()).result(timeout_s)
+        try:
+            asyncio.run_coroutine_threadsafe(forwarder.start(), self._running_loop()).result(timeout_s)
+        except BaseException:
+            sock.close()
+            raise
         return forwarder
 
     def close(self, forwarder: Forwarder, timeout_s: float = 10.0) -> None:
@@ -150,3 +155,6 @@ class ForwardThread:
             return
         with contextlib.suppress(Exception):  # closing is best effort: the socket goes with the namespace anyway
             asyncio.run_coroutine_threadsafe(forwarder.close(), self._loop).result(timeout_s)
+
+
+FORWARDS = ForwardThread()  # the process's one forward loop (module docstring)

@@ -3,15 +3,16 @@
 The lifecycle (docs/harness.md, "The container sandbox"):
 - `prepare(execution_id, task)`: the execution's directories on the host, then `run -d` of a container of the
   task's image (`ImageSet.image_for`; an unavailable image raises `ImageUnavailable`, the placeholder outcome)
-  whose first process is a keeper: a shell as pid 1 that ignores signals and reaps orphans. The workspace is bound
+  whose first process is a keeper: the host's catatonit in pause mode, bound read-only (static; it starts nothing,
+  reaps orphans, and as pid 1 of the namespace no process inside can signal it). The workspace is bound
   at the task's working directory (default /workspace) and at its host path, the home and the evaluation directory
   at their host paths, and `ro_binds` (the host's install of the harness and of the evaluator's Python) read-only
   at their host paths. Labels: `gyre.run` (the run) and `gyre.execution`. At most `max_starting` at once.
 - `start(spec, context)`: `exec` of the harness (or, for `<id>.evaluate`, of the evaluator) in that container,
   the environment passed by name only (`-e NAME`: no value on a command line). The first start opens the proxy's
   port inside the container's network namespace (`gyre.harness.container.network`).
-- `stop_inside(context, grace_s)`: SIGTERM to every process in the container outside the keeper's session,
-  SIGKILL to what is left after `grace_s`, from the host (`gyre.harness.container.processes`); run by
+- `stop_inside(context, grace_s)`: SIGTERM to every process of the container's cgroup but the keeper, SIGKILL to
+  what is left after `grace_s`, from the host (`gyre.harness.container.processes`); run by
   `run_harness` at a timeout or cancel before it signals the client. `release(context)`: the same with no grace,
   after each harness or evaluator (what it left running ends).
 - `close(execution_id)`: the container is removed (its forward closed); the workspace stays on the host.
@@ -26,6 +27,7 @@ the image), and a retried evaluation starts from the same preserved work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -43,7 +45,7 @@ from gyre.harness.container import processes
 from gyre.harness.container.engine import ContainerEngine, EngineError
 from gyre.harness.container.host_programs import host_argv, host_mounts, parse_shebang
 from gyre.harness.container.images import ImageSet
-from gyre.harness.container.network import Forwarder, ForwardThread, listen_in_namespace
+from gyre.harness.container.network import FORWARDS, Forwarder, listen_in_namespace
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
 from gyre.harness.sandbox import (
     PRIVATE_DIR_MODE,
@@ -55,7 +57,7 @@ from gyre.harness.sandbox import (
 from gyre.harness.threads import blocking
 from gyre.tasks.spec import Task, TaskEnvironment
 
-__all__ = ["EXECUTION_LABEL", "KEEPER_SCRIPT", "RUN_LABEL", "ContainerSandbox"]
+__all__ = ["EXECUTION_LABEL", "KEEPER", "RUN_LABEL", "ContainerSandbox"]
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +65,27 @@ RUN_LABEL = "gyre.run"
 EXECUTION_LABEL = "gyre.execution"
 EVALUATION_SUFFIX = ".evaluate"  # gyre.harness.evaluation's ids: the evaluation of <id> runs in <id>'s container
 
-# pid 1 of every container: ignores the signals it may get, reaps every orphan (`wait` takes any child), and
-# keeps one `sleep` child to wait on. A process in the container cannot signal it (pid 1 of its namespace).
-KEEPER_SCRIPT = 'trap "" HUP INT QUIT TERM USR1 USR2; while :; do sleep 86400 & wait $!; done'
+# pid 1 of every container: the host's catatonit (static), bound read-only, in pause mode (`-P`): it starts nothing
+# (a keeper that ran a program of the image, e.g. `sleep`, ran whatever the agent put there as root), reaps orphans,
+# and cannot be signalled from inside (pid 1 of its namespace).
+KEEPER = "/run/gyre/keeper"
+CATATONIT_PATHS = ("/usr/bin/catatonit", "/usr/libexec/podman/catatonit", "/usr/libexec/catatonit/catatonit")
+
+
+def write_env_file(path: Path, env: Mapping[str, str]) -> Path:
+    """`env` as an engine's `--env-file` (NAME=value lines, 0600, never through a link): the harness's environment
+    goes neither on a command line (the execution's key) nor into the engine client's own environment, where a
+    task's `LD_PRELOAD`, `CONTAINERS_CONF` or `PATH` would run code on the host as root. Written into the
+    execution's log directory, which no container sees; `release` removes it."""
+    for name, value in env.items():
+        if not name or "=" in name or any(c in name + value for c in "\n\r\0"):
+            raise SandboxError(f"environment variable {name!r}: no '=' in a name, no newline or NUL in a container's")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.writelines(f"{name}={value}\n" for name, value in sorted(env.items()))
+    return path
+
 
 _NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -81,7 +101,8 @@ def container_name(run_label: str, execution_id: str) -> str:
 @dataclass
 class _Container:
     name: str
-    pid: int
+    pid: int  # the keeper's, on the host
+    cgroup: Path  # the container's cgroup directory, recorded at its start (gone with the container)
     workspace: Path  # on the host
     workdir: str  # where the workspace is mounted inside
     forwarder: Forwarder | None = None
@@ -110,17 +131,16 @@ class ContainerSandbox:
         self._containers: dict[str, _Container] = {}
         self._lock = threading.Lock()
         self._starting = threading.BoundedSemaphore(self.settings.max_starting)
-        self._forwards = ForwardThread()
+        self._forwards = FORWARDS
         self._targets: dict[int, tuple[str, int]] = {}  # port inside -> the proxy's address outside
         self._reaped = False
+        self._closed: set[str] = set()  # ids closed before their prepare registered a container
         self._reap_lock = threading.Lock()  # held while reaping: no container of this sandbox exists before it ends
 
     # -- setup --------------------------------------------------------------------------------------
     def check(self) -> None:
-        try:
-            self.engine.check()
-        except EngineError as error:
-            raise SandboxError(str(error)) from None
+        self.engine.check()  # EngineMissing: a SandboxError naming the package
+        self._catatonit()
         if self.settings.network == "proxy" and os.geteuid() != 0:
             raise SandboxError(
                 "harness.container.network=proxy forwards the proxy into each container's network namespace, which "
@@ -146,6 +166,16 @@ class ContainerSandbox:
         if names:
             log.warning("removed %d container(s) an earlier controller of this run left behind", len(names))
         return names
+
+    def _catatonit(self) -> str:
+        """The host's catatonit (static), every container's keeper."""
+        found = shutil.which("catatonit") or next((p for p in CATATONIT_PATHS if os.path.isfile(p)), None)
+        if found is None:
+            raise SandboxError(
+                "catatonit not found: every container's first process is the host's (Debian: apt-get install "
+                "catatonit; podman installs it)"
+            )
+        return os.path.realpath(found)
 
     def uid_of(self, execution_id: str) -> int | None:
         return None
@@ -190,7 +220,12 @@ class ContainerSandbox:
             image = self.images.image_for(task)
             container = self._create(execution_id, task.environment, image, dirs)
         with self._lock:
-            self._containers[execution_id] = container
+            closed = execution_id in self._closed  # closed while this prepare ran (its episode was cancelled)
+            if not closed:
+                self._containers[execution_id] = container
+        if closed:
+            self._remove(container.name)
+            raise SandboxError(f"execution {execution_id!r} was closed while its container started")
         return dirs
 
     def _evaluation_dirs(self, base: str) -> ExecutionDirs:
@@ -225,7 +260,12 @@ class ContainerSandbox:
             except EngineError as error:
                 self._remove(name)
                 raise SandboxError(f"container for execution {execution_id!r} ({image}): {error}") from None
-        return _Container(name=name, pid=pid, workspace=dirs.workspace, workdir=workdir)
+            try:
+                cgroup = processes.cgroup_of(pid)
+            except OSError as error:
+                self._remove(name)
+                raise SandboxError(f"container for execution {execution_id!r}: {error}") from None
+        return _Container(name=name, pid=pid, cgroup=cgroup, workspace=dirs.workspace, workdir=workdir)
 
     def probe(
         self, image: str, commands: Sequence[tuple[Sequence[str], Mapping[str, str]]], *, timeout_s: float
@@ -243,11 +283,11 @@ class ContainerSandbox:
                 self.engine.exec_run(
                     container.name,
                     self.inside_argv(argv, env.get("PATH", os.defpath)),
-                    env=env,
+                    env_file=write_env_file(dirs.log_dir / f".env-probe-{i}", env),
                     workdir=container.workdir,
                     timeout_s=timeout_s,
                 )
-                for argv, env in commands
+                for i, (argv, env) in enumerate(commands)
             ]
         finally:
             self._remove(container.name)
@@ -263,7 +303,7 @@ class ContainerSandbox:
         for key, value in sorted(self.settings.labels.items()):
             args += ["--label", f"{key}={value}"]
         args += ["--network", self._network(env.allow_internet)]
-        args += ["--workdir", workdir, "--entrypoint", "/bin/sh"]
+        args += ["--workdir", workdir, "--entrypoint", KEEPER, "-v", f"{self._catatonit()}:{KEEPER}:ro"]
         pids = env.pids or self.limits.max_processes
         if pids:
             args += ["--pids-limit", str(pids)]
@@ -284,7 +324,7 @@ class ContainerSandbox:
         if self.host_usr:
             for host, inside in host_mounts():
                 args += ["-v", f"{host}:{inside}:ro"]
-        return [*args, image, "-c", KEEPER_SCRIPT]
+        return [*args, image, "-P"]
 
     @property
     def harness_on_host(self) -> bool:
@@ -342,12 +382,14 @@ class ContainerSandbox:
         workdir = container.workdir if context.workspace == container.workspace else str(context.workspace)
         argv = spec.argv if context.execution_id.endswith(EVALUATION_SUFFIX) else self.harness_argv(spec.argv)
         inside = self.inside_argv(argv, env.get("PATH", os.defpath))
-        argv = self.engine.exec_argv(
-            container.name, inside, workdir=workdir, env_names=sorted(env), stdin=spec.stdin is not None
-        )
+        top = self.root / context.execution_id.removesuffix(EVALUATION_SUFFIX)
+        kind = "evaluation" if context.execution_id.endswith(EVALUATION_SUFFIX) else "harness"
+        env_file = write_env_file(top / "logs" / f".env-{kind}", env)
+        stdin = spec.stdin is not None
+        argv = self.engine.exec_argv(container.name, inside, workdir=workdir, env_file=env_file, stdin=stdin)
         return await asyncio.create_subprocess_exec(
             *argv,
-            env={**self.engine.environ(), **env},
+            env=self.engine.environ(),  # the client's own: never the harness's (LD_PRELOAD, CONTAINERS_CONF, ...)
             stdin=subprocess.DEVNULL if spec.stdin is None else subprocess.PIPE,
             stdout=stdout,
             stderr=stderr,
@@ -359,13 +401,15 @@ class ContainerSandbox:
         if more:
             raise SandboxError(f"the proxy is reached at several ports {sorted(self._targets)}; expected one")
         try:
+            if not processes.holds(container.cgroup, container.pid):  # the keeper has gone: its pid may be another's
+                raise OSError(f"the container's first process {container.pid} has ended")
             sock = listen_in_namespace(container.pid, port)
         except OSError as error:
             raise SandboxError(f"opening the proxy's port {port} in container {container.name}: {error}") from None
         return self._forwards.forward(sock, target)
 
     def _sweep(self, container: _Container, grace_s: float) -> None:
-        left = processes.stop(container.pid, grace_s)
+        left = processes.stop(container.cgroup, container.pid, grace_s)
         if left:
             log.error("container %s: processes %s survived SIGKILL (stuck in the kernel?)", container.name, left)
 
@@ -378,6 +422,10 @@ class ContainerSandbox:
         await blocking(self._sweep, container, grace_s)
 
     def release(self, context: ExecutionContext) -> None:
+        top = self.root / context.execution_id.removesuffix(EVALUATION_SUFFIX)
+        for kind in ("harness", "evaluation"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(top / "logs" / f".env-{kind}")
         try:
             container = self._container(context.execution_id)
         except SandboxError:
@@ -389,6 +437,8 @@ class ContainerSandbox:
         """Remove the execution's container (the workspace stays on the host)."""
         with self._lock:
             container = self._containers.pop(execution_id, None)
+            if container is None:  # a prepare still running (or none): it removes what it makes
+                self._closed.add(execution_id)
         if container is None:
             return
         if container.forwarder is not None:

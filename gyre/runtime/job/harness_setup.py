@@ -228,6 +228,8 @@ def _check_images(runner, sandbox, tasks: Sequence[Task], timeout_s: float) -> N
     placeholder outcome), then the harness's program and the evaluators' interpreter run once in a container of
     each ready image; HarnessSetupError naming the image when either cannot run there."""
     failed = sandbox.images.prepare(tasks)
+    if tasks and len(failed) == len(tasks):  # a typo in the default image: a run of placeholders only
+        raise HarnessSetupError(f"sandbox container: no task's image can be had: {next(iter(failed.values()))}")
     images: dict[str, Task] = {}
     for task in tasks:
         if task.id not in failed:
