@@ -35,6 +35,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,8 @@ EVALUATION_SUFFIX = ".evaluate"  # gyre.harness.evaluation's ids: the evaluation
 # (a keeper that ran a program of the image, e.g. `sleep`, ran whatever the agent put there as root), reaps orphans,
 # and cannot be signalled from inside (pid 1 of its namespace).
 KEEPER = "/run/gyre/keeper"
+REMOVE_ATTEMPTS = 3  # `rm -f` of a container failed once under load, leaving it killed but not removed
+REMOVE_RETRY_S = 1.0
 CATATONIT_PATHS = ("/usr/bin/catatonit", "/usr/libexec/podman/catatonit", "/usr/libexec/catatonit/catatonit")
 
 
@@ -446,10 +449,29 @@ class ContainerSandbox:
         self._remove(container.name)
 
     def _remove(self, name: str) -> None:
+        for attempt in range(REMOVE_ATTEMPTS):
+            try:
+                self.engine.remove([name])
+                return
+            except EngineError as error:
+                if attempt + 1 == REMOVE_ATTEMPTS:
+                    log.warning(
+                        "could not remove container %s: %s (removed at the run's end or next start)", name, error
+                    )
+                else:
+                    time.sleep(REMOVE_RETRY_S)
+
+    def shutdown(self) -> None:
+        """At the run's end: remove every container of the run still there (one whose removal failed under load,
+        or one of a prepare that outlived its episode), and say so."""
         try:
-            self.engine.remove([name])
+            names = self.engine.containers_labeled(f"{RUN_LABEL}={self.run_label}")
+            self.engine.remove(names)
         except EngineError as error:
-            log.warning("could not remove container %s: %s (removed when the run starts again)", name, error)
+            log.warning("the run's containers could not be listed or removed at its end: %s", error)
+            return
+        if names:
+            log.warning("removed %d container(s) of this run still there at its end: %s", len(names), names[:5])
 
     def containers(self) -> Mapping[str, str]:
         """Execution id -> container name, of those prepared and not closed."""

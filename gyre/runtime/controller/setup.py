@@ -201,6 +201,9 @@ async def run_controller(plan: RunPlan, job, echo: Callable[[str], None], *, hos
         async with _closing_step("the harness hosts' client"):
             if harness_hosts is not None:
                 await harness_hosts.close()
+        async with _closing_step("the executions' sandbox"):
+            if (shutdown := getattr(sandbox, "shutdown", None)) is not None:  # a container sandbox: what is left
+                await asyncio.to_thread(shutdown)
         await asyncio.to_thread(server.stop)
 
 

@@ -83,6 +83,8 @@ class HarnessHost:
             task.cancel()
         if self.running:
             await asyncio.wait(list(self.running.values()), timeout=30)
+        if (shutdown := getattr(self.sandbox, "shutdown", None)) is not None:  # a container sandbox: what is left
+            await asyncio.to_thread(shutdown)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
