@@ -233,6 +233,7 @@ BAD = [
     (lambda: ContainerConfig(workdir="rel"), "harness.container.workdir='rel' is not allowed"),
     (lambda: ContainerConfig(network="bridge"), "harness.container.network='bridge' is not allowed"),
     (lambda: ContainerConfig(image="--privileged"), "harness.container.image='--privileged' is not allowed"),
+    (lambda: ContainerConfig(engine="apptainer", image="t.sif"), "harness.container.image='t.sif' is not allowed"),
     (lambda: HarnessConfig(env={"A": 1}), "harness.env={'A': 1} is not allowed"),
     (lambda: HarnessConfig(max_turns=0), "harness.max_turns=0 is not allowed"),
 ]
@@ -428,3 +429,8 @@ def test_the_recompute_choices_are_the_trainers_own():
     from gyre.models.decoder import RECOMPUTE
 
     assert RECOMPUTE_CHOICES == RECOMPUTE  # gyre.trainer.model.RECOMPUTE too: tests/unit/test_train_model.py
+
+
+def test_apptainer_takes_the_path_of_a_sif_and_podman_a_reference():
+    assert ContainerConfig(engine="apptainer", image="/images/task.sif").image == "/images/task.sif"
+    assert ContainerConfig(engine="podman", image="ghcr.io/acme/task:1@sha256:" + "a" * 64).engine == "podman"
