@@ -13,7 +13,7 @@
       9, where nothing listens: (a) makes no call), the `exec` of the harness; bubblewrap: the workspace copy and
       `bwrap`'s start);
     - stop overhead = `time.time()` when `run_episode` returns - the harness's last stamp (`ended`): the harness's
-      exit seen, `release` (container: a scan of /proc from the host, no engine call), the inline evaluation,
+      exit seen, `release` (container: a read of its cgroup from the host, no engine call), the inline evaluation,
       `close` (container: `rm -f`).
     A level is `rounds` batches per sandbox, each batch `level` executions started at once with `asyncio.gather`
     (the way the runtime starts them: `run_episode` per `Start` on one event loop, its blocking sandbox calls on the

@@ -9,7 +9,8 @@ The lifecycle (docs/harness.md, "The container sandbox"):
   at their host paths, and `ro_binds` (the host's install of the harness and of the evaluator's Python) read-only
   at their host paths. Labels: `gyre.run` (the run) and `gyre.execution`. At most `max_starting` at once.
 - `start(spec, context)`: `exec` of the harness (or, for `<id>.evaluate`, of the evaluator) in that container,
-  the environment passed by name only (`-e NAME`: no value on a command line). The first start opens the proxy's
+  the environment in a private `--env-file` (`write_env_file`: no value on a command line, none in the engine
+  client's own environment). The first start opens the proxy's
   port inside the container's network namespace (`gyre.harness.container.network`).
 - `stop_inside(context, grace_s)`: SIGTERM to every process of the container's cgroup but the keeper, SIGKILL to
   what is left after `grace_s`, from the host (`gyre.harness.container.processes`); run by
@@ -17,11 +18,14 @@ The lifecycle (docs/harness.md, "The container sandbox"):
   after each harness or evaluator (what it left running ends).
 - `close(execution_id)`: the container is removed (its forward closed); the workspace stays on the host.
 `check()`, or the first `prepare`, also removes every container of this run left by a controller that was killed
-(`gyre.run`), once per sandbox and before any container of its own exists.
+(`gyre.run`), once per sandbox and before any container of its own exists; `shutdown()` at the run's end removes
+what is left of the run's.
 
-Evaluation runs in the same container, on a copy of the preserved workspace in the evaluation directory
-(`gyre.harness.evaluation`): it sees what the agent changed outside the workspace (packages, files elsewhere in
-the image), and a retried evaluation starts from the same preserved work.
+Evaluation runs in the same container, on a copy of the preserved workspace in the evaluation directory (emptied
+first, never following a link; `gyre.harness.evaluation`): it sees what the agent changed outside the workspace
+(packages, files elsewhere in the image), and a retried evaluation starts from the same preserved work. The agent
+was root there, so it can also have changed what the evaluator runs (docs/harness.md, "What the agent can do to its
+own evaluation").
 """
 
 from __future__ import annotations
