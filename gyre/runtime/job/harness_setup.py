@@ -193,8 +193,7 @@ def check_harness(runner, sandbox, tasks: Sequence[Task] = (), *, timeout_s: flo
     binds and environment): `<cli> --version`, `<python> -c "import sys"`, or for a `command` harness a shell test
     that its program may be read and executed. A plain local sandbox runs both as the controller, which `check`
     covered. A container sandbox: each image prepared, then both run once in a container of each image
-    (`_check_images`);
-    with `harness.container.harness_from_image` the host's copy is not looked for, the image's is."""
+    (`_check_images`); with `harness.container.harness_from_image` the image's copy is looked for, not the host's."""
     parts = [(runner, f"harness {getattr(runner, 'name', '?')}"), (sandbox, f"sandbox {sandbox.name}")]
     if not getattr(sandbox, "harness_on_host", True):  # the image's own copy: probed in the image below
         parts = parts[1:]
