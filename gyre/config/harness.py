@@ -23,9 +23,9 @@ BUILTIN_BACKENDS = ("anthropic", "openai", "anthropic-http")  # gyre.harness.bui
 SANDBOXES = ("local", "bubblewrap", "container")
 HARNESS_HOSTS = ("controller", "nodes")  # where executions run: docs/cluster.md, "Harness hosts on every node"
 CONTAINER_ENGINES = ("docker", "podman", "apptainer")
-CONTAINER_NETWORKS = ("proxy", "host")
-IMAGE_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")  # as gyre.tasks.spec's: never a '-' option
-WORKDIR_RE = re.compile(r"^/[^:,\s]+$")  # docs/harness.md, "Container network"
+CONTAINER_NETWORKS = ("proxy", "host")  # docs/harness.md, "Container network"
+IMAGE_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")  # an OCI reference, never an engine's '-' option
+WORKDIR_RE = re.compile(r"^/[^:,\s]+$")  # a container path: no ':' or ',' (the engine's -v separators)
 
 
 @dataclass(kw_only=True)
@@ -151,20 +151,15 @@ class ContainerConfig:
     def __post_init__(self) -> None:
         require_choice("harness.container.engine", self.engine, CONTAINER_ENGINES)
         require(isinstance(self.image, str), "harness.container.image", self.image, "an image reference or ''")
-        if self.engine == "apptainer":
-            require(
-                not self.image or self.image.startswith("/"),
-                "harness.container.image",
-                self.image,
-                "the absolute path of a .sif with engine=apptainer",
-            )
-        else:
-            require(
-                not self.image or IMAGE_REF_RE.match(self.image) is not None,
-                "harness.container.image",
-                self.image,
-                "an image reference (letters, digits, '._/:@-', not starting with one)",
-            )
+        sif = self.engine == "apptainer"
+        require(
+            not self.image or (self.image.startswith("/") if sif else IMAGE_REF_RE.match(self.image) is not None),
+            "harness.container.image",
+            self.image,
+            "the absolute path of a .sif with engine=apptainer"
+            if sif
+            else "an image reference (letters, digits, '._/:@-', not starting with one)",
+        )
         require_int("harness.container.max_starting", self.max_starting, ge=1)
         require_int("harness.container.max_preparing", self.max_preparing, ge=1)
         require_duration("harness.container.build_timeout_s", self.build_timeout_s)

@@ -40,10 +40,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import gyre
 from gyre.harness.execution import HarnessRun, run_harness
 from gyre.harness.protocol import ExecutionContext, LaunchSpec
-from gyre.harness.sandbox import Sandbox, SandboxError, chown_tree
+from gyre.harness.sandbox import Sandbox, SandboxError, chown_tree, python_paths
 from gyre.tasks.evaluate import STOP_POLL_S, EvaluationResult, EvaluatorStartError, evaluate, not_started
 from gyre.tasks.spec import BUILD_CONTEXT, PythonEvaluatorSpec, Task
 from gyre.traj.outcomes import CloseKind
@@ -145,7 +144,7 @@ class SandboxHost:
 
     def close(self) -> None:
         try:
-            if not getattr(self.sandbox, "evaluates_in_execution", False):  # a container's was released by `run`
+            if not self.sandbox.evaluates_in_execution:  # a container's was released by `run`
                 self.sandbox.release(self._context(self.directory))  # when `run` never ran: the uid goes back
         finally:
             shutil.rmtree(self._dirs.root, ignore_errors=True)
@@ -160,7 +159,7 @@ def sandboxed_evaluation(
     spec = task.evaluator
     if isinstance(spec, PythonEvaluatorSpec) and spec.isolation == "inline":
         return evaluate(task, workspace)
-    in_execution = getattr(sandbox, "evaluates_in_execution", False)  # a container: its binds are made already
+    in_execution = sandbox.evaluates_in_execution  # a container: its binds are made already
     try:
         ro_paths = () if in_execution else evaluator_read_paths(task.task_dir)
         host = SandboxHost(sandbox, execution_id, ro_paths=ro_paths, stop=stop)
@@ -193,8 +192,7 @@ def task_copy(task: Task, destination: Path) -> Task:
 def evaluator_read_paths(task_dir: Path | None = None) -> tuple[Path, ...]:
     """What an evaluator started with the controller's Python reads: `sys.prefix`, `sys.base_prefix`, the
     existing absolute directories of `sys.path`, the gyre package's directory, and `task_dir`."""
-    candidates = [Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent]
-    candidates += [Path(p) for p in sys.path if p and os.path.isabs(p)]
+    candidates = [*python_paths(), *(Path(p) for p in sys.path if p and os.path.isabs(p))]
     if task_dir is not None:
         candidates.append(Path(task_dir))
     paths: list[Path] = []

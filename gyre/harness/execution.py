@@ -92,13 +92,12 @@ async def _wait_group(process: asyncio.subprocess.Process, timeout_s: float) -> 
 
 
 async def _stop_group(
-    process: asyncio.subprocess.Process, grace_period_s: float, kill_wait_s: float, inside: Callable | None = None
+    process: asyncio.subprocess.Process, grace_period_s: float, kill_wait_s: float, inside: Callable
 ) -> None:
     """SIGTERM the process group, SIGKILL it once the grace period has passed with any member left; bounded.
-    `inside(grace_period_s)`: a sandbox whose harness runs beyond the client's group (a container: the client is
-    `exec`) gives it the same SIGTERM, grace and SIGKILL there first."""
-    if inside is not None:
-        await inside(grace_period_s)
+    `inside(grace_period_s)` first: the sandbox's `stop_inside` (a container's harness runs beyond the client's
+    group, the client being `exec`; a no-op for the others)."""
+    await inside(grace_period_s)
     pgid = process.pid  # the sandbox starts a new session: the leader's pid is the group id
     _signal_group(pgid, signal.SIGTERM)
     if await _wait_group(process, grace_period_s):
@@ -162,7 +161,7 @@ async def run_harness(
     try:
         with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
             try:
-                if getattr(sandbox, "harness_on_host", True):  # not: a container runs the image's own copy
+                if sandbox.harness_on_host:  # not: a container runs the image's own copy
                     runner.check()
                 spec = runner.launch_spec(context)
                 sandbox.check()
@@ -190,9 +189,7 @@ async def run_harness(
                 kind, reason = CloseKind.CANCELLED, "cancelled (surplus)"
             else:
                 kind, reason = CloseKind.HARNESS_TIMEOUT, f"harness timeout after {harness_timeout_s:g} s"
-            stop_inside = getattr(sandbox, "stop_inside", None)
-            inside = functools.partial(stop_inside, context) if stop_inside is not None else None
-            await _stop_group(process, grace_period_s, kill_wait_s, inside)
+            await _stop_group(process, grace_period_s, kill_wait_s, functools.partial(sandbox.stop_inside, context))
         for task in (feeding, waiting):
             if task is not None and not task.done():
                 task.cancel()

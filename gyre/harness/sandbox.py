@@ -24,9 +24,11 @@ Implementations (what each isolates is measured in tests/integration/test_harnes
 - `ContainerSandbox` (`gyre.harness.container`): one podman or docker container of the task's image per execution,
   harness and evaluation in it; `ApptainerSandbox`: the argv of `apptainer exec`, tested for its argv only.
 
-Beyond the contract above, three calls every sandbox answers (no-ops here, a container's lifecycle there):
+Beyond the contract above, what every sandbox answers (no-ops here, a container's lifecycle there):
 `prepare(execution_id, task)` gets the task (its image), `proxy_url(url)` says how a harness inside reaches the
-proxy, and `close(execution_id)` ends the execution's sandbox once the episode is over (evaluation included).
+proxy, `stop_inside(context, grace_s)` stops what runs beyond the started process's group, `close(execution_id)`
+ends the execution's sandbox once the episode is over (evaluation included), `shutdown()` ends what is left at the
+run's end; `evaluates_in_execution` and `harness_on_host` say where the evaluator and the harness's program are.
 """
 
 from __future__ import annotations
@@ -195,6 +197,17 @@ class Sandbox(Protocol):
         """The execution is over (harness and evaluation): end what the sandbox still holds of it."""
         ...
 
+    evaluates_in_execution: bool  # the evaluator runs inside the execution's own sandbox (a container)
+    harness_on_host: bool  # the harness's program is the host's, which its runner checks here first
+
+    async def stop_inside(self, context: ExecutionContext, grace_s: float) -> None:
+        """At a stop: give what runs beyond the started process's group (a container's) SIGTERM, then SIGKILL."""
+        ...
+
+    def shutdown(self) -> None:
+        """The run has ended: end whatever of its executions the sandbox still holds."""
+        ...
+
     async def start(
         self, spec: LaunchSpec, context: ExecutionContext, *, stdout: int, stderr: int
     ) -> asyncio.subprocess.Process:
@@ -346,11 +359,20 @@ class LocalSandbox:
         """The uid an execution runs as (None: the controller's own)."""
         return self._uids.get(execution_id)
 
+    evaluates_in_execution = False  # a separate evaluation execution (`gyre.harness.evaluation.SandboxHost`)
+    harness_on_host = True
+
     def proxy_url(self, url: str) -> str:
         return url  # the harness shares the controller's network
 
     def close(self, execution_id: str) -> None:
         pass  # `release` handed everything back already
+
+    async def stop_inside(self, context: ExecutionContext, grace_s: float) -> None:
+        pass  # the harness is all in its process group, which `run_harness` signals
+
+    def shutdown(self) -> None:
+        pass
 
     def _lease_uid(self) -> int:
         """The next uid of `uid_range` no controller on this machine holds (`gyre.harness.uid_leases`: round robin

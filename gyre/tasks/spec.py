@@ -13,7 +13,7 @@ template directory, an evaluator function that is not `module:function`) never s
 from inside the loader. `load_tasks(root)` loads every task directory under `root` and returns the good
 tasks with the list of errors of the bad ones, so one bad task does not stop the others.
 
-Stdlib only (`tomllib`; `tomli` on Python 3.10).
+Stdlib only (`tomllib`; `tomli` on Python 3.10), and `gyre.config.harness`'s pure reference checks.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
+
+from gyre.config.harness import IMAGE_REF_RE, WORKDIR_RE  # pure: the harness.container checks of the same
 
 try:
     import tomllib
@@ -68,9 +70,6 @@ _PYTHON_FIELDS = ("kind", "function", "timeout_s", "isolation")
 _TIMEOUT_FIELDS = ("harness_s", "overall_s")
 _ENVIRONMENT_FIELDS = ("image", "build_timeout_s", "cpus", "memory_mb", "pids", "allow_internet", "workdir")
 BUILD_CONTEXT = "environment"  # a task's build context: environment/Dockerfile beside task.toml
-# An OCI reference that is never a '-' option of the engine's command line (gyre.config.harness checks the same).
-IMAGE_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
-WORKDIR_RE = re.compile(r"^/[^:,\s]+$")  # a container path: no ':' or ',' (the engine's -v separators)
 
 
 class TaskError(ValueError):

@@ -361,7 +361,6 @@ def test_the_real_clis_run_from_the_host_in_an_image_without_node(tmp_path, engi
     harness = HarnessConfig(name=cli, sandbox="container", container=ContainerConfig(labels=LABELS))
     sandbox = make_sandbox(harness, ExecutionLimits(), root=tmp_path / "run" / "executions", trusted_tasks=False)
     task = load_task(task_dir)
-    assert engine.exec_run  # the engine fixture: podman is here
     no_node = sandbox.probe(base_image, [(["/bin/sh", "-c", "command -v node || echo none"], {})], timeout_s=30)
     assert no_node == [(0, "none")]
     check_harness(make_runner(harness, task), sandbox, [task], timeout_s=60)  # raises HarnessSetupError if not

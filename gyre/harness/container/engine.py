@@ -96,46 +96,41 @@ class ContainerEngine:
         """The environment an engine client runs with: this process's plus the engine's settings."""
         return {**os.environ, **self.env}
 
+    def _run(self, command: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
+        """`command` (an engine client) to its end, output captured; TimeoutExpired past `timeout_s` (killed)."""
+        return subprocess.run(
+            command,
+            env=self.environ(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            check=False,
+        )
+
     def call(self, args: Sequence[str], *, timeout_s: float = CALL_TIMEOUT_S, check: bool = True) -> str:
         """Run `<engine> args...`; its stdout. EngineError (the call and the engine's last line) when it fails or
         takes longer than `timeout_s` (the client is killed then)."""
-        self.check()
-        try:
-            done = subprocess.run(
-                [self.binary, *args],
-                env=self.environ(),
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise EngineError(f"{self.kind} {args[0]}: no answer within {timeout_s:g} s") from None
-        except OSError as error:
-            raise EngineError(f"{self.kind} {args[0]}: {error}") from None
+        done = self._call(args, timeout_s)
         if check and done.returncode != 0:
             why = _last_line(done.stderr) or _last_line(done.stdout) or f"exit status {done.returncode}"
             raise EngineError(f"{self.kind} {args[0]}: {why}")
         return done.stdout
 
+    def _call(self, args: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess:
+        self.check()
+        try:
+            return self._run([self.binary, *args], timeout_s)
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"{self.kind} {args[0]}: no answer within {timeout_s:g} s") from None
+        except OSError as error:
+            raise EngineError(f"{self.kind} {args[0]}: {error}") from None
+
     # -- images -------------------------------------------------------------------------------------
     def image_exists(self, ref: str) -> bool:
-        self.check()
         args = ["image", "exists", ref] if self.kind == "podman" else ["image", "inspect", ref]
-        try:
-            done = subprocess.run(
-                [self.binary, *args],
-                env=self.environ(),
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                timeout=CALL_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as error:
-            raise EngineError(f"{self.kind} image exists {ref}: {error}") from None
-        return done.returncode == 0
+        return self._call(args, CALL_TIMEOUT_S).returncode == 0
 
     def pull(self, ref: str, *, timeout_s: float) -> None:
         self.call(["pull", "-q", ref], timeout_s=timeout_s)
@@ -189,16 +184,7 @@ class ContainerEngine:
         """Run `argv` in container `name` to its end: (exit status, None past `timeout_s`; its last stderr line)."""
         command = self.exec_argv(name, argv, workdir=workdir, env_file=env_file, stdin=False)
         try:
-            done = subprocess.run(
-                command,
-                env=self.environ(),
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=timeout_s,
-                check=False,
-            )
+            done = self._run(command, timeout_s)
         except subprocess.TimeoutExpired:
             return None, ""
         return done.returncode, _last_line(done.stderr) or _last_line(done.stdout)

@@ -202,8 +202,7 @@ async def run_controller(plan: RunPlan, job, echo: Callable[[str], None], *, hos
             if harness_hosts is not None:
                 await harness_hosts.close()
         async with _closing_step("the executions' sandbox"):
-            if (shutdown := getattr(sandbox, "shutdown", None)) is not None:  # a container sandbox: what is left
-                await asyncio.to_thread(shutdown)
+            await asyncio.to_thread(sandbox.shutdown)  # a container sandbox: what is left of the run's
         await asyncio.to_thread(server.stop)
 
 

@@ -83,8 +83,7 @@ class HarnessHost:
             task.cancel()
         if self.running:
             await asyncio.wait(list(self.running.values()), timeout=30)
-        if (shutdown := getattr(self.sandbox, "shutdown", None)) is not None:  # a container sandbox: what is left
-            await asyncio.to_thread(shutdown)
+        await asyncio.to_thread(self.sandbox.shutdown)  # a container sandbox: what is left of the run's
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

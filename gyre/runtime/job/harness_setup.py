@@ -195,7 +195,7 @@ def check_harness(runner, sandbox, tasks: Sequence[Task] = (), *, timeout_s: flo
     covered. A container sandbox: each image prepared, then both run once in a container of each image
     (`_check_images`); with `harness.container.harness_from_image` the image's copy is looked for, not the host's."""
     parts = [(runner, f"harness {getattr(runner, 'name', '?')}"), (sandbox, f"sandbox {sandbox.name}")]
-    if not getattr(sandbox, "harness_on_host", True):  # the image's own copy: probed in the image below
+    if not sandbox.harness_on_host:  # the image's own copy: probed in the image below
         parts = parts[1:]
     for part, what in parts:
         check = getattr(part, "check", None)
@@ -205,7 +205,7 @@ def check_harness(runner, sandbox, tasks: Sequence[Task] = (), *, timeout_s: flo
             check()
         except Exception as error:  # each part raises its own kind (not found, not permitted, ...)
             raise HarnessSetupError(f"{what}: {error}") from None
-    if getattr(sandbox, "evaluates_in_execution", False):  # podman or docker: in a container of each image
+    if sandbox.evaluates_in_execution:  # podman or docker: in a container of each image
         _check_images(runner, sandbox, tasks, timeout_s)
         return
     if sandbox.name == "container" or (sandbox.name == "local" and not sandbox.isolate_user):
