@@ -129,7 +129,6 @@ class ContainerSandbox:
     ro_binds: Sequence[Path] = ()  # host paths bound read-only at the same path in every container
     host_usr: bool = False  # the host's /usr bound at HOST_ROOT/usr: a `#!` harness runs on its host interpreter
     name: str = "container"
-    isolate_user: bool = False  # the container is the isolation (its root is no uid of the host's harness)
     evaluates_in_execution = True  # gyre.harness.evaluation: the evaluator runs in the execution's container
 
     def __post_init__(self) -> None:
