@@ -17,6 +17,7 @@ from gyre.config.model import ModelConfig, TinyModelSpec
 from gyre.config.obs import LoggingConfig
 from gyre.config.packing import PackingConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.config.publication import PublicationConfig
 from gyre.config.recipe import RecipeConfig
 from gyre.config.serve import ServeConfig
 from gyre.config.sim import SimConfig, async_train_cells
@@ -43,6 +44,7 @@ __all__ = [
     "MooncakeConfig",
     "PackingConfig",
     "ProxyConfig",
+    "PublicationConfig",
     "RecipeConfig",
     "ResourceLimits",
     "SamplingConfig",
@@ -95,3 +97,4 @@ def register_configs() -> None:
     cs.store(group="recipe", name="base_recipe", node=RecipeConfig)
     cs.store(group="logging", name="base_logging", node=LoggingConfig)
     cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)
+    cs.store(group="publication", name="base_publication", node=PublicationConfig)

@@ -28,6 +28,7 @@ from gyre.config.model import ModelConfig
 from gyre.config.obs import LoggingConfig
 from gyre.config.packing import PackingConfig
 from gyre.config.proxy import ProxyConfig, SamplingConfig
+from gyre.config.publication import PublicationConfig
 from gyre.config.recipe import RecipeConfig
 from gyre.config.sim import check_capacity
 from gyre.config.tasks import TasksConfig
@@ -98,6 +99,8 @@ class TrainConfig:
     """Console progress, metrics.jsonl, W&B, role_timeline.png."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When the run writes its checkpoints (`<run dir>/checkpoints/`) and how many it keeps."""
+    publication: PublicationConfig = field(default_factory=PublicationConfig)
+    """The weight stream's bucket size and how often the published weights are written as the policy directory."""
     resume: str = "never"
     """never: start afresh (a run directory holding checkpoints is refused); auto: from the latest complete checkpoint
     of the run directory, afresh if there is none (what a restarted torchrun or slurm job runs); or the path of one
