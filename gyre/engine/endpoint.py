@@ -14,14 +14,20 @@ chunk). Every route maps to one `Engine` method; the wire format is `gyre.engine
 | `POST /drain` | `drain` | `{"abort_after_s": float?}` |
 | `POST /release_memory`, `/resume_memory` | same | `{"weights": bool, "kv": bool}` |
 | `POST /update_weights` | `update_weights` | weights frame (flat buffer, manifest, version) |
+| `POST /update_begin` | `begin_update` | `{"version"}` |
+| `POST /update_bucket` | `load_bucket` | weights frame without a version (one bucket) |
+| `POST /update_end` | `end_update` | `{"version"}` |
+| `POST /update_abort` | `abort_update` | `{}` |
 | `POST /export_kv` | `export_kv` | `{"request_id"}` -> KV frame |
 | `POST /import_kv` | `import_kv` | KV frame |
 | `POST /release_export` | `release_export` | `{"request_id"}` -> `{"released": bool}` |
 | `POST /init_weights_group` | same | `{"address", "port", "rank_offset", "world_size", "group_name", "backend"}` |
 | `POST /update_weights_from_group` | same | `{"names", "dtypes", "shapes", "group_name", "version"}` |
+| `POST /update_bucket_from_group` | `load_bucket_from_group` | `{"names", "dtypes", "shapes", "group_name"}` |
 
-The last two are SGLang's publication by broadcast (`gyre.engine.sglang_engine`); an engine without them (the
-native one) answers 501.
+The last three are SGLang's publication by broadcast (`gyre.engine.sglang_engine`); an engine without them (the
+native one) answers 501. A weights frame's body is read into one buffer per request, which its tensors view (no
+second copy: `gyre.engine.wire.decode_frame`).
 
 With a `secret` (the job's, `gyre.runtime.job.spmd.Job.secret`), every route but `GET /health` requires
 `Authorization: Bearer <secret>`: without that header (or with another scheme) the answer is 401 `unauthorized`,
@@ -152,6 +158,10 @@ class EngineServer:
                 web.post("/release_memory", self._simple(lambda body: self.engine.release_memory(**_memory(body)))),
                 web.post("/resume_memory", self._simple(lambda body: self.engine.resume_memory(**_memory(body)))),
                 web.post("/update_weights", self._update_weights),
+                web.post("/update_begin", self._simple(lambda body: self.engine.begin_update(**_version(body)))),
+                web.post("/update_bucket", self._load_bucket),
+                web.post("/update_end", self._simple(lambda body: self.engine.end_update(**_version(body)))),
+                web.post("/update_abort", self._simple(lambda body: self.engine.abort_update())),
                 web.post("/export_kv", self._export_kv),
                 web.post("/import_kv", self._import_kv),
                 web.post("/release_export", self._release_export),
@@ -159,6 +169,10 @@ class EngineServer:
                 web.post(
                     "/update_weights_from_group",
                     self._simple(lambda body: self._optional("update_weights_from_group", body)),
+                ),
+                web.post(
+                    "/update_bucket_from_group",
+                    self._simple(lambda body: self._optional("load_bucket_from_group", body)),
                 ),
             ]
         )
@@ -334,11 +348,29 @@ class EngineServer:
 
     async def _update_weights(self, http: web.Request) -> web.Response:
         try:
-            flat, version = wire.weights_from_frame(await http.read())
+            flat, version = wire.weights_from_frame(await self._read_frame(http))
             await self.engine.update_weights(flat, version=version)
         except Exception as error:
             return _error(error)
         return _json({"ok": True})
+
+    async def _load_bucket(self, http: web.Request) -> web.Response:
+        try:
+            await self.engine.load_bucket(wire.bucket_from_frame(await self._read_frame(http)))
+        except Exception as error:
+            return _error(error)
+        return _json({"ok": True})
+
+    async def _read_frame(self, http: web.Request) -> bytearray:
+        """The body as one writable buffer, which the frame's tensors then view (`http.read()` would hold it twice:
+        its bytearray and the bytes it returns). Longer than `max_body_bytes`: a `WireError` (400)."""
+        limit = http.client_max_size
+        body = bytearray()
+        async for chunk in http.content.iter_any():
+            body += chunk
+            if limit and len(body) > limit:
+                raise wire.WireError(f"the body is longer than this endpoint's limit of {limit} bytes (max_body_bytes)")
+        return body
 
     async def _export_kv(self, http: web.Request) -> web.Response:
         try:
@@ -360,6 +392,13 @@ class EngineServer:
         except Exception as error:
             return _error(error)
         return _json({"released": released})
+
+
+def _version(body: dict) -> dict:
+    extra = sorted(set(body) - {"version"})
+    if extra or "version" not in body:
+        raise wire.WireError(f"the body must be {{'version': int}}, got fields {sorted(body)}")
+    return {"version": body["version"]}
 
 
 def _memory(body: dict) -> dict:

@@ -42,6 +42,12 @@ Contract (beyond `gyre.engine.protocol`)
   `await until_held()` returns once the loop waits at the hold. Held, the engine still aborts (abort, drain's
   deadline), exports KV and queues new requests. A step is one decode token per running request, and an admitted
   request gets its first token from prefill in the same step: `k` steps from held-and-queued give `k + 1` tokens.
+- Weights: `update_weights` is `begin_update`, one `load_bucket` and `end_update` without the completeness check. From
+  `begin_update` the step loop waits at its step boundary (it still ends aborted requests; new ones queue) until
+  `end_update` or `abort_update`. A bucket is checked whole before any tensor is copied, in place, into the parameters
+  (so the compiled decode's collected tensors stay valid). `end_update` needs every name of `named_parameters()`
+  loaded since `begin_update`. An aborted session that loaded anything leaves the weights mixed: the requests in
+  flight are aborted and new ones refused until a whole version is loaded.
 - `compile_decode=True` runs the batched decode step as `torch.compile(decode_forward)` (gyre.engine.decode): the
   same tokens, log-probs equal within float noise (1e-5 fp32); compiles per new batch shape (docs/engine.md).
 See `docs/engine.md` ("Native engine").
@@ -72,8 +78,10 @@ from gyre.engine.protocol import (
     GenerateTimings,
     KVExport,
     TokenChunk,
+    UpdateSession,
+    WeightUpdateSessionError,
     check_request,
-    check_version,
+    partial_weights_error,
 )
 from gyre.engine.sampling import sample_next
 from gyre.models.decoder import DecoderLM, KVCache
@@ -293,6 +301,8 @@ class NativeEngine(AcceptingLifecycle):
         self._weights_released = False
         self._kv_released = False
         self._weight_backup: dict[str, torch.Tensor] = {}
+        self._session: UpdateSession | None = None  # begin_update .. end_update: the step loop does not step
+        self._partial_weights: str | None = None  # why the weights are a mix of two versions (an aborted session)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -341,6 +351,8 @@ class NativeEngine(AcceptingLifecycle):
             raise EngineUnavailableError("the engine stopped accepting requests (drain or stop_accepting)")
         if self._weights_released or self._kv_released:
             raise EngineUnavailableError("the engine's memory is released: call resume_memory first")
+        if self._partial_weights is not None:
+            raise partial_weights_error(self._partial_weights)
         self._validate(request)
         loop = asyncio.get_running_loop()
         entry = _Request(
@@ -436,6 +448,8 @@ class NativeEngine(AcceptingLifecycle):
 
     async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
         self._check_idle("release_memory")
+        if self._session is not None:
+            raise WeightUpdateSessionError("release_memory during a weight-update session: end or abort it first")
         if kv:
             self._prefix.clear()
             self._kv_released = True
@@ -463,10 +477,22 @@ class NativeEngine(AcceptingLifecycle):
     # ----------------------------------------------------------------- weights
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
-        if self._weights_released:
-            raise EngineUnavailableError("weights are released: resume_memory first, then update_weights")
-        check_version(version, self.policy_version)
-        named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
+        await self.begin_update(version=version)
+        try:
+            await self.load_bucket(weights)
+        except BaseException:
+            await self.abort_update()  # nothing of the refused bucket was applied: the engine goes on as it was
+            raise
+        self._end_update(self._session, version)  # a subset is allowed here (protocol)
+
+    async def begin_update(self, *, version: int) -> None:
+        self._session = UpdateSession.begin(
+            self._session, version, self.policy_version, released=self._weights_released
+        )
+
+    async def load_bucket(self, bucket: Mapping[str, torch.Tensor] | FlatWeights) -> None:
+        session = UpdateSession.require(self._session, "load_bucket")
+        named = unflatten_weights(bucket) if isinstance(bucket, FlatWeights) else dict(bucket)
         params = dict(self.model.named_parameters())
         for name, tensor in named.items():  # check everything before applying anything
             if not isinstance(tensor, torch.Tensor):
@@ -479,11 +505,37 @@ class NativeEngine(AcceptingLifecycle):
                     f"update_weights: {name} is {tensor.dtype} {tuple(tensor.shape)}, "
                     f"expected {param.dtype} {tuple(param.shape)}"
                 )
+        session.touched = session.touched or bool(named)
         with torch.no_grad():
             for name, tensor in named.items():
                 params[name].copy_(tensor.to(device=self.device, dtype=params[name].dtype))
+        session.loaded.update(named)
+
+    async def end_update(self, *, version: int) -> None:
+        session = UpdateSession.require(self._session, "end_update")
+        session.check_end(version, [name for name, _ in self.model.named_parameters()])
+        self._end_update(session, version)
+
+    def _end_update(self, session: UpdateSession, version: int) -> None:
+        if self._partial_weights is not None and session.loaded.issuperset(n for n, _ in self.model.named_parameters()):
+            self._partial_weights = None  # a whole version again
         self.policy_version = version
         self._prefix.clear()  # KV computed with the old weights is not reused
+        self._session = None
+        self._wake.set()  # the step loop goes on
+
+    async def abort_update(self) -> None:
+        session, self._session = self._session, None
+        if session is None:
+            return
+        if session.touched:  # a mix of two versions: nothing decodes on it (protocol)
+            self._partial_weights = (
+                f"the update to version {session.version} was aborted after {len(session.loaded)} tensors"
+            )
+            self._prefix.clear()
+            for request_id in list(self._by_id):
+                self.abort(request_id)
+        self._wake.set()
 
     # ----------------------------------------------------------------- KV migration
 
@@ -560,7 +612,7 @@ class NativeEngine(AcceptingLifecycle):
             queued=len(self._waiting),
             kv_tokens_total=total,
             kv_tokens_free=max(0, total - self._held_tokens()),
-            accepting=self._accepting and not released,
+            accepting=self._accepting and not released and self._partial_weights is None,
             memory_released=released,
             policy_version=self.policy_version,
         )
@@ -577,6 +629,11 @@ class NativeEngine(AcceptingLifecycle):
 
     async def _run(self) -> None:
         while True:
+            if self._session is not None:  # a weight update is streaming in (begin_update): nothing decodes
+                self._reap_aborts()
+                self._wake.clear()
+                await self._wake.wait()  # end_update, abort_update, an abort or a new request wakes it
+                continue
             if self._holding:
                 self._reap_aborts()  # held: aborts still end requests, nothing else moves
                 if self._waiting or self._running:

@@ -14,6 +14,11 @@ Contract
   at once. Every state change happens between two decode steps, never inside one.
 - Weights carry an integer `policy_version`; results report the versions that produced their tokens, which is
   what staleness accounting reads.
+- Weights arrive whole (`update_weights`) or streamed in a weight-update session: `begin_update(version=)`, one
+  `load_bucket` per bucket (bounded groups of whole tensors), `end_update(version=)`, or `abort_update()` when the
+  publication fails mid-way. Nothing decodes from begin to end; requests in flight stay in flight and continue under
+  the new weights. `UpdateSession` is the bookkeeping every engine here shares. docs/engine.md, "Streamed weight
+  updates".
 - Routed experts (mixture-of-experts models): a request with `return_routed_experts=True` gets, in its result and
   its stream's final chunk, the experts each fed position was routed to from `routed_experts_start` on (int16
   `[len(input_ids) + len(output_ids) - 1 - start, num_hidden_layers, top_k]`, -1 at dense layers and where the
@@ -54,6 +59,11 @@ class EngineUnavailableError(RuntimeError):
 
 class EngineBusyError(RuntimeError):
     """An operation that needs an idle engine (`release_memory`) was called with requests in flight or KV pinned."""
+
+
+class WeightUpdateSessionError(RuntimeError):
+    """A weight-update call out of order: `begin_update` (or `update_weights`, `release_memory`) while a session is
+    open, `load_bucket` or `end_update` without one."""
 
 
 def _int_tuple(values, field_name: str) -> tuple[int, ...]:
@@ -143,9 +153,70 @@ def check_request(
 
 
 def check_version(version, current: int) -> None:
-    """`update_weights`' version: an integer, not below the engine's current one."""
+    """`update_weights`' and `begin_update`'s version: an integer, not below the engine's current one."""
     if not is_int(version) or version < current:
         raise ValueError(f"version={version!r} is not allowed: expected an integer >= {current}")
+
+
+MISSING_NAMES_SHOWN = 5  # end_update's refusal names this many of the parameters not loaded, and counts them all
+
+
+@dataclass(eq=False)
+class UpdateSession:
+    """One open weight-update session (`begin_update` .. `end_update`), the bookkeeping every engine here keeps.
+
+    `loaded`: the parameter names loaded since `begin_update` (what `end_update` checks for completeness);
+    `touched`: whether anything may have been written into the weights (an engine that aborts a touched session
+    holds a mix of two versions; an untouched one holds its old weights whole)."""
+
+    version: int  # the version end_update installs
+    loaded: set[str] = field(default_factory=set)
+    touched: bool = False
+
+    @classmethod
+    def begin(cls, current: UpdateSession | None, version, policy_version: int, *, released: bool) -> UpdateSession:
+        """The session `begin_update(version=)` opens, or its refusal: a session already open
+        (`WeightUpdateSessionError`), released weights (`EngineUnavailableError`), a version that is not an integer
+        or is below the current one (`ValueError`)."""
+        if current is not None:
+            raise WeightUpdateSessionError(
+                f"version {version!r}: a weight-update session for version {current.version} is open "
+                "(end_update or abort_update it first)"
+            )
+        if released:
+            raise EngineUnavailableError("weights are released: resume_memory first, then update the weights")
+        check_version(version, policy_version)
+        return cls(version=version)
+
+    @staticmethod
+    def require(session: UpdateSession | None, call: str) -> UpdateSession:
+        """The open session, or `WeightUpdateSessionError` naming `call`."""
+        if session is None:
+            raise WeightUpdateSessionError(f"{call} needs an open weight-update session: call begin_update first")
+        return session
+
+    def check_end(self, version, expected: Iterable[str] | None) -> None:
+        """`end_update(version=)`'s refusals (`ValueError`; the session stays open): another version than the one
+        begun, or a name of `expected` (every parameter of the model; None: not known, not checked) not loaded."""
+        if not is_int(version) or version != self.version:
+            raise ValueError(f"end_update(version={version!r}): the session began for version {self.version}")
+        if expected is None:
+            return
+        missing = [name for name in expected if name not in self.loaded]
+        if missing:
+            shown = ", ".join(missing[:MISSING_NAMES_SHOWN]) + (", ..." if len(missing) > MISSING_NAMES_SHOWN else "")
+            raise ValueError(
+                f"end_update(version={version}): {len(missing)} parameters were not loaded since begin_update "
+                f"({shown}): load them (load_bucket) or abort_update"
+            )
+
+
+def partial_weights_error(reason: str) -> EngineUnavailableError:
+    """What an engine holding a mix of two versions (a touched session aborted) answers to a new request."""
+    return EngineUnavailableError(
+        f"the engine holds partial weights ({reason}): load a whole version first (a complete weight-update session, "
+        "or update_weights of every parameter)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -495,6 +566,52 @@ class Engine(Protocol):
         finished requests is dropped (KV of old weights is not reused). Raises `ValueError` for an unknown name,
         a wrong shape or dtype size, or `version` lower than the current one (nothing is applied then), and
         `EngineUnavailableError` while the weights are released (resume first, then update: SGLang's order).
+        Within the engine it is `begin_update`, one `load_bucket`, `end_update`, without the completeness check;
+        `WeightUpdateSessionError` while a session is open.
+        """
+        ...
+
+    async def begin_update(self, *, version: int) -> None:
+        """Open a weight-update session for `version` (streamed publication: then `load_bucket` per bucket, then
+        `end_update`). From here to `end_update` (or `abort_update`) the engine decodes nothing: requests in flight
+        stay in flight, new ones queue, aborts still end requests; after `end_update` they continue under the new
+        weights, as across `update_weights`.
+
+        Refuses before anything changes: a session already open (`WeightUpdateSessionError`), released weights
+        (`EngineUnavailableError`), `version` not an integer or below the current one (`ValueError`).
+        """
+        ...
+
+    async def load_bucket(self, bucket: FlatWeights | Mapping[str, torch.Tensor]) -> None:
+        """Copy one bucket (whole tensors by HF parameter name) into the weights, inside the open session.
+
+        Every tensor is checked (known name, shape, element size) before any is copied: a bad bucket raises
+        `ValueError` (`TypeError` for a value that is not a tensor) and applies nothing of that bucket; the session
+        stays open with the buckets loaded before. Outside a session: `WeightUpdateSessionError`. SGLang loads
+        tensor by tensor and knows no shapes ahead: there a refused bucket may be partly applied (docs/sglang.md).
+        """
+        ...
+
+    async def end_update(self, *, version: int) -> None:
+        """Close the session: set `policy_version = version`, drop the prefix cache (KV of old weights is not reused),
+        resume decoding.
+
+        Refuses with `ValueError` naming what is missing (the first few names and the count) unless every parameter of
+        the model was loaded since `begin_update`, or when `version` is not the one begun; the engine then stays in
+        the session, not decoding (load the rest, or `abort_update`). Without a session: `WeightUpdateSessionError`.
+        An engine that cannot know its parameter names (the scripted one; SGLang's adapter unless given them) does
+        not check completeness.
+        """
+        ...
+
+    async def abort_update(self) -> None:
+        """End the session without a version change (a publication that failed mid-way); no session: nothing happens.
+
+        Nothing loaded yet: the engine goes on as before the session. Otherwise it keeps the partial weights it has
+        (a mix of two versions), aborts the requests in flight (their callers get `finish_reason="abort"` with their
+        tokens so far, all from the old weights) and refuses new ones with `EngineUnavailableError` (`load()` says
+        not accepting) until a whole version is loaded (a complete session, or `update_weights` of every
+        parameter): the caller fails the run or reloads.
         """
         ...
 

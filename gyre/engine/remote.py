@@ -11,6 +11,9 @@ A remote engine behaves like a local one, with three differences that follow fro
 - A connection failure raises `EngineUnreachable` (an `EngineUnavailableError`: the endpoint is gone, or its
   connection broke, route elsewhere): refused or reset connections, a body cut short (also a stream that breaks off
   mid-line or before its final chunk). An endpoint that answers with an error status raises that error instead.
+- Weights (`update_weights`, `load_bucket`) are sent as the frame's head and then slices of the flat buffer's own
+  memory (`SEND_SLICE_BYTES` each, written as the connection drains), so one bucket sent to several engines at once
+  is not copied per engine (at most a slice per connection is).
 - A call whose prompt extends the last prompt this client sent for the same execution (the usual agent turn) sends
   only the new ids (`wire.PromptBase`); the endpoint splices them onto the prompt it kept, or answers 409 and the
   call is sent whole. At a 700K-token history that is a few KB instead of 2.8 MB per call.
@@ -27,7 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import aiohttp
 
@@ -49,6 +52,9 @@ log = logging.getLogger(__name__)
 # Executions whose last prompt is kept, so the next call sends only what it adds (least recently used dropped).
 MAX_REMEMBERED_PROMPTS = 4096
 MAX_REMEMBERED_PROMPT_BYTES = 1 << 30  # 4 bytes per id: 1 GiB holds ~380 histories of 700K tokens
+# A weights frame goes out in slices of this size: the socket takes each as the connection drains (aiohttp waits),
+# where one write of the whole buffer would copy what the socket did not take at once into the transport's buffer.
+SEND_SLICE_BYTES = 1 << 20
 
 
 class RemoteEngine:
@@ -205,8 +211,21 @@ class RemoteEngine:
 
     async def update_weights(self, weights: Mapping | FlatWeights, *, version: int) -> None:
         await self._settle()
-        await self._post_json("/update_weights", None, data=wire.weights_to_frame(weights, version=version))
+        await self._post_json("/update_weights", None, data=_sliced(wire.weights_frame_parts(weights, version=version)))
         await self.refresh_load()
+
+    async def begin_update(self, *, version: int) -> None:
+        await self._call("/update_begin", {"version": version})
+
+    async def load_bucket(self, bucket: Mapping | FlatWeights) -> None:
+        await self._settle()
+        await self._post_json("/update_bucket", None, data=_sliced(wire.weights_frame_parts(bucket, version=None)))
+
+    async def end_update(self, *, version: int) -> None:
+        await self._call("/update_end", {"version": version})
+
+    async def abort_update(self) -> None:
+        await self._call("/update_abort", {})
 
     async def init_weights_group(
         self, *, address: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str
@@ -230,6 +249,14 @@ class RemoteEngine:
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "version": version}
         await self._call("/update_weights_from_group", body)
         await self.refresh_load()
+
+    async def load_bucket_from_group(
+        self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> None:
+        """In the open weight-update session, the engine loads one bucket from rank 0's broadcasts over its weight
+        group (which rank 0 sends meanwhile); an engine without a weight group raises NotImplementedError."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+        await self._call("/update_bucket_from_group", body)
 
     # ----------------------------------------------------------------- KV migration
 
@@ -273,7 +300,7 @@ class RemoteEngine:
         await self._post_json(path, body)
         await self.refresh_load()
 
-    async def _post_json(self, path: str, body, *, data: bytes | None = None):
+    async def _post_json(self, path: str, body, *, data: bytes | AsyncIterator[memoryview] | None = None):
         payload = data if data is not None else wire.dumps(body)
         async with self._request("POST", path, data=payload) as response:
             await _raise_for_error(response)
@@ -316,6 +343,14 @@ _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 async def _raise_for_error(response: aiohttp.ClientResponse) -> None:
     if response.status >= 400:
         raise wire.error_from_wire(response.status, await response.read())
+
+
+async def _sliced(parts: Sequence[bytes | memoryview]) -> AsyncIterator[memoryview]:
+    """A body sent as `parts` one after another, in views of at most `SEND_SLICE_BYTES` (no copy of a part)."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, view.nbytes, SEND_SLICE_BYTES):
+            yield view[start : start + SEND_SLICE_BYTES]
 
 
 def _auth_headers(secret: str | None) -> dict[str, str]:

@@ -15,6 +15,10 @@ Contract
 - Pacing stands in for decode: each token waits `token_delay_s` (0 still yields to the event loop once, a step
   boundary) and the first one `first_token_delay_s` more (prefill). Both are plain attributes a benchmark may
   change while serving. Timings are measured on the wall clock.
+- Weight-update sessions as the protocol has them: from `begin_update` to `end_update` no request gets a token (each
+  waits in flight before its next one), `load_bucket` outside a session raises, versions are checked, and an aborted
+  session that loaded a bucket leaves the engine refusing requests (in-flight ones aborted) until a whole version
+  is loaded. Without a model it reads no tensor and knows no parameter names: `end_update` checks no completeness.
 - What it does not model: weights (`update_weights` records the version only and reads no tensor), a KV cache
   (`cached_tokens` is always 0; `export_kv` / `import_kv` raise `NotImplementedError`, as SGLang's adapter does),
   experts (`routed_experts` is always None, as for a dense model, whatever `return_routed_experts` asks).
@@ -47,8 +51,10 @@ from gyre.engine.protocol import (
     GenerateResult,
     GenerateTimings,
     TokenChunk,
+    UpdateSession,
+    WeightUpdateSessionError,
     check_request,
-    check_version,
+    partial_weights_error,
 )
 
 if TYPE_CHECKING:
@@ -133,6 +139,9 @@ class ScriptedEngine(AcceptingLifecycle):
         self._hold_after: int | None = None  # hold(): requests wait before their token of this index
         self._held: set[_Flight] = set()  # the requests waiting at the hold
         self._held_changed = asyncio.Event()
+        self._session: UpdateSession | None = None  # begin_update .. end_update: no request gets a token
+        self._updating: set[_Flight] = set()  # the requests waiting for the session's end
+        self._partial_weights: str | None = None  # an aborted session loaded something (protocol: abort_update)
 
     # ----------------------------------------------------------------- requests
 
@@ -156,6 +165,8 @@ class ScriptedEngine(AcceptingLifecycle):
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         if not self._accepting or self._weights_released or self._kv_released:
             raise EngineUnavailableError("the scripted engine is not accepting requests (draining or released)")
+        if self._partial_weights is not None:
+            raise partial_weights_error(self._partial_weights)
         check_request(
             request, in_flight=self._in_flight, vocab_size=self.vocab_size, context_length=self.context_length
         )
@@ -189,8 +200,11 @@ class ScriptedEngine(AcceptingLifecycle):
             if finish is not None:  # a last chunk with no token
                 yield self._chunk(request, index, (), finish, flight, admitted, first_token_at)
                 return
+            if self._session is not None:  # a weight update is streaming in: no token until it ends
+                await self._wait_released(flight, self._updating)
+                continue
             if self._hold_after is not None and index >= self._hold_after:
-                await self._wait_released(flight)
+                await self._wait_released(flight, self._held)
                 continue  # released or aborted: look again
             delay = self.token_delay_s + (self.first_token_delay_s if index == 0 else 0.0)
             await asyncio.sleep(delay)
@@ -210,14 +224,16 @@ class ScriptedEngine(AcceptingLifecycle):
                 return
             index += 1
 
-    async def _wait_released(self, flight: _Flight) -> None:
+    async def _wait_released(self, flight: _Flight, waiting: set[_Flight]) -> None:
+        """Wait in `waiting` (the hold's, the session's) until woken: released, the session ended, or aborted."""
         flight.wake.clear()
-        self._held.add(flight)
-        self._held_changed.set()
+        waiting.add(flight)
+        if waiting is self._held:
+            self._held_changed.set()
         try:
             await flight.wake.wait()
         finally:
-            self._held.discard(flight)
+            waiting.discard(flight)
 
     # ----------------------------------------------------------------- holding (tests)
 
@@ -300,6 +316,8 @@ class ScriptedEngine(AcceptingLifecycle):
     async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
         if self._in_flight:
             raise EngineBusyError(f"{len(self._in_flight)} requests are in flight: release_memory needs an idle engine")
+        if self._session is not None:
+            raise WeightUpdateSessionError("release_memory during a weight-update session: end or abort it first")
         self._weights_released = self._weights_released or weights
         self._kv_released = self._kv_released or kv
 
@@ -309,10 +327,35 @@ class ScriptedEngine(AcceptingLifecycle):
 
     async def update_weights(self, weights: object, *, version: int) -> None:
         """Records `version` only: the script is the model, so no tensor is read."""
-        if self._weights_released:
-            raise EngineUnavailableError("the weights are released: resume_memory first, then update_weights")
-        check_version(version, self.policy_version)
-        self.policy_version = version
+        await self.begin_update(version=version)
+        await self.end_update(version=version)
+
+    async def begin_update(self, *, version: int) -> None:
+        self._session = UpdateSession.begin(
+            self._session, version, self.policy_version, released=self._weights_released
+        )
+
+    async def load_bucket(self, bucket: object) -> None:
+        """Counts as loaded (the session is touched); no tensor is read."""
+        UpdateSession.require(self._session, "load_bucket").touched = True
+
+    async def end_update(self, *, version: int) -> None:
+        session = UpdateSession.require(self._session, "end_update")
+        session.check_end(version, None)  # no model: no parameter names to check
+        self._session, self._partial_weights, self.policy_version = None, None, version
+        self._wake_updating()
+
+    async def abort_update(self) -> None:
+        session, self._session = self._session, None
+        if session is not None and session.touched:
+            self._partial_weights = f"the update to version {session.version} was aborted after a bucket"
+            for request_id in list(self._in_flight):
+                self.abort(request_id)
+        self._wake_updating()
+
+    def _wake_updating(self) -> None:
+        for flight in list(self._updating):
+            flight.wake.set()
 
     async def export_kv(self, request_id: str) -> KVExport:
         raise NotImplementedError("the scripted engine has no KV cache: abort and send prompt + output elsewhere")
@@ -333,7 +376,7 @@ class ScriptedEngine(AcceptingLifecycle):
             queued=len(self._waiting),
             kv_tokens_total=total,
             kv_tokens_free=max(0, total - held),
-            accepting=self._accepting and not released,
+            accepting=self._accepting and not released and self._partial_weights is None,
             memory_released=released,
             policy_version=self.policy_version,
         )

@@ -6,7 +6,9 @@ numbers are written with the shortest repr that reads back to the same double).
 
 A *frame* carries tensors without JSON-encoding them: the 4-byte magic `GYRF`, the header length as 8 bytes
 little-endian, the header (JSON, with a `tensors` list of `{dtype, shape, offset, nbytes}`), then the raw bytes
-of every tensor back to back. KV exports and flat weight buffers travel as frames.
+of every tensor back to back. KV exports and flat weight buffers travel as frames. A weights frame can be sent as its
+parts (`weights_frame_parts`: the head, then a view of the flat buffer itself), so one bucket sent to many engines at
+once is not copied per engine; a frame read into a `bytearray` is decoded in place (`decode_frame`).
 
 Routed experts (a result's or final chunk's `routed_experts`, int16 `[T, L, K]`) travel inside the JSON as
 `{"shape": [T, L, K], "i16": base64 of the little-endian int16 bytes}`: 2 bytes per entry before base64, no JSON
@@ -47,8 +49,10 @@ from gyre.engine.protocol import (
     KVExport,
     SamplingParams,
     TokenChunk,
+    WeightUpdateSessionError,
 )
 from gyre.models.flat_weights import (
+    ALIGN,
     FlatWeights,
     TensorSpec,
     dtype_name,
@@ -341,6 +345,7 @@ _ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (PromptBaseUnknown, 409, "base_unknown"),
     (EngineUnavailableError, 503, "unavailable"),
     (EngineBusyError, 409, "busy"),
+    (WeightUpdateSessionError, 409, "update_session"),
     (NotImplementedError, 501, "not_implemented"),
     (KeyError, 404, "not_found"),
     (ValueError, 400, "invalid_request"),
@@ -384,6 +389,12 @@ def _dtype(name: str) -> torch.dtype:
 
 def encode_frame(header: Mapping, tensors: Sequence[torch.Tensor]) -> bytes:
     """One body: magic, header length, JSON header (with a `tensors` table), raw tensor bytes, each 16-aligned."""
+    return b"".join(encode_frame_parts(header, tensors))
+
+
+def encode_frame_parts(header: Mapping, tensors: Sequence[torch.Tensor]) -> list[bytes | memoryview]:
+    """`encode_frame`'s body as parts that follow one another, not joined: the head (magic, header length, JSON
+    header), then each tensor's bytes (a view of a CPU-contiguous tensor's own memory, no copy) and its padding."""
     table, parts, offset = [], [], 0
     for tensor in tensors:
         raw = raw_bytes(tensor)
@@ -392,12 +403,18 @@ def encode_frame(header: Mapping, tensors: Sequence[torch.Tensor]) -> bytes:
         offset += raw.nbytes
         parts.append(padding(offset))
         offset += len(parts[-1])
-    return _pack({**header, "tensors": table}, parts)
+    return _pack_parts({**header, "tensors": table}, parts)
 
 
 def _pack(header: Mapping, parts: Sequence) -> bytes:
+    return b"".join(_pack_parts(header, parts))
+
+
+def _pack_parts(header: Mapping, parts: Sequence) -> list:
     head = dumps(header)
-    return b"".join([FRAME_MAGIC, _HEADER_LEN.pack(len(head)), head, *parts])
+    # JSON may end in blanks: the payload then starts 16-aligned in the body, so tensors decoded in place are aligned
+    head += b" " * (-(len(FRAME_MAGIC) + _HEADER_LEN.size + len(head)) % ALIGN)
+    return [FRAME_MAGIC + _HEADER_LEN.pack(len(head)) + head, *(part for part in parts if len(part))]
 
 
 def _unpack(body: bytes | bytearray) -> tuple[dict, memoryview]:
@@ -419,10 +436,16 @@ def is_frame(body: bytes | bytearray) -> bool:
 
 
 def decode_frame(body: bytes | bytearray) -> tuple[dict, list[torch.Tensor]]:
-    """Header and tensors of a frame; the tensors are views of one writable copy of the payload."""
+    """Header and tensors of a frame. The tensors are views of `body` itself when it is a `bytearray` (writable: no
+    copy; they keep it alive), else of one writable copy of the payload."""
     header, view = _unpack(body)
-    payload = bytearray(view)
-    flat = torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    if not view.nbytes:
+        flat = torch.empty(0, dtype=torch.uint8)
+    elif isinstance(body, bytearray):
+        flat = torch.frombuffer(body, dtype=torch.uint8, offset=len(body) - view.nbytes)
+    else:
+        flat = torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    del view  # a bytearray with an exported view cannot be resized: release it
     tensors = []
     for spec in header.pop("tensors", []):
         dtype = _dtype(spec["dtype"])
@@ -468,15 +491,43 @@ def kv_export_from_frame(body: bytes | bytearray) -> KVExport:
     )
 
 
-def weights_to_frame(weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> bytes:
+def weights_to_frame(weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int | None) -> bytes:
+    """A weights frame as one body (`weights_frame_parts` joined)."""
+    return b"".join(weights_frame_parts(weights, version=version))
+
+
+def weights_frame_parts(
+    weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int | None
+) -> list[bytes | memoryview]:
+    """A weights frame (`/update_weights` with a `version`; `/update_bucket` with None) as parts to send one after
+    another: the head, then a view of the flat buffer's own memory (no copy when it is on the CPU; a device buffer is
+    copied to the host) and its padding. Named tensors are flattened first (one copy)."""
     flat = weights if isinstance(weights, FlatWeights) else flatten_weights(weights)
-    manifest = [dataclasses.asdict(spec) for spec in flat.manifest]
-    return encode_frame({"version": version, "manifest": manifest}, [flat.buffer])
+    header: dict = {"manifest": [dataclasses.asdict(spec) for spec in flat.manifest]}
+    if version is not None:
+        header["version"] = version
+    return encode_frame_parts(header, [flat.buffer])
 
 
 def weights_from_frame(body: bytes | bytearray) -> tuple[FlatWeights, int]:
+    """The flat weights and version of an `/update_weights` frame."""
     header, tensors = decode_frame(body)
-    if len(tensors) != 1 or not isinstance(header.get("version"), int):
+    if not isinstance(header.get("version"), int):
         raise WireError("a weights frame carries one buffer and an integer version")
-    manifest = tuple(TensorSpec(**_fields(spec, TensorSpec, what="tensor spec")) for spec in header["manifest"])
-    return FlatWeights(buffer=tensors[0], manifest=manifest), header["version"]
+    return _flat_weights(header, tensors), header["version"]
+
+
+def bucket_from_frame(body: bytes | bytearray) -> FlatWeights:
+    """The flat weights of an `/update_bucket` frame (a weights frame without a version)."""
+    header, tensors = decode_frame(body)
+    if "version" in header:
+        raise WireError("a bucket frame carries no version: end_update sets it")
+    return _flat_weights(header, tensors)
+
+
+def _flat_weights(header: dict, tensors: list[torch.Tensor]) -> FlatWeights:
+    manifest = header.get("manifest")
+    if len(tensors) != 1 or not isinstance(manifest, list):
+        raise WireError("a weights frame carries one buffer and its manifest")
+    specs = tuple(TensorSpec(**_fields(spec, TensorSpec, what="tensor spec")) for spec in manifest)
+    return FlatWeights(buffer=tensors[0], manifest=specs)

@@ -22,6 +22,7 @@ import copy
 import importlib.util
 import itertools
 import random
+import re
 
 import numpy as np
 import pytest
@@ -30,7 +31,14 @@ from engine_fixtures import VOCAB, sharp_tiny_model
 
 from gyre.engine.endpoint import ServerThread
 from gyre.engine.native import NativeEngine
-from gyre.engine.protocol import Engine, EngineBusyError, EngineUnavailableError, GenerateRequest, SamplingParams
+from gyre.engine.protocol import (
+    Engine,
+    EngineBusyError,
+    EngineUnavailableError,
+    GenerateRequest,
+    SamplingParams,
+    WeightUpdateSessionError,
+)
 from gyre.engine.remote import RemoteEngine
 from gyre.engine.sampling import sequence_logprobs
 from gyre.engine.scripted import ScriptedEngine
@@ -55,6 +63,7 @@ SGLANG_SKIP = _sglang_skip_reason()
 KV_MIGRATION = {"native", "remote"}  # SGLang has no per-request KV export (docs/sglang.md)
 FILTERED_LOGPROBS = {"native", "remote"}  # SGLang reports log-probs before top-k/top-p: the adapter refuses those
 MODEL_NUMERICS = {"native", "remote", "sglang"}  # the scripted engine's tokens come from a script, not from weights
+PARAMETER_NAMES = {"native", "remote"}  # engines that know their parameters: they check buckets and completeness
 PREFIX_CACHE = {"native", "remote", "sglang"}  # the scripted engine has no KV cache: cached_tokens is always 0
 SCRIPTED_CONTEXT = 128  # sharp_tiny_model's max_position_embeddings: the same context limit to check
 
@@ -544,6 +553,113 @@ def test_a_request_spanning_an_update_records_both_versions_and_its_kv_is_not_re
             extended = await engine.generate(request("next", (1, 2, *tokens, 5), GREEDY, "ex"))
             assert extended.cached_tokens == 0  # mixed-version KV is dropped, not reused
             assert (extended.policy_version, extended.last_policy_version) == (7, 7)
+
+    run(main())
+
+
+def _buckets(weights: dict, per_bucket: int) -> list:
+    """`weights` as flat buckets of `per_bucket` whole tensors each, in order."""
+    names = list(weights)
+    return [
+        flatten_weights({n: weights[n] for n in names[i : i + per_bucket]}) for i in range(0, len(names), per_bucket)
+    ]
+
+
+def test_a_streamed_update_decodes_nothing_until_it_ends_and_then_serves_the_new_weights(engines, model):
+    """begin_update, a bucket at a time, end_update: the held request gets no token in between and continues under the
+    new weights; a bad bucket, an incomplete or out-of-order session are refused naming why, the session staying."""
+    new_model, _ = _scaled(model, "mlp.up_proj.weight", 3.0)
+    buckets = _buckets({n: p.detach().clone() for n, p in new_model.named_parameters()}, per_bucket=3)
+    batch = prompts(4, seed=5)
+    knows_names = engines.kind in PARAMETER_NAMES
+
+    async def main():
+        async with engines.open(max_running=4) as engine, engines.open(new_model, policy_version=4) as reference:
+            with pytest.raises(WeightUpdateSessionError, match="begin_update first"):
+                await engine.load_bucket(buckets[0])
+            held = await engines.hold_running(engine, tokens=3)
+            stream = engine.generate_stream(request("span", [1, 2], SamplingParams(max_new_tokens=engines.budget(9))))
+            before = await engines.until_held(stream)
+            await engine.begin_update(version=4)
+            await engines.release_held(engine)  # only the session holds it now
+            pending = asyncio.ensure_future(stream.__anext__())
+            with pytest.raises(WeightUpdateSessionError, match="session for version 4 is open"):
+                await engine.begin_update(version=5)
+            with pytest.raises(WeightUpdateSessionError, match="session for version 4 is open"):
+                await engine.update_weights({}, version=5)
+            if knows_names:
+                bad = flatten_weights({"model.norm.weight": torch.ones(3)})
+                with pytest.raises(ValueError, match=r"model.norm.weight is torch.float32 \(3,\)"):
+                    await engine.load_bucket(bad)
+            for bucket in buckets[:-3]:
+                await engine.load_bucket(bucket)
+            if knows_names:  # the first five names not loaded, and how many
+                missing = [spec.name for bucket in buckets[-3:] for spec in bucket.manifest]
+                shown = re.escape(
+                    f"{len(missing)} parameters were not loaded since begin_update ({', '.join(missing[:5])}, ...)"
+                )
+                with pytest.raises(ValueError, match=shown):
+                    await engine.end_update(version=4)
+            for bucket in buckets[-3:]:
+                await engine.load_bucket(bucket)
+            with pytest.raises(ValueError, match="the session began for version 4"):
+                await engine.end_update(version=5)
+            await asyncio.sleep(0.2)
+            if held:  # nothing decoded from begin_update to here, whatever the time
+                assert not pending.done() and (await current_load(engine)).policy_version == 0
+            await engine.end_update(version=4)
+            after = [await pending] + [c async for c in stream]
+            assert {c.policy_version for c in before} == {0} and after[-1].finish_reason == "length"
+            if held:
+                assert sum(len(c.token_ids) for c in before) == 3 and {c.policy_version for c in after} == {4}
+            with pytest.raises(WeightUpdateSessionError, match="begin_update first"):
+                await engine.end_update(version=4)
+            with pytest.raises(ValueError, match="version=3 is not allowed"):
+                await engine.begin_update(version=3)
+            await engine.abort_update()  # no session: nothing happens
+            new = [await engine.generate(request(f"n{i}", p)) for i, p in enumerate(batch)]
+            assert (await current_load(engine)).policy_version == 4
+            assert all(r.policy_version == r.last_policy_version == 4 for r in new)
+            if engines.kind in MODEL_NUMERICS:
+                expected = [await reference.generate(request(f"e{i}", p)) for i, p in enumerate(batch)]
+                assert [r.output_ids for r in new] == [r.output_ids for r in expected]
+
+    run(main())
+
+
+def test_an_aborted_update_keeps_serving_if_nothing_was_loaded_and_else_refuses_until_a_whole_version(engines, model):
+    new_model, _ = _scaled(model, "down_proj.weight", 2.0)
+    buckets = _buckets({n: p.detach().clone() for n, p in new_model.named_parameters()}, per_bucket=4)
+
+    async def main():
+        async with engines.open(max_running=4) as engine:
+            await engine.begin_update(version=2)
+            await engine.abort_update()  # nothing loaded: the engine goes on as it was
+            first = await engine.generate(request("a", [1, 2, 3]))
+            assert first.policy_version == 0 and (await current_load(engine)).accepting
+
+            await engines.hold_running(engine, tokens=2)
+            stream = engine.generate_stream(request("span", [4, 5], SamplingParams(max_new_tokens=engines.budget(8))))
+            before = await engines.until_held(stream)
+            await engine.begin_update(version=2)
+            await engine.load_bucket(buckets[0])
+            await engine.abort_update()  # a mix of two versions: the request in flight ends, new ones are refused
+            await engines.release_held(engine)
+            chunks = before + [c async for c in stream]
+            assert chunks[-1].finish_reason == "abort" and {c.policy_version for c in chunks} == {0}
+            with pytest.raises(EngineUnavailableError, match=r"partial weights|stopped accepting"):  # remote: its load
+                await engine.generate(request("b", [1, 2, 3]))
+            assert not (await current_load(engine)).accepting
+            engine.resume_accepting()  # does not make mixed weights servable
+            with pytest.raises(EngineUnavailableError, match="partial weights"):
+                await engine.generate(request("c", [1, 2, 3]))
+
+            await engine.begin_update(version=2)  # a whole version: serving again
+            for bucket in buckets:
+                await engine.load_bucket(bucket)
+            await engine.end_update(version=2)
+            assert (await current_load(engine)).accepting
+            assert (await engine.generate(request("d", [1, 2, 3]))).policy_version == 2
 
     run(main())
 

@@ -102,6 +102,9 @@ def test_bad_requests_get_the_engines_error_shape_and_the_server_keeps_serving(s
                 ("/generate", generate_body("r", [1] * 100, {"max_new_tokens": 100}), 400, "context limit"),
                 ("/export_kv", {"request_id": "nobody"}, 404, "nobody"),
                 ("/update_weights", b"garbage", 400, "magic"),
+                ("/update_bucket", b"garbage", 400, "magic"),
+                ("/update_begin", {"versions": 1}, 400, "version"),
+                ("/update_begin", {"version": -1}, 400, "version=-1 is not allowed"),
                 ("/import_kv", b"GYRF" + bytes(8), 400, ""),
                 ("/release_memory", {"weights": True, "everything": 1}, 400, "unknown fields"),
                 ("/abort", {}, 400, "request_id"),
@@ -111,6 +114,8 @@ def test_bad_requests_get_the_engines_error_shape_and_the_server_keeps_serving(s
                 assert code == status, (path, reply)
                 assert reply["error"]["type"] in {"invalid_request", "not_found"}
                 assert match in reply["error"]["message"]
+            code, reply = await post(session, url + "/update_end", {"version": 0})  # no session open
+            assert code == 409 and reply["error"]["type"] == "update_session"
             code, reply = await post(session, url + "/generate", generate_body("ok", [1, 2], {"max_new_tokens": 3}))
             assert code == 200 and reply["finish_reason"] == "length" and len(reply["output_ids"]) == 3
 

@@ -44,6 +44,10 @@ ROUTES = [
     ("POST", "/release_memory", wire.dumps({"weights": True, "kv": True})),
     ("POST", "/resume_memory", wire.dumps({"weights": True, "kv": True})),
     ("POST", "/update_weights", wire.weights_to_frame({"w": torch.ones(4)}, version=7)),
+    ("POST", "/update_begin", wire.dumps({"version": 8})),
+    ("POST", "/update_bucket", wire.weights_to_frame({"w": torch.ones(4)}, version=None)),
+    ("POST", "/update_end", wire.dumps({"version": 8})),
+    ("POST", "/update_abort", b"{}"),
     ("POST", "/export_kv", wire.dumps({"request_id": "g"})),
     ("POST", "/import_kv", wire.kv_export_to_frame(KV)),
     ("POST", "/release_export", wire.dumps({"request_id": "g"})),
@@ -102,7 +106,9 @@ def test_with_the_secret_every_route_reaches_the_engine(guarded):
     url, auth = guarded.server.url, {"Authorization": f"Bearer {SECRET}"}
     answers = {path: run(call(url, method, path, body, auth)) for method, path, body in ROUTES}
     assert answers["/generate"][0] == 200 and answers["/generate"][1]["output_ids"] == [65, 65, 65]
-    assert answers["/update_weights"] == (200, {"ok": True}) and guarded.engine.load().policy_version == 7
+    assert answers["/update_weights"] == (200, {"ok": True})
+    assert answers["/update_begin"] == answers["/update_bucket"] == answers["/update_end"] == (200, {"ok": True})
+    assert answers["/update_abort"] == (200, {"ok": True}) and guarded.engine.load().policy_version == 8
     assert answers["/abort"] == (200, {"aborted": False})
     # the scripted engine holds no KV: its own NotImplementedError comes back, so the call got past the secret
     assert answers["/export_kv"][0] == answers["/import_kv"][0] == 501

@@ -22,7 +22,9 @@ from gyre.engine.protocol import (
     GenerateRequest,
     SamplingParams,
     TensorSpec,
+    WeightUpdateSessionError,
 )
+from gyre.models.flat_weights import flatten_weights
 
 TIMEOUT_S = 30.0
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -326,3 +328,124 @@ def test_a_held_step_loop_moves_only_by_the_steps_released_and_still_aborts_and_
     assert finished.output_ids == reference.output_ids and finished.finish_reason == "length"
     with pytest.raises(ValueError, match="steps"):
         NativeEngine(copy.deepcopy(model)).release(steps=0)
+
+
+def _new_weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter changed (a weight update a bucketed publication would stream)."""
+    return {name: param.detach() * 1.5 + 0.01 for name, param in model.named_parameters()}
+
+
+def test_a_bucket_by_bucket_update_equals_a_whole_update_bit_for_bit(model):
+    weights = _new_weights(model)
+    names = list(weights)
+    buckets = [flatten_weights({n: weights[n] for n in names[i : i + 4]}) for i in range(0, len(names), 4)]
+
+    async def main():
+        whole, streamed = NativeEngine(copy.deepcopy(model)), NativeEngine(copy.deepcopy(model))
+        await whole.update_weights(flatten_weights(weights), version=2)
+        await streamed.begin_update(version=2)
+        for bucket in reversed(buckets):  # any order
+            await streamed.load_bucket(bucket)
+        await streamed.end_update(version=2)
+        outputs = []
+        for engine in (whole, streamed):
+            outputs.append(await engine.generate(request("r", [3, 1, 4, 1, 5])))
+            await engine.close()
+        return whole, streamed, outputs
+
+    whole, streamed, (a, b) = run(main())
+    got, expected = dict(streamed.model.named_parameters()), dict(whole.model.named_parameters())
+    assert len(buckets) > 1 and list(got) == names
+    assert all(torch.equal(got[n], expected[n]) and torch.equal(got[n], weights[n]) for n in names)
+    assert (a.output_ids, a.output_logprobs) == (b.output_ids, b.output_logprobs) and b.policy_version == 2
+
+
+def test_no_step_runs_from_begin_update_to_end_update(model):
+    """The step loop waits at its boundary for the whole session however long it takes; the request then goes on,
+    its tokens after the update from the new weights."""
+
+    async def main():
+        engine = NativeEngine(copy.deepcopy(model), max_running=2)
+        calls = 0
+        step = engine._step
+
+        def counting_step():
+            nonlocal calls
+            calls += 1
+            step()
+
+        engine._step = counting_step
+        stream = engine.generate_stream(request("s", [1, 2], SamplingParams(temperature=0.0, max_new_tokens=40)))
+        chunks = [await stream.__anext__() for _ in range(3)]
+        await engine.begin_update(version=1)
+        at_begin, tokens_at_begin = calls, len(engine._running[0].output_ids)
+        queued = asyncio.ensure_future(engine.generate(request("q", [5], SamplingParams(max_new_tokens=2))))
+        await engine.load_bucket(flatten_weights(_new_weights(model)))
+        await asyncio.sleep(0.2)
+        held = (calls - at_begin, len(engine._running[0].output_ids) - tokens_at_begin, engine.load().queued)
+        await engine.end_update(version=1)
+        chunks += [chunk async for chunk in stream]
+        late = await queued
+        await engine.close()
+        return held, chunks, late
+
+    (steps_held, tokens_held, queued), chunks, late = run(main())
+    assert (steps_held, tokens_held, queued) == (0, 0, 1)
+    versions = [c.policy_version for c in chunks]
+    assert versions[:3] == [0, 0, 0] and versions[-1] == 1 and versions == sorted(versions)
+    assert chunks[-1].finish_reason == "length" and late.policy_version == late.last_policy_version == 1
+
+
+def test_a_bad_bucket_applies_nothing_and_the_session_stays_open(model):
+    weights = _new_weights(model)
+    good = "model.layers.0.mlp.up_proj.weight"
+
+    async def main():
+        engine = NativeEngine(copy.deepcopy(model))
+        before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        await engine.begin_update(version=1)
+        bad_shape = {good: weights[good], "model.norm.weight": torch.ones(3)}
+        with pytest.raises(ValueError, match=r"model.norm.weight is torch.float32 \(3,\), expected torch.float32"):
+            await engine.load_bucket(flatten_weights(bad_shape))
+        with pytest.raises(ValueError, match="unknown parameter name 'nope'"):
+            await engine.load_bucket({good: weights[good], "nope": torch.zeros(1)})
+        with pytest.raises(TypeError, match=r"expected a torch\.Tensor"):
+            await engine.load_bucket({good: weights[good], "model.norm.weight": [1.0]})
+        untouched = all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
+        await engine.abort_update()  # nothing was applied: the engine serves its old weights as before
+        result = await engine.generate(request("r", [1, 2, 3]))
+        await engine.close()
+        return untouched, result, engine.load()
+
+    untouched, result, load = run(main())
+    assert untouched and result.policy_version == 0 and load.accepting and load.policy_version == 0
+
+
+def test_weight_update_sessions_refuse_out_of_order_calls_and_released_weights(model):
+    bucket = flatten_weights({"model.norm.weight": torch.ones(32)})
+
+    async def main():
+        engine = NativeEngine(copy.deepcopy(model), policy_version=3)
+        with pytest.raises(WeightUpdateSessionError, match="load_bucket needs an open weight-update session"):
+            await engine.load_bucket(bucket)
+        with pytest.raises(WeightUpdateSessionError, match="end_update needs an open weight-update session"):
+            await engine.end_update(version=3)
+        await engine.abort_update()  # no session: nothing to do
+        for bad in (2, "4", 4.0, True):
+            with pytest.raises(ValueError, match=f"version={bad!r} is not allowed: expected an integer >= 3"):
+                await engine.begin_update(version=bad)
+        await engine.begin_update(version=3)  # the same version again is allowed
+        with pytest.raises(WeightUpdateSessionError, match="a weight-update session for version 3 is open"):
+            await engine.update_weights(bucket, version=4)
+        with pytest.raises(WeightUpdateSessionError, match="release_memory during a weight-update session"):
+            await engine.release_memory()
+        await engine.abort_update()
+        await engine.release_memory()
+        with pytest.raises(EngineUnavailableError, match="weights are released"):
+            await engine.begin_update(version=4)
+        await engine.resume_memory()
+        await engine.update_weights(bucket, version=4)  # a subset is fine for update_weights
+        await engine.close()
+        return engine.load().policy_version
+
+    assert run(main()) == 4

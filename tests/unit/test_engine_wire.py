@@ -18,6 +18,7 @@ from gyre.engine.protocol import (
     KVExport,
     SamplingParams,
     TokenChunk,
+    WeightUpdateSessionError,
 )
 
 
@@ -98,6 +99,36 @@ def test_kv_exports_and_weights_travel_as_frames_bit_exact():
         assert tensor.dtype == named[name].dtype and torch.equal(tensor, named[name])
 
 
+def test_a_weights_frame_is_sent_as_parts_that_view_the_buffer_and_read_in_place_from_a_bytearray():
+    named = {
+        "a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "b.weight": torch.ones(5, dtype=torch.int8),
+    }
+    flat = wire.flatten_weights(named)
+    parts = wire.weights_frame_parts(flat, version=None)
+    assert b"".join(parts) == wire.weights_to_frame(flat, version=None)
+    head, payload, *padding = parts
+    assert len(head) % 16 == 0 and payload.nbytes == flat.buffer.numel() and sum(map(len, padding)) < 16
+    flat.buffer[0] = 255  # the part is the buffer's own memory: no copy was made
+    assert payload[0] == 255
+
+    body = bytearray(b"".join(parts))
+    bucket = wire.bucket_from_frame(body)
+    assert bucket.manifest == flat.manifest and torch.equal(bucket.buffer, flat.buffer)
+    body[len(head)] = 7  # the decoded buffer is the body itself (no copy), 16-aligned in it
+    assert bucket.buffer[0] == 7
+    copied = wire.bucket_from_frame(bytes(body))  # bytes are read-only: one writable copy
+    body[len(head)] = 9
+    assert copied.buffer[0] == 7 and bucket.buffer[0] == 9
+
+    with pytest.raises(wire.WireError, match="carries no version"):
+        wire.bucket_from_frame(wire.weights_to_frame(flat, version=3))
+    with pytest.raises(wire.WireError, match="an integer version"):
+        wire.weights_from_frame(body)
+    flat_back, version = wire.weights_from_frame(bytearray(wire.weights_to_frame(named, version=3)))
+    assert version == 3 and all(torch.equal(t, named[n]) for n, t in wire.unflatten_weights(flat_back).items())
+
+
 @pytest.mark.parametrize(
     ("message", "match"),
     [
@@ -129,6 +160,7 @@ def test_errors_map_to_statuses_and_back_to_the_same_exception_types():
         (ValueError("bad"), 400),
         (KeyError("r9"), 404),
         (EngineBusyError("busy"), 409),
+        (WeightUpdateSessionError("no session"), 409),
         (EngineUnavailableError("gone"), 503),
         (NotImplementedError("no"), 501),
     ]:
