@@ -14,11 +14,18 @@ Contract
 - `save_pretrained(model, path, max_shard_bytes=None)` writes the same layout (`model.safetensors`, or
   `model-0000k-of-0000n.safetensors` + index when the tensors exceed `max_shard_bytes`), loadable by
   transformers' `AutoModelForCausalLM.from_pretrained` as well as by `load_pretrained`.
+- The pieces for a checkpoint written by several processes, tensor by tensor (the run's policy directory,
+  `gyre.runtime.job.policy_dir`): `hf_shapes(config)` (the tensors a checkpoint of `config` holds),
+  `save_tensors(tensors, file)` (one safetensors file of whole tensors, dtype kept), `tensor_file_specs(file)` (a
+  file's tensors' dtypes, shapes and sizes, from its header alone) and `write_config(config, path, dtype)`.
+- `load_pretrained` resolves a symbolic link once, first (`<run dir>/policy` names the run's latest policy): every
+  file it reads is of the one directory the link named then.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -34,6 +41,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints carry
 FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"  # transformers 5 in memory
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -141,10 +149,19 @@ def state_mismatch(
     return f"missing {missing}; unexpected {unexpected}; wrong shape {wrong_shape}"
 
 
+def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of `config` (the native model's parameters, built on the meta device)."""
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
 def load_pretrained(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> DecoderLM:
-    """The model of an HF-layout directory, in eval mode, with parameters of `dtype` on `device`."""
+    """The model of an HF-layout directory (a symbolic link resolved first), in eval mode, with parameters of `dtype`
+    on `device`."""
+    path = Path(path).resolve()
     config = read_config(path)
     state = read_state_dict(path, dtype=dtype, device=device)
     with torch.device("meta"):
@@ -167,10 +184,7 @@ def save_pretrained(model: DecoderLM, path: str | Path, *, max_shard_bytes: int 
     # copy=True: a model the engine serves has stacked projections (gyre.engine.decode) that make q/k/v (gate/up)
     # parameters views of one tensor, and safetensors refuses tensors that share memory.
     state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
-    dtype = next(iter(state.values())).dtype
-    hf_config = model.config.to_hf()
-    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+    write_config(model.config, path, next(iter(state.values())).dtype)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, tensor in state.items():
@@ -197,3 +211,47 @@ def save_pretrained(model: DecoderLM, path: str | Path, *, max_shard_bytes: int 
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return [path / CONFIG_NAME, *files, path / INDEX_NAME]
+
+
+def write_config(config: DecoderConfig, path: str | Path, dtype: torch.dtype) -> Path:
+    """`path/config.json` of `config`, its `torch_dtype` the weights' `dtype`; the file."""
+    hf_config = config.to_hf()
+    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    file = Path(path) / CONFIG_NAME
+    file.write_text(json.dumps(hf_config, indent=2) + "\n")
+    return file
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], file: str | Path) -> int:
+    """One safetensors file of `tensors` as they are (dtype kept), as an HF checkpoint's shard: each on the CPU and
+    contiguous (moved or copied when not), a tensor that shares memory with an earlier one copied (safetensors
+    refuses shared memory). The bytes of tensor data written."""
+    state: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        cpu = tensor.detach().to("cpu").contiguous()
+        storage = cpu.untyped_storage().data_ptr()
+        state[name] = cpu.clone() if storage in storages else cpu
+        storages.add(storage)
+    save_file(state, str(file), metadata={"format": "pt"})  # transformers refuses safetensors without the format
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def tensor_file_specs(file: str | Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Name -> (safetensors dtype such as "BF16", shape, bytes) of every tensor of a safetensors file, read from its
+    header alone (8 bytes little-endian: the header's length, then the header as JSON); ValueError naming the file
+    when it is no safetensors file."""
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        try:
+            (length,) = struct.unpack("<Q", head)
+            header = json.loads(handle.read(length))
+            header.pop("__metadata__", None)
+            return {
+                name: (spec["dtype"], tuple(spec["shape"]), spec["data_offsets"][1] - spec["data_offsets"][0])
+                for name, spec in header.items()
+            }
+        except (struct.error, ValueError, KeyError, TypeError, IndexError) as error:
+            raise ValueError(f"{file} is not a readable safetensors file: {error}") from error

@@ -58,9 +58,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from gyre.config.trainer import dense_replicas
-from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
-from gyre.models.hf_weights import state_mismatch, without_tolerated
+from gyre.models.hf_weights import hf_shapes, state_mismatch, without_tolerated
 from gyre.trainer.cpu_patch import apply_cpu_patches
 from gyre.trainer.model import validate_layout
 from gyre.trainer.moe import is_expert_param
@@ -68,13 +67,6 @@ from gyre.trainer.moe import is_expert_param
 apply_cpu_patches()  # before megatron runs anything (CPU-only torch; no-op with CUDA)
 
 EXTRA_STATE = "_extra_state"  # megatron/TE serialization slots, not weights
-
-
-def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of `config` (the native model's parameters, built on the meta device)."""
-    with torch.device("meta"):
-        model = DecoderLM(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def check_hf_state_dict(hf_state: Mapping[str, torch.Tensor], config: DecoderConfig) -> dict[str, torch.Tensor]:

@@ -23,14 +23,13 @@ import torch
 from safetensors import safe_open
 
 from gyre.models.decoder_config import DecoderConfig
-from gyre.models.hf_weights import IGNORED_SUFFIXES, checkpoint_files, state_mismatch
+from gyre.models.hf_weights import IGNORED_SUFFIXES, checkpoint_files, hf_shapes, state_mismatch
 from gyre.trainer.convert import (
     EXTRA_STATE,
     HFSource,
     StateDictSource,
     check_ranks,
     chunk_bounds,
-    hf_shapes,
     megatron_tensors,
     model_shapes,
     rank_layout,
