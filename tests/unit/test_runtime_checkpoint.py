@@ -171,24 +171,3 @@ def test_a_full_disk_raises_and_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="No space left on device"):
         write(tmp_path, 2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
-
-
-def test_a_policy_write_on_a_full_disk_keeps_the_previous_policy(tmp_path, monkeypatch):
-    import gyre.runtime.job.policy_dir as policy_dir
-
-    source = tmp_path / "source"
-    source.mkdir()
-    (source / "tokenizer.json").write_text("{}")
-    model = DecoderLM(DecoderConfig(**TINY))
-    policy_dir.write_policy(model, source_dir=source, run_dir=tmp_path, version=1)
-
-    def full(*_args, **_kwargs):
-        raise OSError(28, "No space left on device")
-
-    import gyre.models.hf_weights as hf_weights
-
-    monkeypatch.setattr(hf_weights, "save_pretrained", full)  # policy_dir imports it when it writes
-    with pytest.raises(OSError, match="No space left"):
-        policy_dir.write_policy(model, source_dir=source, run_dir=tmp_path, version=2)
-    assert json.loads((tmp_path / "policy" / "policy.json").read_text())["version"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy", "source"]
