@@ -16,16 +16,24 @@ Contract (beyond `gyre.engine.protocol`)
   log-prob only without filters (and, with that variable, only at temperature 1), so other requests raise
   `ValueError` unless `allow_unfiltered_logprobs=True` (`logprob_mismatch`). Greedy matches gyre's convention.
 - Policy versions: SGLang 0.5.x does not say which weights produced a token; a chunk carries the adapter's version
-  when it arrives. `update_weights` pauses generation in place (`pause_generation(mode="in_place")`) around
-  `update_weights_from_tensor`, so running requests continue under the new weights, as the protocol asks; inside
-  the pause, the update runs in a weight-update session (`begin_weight_update` ... `end_weight_update`: SGLang
-  0.5.23's scheduler refuses an update outside one).
-  SGLang asserts that the prefix-cache flush after an update succeeds and cannot flush with requests in flight,
-  so then the update goes with `flush_cache=False` and the adapter calls `flush_cache()` once it is idle again.
+  when it arrives.
+- Weight updates: a session (`begin_update` .. `end_update`) pauses generation in place
+  (`pause_generation(mode="in_place")`: running requests stay and continue under the new weights, as the protocol
+  asks) and opens SGLang's own weight-update session (`begin_weight_update` .. `end_weight_update`: SGLang 0.5.23's
+  scheduler refuses an update outside one). Each bucket is one `update_weights_from_tensor` (one serialized payload
+  per tensor-parallel rank) with `flush_cache=False` and `weight_version=str(version)`; `update_weights` is a
+  session of one bucket. SGLang cannot flush its prefix cache with requests in flight (the update call then reports
+  the flush failed), so `end_update` flushes at once when nothing is in flight (still paused: nothing slips in) and
+  else once the adapter is idle again. SGLang loads tensor by tensor: a bucket it refuses may be partly applied, so
+  any bucket sent touches the session, and `abort_update` of a touched session aborts the requests in flight and
+  refuses new ones until a whole version is loaded. With `parameter_names` the adapter refuses unknown names before
+  sending and `end_update` checks completeness; without, neither (SGLang's names are its own).
 - Publications across cells: `init_weights_group` makes SGLang's TP workers join a process group with rank 0
-  (`init_weights_update_group`), and `update_weights_from_group` loads a version that rank 0 broadcasts over it
-  (`update_weights_from_distributed`, in the same pause in place); `gyre.runtime.cell.engines.GroupPublishing` drives
-  both from rank 0.
+  (`init_weights_update_group`); `load_bucket_from_group` loads, in the session, a bucket that rank 0 broadcasts over
+  it (`update_weights_from_distributed`, one broadcast per tensor: gyre's flat buffers align each tensor to 16 bytes
+  where SGLang's `flattened_bucket` packs them back to back, so the buffer cannot be broadcast as SGLang's bucket),
+  and `update_weights_from_group` a whole version so (a session of one such bucket);
+  `gyre.runtime.cell.engines.GroupPublishing` drives them from rank 0.
 - Routed experts: a request's `return_routed_experts` / `routed_experts_start` go to `async_generate` as SGLang's
   `return_routed_experts` / `routed_experts_start_len`; the final output's `meta_info["routed_experts"]` (base64 of
   int32 `[seqlen - 1 - start, num_hidden_layers, top_k]`, flat; 0 at dense layers, SGLang's buffer never being
@@ -46,7 +54,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,8 +73,10 @@ from gyre.engine.protocol import (
     KVExport,
     SamplingParams,
     TokenChunk,
+    UpdateSession,
+    WeightUpdateSessionError,
     check_request,
-    check_version,
+    partial_weights_error,
 )
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
 
@@ -373,6 +383,11 @@ _MISSING_SGLANG = (
 )
 
 
+def _check_group_fields(names: list, dtypes: list, shapes: list) -> None:
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise ValueError(f"a weight group update needs as many names, dtypes and shapes, at least one: {names!r}")
+
+
 # ----------------------------------------------------------------- the adapter
 
 
@@ -411,6 +426,9 @@ class SGLangEngine(AcceptingLifecycle):
       update wait until in-flight requests finish (SGLang's model-update lock).
     - `environ`: where to read `SGLANG_RETURN_ORIGINAL_LOGPROB` (the scheduler inherits this process's env).
     - `routed_layout`: the MoE layout of routed experts, overriding what `routed_layout` reads from the HF config.
+    - `parameter_names`: every parameter a whole version carries, by HF name (`gyre.models.hf_weights.hf_shapes`
+      of the checkpoint): buckets with another name are refused before anything is sent, and `end_update` checks
+      that all were loaded. None: neither (the adapter cannot read them from SGLang).
     """
 
     def __init__(
@@ -429,6 +447,7 @@ class SGLangEngine(AcceptingLifecycle):
         environ: Mapping[str, str] | None = None,
         owns_engine: bool = False,
         routed_layout: RoutedLayout | None = None,
+        parameter_names: Iterable[str] | None = None,
     ):
         if not hasattr(sgl_engine, "async_generate") or not hasattr(sgl_engine, "tokenizer_manager"):
             raise TypeError(f"sgl_engine must be an sglang.Engine, got {type(sgl_engine).__name__}")
@@ -458,7 +477,10 @@ class SGLangEngine(AcceptingLifecycle):
         self._kv_released = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self._update_lock = asyncio.Lock()
+        self.parameter_names = None if parameter_names is None else tuple(parameter_names)
+        self._session: UpdateSession | None = None  # begin_update .. end_update (SGLang's weight-update session)
+        self._paused = False  # generation paused in place for the session
+        self._partial_weights: str | None = None  # why SGLang's weights are a mix of two versions (abort_update)
         self._flush_pending = False  # a weight update could not flush SGLang's prefix cache (requests in flight)
         self._flush_task: asyncio.Task | None = None
 
@@ -522,6 +544,8 @@ class SGLangEngine(AcceptingLifecycle):
             raise EngineUnavailableError("the engine stopped accepting requests (drain or stop_accepting)")
         if self._weights_released or self._kv_released:
             raise EngineUnavailableError("the engine's memory is released: call resume_memory first")
+        if self._partial_weights is not None:
+            raise partial_weights_error(self._partial_weights)
         self._validate(request)
         entry = _InFlight(request=request, chunks=asyncio.Queue(), submitted=time.monotonic())
         self._in_flight[request.request_id] = entry
@@ -712,6 +736,8 @@ class SGLangEngine(AcceptingLifecycle):
 
     async def release_memory(self, *, weights: bool = True, kv: bool = True) -> None:
         self._check_idle("release_memory")
+        if self._session is not None:
+            raise WeightUpdateSessionError("release_memory during a weight-update session: end or abort it first")
         if not weights and not kv:
             return
         io = self._sglang_io()
@@ -731,61 +757,129 @@ class SGLangEngine(AcceptingLifecycle):
     # ----------------------------------------------------------------- weights
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
+        """`begin_update`, one `load_bucket`, `end_update` without the completeness check (any subset); a failure in
+        between aborts the session (`abort_update`: a bucket SGLang refused may be partly applied)."""
+        await self.begin_update(version=version)
+        await self._load_and_end(self.load_bucket(weights), version)
+
+    async def begin_update(self, *, version: int) -> None:
+        """Pause generation in place and open SGLang's weight-update session (`begin_weight_update`); a session that
+        does not open raises `ValueError` and generation goes on (module docstring)."""
+        self._session = UpdateSession.begin(
+            self._session, version, self.policy_version, released=self._weights_released
+        )
+        io = self._sglang_io()
+        opened, message = False, "it was not asked"
+        try:
+            if self.pause_for_update:
+                await self._manager.pause_generation(io.pause(mode="in_place"))
+                self._paused = True
+            opened, message = await self._manager.begin_weight_update(io.begin_update(selector="all"), None)
+        finally:
+            if not opened:
+                self._session = None
+                await self._continue_generation()
+        if not opened:
+            raise ValueError(
+                f"SGLang rejected the weight update to version {version}: no weight-update session: {message}"
+            )
+
+    async def load_bucket(self, bucket: Mapping[str, torch.Tensor] | FlatWeights) -> None:
+        """One bucket by `update_weights_from_tensor` in the session (`flush_cache=False`, `weight_version`: the
+        session's version); one serialized payload per tensor-parallel rank."""
         import torch
 
-        self._check_update(version)
-        named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
+        session = UpdateSession.require(self._session, "load_bucket")
+        named = unflatten_weights(bucket) if isinstance(bucket, FlatWeights) else dict(bucket)
         for name, tensor in named.items():
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"update_weights: {name} is a {type(tensor).__name__}, expected a torch.Tensor")
+        self._check_names(named)
         io = self._sglang_io()
         payload = [io.serialize(list(named.items())) for _ in range(self.limits.tp_size)]
+        update = io.update_weights(
+            serialized_named_tensors=payload, load_format=None, flush_cache=False, weight_version=str(session.version)
+        )
+        await self._load(session, list(named), self._manager.update_weights_from_tensor(update, None))
 
-        def send(flush_now: bool):
-            update = io.update_weights(serialized_named_tensors=payload, load_format=None, flush_cache=flush_now)
-            return self._manager.update_weights_from_tensor(update, None)
+    async def end_update(self, *, version: int) -> None:
+        """`end_weight_update`, the prefix cache flushed (at once when nothing is in flight, else once idle), then
+        generation continues. Completeness is checked against `parameter_names` when the adapter was given them."""
+        session = UpdateSession.require(self._session, "end_update")
+        session.check_end(version, self.parameter_names)
+        await self._close_session(session)
 
-        await self._paused_update(send, version)
-
-    def _check_update(self, version: int) -> None:
-        """What every weight update needs before anything is sent: weights in memory, a version not below ours."""
-        if self._weights_released:
-            raise EngineUnavailableError("weights are released: resume_memory first, then update_weights")
-        check_version(version, self.policy_version)
-
-    async def _paused_update(self, send: Callable[[bool], Any], version: int) -> None:
-        """Load `version` with `send(flush_now)` (an SGLang update coroutine returning `(success, message)`) inside a
-        pause in place, so running requests continue under the new weights (module docstring)."""
+    async def abort_update(self) -> None:
+        """SGLang's session closed with the version unchanged. A touched session (a bucket sent, whatever SGLang
+        answered) leaves SGLang's weights mixed: the requests in flight are aborted before generation continues, new
+        ones are refused until a whole version is loaded, and the prefix cache is flushed once idle."""
+        session = self._session
+        if session is None:
+            return
         io = self._sglang_io()
-        async with self._update_lock:
-            if self.pause_for_update:
-                await self._manager.pause_generation(io.pause(mode="in_place"))
-            # SGLang's scheduler asserts that the cache flush after an update succeeds, and a flush fails while
-            # requests are queued or running: flush only when nothing is in flight (without the pause, SGLang's
-            # model-update lock waits for in-flight requests), else flush once the adapter is idle again.
-            flush_now = not self._in_flight or not self.pause_for_update
-            try:
-                # SGLang 0.5.23 loads weights only inside a weight-update session (its scheduler refuses an update
-                # outside one); the session is closed whatever the update did, so the next one can open.
-                opened, message = await self._manager.begin_weight_update(io.begin_update(selector="all"), None)
-                if opened:
-                    try:
-                        success, message = await send(flush_now)
-                    finally:
-                        closed, closing = await self._manager.end_weight_update(io.end_update(), None)
-                    if success and not closed:
-                        success, message = False, f"the weight-update session did not close: {closing}"
-                else:
-                    success, message = False, f"no weight-update session: {message}"
-            finally:
-                if self.pause_for_update:
-                    await self._manager.continue_generation(io.resume_generation())
-            if not success:
-                # SGLang loads tensor by tensor: a failure may leave some applied (unlike the native engine).
-                raise ValueError(f"SGLang rejected the weight update to version {version}: {message}")
-            self.policy_version = version
-            self._flush_pending = self._flush_pending or not flush_now
-            self._flush_if_idle()
+        try:
+            if session.touched:
+                self._partial_weights = f"the update to version {session.version} was aborted after a bucket"
+                for request_id in list(self._in_flight):
+                    self.abort(request_id)
+            await self._manager.end_weight_update(io.end_update(), None)  # else SGLang refuses the next session
+        finally:
+            self._session = None
+            await self._continue_generation()
+            if session.touched:
+                self._flush_pending = True
+                self._flush_if_idle()
+
+    async def _load_and_end(self, loading: Awaitable, version: int) -> None:
+        """A whole update's load and end (no completeness check); whatever fails in between aborts the session."""
+        try:
+            await loading
+            await self._close_session(UpdateSession.require(self._session, "end_update"))
+        except BaseException:
+            await self.abort_update()
+            raise
+
+    async def _load(self, session: UpdateSession, names: list[str], sending: Awaitable) -> None:
+        """Await one SGLang update call of the session; `(False, message)` raises `ValueError`."""
+        session.touched = True  # SGLang loads tensor by tensor: whatever it answers, some may be written
+        success, message = await sending
+        if not success:
+            raise ValueError(f"SGLang rejected the weight update to version {session.version}: {message}")
+        session.loaded.update(names)
+
+    def _check_names(self, names) -> None:
+        """With `parameter_names`, a name the model does not have is refused before anything is sent."""
+        if self.parameter_names is not None:
+            unknown = [name for name in names if name not in self.parameter_names]
+            if unknown:
+                raise ValueError(f"update_weights: unknown parameter name {unknown[0]!r}")
+
+    async def _close_session(self, session: UpdateSession) -> None:
+        """SGLang's session ended; the prefix cache flushed at once if nothing is in flight (still paused: nothing can
+        slip in before the flush), else once idle; generation continued; the version set."""
+        io = self._sglang_io()
+        try:
+            closed, message = await self._manager.end_weight_update(io.end_update(), None)
+            if not closed:  # what was loaded is not finalized: serve nothing on it
+                self._partial_weights = f"the update to version {session.version} did not close in SGLang"
+                for request_id in list(self._in_flight):
+                    self.abort(request_id)
+            flushed = closed and not self._in_flight and await self._flush_now()
+        finally:
+            self._session = None
+            await self._continue_generation()
+        if not closed:
+            raise ValueError(f"SGLang's weight-update session for version {session.version} did not close: {message}")
+        if self.parameter_names is None or session.loaded.issuperset(self.parameter_names):
+            self._partial_weights = None  # a whole version again
+        self.policy_version = session.version
+        self._flush_pending = self._flush_pending or not flushed
+        self._flush_if_idle()
+
+    async def _continue_generation(self) -> None:
+        if self._paused:
+            self._paused = False
+            await self._manager.continue_generation(self._sglang_io().resume_generation())
 
     async def init_weights_group(
         self, *, address: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str
@@ -810,25 +904,33 @@ class SGLangEngine(AcceptingLifecycle):
         self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int
     ) -> None:
         """Load `version` from rank 0's broadcasts over the weight group `group_name` (one per name, in order, with
-        those dtypes and shapes), inside a pause in place as `update_weights` (calls in flight continue under the
-        new weights). Rank 0 broadcasts while this waits."""
-        self._check_update(version)
-        if not (len(names) == len(dtypes) == len(shapes)) or not names:
-            raise ValueError(f"a weight group update needs as many names, dtypes and shapes, at least one: {names!r}")
+        those dtypes and shapes): `begin_update`, one `load_bucket_from_group`, `end_update` as `update_weights`
+        (calls in flight continue under the new weights). Rank 0 broadcasts while this waits."""
+        _check_group_fields(names, dtypes, shapes)
+        await self.begin_update(version=version)
+        bucket = self.load_bucket_from_group(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name)
+        await self._load_and_end(bucket, version)
+
+    async def load_bucket_from_group(
+        self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> None:
+        """In the open session, one bucket from rank 0's broadcasts over the weight group (one per tensor, in order:
+        gyre's buffers are 16-byte aligned per tensor, SGLang's `flattened_bucket` packs tensors back to back, so the
+        per-tensor path is used), by `update_weights_from_distributed` (`flush_cache=False`, `weight_version`)."""
+        session = UpdateSession.require(self._session, "load_bucket_from_group")
+        _check_group_fields(names, dtypes, shapes)
+        self._check_names(names)
         io = self._sglang_io()
-
-        def send(flush_now: bool):
-            update = io.update_distributed(
-                names=list(names),
-                dtypes=list(dtypes),
-                shapes=[list(shape) for shape in shapes],
-                group_name=group_name,
-                flush_cache=flush_now,
-                load_format=None,
-            )
-            return self._manager.update_weights_from_distributed(update, None)
-
-        await self._paused_update(send, version)
+        update = io.update_distributed(
+            names=list(names),
+            dtypes=list(dtypes),
+            shapes=[list(shape) for shape in shapes],
+            group_name=group_name,
+            flush_cache=False,
+            load_format=None,
+            weight_version=str(session.version),
+        )
+        await self._load(session, list(names), self._manager.update_weights_from_distributed(update, None))
 
     def _flush_if_idle(self) -> None:
         """Drop SGLang's prefix cache (KV of old weights) once no request is in flight, if an update left it."""
@@ -837,12 +939,15 @@ class SGLangEngine(AcceptingLifecycle):
 
     async def _flush_prefix_cache(self) -> None:
         try:
-            result = await self._manager.flush_cache()
-            # SGLang refuses (success False) if a request slipped in; the next idle moment tries again.
-            if getattr(result, "success", True):
+            if await self._flush_now():
                 self._flush_pending = False
         finally:
             self._flush_task = None
+
+    async def _flush_now(self) -> bool:
+        """SGLang's `flush_cache`; False when it refused (a request slipped in: the next idle moment tries again)."""
+        result = await self._manager.flush_cache()
+        return bool(getattr(result, "success", True))
 
     # ----------------------------------------------------------------- KV migration (not in SGLang)
 
@@ -871,7 +976,7 @@ class SGLangEngine(AcceptingLifecycle):
             queued=0,
             kv_tokens_total=total,
             kv_tokens_free=max(0, total - held),
-            accepting=self._accepting and not released,
+            accepting=self._accepting and not released and self._partial_weights is None,
             memory_released=released,
             policy_version=self.policy_version,
         )

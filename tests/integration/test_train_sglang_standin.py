@@ -60,8 +60,8 @@ def check_adapter_calls(log_path, run_dir, update: str, *, tp_size: int, groups:
     """What a run through the SGLang adapter must show in the stand-in's log (`update`: the publication path's call,
     `groups`: the (world_size, rank_offset) of each engine's weight group, none over HTTP): each engine built first
     and shut down last at `tp_size`; cells that went to training released their memory and resumed it before their
-    update; every update succeeded, on one path only, inside a pause in place and a weight-update session; no call
-    aborted; the proxy answered
+    update; every update succeeded, on one path only, inside a pause in place and a weight-update session, without
+    flushing (the adapter flushes once nothing is in flight); no call aborted; the proxy answered
     exactly the calls the engines served. The engines' calls by process, and the updates."""
     engines = calls_by_engine(log_path)
     kinds = {pid: [c["call"] for c in calls] for pid, calls in engines.items()}
@@ -81,8 +81,10 @@ def check_adapter_calls(log_path, run_dir, update: str, *, tp_size: int, groups:
     assert not [c for calls in engines.values() for c in calls if c["call"] == other]  # one path only
     for k in kinds.values():  # every update inside a pause in place and a weight-update session (SGLang 0.5.23)
         for i, kind in enumerate(k):
-            if kind == update:
-                assert k[i - 2 : i + 3] == ["pause", "begin_update", update, "end_update", "continue"], k
+            if kind == update:  # an idle engine's prefix cache is flushed before generation continues
+                assert k[i - 2 : i + 2] == ["pause", "begin_update", update, "end_update"], k
+                assert k[i + 2] == "continue" or k[i + 2 : i + 4] == ["flush", "continue"], k
+    assert all(u["flush_cache"] is False for u in updates)
     assert all(c["mode"] == "in_place" for calls in engines.values() for c in calls if c["call"] == "pause")
     assert not [c for calls in engines.values() for c in calls if c["call"] == "abort"]  # no call aborted
     served = sum(k.count("generate") for k in kinds.values())

@@ -23,6 +23,7 @@ from gyre.engine.protocol import (
     GenerateRequest,
     SamplingParams,
     TensorSpec,
+    WeightUpdateSessionError,
 )
 from gyre.engine.sglang_engine import (
     RoutedLayout,
@@ -444,23 +445,125 @@ def test_update_weights_versions_pause_and_failures():
     update = next(call for call in fake.calls if call[0] == "update")
     assert update[2] is True  # generation was paused during the update
     assert update[1]["serialized_named_tensors"] == [[("model.norm.weight", (4,))]] * 2  # one payload per TP rank
-    # A request was in flight: SGLang cannot flush then (it asserts), so the adapter flushed once idle.
+    assert update[1]["weight_version"] == "2"  # SGLang records it with the weights
+    # A request was in flight: SGLang cannot flush then, so the adapter flushed once idle.
     assert update[1]["flush_cache"] is False and ("flush",) in fake.calls[kinds.index("update") :]
+    assert "flush" not in kinds[: kinds.index("continue")]
 
     with pytest.raises(ValueError, match="version=1 is not allowed"):
         run(engine.update_weights(weights, version=1))
+    calls = len(fake.calls)
     with pytest.raises(TypeError, match=r"expected a torch\.Tensor"):
         run(engine.update_weights({"w": [1.0]}, version=3))
+    assert [call[0] for call in fake.calls[calls:]] == ["pause", "begin", "end", "continue"]  # nothing was sent
+    assert engine.load().accepting  # so the engine goes on with its weights
     spec = TensorSpec(name="w", dtype="float32", shape=(2,), offset=0)
     flat = FlatWeights(buffer=torch.zeros(8, dtype=torch.uint8), manifest=(spec,))
+    calls = len(fake.calls)
     run(engine.update_weights(flat, version=3))
-    last_update = [call for call in fake.calls if call[0] == "update"][-1]
-    assert engine.policy_version == 3 and last_update[1]["flush_cache"] is True  # idle: flushed with the update
+    # idle: flushed before generation continues (paused, nothing can slip in between)
+    assert [call[0] for call in fake.calls[calls:]] == ["pause", "begin", "update", "end", "flush", "continue"]
+    assert engine.policy_version == 3 and fake.calls[-4][1]["flush_cache"] is False
 
-    rejecting, _ = adapter(FakeSGLangEngine(reject_names=True))
+    rejecting, fake = adapter(FakeSGLangEngine(reject_names=True))
     with pytest.raises(ValueError, match="rejected the weight update to version 5: unknown parameter"):
         run(rejecting.update_weights({"nope.weight": torch.ones(1)}, version=5))
-    assert rejecting.policy_version == 0
+    # SGLang may have applied part of what it refused: the session was aborted, and nothing is served on it
+    assert rejecting.policy_version == 0 and not rejecting.load().accepting
+    assert [call[0] for call in fake.calls][:5] == ["pause", "begin", "update", "end", "continue"]  # a flush once idle
+    with pytest.raises(EngineUnavailableError, match="partial weights"):
+        run(rejecting.generate(request("after")))
+
+
+PARAMETERS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def test_a_streamed_update_is_one_paused_sglang_session_with_one_update_per_bucket():
+    """begin_update pauses in place and opens SGLang's session; each bucket is one update_weights_from_tensor with
+    flush_cache=False and the session's weight_version; names the model lacks are refused before sending; end_update
+    refuses an incomplete version (the session stays), then closes it; the call in flight continues, new version."""
+    engine, fake = adapter(policy_version=1, parameter_names=PARAMETERS)
+    embed, norm, head = ({name: torch.ones(2)} for name in PARAMETERS)
+
+    async def go():
+        stream = engine.generate_stream(request("span", (1,), SamplingParams(max_new_tokens=30)))
+        first = await stream.__anext__()
+        await engine.begin_update(version=2)
+        with pytest.raises(WeightUpdateSessionError, match="session for version 2 is open"):
+            await engine.begin_update(version=3)
+        await engine.load_bucket({**embed, **norm})
+        with pytest.raises(ValueError, match=r"unknown parameter name 'nope\.weight'"):
+            await engine.load_bucket({"nope.weight": torch.ones(1)})
+        with pytest.raises(ValueError, match=r"1 parameters were not loaded since begin_update \(lm_head.weight\)"):
+            await engine.end_update(version=2)
+        await engine.load_bucket(head)
+        await engine.end_update(version=2)
+        rest = [chunk async for chunk in stream]
+        return first, rest
+
+    first, rest = run(go())
+    assert first.policy_version == 1 and rest[-1].policy_version == 2 and engine.policy_version == 2
+    kinds = [call[0] for call in fake.calls if call[0] != "generate"]
+    assert kinds == ["pause", "begin", "update", "update", "end", "continue", "flush"]  # flushed once idle
+    updates = [call for call in fake.calls if call[0] == "update"]
+    assert [[name for name, _ in u[1]["serialized_named_tensors"][0]] for u in updates] == [
+        list(PARAMETERS[:2]),
+        [PARAMETERS[2]],
+    ]
+    assert all(u[2] and u[1]["flush_cache"] is False and u[1]["weight_version"] == "2" for u in updates)
+    with pytest.raises(WeightUpdateSessionError, match="load_bucket needs an open weight-update session"):
+        run(engine.load_bucket(head))
+
+
+def test_an_aborted_streamed_update_goes_on_untouched_and_else_serves_nothing_until_a_whole_version():
+    engine, fake = adapter(parameter_names=PARAMETERS)
+    whole = {name: torch.ones(2) for name in PARAMETERS}
+
+    async def go():
+        await engine.begin_update(version=1)
+        await engine.abort_update()  # nothing sent: SGLang's weights are whole
+        assert engine.load().accepting and [c[0] for c in fake.calls] == ["pause", "begin", "end", "continue"]
+        stalled = asyncio.ensure_future(engine.generate(request("stalled", (1,), LONG)))
+        while "stalled" not in {c[1] for c in fake.calls if c[0] == "generate"}:
+            await asyncio.sleep(0.001)
+        await engine.begin_update(version=1)
+        await engine.load_bucket({PARAMETERS[0]: torch.ones(2)})
+        await engine.abort_update()
+        aborted = await stalled
+        with pytest.raises(EngineUnavailableError, match="partial weights"):
+            await engine.generate(request("refused"))
+        refused_load = engine.load()
+        await engine.begin_update(version=1)
+        await engine.load_bucket(whole)
+        await engine.end_update(version=1)
+        return aborted, refused_load, await engine.generate(request("served"))
+
+    aborted, refused_load, served = run(go())
+    assert aborted.finish_reason == "abort" and "stalled" in fake.aborted and not refused_load.accepting
+    assert served.policy_version == 1 and engine.load().accepting and engine.policy_version == 1
+
+
+def test_a_bucket_from_the_weight_group_loads_in_the_session():
+    engine, fake = adapter(policy_version=1)
+    spec = {"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[4]], "group_name": "g"}
+    with pytest.raises(WeightUpdateSessionError, match="load_bucket_from_group needs an open weight-update session"):
+        run(engine.load_bucket_from_group(**spec))
+
+    async def go():
+        await engine.begin_update(version=4)
+        with pytest.raises(ValueError, match="as many names, dtypes and shapes"):
+            await engine.load_bucket_from_group(**{**spec, "dtypes": []})
+        await engine.load_bucket_from_group(**spec)
+        await engine.load_bucket_from_group(**{**spec, "names": ["lm_head.weight"]})
+        await engine.end_update(version=4)
+
+    run(go())
+    kinds = [call[0] for call in fake.calls]
+    assert kinds == ["pause", "begin", "update_distributed", "update_distributed", "end", "flush", "continue"]
+    sent = [call[1]["update_distributed"] for call in fake.calls if call[0] == "update_distributed"]
+    assert [s["names"] for s in sent] == [["model.norm.weight"], ["lm_head.weight"]]
+    assert all(s["flush_cache"] is False and s["weight_version"] == "4" and s["load_format"] is None for s in sent)
+    assert engine.policy_version == 4
 
 
 def test_release_and_resume_memory():
@@ -721,3 +824,63 @@ def test_routed_experts_through_the_sglang_standin_equal_the_models_own(tmp_path
         _, _, routed_1TLK = moe(torch.tensor([ids]), torch.arange(len(ids))[None], return_routed_experts=True)
     np.testing.assert_array_equal(result.routed_experts, routed_1TLK[0, 2:-1].numpy())
     assert (result.routed_experts[:, 0] == -1).all()
+
+
+def test_a_streamed_update_through_the_sglang_standin_serves_the_new_weights(tmp_path, monkeypatch):
+    """The adapter over gyre's SGLang stand-in (its request types and serializer, imported as `sglang` for this test
+    only) on the tiny test model: a session of buckets, with a call held in flight across it, makes the engine answer
+    as the native engine on the new weights; the stand-in recorded the weight version the adapter sent."""
+    import copy
+    import importlib
+
+    from engine_fixtures import sharp_tiny_model
+
+    from gyre.engine.native import NativeEngine
+    from gyre.engine.sglang_standin import PATH
+    from gyre.models.flat_weights import flatten_weights
+    from gyre.models.hf_weights import save_pretrained
+
+    model = sharp_tiny_model()
+    save_pretrained(model, tmp_path / "m")
+    new_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.mul_(1.25)
+    weights = {name: param.detach().clone() for name, param in new_model.named_parameters()}
+    names = list(weights)
+    buckets = [flatten_weights({n: weights[n] for n in names[i : i + 6]}) for i in range(0, len(names), 6)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompts = [(3, 1, 4), (1, 5, 9, 2), (6,)]
+
+    monkeypatch.syspath_prepend(str(PATH))
+    before = set(sys.modules)
+    try:
+        sglang = importlib.import_module("sglang")
+        assert sglang.STANDIN
+
+        async def go():
+            sgl = sglang.Engine(model_path=str(tmp_path / "m"), skip_tokenizer_init=True)
+            engine = SGLangEngine(sgl, environ={}, parameter_names=[name for name, _ in model.named_parameters()])
+            stream = engine.generate_stream(request("span", (2, 7), SamplingParams(temperature=0.0, max_new_tokens=40)))
+            first = await stream.__anext__()
+            await engine.begin_update(version=3)
+            for bucket in buckets:
+                await engine.load_bucket(bucket)
+            await engine.end_update(version=3)
+            rest = [chunk async for chunk in stream]
+            served = [await engine.generate(request(f"n{i}", p, greedy)) for i, p in enumerate(prompts)]
+            reference = NativeEngine(new_model)
+            expected = [await reference.generate(request(f"e{i}", p, greedy)) for i, p in enumerate(prompts)]
+            await reference.close()
+            await engine.close()
+            return first, rest, served, expected, sgl.tokenizer_manager.weight_version
+
+        first, rest, served, expected, weight_version = run(go())
+    finally:
+        for name in set(sys.modules) - before:
+            if name == "sglang" or name.startswith("sglang."):
+                del sys.modules[name]
+    assert len(buckets) > 1 and first.policy_version == 0 and rest[-1].policy_version == 3
+    assert rest[-1].finish_reason == "length" and weight_version == "3"
+    assert [r.output_ids for r in served] == [r.output_ids for r in expected]
+    assert [r.output_logprobs for r in served] == [r.output_logprobs for r in expected]

@@ -210,6 +210,18 @@ def test_the_adapter_calls_only_what_the_pinned_sglang_has(sglang_source):
     source = Path(adapter.__file__).read_text()
     calls = {call.target for call in adapter_calls(ast.parse(source))}
     assert {"Engine.async_generate", "TokenizerManager.update_weights_from_tensor", "io.update_weights"} <= calls
+    session = {  # a weight-update session: one update per bucket, flushed after (gyre.engine.protocol, begin_update)
+        "TokenizerManager.begin_weight_update",
+        "TokenizerManager.end_weight_update",
+        "TokenizerManager.update_weights_from_distributed",
+        "TokenizerManager.flush_cache",
+        "TokenizerManager.pause_generation",
+        "TokenizerManager.continue_generation",
+        "io.begin_update",
+        "io.end_update",
+        "io.update_distributed",
+    }
+    assert session <= calls, session - calls
     assert len(calls) >= 12, calls  # the parse finds the adapter's calls, not a few of them
     assert problems(source, sglang_source) == []
 
@@ -223,6 +235,21 @@ def test_the_adapter_calls_only_what_the_pinned_sglang_has(sglang_source):
             "UpdateWeightsFromTensorReqInput has no fields ['load_fromat']",
         ),
         ("master_port=port", "master_prot=port", "InitWeightsUpdateGroupReqInput has no fields ['master_prot']"),
+        (
+            "flush_cache=False, weight_version=str(session.version)\n",
+            "flush_cache=False, weight_versoin=str(session.version)\n",
+            "UpdateWeightsFromTensorReqInput has no fields ['weight_versoin']",
+        ),
+        (
+            "weight_version=str(session.version),",
+            "weight_verison=str(session.version),",
+            "UpdateWeightsFromDistributedReqInput has no fields ['weight_verison']",
+        ),
+        (
+            "self._manager.begin_weight_update(",
+            "self._manager.begin_weight_updates(",
+            "no method 'begin_weight_updates'",
+        ),
         ("self._manager.pause_generation(", "self._manager.pause_generations(", "no method 'pause_generations'"),
         ("rid=request.request_id,", "request_id=request.request_id,", "keywords ['request_id']"),
         ('"min_new_tokens": 0', '"min_new_token": 0', "SamplingParams takes no ['min_new_token']"),

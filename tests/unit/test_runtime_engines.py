@@ -148,6 +148,23 @@ def test_the_native_factory_builds_the_native_engine(tmp_path):
     assert engines.start_timeout_s(config()) < engines.start_timeout_s(config(backend="sglang"))
 
 
+def test_the_sglang_factory_gives_the_adapter_the_names_a_whole_publication_carries(tmp_path, monkeypatch):
+    """The adapter refuses other names and checks a streamed update is complete against the checkpoint's parameters,
+    the shared decoder's names (what a publication sends: `gyre.trainer.publish.engine_weights`)."""
+    from gyre.engine.sglang_engine import SGLangEngine
+    from gyre.models.hf_weights import load_pretrained
+    from gyre.models.tiny import build_tiny_model
+
+    built = []
+    monkeypatch.setattr(SGLangEngine, "from_pretrained", classmethod(lambda cls, path, **kw: built.append((path, kw))))
+    model_dir = build_tiny_model(tmp_path / "m")
+    engines.engine_factory(config(backend="sglang"), model_dir, 4, cell_size=1)()
+    ((path, kwargs),) = built
+    options = kwargs["adapter_options"]
+    assert path == str(model_dir) and options["policy_version"] == 4
+    assert options["parameter_names"] == tuple(load_pretrained(model_dir).state_dict())
+
+
 class GroupEngine:
     """An engine whose group update ends after `receive_s` with `outcome` (None: success, else that exception),
     and whose endpoint update records what it got."""
@@ -208,3 +225,100 @@ def test_a_broadcast_that_breaks_mid_way_goes_through_the_endpoint_from_then_on(
     publishing = engines.GroupPublishing(engine, "fine", group_name="gyre-weights-3", device=None)
     asyncio.run(asyncio.wait_for(publishing.update_weights(weights, version=4), 10))
     assert publishing.broken is None and engine.over_endpoint == []
+
+
+class SessionEngine:
+    """An engine with a weight-update session: each bucket from the group is received after `receive_s` with
+    `outcomes` in turn (None: success, else that exception); every call it gets is recorded in `calls`."""
+
+    def __init__(self, receive_s: float, outcomes: list):
+        self.receive_s, self.outcomes, self.calls = receive_s, list(outcomes), []
+
+    async def begin_update(self, *, version):
+        self.calls.append(("begin", version))
+
+    async def load_bucket_from_group(self, **fields):
+        import asyncio
+
+        self.calls.append(("from_group", fields["names"]))
+        await asyncio.sleep(self.receive_s)
+        outcome = self.outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    async def load_bucket(self, bucket):
+        self.calls.append(("over_endpoint", list(bucket)))
+
+    async def end_update(self, *, version):
+        self.calls.append(("end", version))
+
+    async def abort_update(self):
+        self.calls.append(("abort",))
+
+
+def test_a_streamed_publication_broadcasts_each_bucket_in_the_engines_session(monkeypatch):
+    """Each bucket: the engine receives it over the group (`load_bucket_from_group`, its names, dtypes, shapes) while
+    rank 0 broadcasts that bucket; begin and end are the engine's. A broadcast that breaks at the second bucket sends
+    that bucket and the later ones through the endpoint, in the same session; a first bucket refused at once is not
+    broadcast at all."""
+    import asyncio
+    import threading
+
+    import torch
+
+    from gyre.engine.errors import EngineUnreachable
+
+    stuck = threading.Event()
+    broadcasts = []
+
+    def broadcast(group, named, *, device=None):
+        broadcasts.append((group, [name for name, _ in named]))
+        if group == "stuck" and len(broadcasts) == 2:
+            stuck.wait(30)
+            raise RuntimeError("gloo: connection closed by peer")
+        return 64
+
+    monkeypatch.setattr("gyre.distributed.weight_groups.broadcast_weights", broadcast)
+    buckets = [{"model.norm.weight": torch.ones(4, dtype=torch.bfloat16)}, {"lm_head.weight": torch.zeros(8, 4)}]
+    buckets.append({"model.embed_tokens.weight": torch.zeros(8, 4)})
+
+    async def publish(publishing, version):
+        await publishing.begin_update(version=version)
+        for bucket in buckets:
+            await publishing.load_bucket(bucket)
+        await publishing.end_update(version=version)
+
+    engine = SessionEngine(receive_s=0.3, outcomes=[None, None, None])
+    publishing = engines.GroupPublishing(engine, "fine", group_name="gyre-weights-1", device=None)
+    asyncio.run(asyncio.wait_for(publish(publishing, 5), 10))
+    assert engine.calls == [("begin", 5), *(("from_group", list(b)) for b in buckets), ("end", 5)]
+    assert broadcasts == [("fine", list(b)) for b in buckets] and publishing.broken is None
+
+    broadcasts.clear()
+    engine = SessionEngine(receive_s=0.3, outcomes=[None, EngineUnreachable("the endpoint is gone")])
+    publishing = engines.GroupPublishing(engine, "stuck", group_name="gyre-weights-2", device=None)
+    asyncio.run(asyncio.wait_for(publish(publishing, 6), 10))
+    assert engine.calls == [
+        ("begin", 6),
+        ("from_group", ["model.norm.weight"]),
+        ("from_group", ["lm_head.weight"]),
+        ("over_endpoint", ["lm_head.weight"]),  # the bucket whose broadcast broke, then the rest, in the session
+        ("over_endpoint", ["model.embed_tokens.weight"]),
+        ("end", 6),
+    ]
+    assert len(broadcasts) == 2 and "version 6 bucket 2: EngineUnreachable" in publishing.broken
+    stuck.set()
+
+    broadcasts.clear()
+    engine = SessionEngine(receive_s=0.0, outcomes=[ValueError("Group gyre-weights-3 not initialized")])
+    publishing = engines.GroupPublishing(engine, "fine", group_name="gyre-weights-3", device=None)
+
+    async def refused():
+        await publishing.begin_update(version=7)
+        with pytest.raises(ValueError, match="not initialized"):
+            await publishing.load_bucket(buckets[0])
+        await publishing.abort_update()
+
+    asyncio.run(asyncio.wait_for(refused(), 10))
+    assert broadcasts == [] and publishing.broken is None  # refused at once: nothing broadcast, the group intact
+    assert engine.calls == [("begin", 7), ("from_group", ["model.norm.weight"]), ("abort",)]

@@ -12,12 +12,13 @@ the pinned wheel's source by tests/unit/test_engine_sglang_contract.py), backed 
   `finish_reason`). It stops at `stop_token_ids` only (SGLang also stops at the model's EOS ids). With
   `return_routed_experts=True, routed_experts_start_len=` and the server arg `enable_return_routed_experts`, the
   final output carries `routed_experts` in SGLang's encoding (base64 of int32 rows, 0 at dense layers).
-- `tokenizer_manager`: `abort_request`, `pause_generation` / `continue_generation` (in place: outputs are held until
-  continued; the native engine underneath finishes the step it is in, so a token sampled just before an update can
-  reach the caller after it, where SGLang's scheduler stops between forwards), `begin_weight_update` /
+- `tokenizer_manager`: `abort_request`, `pause_generation` / `continue_generation` (in place: the native engine
+  underneath is held at its next step boundary, as SGLang's scheduler runs no forward while paused, and outputs are
+  held until continued: a token sampled just before the pause reaches the caller after it), `begin_weight_update` /
   `end_weight_update` (a weight-update session: updates outside one are refused, with SGLang 0.5.23's message),
-  `update_weights_from_tensor` (one payload per TP rank; `flush_cache=True` with requests in flight raises, as
-  SGLang's scheduler asserts), `release_memory_occupation` / `resume_memory_occupation` (tags `weights`, `kv_cache`,
+  `update_weights_from_tensor` (one payload per TP rank; its `weight_version` recorded; `flush_cache=True` with
+  requests in flight loads the weights and then answers `(False, ...)` with SGLang 0.5.23's message: the cache was
+  not flushed), `release_memory_occupation` / `resume_memory_occupation` (tags `weights`, `kv_cache`,
   None for both), `flush_cache`, `init_weights_update_group` / `update_weights_from_distributed` (each modelled TP
   worker a gloo member of rank 0's group, its store keys laid out as SGLang's `init_custom_process_group` and torch's
   `_new_process_group_helper` lay them; gloo only: NCCL needs GPUs).

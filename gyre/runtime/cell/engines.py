@@ -15,7 +15,9 @@ Publications (`engine.weight_sync`): over each engine's endpoint (`update_weight
 0 over a process group with the engine's tensor-parallel workers: `join_weight_group` makes the group once per engine
 (each cell's, the separate pool's) at start (rank 0 serves its rendezvous on `job.host`; the engine's workers are ranks
 1..tp_size), and the engine is then a `GroupPublishing`, whose `update_weights` asks the engine to receive
-(`update_weights_from_group`) while rank 0 broadcasts (`gyre.distributed.weight_groups`).
+(`update_weights_from_group`) while rank 0 broadcasts (`gyre.distributed.weight_groups`), and whose streamed update
+(`begin_update`, `load_bucket` per bucket, `end_update`) does so bucket by bucket in the engine's session
+(`load_bucket_from_group`).
 """
 
 from __future__ import annotations
@@ -72,7 +74,11 @@ def engine_factory(cfg: TrainConfig, model_dir: Path, version: int, *, cell_size
             extra=e.sglang_args,
             return_routed_experts=cfg.trainer.routing_replay,
         )
-        options = {"policy_version": version}
+        from gyre.models.decoder_config import read_config
+        from gyre.models.hf_weights import hf_shapes
+
+        # the names a whole publication carries: the adapter refuses others and checks a streamed update is complete
+        options = {"policy_version": version, "parameter_names": tuple(hf_shapes(read_config(model_dir)))}
         return lambda: SGLangEngine.from_pretrained(str(model_dir), adapter_options=options, **args)
 
     import torch
@@ -144,11 +150,19 @@ class GroupPublishing:
     """A cell's SGLang engine (its `RemoteEngine`) whose publications rank 0 broadcasts over its weight group; every
     other call goes to the engine as it is.
 
+    Whole (`update_weights`: the engine's `update_weights_from_group`) or streamed in the engine's weight-update session
+    (`begin_update`, then per bucket `load_bucket`: the engine's `load_bucket_from_group` while rank 0 broadcasts the
+    bucket tensor by tensor, then `end_update` or `abort_update`, which go to the engine as they are). The engine
+    refuses what it refuses at once (released weights, an old version, a session already open) at `begin_update`,
+    before anything is broadcast; a whole update, and a session's first bucket, are also waited on for
+    `EARLY_FAILURE_S` before rank 0 broadcasts, so a refusal there leaves the group intact.
+
     A publication that fails once the broadcast began (the engine's workers gone or refusing mid-way) leaves the
-    group's collectives out of step: the group is then broken, that publication and every later one go through the
-    engine's endpoint instead (`update_weights`, SGLang's `update_weights_from_tensor`), with a warning. Rank 0's
-    broadcast runs on a daemon thread of its own, so a broadcast stuck until the group's timeout holds neither the
-    publication nor the run's end (`gyre.runtime.cell.trainer_thread.TrainerThread`)."""
+    group's collectives out of step: the group is then broken, that publication (or bucket) and every later one go
+    through the engine's endpoint instead (`update_weights` / `load_bucket`, SGLang's `update_weights_from_tensor`, in
+    the same session), with a warning. Rank 0's broadcast runs on a daemon thread of its own, so a broadcast stuck
+    until the group's timeout holds neither the publication nor the run's end
+    (`gyre.runtime.cell.trainer_thread.TrainerThread`)."""
 
     EARLY_FAILURE_S = 0.2  # an update the engine refuses at once (released weights, an old version) is not waited on
 
@@ -157,6 +171,7 @@ class GroupPublishing:
         self._store = store  # rank 0 serves the group's rendezvous store: kept for the group's life
         self.broken: str | None = None  # why the group is no longer used, once a broadcast failed
         self._thread = TrainerThread(name=f"{group_name}-broadcast")  # a daemon: a stuck broadcast holds nothing
+        self._session: tuple[int, int] | None = None  # (version, buckets sent) of the open weight-update session
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -167,25 +182,63 @@ class GroupPublishing:
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | FlatWeights, *, version: int) -> None:
         """The engine receives `version` over the group while rank 0 broadcasts it, tensor by tensor in one order
         (through the endpoint once the group is broken: class docstring)."""
-        from gyre.models.flat_weights import FlatWeights, unflatten_weights
-
         if self.broken is not None:
             await self.engine.update_weights(weights, version=version)
             return
-        named = unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)
-        receiving = asyncio.ensure_future(
-            self.engine.update_weights_from_group(
-                names=list(named),
-                dtypes=[str(t.dtype).removeprefix("torch.") for t in named.values()],
-                shapes=[list(t.shape) for t in named.values()],
-                group_name=self.group_name,
-                version=version,
-            )
+        named = _named(weights)
+        await self._over_group(
+            named,
+            receive=lambda: self.engine.update_weights_from_group(**self._spec(named), version=version),
+            fallback=lambda: self.engine.update_weights(weights, version=version),
+            what=f"version {version}",
+            early=True,
         )
-        done, _ = await asyncio.wait({receiving}, timeout=self.EARLY_FAILURE_S)
-        if done:  # refused before receiving anything (or nothing to receive): no broadcast, the group is intact
-            receiving.result()
+
+    async def begin_update(self, *, version: int) -> None:
+        await self.engine.begin_update(version=version)
+        self._session = (version, 0)
+
+    async def load_bucket(self, bucket: Mapping[str, torch.Tensor] | FlatWeights) -> None:
+        """The engine receives the bucket over the group while rank 0 broadcasts it (through the endpoint once the
+        group is broken: class docstring)."""
+        version, sent = self._session if self._session is not None else (None, 0)
+        if self.broken is not None or version is None:  # no session: the engine's own refusal
+            await self.engine.load_bucket(bucket)
             return
+        self._session = (version, sent + 1)
+        named = _named(bucket)
+        await self._over_group(
+            named,
+            receive=lambda: self.engine.load_bucket_from_group(**self._spec(named)),
+            fallback=lambda: self.engine.load_bucket(bucket),
+            what=f"version {version} bucket {sent + 1}",
+            early=sent == 0,
+        )
+
+    async def end_update(self, *, version: int) -> None:
+        await self.engine.end_update(version=version)
+        self._session = None
+
+    async def abort_update(self) -> None:
+        self._session = None
+        await self.engine.abort_update()
+
+    def _spec(self, named: dict) -> dict:
+        return {
+            "names": list(named),
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in named.values()],
+            "shapes": [list(t.shape) for t in named.values()],
+            "group_name": self.group_name,
+        }
+
+    async def _over_group(self, named: dict, *, receive, fallback, what: str, early: bool) -> None:
+        """`receive()` (the engine's receiving call) while rank 0 broadcasts `named`; `fallback()` once it broke."""
+        receiving = asyncio.ensure_future(receive())
+        if early:
+            done, _ = await asyncio.wait({receiving}, timeout=self.EARLY_FAILURE_S)
+            if done:  # refused before receiving anything (or nothing to receive): no broadcast, the group is intact
+                receiving.result()
+                return
         started = time.monotonic()
         broadcasting = self._thread.submit(self._broadcast, list(named.items()))
         done, _ = await asyncio.wait({receiving, broadcasting}, return_when=asyncio.FIRST_EXCEPTION)
@@ -194,25 +247,27 @@ class GroupPublishing:
             sent = await broadcasting
             await receiving
             log.info(
-                "%s: version %d broadcast, %.1f MB in %.2f s",
-                self.group_name,
-                version,
-                sent / 1e6,
-                time.monotonic() - started,
+                "%s: %s broadcast, %.1f MB in %.2f s", self.group_name, what, sent / 1e6, time.monotonic() - started
             )
             return
         if broadcasting.done() and broadcasting.exception() is None:  # all sent: the engine refused to load it
             receiving.result()  # raises its error; the group is in step
         receiving.cancel()
-        self.broken = f"version {version}: {failed.exception()!r}"
+        self.broken = f"{what}: {failed.exception()!r}"
         log.warning(
             "%s broke at %s; this publication and the later ones go through the engine's endpoint",
             self.group_name,
             self.broken,
         )
-        await self.engine.update_weights(weights, version=version)
+        await fallback()
 
     def _broadcast(self, named: list) -> int:
         from gyre.distributed.weight_groups import broadcast_weights
 
         return broadcast_weights(self.group, named, device=self.device)
+
+
+def _named(weights: Mapping[str, torch.Tensor] | FlatWeights) -> dict:
+    from gyre.models.flat_weights import FlatWeights, unflatten_weights
+
+    return unflatten_weights(weights) if isinstance(weights, FlatWeights) else dict(weights)

@@ -20,6 +20,7 @@ class UpdateWeightsFromTensorReqInput:
     serialized_named_tensors: list[bytes]
     load_format: str | None = None
     flush_cache: bool = True
+    weight_version: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -55,6 +56,7 @@ class UpdateWeightsFromDistributedReqInput:
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     flush_cache: bool = True
+    weight_version: str | None = None
     load_format: str | None = None
 
 

@@ -38,6 +38,7 @@ class TokenizerManager:
         self._in_flight: set[str] = set()
         self._groups: dict[str, list] = {}  # weight groups: one gloo backend per modelled TP worker
         self._session = False  # a weight-update session is open (SGLang 0.5.23 loads weights only inside one)
+        self.weight_version: str | None = None  # the last update's weight_version (SGLang's server_args keeps it)
 
     async def _stream(self, input_ids: list[int], sampling_params: dict, rid: str, routed_from: int | None = None):
         """SGLang's outputs for one request; `routed_from`: `routed_experts_start_len` of a request that asked for
@@ -101,10 +102,12 @@ class TokenizerManager:
         if obj.mode != "in_place":
             raise NotImplementedError(f"the SGLang stand-in pauses in place only, not mode={obj.mode!r}")
         self._running.clear()
+        self._engine.native.hold()  # SGLang's scheduler runs no forward while paused; aborts still end requests
 
     async def continue_generation(self, obj):
         self._engine._log("continue")
         self._running.set()
+        self._engine.native.release()
 
     async def begin_weight_update(self, obj, request=None):
         self._engine._log("begin_update", selector=obj.selector)
@@ -135,23 +138,30 @@ class TokenizerManager:
         tp_size = self.server_args.tp_size
         if len(obj.serialized_named_tensors) != tp_size:
             return False, f"{len(obj.serialized_named_tensors)} payloads for tp_size={tp_size}"
-        self._check_flush(obj.flush_cache)
         named = dict(MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0]))
-        return await self._load(named, "update", "Succeeded to update model weights.")
+        return await self._load(named, obj, "update", "Success")
 
-    def _check_flush(self, flush_cache: bool) -> None:
-        if flush_cache and self._in_flight:
-            raise RuntimeError("flush_cache=True with requests in flight: SGLang's scheduler asserts the flush")
-
-    async def _load(self, named: dict, call: str, succeeded: str, **fields) -> tuple[bool, str]:
-        """The native engine loads `named` as the next version; the call logged as `call` (with `fields`)."""
+    async def _load(self, named: dict, obj, call: str, succeeded: str, **fields) -> tuple[bool, str]:
+        """The native engine loads `named` as the next version; the call logged as `call` (with `fields`). After a
+        load, as SGLang 0.5.23: the weight version recorded (`weight_version`), and with `flush_cache=True` the
+        prefix cache flushed, which fails the call while requests are in flight (the weights stay loaded)."""
+        fields |= {"tensors": len(named), "in_flight": len(self._in_flight), "flush_cache": obj.flush_cache}
+        fields |= {"weight_version": obj.weight_version}
         try:
             await self._engine.native.update_weights(named, version=self._version + 1)
         except ValueError as error:
-            self._engine._log(call, success=False, tensors=len(named), in_flight=len(self._in_flight), **fields)
+            self._engine._log(call, success=False, **fields)
             return False, str(error)
         self._version += 1
-        self._engine._log(call, success=True, tensors=len(named), in_flight=len(self._in_flight), **fields)
+        if obj.weight_version is not None:
+            self.weight_version = obj.weight_version
+        if obj.flush_cache and self._in_flight:
+            self._engine._log(call, success=False, **fields)
+            return False, (
+                "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+                "Retract or finish them, then call /flush_cache."
+            )
+        self._engine._log(call, success=True, **fields)
         return True, succeeded
 
     async def init_weights_update_group(self, obj, request=None):
@@ -189,7 +199,6 @@ class TokenizerManager:
         groups = self._groups.get(obj.group_name)
         if groups is None:
             return False, f"Group {obj.group_name} not initialized: call init_weights_update_group first"
-        self._check_flush(obj.flush_cache)
 
         def receive(group) -> dict:
             options = dist.BroadcastOptions()
@@ -203,7 +212,7 @@ class TokenizerManager:
 
         received = await asyncio.gather(*(asyncio.to_thread(receive, group) for group in groups))
         return await self._load(
-            received[0], "update_distributed", "Succeeded to update parameter online.", workers=len(groups)
+            received[0], obj, "update_distributed", "Succeeded to update parameter online.", workers=len(groups)
         )
 
     @staticmethod
