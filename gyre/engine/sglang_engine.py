@@ -478,6 +478,7 @@ class SGLangEngine(AcceptingLifecycle):
         self._idle = asyncio.Event()
         self._idle.set()
         self.parameter_names = None if parameter_names is None else tuple(parameter_names)
+        self._parameter_set = frozenset(self.parameter_names or ())
         self._session: UpdateSession | None = None  # begin_update .. end_update (SGLang's weight-update session)
         self._paused = False  # generation paused in place for the session
         self._partial_weights: str | None = None  # why SGLang's weights are a mix of two versions (abort_update)
@@ -760,7 +761,7 @@ class SGLangEngine(AcceptingLifecycle):
         """`begin_update`, one `load_bucket`, `end_update` without the completeness check (any subset); a failure in
         between aborts the session (`abort_update`: a bucket SGLang refused may be partly applied)."""
         await self.begin_update(version=version)
-        await self._load_and_end(self.load_bucket(weights), version)
+        await self._load_and_end(self.load_bucket(weights))
 
     async def begin_update(self, *, version: int) -> None:
         """Pause generation in place and open SGLang's weight-update session (`begin_weight_update`); a session that
@@ -830,7 +831,7 @@ class SGLangEngine(AcceptingLifecycle):
                 self._flush_pending = True
                 self._flush_if_idle()
 
-    async def _load_and_end(self, loading: Awaitable, version: int) -> None:
+    async def _load_and_end(self, loading: Awaitable) -> None:
         """A whole update's load and end (no completeness check); whatever fails in between aborts the session."""
         try:
             await loading
@@ -850,7 +851,7 @@ class SGLangEngine(AcceptingLifecycle):
     def _check_names(self, names) -> None:
         """With `parameter_names`, a name the model does not have is refused before anything is sent."""
         if self.parameter_names is not None:
-            unknown = [name for name in names if name not in self.parameter_names]
+            unknown = [name for name in names if name not in self._parameter_set]
             if unknown:
                 raise ValueError(f"update_weights: unknown parameter name {unknown[0]!r}")
 
@@ -909,7 +910,7 @@ class SGLangEngine(AcceptingLifecycle):
         _check_group_fields(names, dtypes, shapes)
         await self.begin_update(version=version)
         bucket = self.load_bucket_from_group(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name)
-        await self._load_and_end(bucket, version)
+        await self._load_and_end(bucket)
 
     async def load_bucket_from_group(
         self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
