@@ -121,6 +121,7 @@ class TrainConfig:
         check_cell_layout(self.cluster, self.trainer)
         check_engine(self.engine, self.trainer)
         check_engine_slots(self.engine, self.cluster)
+        check_policy_every(self)
         if self.model.uses_tiny:
             check_tiny_model_layout(self)
             check_context_limit(self, self.model.tiny.max_position_embeddings)
@@ -248,6 +249,25 @@ def check_cell_layout(cluster: ClusterConfig, trainer: TrainerConfig) -> None:
         cluster.cell_size,
         f"{formula} = {trainer.model_parallel_size} (a cell's ranks hold one model replica; "
         f"trainer.backend={trainer.backend})",
+    )
+
+
+def check_policy_every(cfg: TrainConfig) -> None:
+    """`publication.policy_every` other than 1 only where nothing needs a publication's weights after the core moved
+    on: a cell that returns to rollout inside a burst (elastic and colocate modes) and a checkpoint taken inside a
+    burst (mu > 1 with checkpoints) load them from the publication's policy directory (docs/runtime.md,
+    "Publication")."""
+    every = cfg.publication.policy_every
+    if every == 1:
+        return
+    mode, mu = cfg.algo.mode, cfg.algo.mu
+    require(
+        mode == "async" and (mu == 1 or cfg.checkpoint.every_steps == 0),
+        "publication.policy_every",
+        every,
+        f"1 with algo.mode={mode}, algo.mu={mu} and checkpoint.every_steps={cfg.checkpoint.every_steps}: cells that "
+        "return to rollout inside a burst (elastic, colocate) and checkpoints inside a burst (mu > 1) load the last "
+        "publication from its policy directory",
     )
 
 

@@ -37,6 +37,7 @@ import torch
 from gyre.models.decoder import DecoderLM
 from gyre.models.decoder_config import DecoderConfig
 from gyre.models.flat_weights import FlatWeights, unflatten_weights
+from gyre.models.hf_weights import hf_shapes
 from gyre.trainer.stream_plan import EP, TP, Bucket, assemble, native_units, plan_buckets, stage_units
 
 __all__ = ["BucketPipe", "BucketSink", "StreamStats", "stream_plan_of", "stream_weights"]
@@ -131,8 +132,6 @@ def _native_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def stream_plan_of(config: DecoderConfig, *, pp_size: int, ep_size: int, dtype: torch.dtype, bucket_bytes: int):
     """The buckets of a Megatron core of `pp_size` stages and EP `ep_size` (every rank computes the same)."""
-    from gyre.trainer.convert import hf_shapes
-
     shapes = hf_shapes(config)
     stages = [stage_units(config, shapes, stage=k, pp_size=pp_size, ep_size=ep_size) for k in range(pp_size)]
     return plan_buckets(stages, dtype=dtype, bucket_bytes=bucket_bytes)

@@ -355,8 +355,9 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     policy = run_dir / "policy"
     assert json.loads((policy / "policy.json").read_text())["version"] == 2
     load_pretrained(policy)
-    with safe_open(str(next(policy.glob("*.safetensors"))), framework="pt") as weights:  # the engines' dtype
-        assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"F32"}  # noqa: SIM118
+    for part in policy.glob("*.safetensors"):  # the model's dtype (trainer.dtype), as a user's checkpoint is
+        with safe_open(str(part), framework="pt") as weights:
+            assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"BF16"}  # noqa: SIM118
     audit = audit_run(run_dir)
     assert audit["retries"] == audit["api_errors"] == audit["duplicate_request_ids"] == 0, audit
     assert audit["proxy"]["failed"] == audit["proxy"]["refused"] == 0, audit

@@ -5,6 +5,7 @@ publishes through the same call, without loading Megatron (checked in a fresh in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 
 from gyre.distributed.transport import unflatten
 from gyre.engine.native import NativeEngine
-from gyre.engine.protocol import GenerateRequest, SamplingParams
+from gyre.engine.protocol import EngineUnavailableError, GenerateRequest, SamplingParams
 from gyre.models.decoder import build_model
 from gyre.models.decoder_config import DecoderConfig
 
@@ -185,3 +186,63 @@ def test_a_native_publication_loads_no_megatron():
     for forbidden in ("megatron", "transformer_engine", "gyre.trainer.convert", "gyre.trainer.model", "gyre.engine"):
         bad = [m for m in loaded if m == forbidden or m.startswith(forbidden + ".")]
         assert bad == [], f"a native publication loads {forbidden}: {bad[:10]}"
+
+
+def streamed(trainer, engines, version, *, bucket_bytes=4096):
+    """`stream_to_engines` as the controller runs it: the trainer's stream on a thread, the engines fed here."""
+    from gyre.runtime.controller.transitions import stream_to_engines
+    from gyre.trainer.weight_stream import BucketPipe, stream_weights
+
+    pipe = BucketPipe(slots=2)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+
+        def start():
+            produce = lambda: stream_weights(  # noqa: E731
+                trainer, CONFIG, dtype=torch.float32, bucket_bytes=bucket_bytes, sink=pipe
+            )
+            return loop.run_in_executor(None, produce)
+
+        return await stream_to_engines(engines, pipe, start, version=version, timeout_s=60)
+
+    return asyncio.run(run()), pipe
+
+
+def test_a_stream_reaches_every_engine_in_buckets_and_generates_as_the_trainer():
+    trainer = build_model(CONFIG, seed=5)
+    engines = [NativeEngine(build_model(CONFIG, seed=0)) for _ in range(2)]
+    phases, pipe = streamed(trainer, engines, 3)
+    assert phases["bytes"] >= sum(t.numel() * 4 for t in trainer.state_dict().values())
+    assert 1 <= pipe.most_in_use <= 2  # never more than two buckets alive
+    reference = NativeEngine(build_model(CONFIG, seed=5))
+    expected = asyncio.run(greedy(reference, "r"))
+    for i, engine in enumerate(engines):
+        assert engine.policy_version == 3
+        assert asyncio.run(greedy(engine, f"e{i}")) == expected
+
+
+def test_an_engine_that_refuses_a_bucket_is_left_out_and_the_others_still_get_the_version():
+    trainer = build_model(CONFIG, seed=5)
+    wrong = dataclasses.replace(CONFIG, intermediate_size=40)  # refuses the MLP tensors
+    good, bad = NativeEngine(build_model(CONFIG, seed=0)), NativeEngine(build_model(wrong, seed=0))
+    with pytest.raises(RuntimeError, match=r"publishing version 2 to .* failed"):
+        streamed(trainer, [good, bad], 2)
+    assert good.policy_version == 2 and bad.policy_version == 0
+    with pytest.raises(EngineUnavailableError):  # bad holds partial weights
+        asyncio.run(greedy(bad, "b"))
+
+
+def test_a_policy_directory_streams_into_an_engine_in_buckets(tmp_path):
+    """A cell that returns inside a burst loads the last publication from its policy directory, in buckets."""
+    from gyre.models.hf_weights import save_pretrained
+    from gyre.runtime.controller.transitions import checkpoint_buckets, stream_checkpoint_to_engine
+
+    trained = build_model(CONFIG, seed=5)
+    save_pretrained(trained, tmp_path / "v4", max_shard_bytes=8192)
+    buckets = list(checkpoint_buckets(tmp_path / "v4", dtype=torch.float32, bucket_bytes=4096))
+    assert len(buckets) > 2 and all(len(b.manifest) == 1 or b.buffer.numel() <= 4096 + 16 * 8 for b in buckets)
+    engine = NativeEngine(build_model(CONFIG, seed=0))
+    asyncio.run(stream_checkpoint_to_engine(engine, tmp_path / "v4", version=4, dtype=torch.float32, bucket_bytes=4096))
+    assert engine.policy_version == 4
+    assert asyncio.run(greedy(engine, "p")) == asyncio.run(greedy(NativeEngine(build_model(CONFIG, seed=5)), "r"))

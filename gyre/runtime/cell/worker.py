@@ -21,8 +21,10 @@ and wait in the rollout role (docs/runtime.md, "Who serves in a cell"). The rank
   the core, the core's broadcast after a non-final step (so the cell stays in sync for the burst's next step);
 - `role` (cell, to="rollout"): a satellite's trainer stops training (its weights are stale from now on; the core's
   stay the run's weights); ack;
+- `stream` (the core's ranks only): the core's weights streamed in buckets with rank 0 (`gyre.runtime.cell.stream`:
+  a publication, or the policy directory, whose part files the stage leaders write);
 - `gather` (the core's ranks only): the core's whole weights gathered over its tensor-parallel group, with rank 0
-  (`gyre.trainer.publish.engine_weights`, for a publication, the held-out evaluation or the policy directory);
+  (`gyre.trainer.publish.engine_weights`, for the held-out evaluation and checkpoints);
 - `save_optimizer` (path; the core's ranks only): this rank's optimizer state written into the checkpoint being
   written (`gyre.runtime.cell.trainers.save_optimizer`), then ack: the controller completes the checkpoint after;
 - `stop`: leave the loop; the engine is stopped.
@@ -40,6 +42,7 @@ from pathlib import Path
 from gyre.config import TrainConfig
 from gyre.distributed.control import STOP, ControlListener
 from gyre.distributed.one_sided import one_sided_transport
+from gyre.runtime.cell.stream import STREAM, run_stream, stage_leaders
 from gyre.runtime.cell.trainers import (
     GATHER,
     SAVE_OPTIMIZER,
@@ -170,6 +173,11 @@ def run_cell(cfg: TrainConfig, run_dir: Path, job: Job, start: StartingPoint) ->
                 if trainer is None:
                     raise RuntimeError(f"control decision {decision.seq}: gather before the core's trainer exists")
                 engine_weights(trainer, model_config)  # the gather's other side: rank 0 keeps the result
+            elif kind == STREAM and is_core:
+                if trainer is None:
+                    raise RuntimeError(f"control decision {decision.seq}: stream before the core's trainer exists")
+                leaders = stage_leaders(job.layout.cell_size, cfg.trainer.pipeline_parallel_size)
+                run_stream(trainer, model_config, fields, rank=job.rank, leaders=leaders, store=store)
             elif kind == SAVE_OPTIMIZER and is_core:
                 if trainer is None:
                     raise RuntimeError(f"control decision {decision.seq}: checkpoint before the core's trainer exists")

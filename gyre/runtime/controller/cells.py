@@ -4,10 +4,10 @@
   move its executions with their calls in flight (`gyre.proxy.reroute`), then `leave_rollout` (drain, release); the
   core builds its trainer once on the trainer thread, a satellite is told over the control plane and acks;
   `transition_finished`; a satellite the scheduler lets into the step in flight is admitted to the step's board.
-- `Publish(v)`: the core's weights as version v, `<run dir>/policy/`, the engines still in rollout updated (the
-  separate rollout pool's with them: it never leaves rollout); `publish_finished`.
-- `BeginTransition(c, ROLLOUT)`: once the publication of the same action list has its weights, `return_to_rollout`
-  with the published version (the engine accepts only once it holds it); the cell is told; `transition_finished`.
+- `Publish(v)`: the core's weights streamed to the engines as version v, then the policy directory in the background
+  (`gyre.runtime.controller.publication`).
+- `BeginTransition(c, ROLLOUT)`: the cell is told, its engine's memory resumed, then it loads the publication of the
+  same burst end (or the last one: `Publication.join`) and accepts only once it holds it; `transition_finished`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from gyre.models.flat_weights import FlatWeights
 from gyre.obs.record import TransitionRecord
 from gyre.runtime.cell.trainers import GATHER, policy_model
 from gyre.runtime.controller.parts import StopRun
-from gyre.runtime.controller.transitions import leave_rollout, publish_to_engines, return_to_rollout
+from gyre.runtime.controller.publication import Publication
+from gyre.runtime.controller.transitions import leave_rollout
 from gyre.runtime.ids import engine_name
-from gyre.runtime.job.policy_dir import write_policy
 from gyre.runtime.job.spmd import ack_key
-from gyre.sched import POOL, Reroute, Role
+from gyre.sched import Reroute, Role
 from gyre.trainer.publish import engine_weights
 
 if TYPE_CHECKING:
@@ -52,9 +52,7 @@ class Cells:
         self.transition_begun: dict[int, tuple[float, Role]] = {}
         self.reroutes: dict[int, list[asyncio.Task]] = {}  # source cell -> its executions' moves in flight
         self.trainer = None  # the core's trainer (rank 0's), built at the core's first move to training
-        self.published: tuple[int, FlatWeights] | None = None  # (version, weights) of the last publication
-        self.publishing: asyncio.Task | None = None
-        self.weights_ready: asyncio.Event | None = None  # set once the publication in flight has its weights
+        self.publication = Publication(ctl)
 
     # -- the scheduler's actions --------------------------------------------------------------------------
     def begin(self, cell: int, to: Role) -> None:
@@ -66,6 +64,7 @@ class Cells:
             ctl.parts.engines[cell].stop_accepting()
             ctl.spawn(self.to_training(cell))
         else:
+            self.publication.expect(cell)
             ctl.spawn(self.to_rollout(cell))
 
     def reroute(self, action: Reroute) -> None:
@@ -73,9 +72,8 @@ class Cells:
         self.reroutes.setdefault(action.source, []).append(self.ctl.spawn(self._move(action)))
 
     def publish(self, version: int) -> None:
-        """`Publish`: the returning cells of the same action list wait for its weights (`to_rollout`)."""
-        self.weights_ready = asyncio.Event()
-        self.publishing = self.ctl.spawn(self._publish(version))
+        """`Publish`: the returning cells of the same action list join it (`to_rollout`)."""
+        self.publication.publish(version)
 
     async def initial_roles(self) -> None:
         """Cells the schedule starts in the training role (async mode's static split) never serve: their engines
@@ -126,26 +124,26 @@ class Cells:
     async def to_rollout(self, cell: int) -> None:
         ctl = self.ctl
         begun = ctl.now()
-        await self._published_weights()
-        phases = {"publish_wait": ctl.now() - begun}
-        told = ctl.now()
-        if self.has_other_ranks(cell):
-            seq = ctl.control.publish("role", cell=cell, to="rollout")
-            # With a step in flight (a cell leaving it mid-step to make room for a replacement, or a joiner sent
-            # back before it was admitted) the cell's ranks are inside the step, or waiting for its admission,
-            # until it ends: they apply the decision then; the engine side below needs nothing of them.
-            if ctl.steps.pump is None:
-                await self.acked(seq, cell)
         engine = ctl.parts.engines[cell]
-        phases["ranks"] = ctl.now() - told
-        resumed = ctl.now()
-        if self.published is None:  # back before any publication (mid-step, to make room): the starting weights
+        try:
+            if self.has_other_ranks(cell):
+                seq = ctl.control.publish("role", cell=cell, to="rollout")
+                # With a step in flight (a cell leaving it mid-step to make room for a replacement, or a joiner sent
+                # back before it was admitted) the cell's ranks are inside the step, or waiting for its admission,
+                # until it ends: they apply the decision then; the engine side below needs nothing of them.
+                if ctl.steps.pump is None:
+                    await self.acked(seq, cell)
+            phases = {"ranks": ctl.now() - begun}
+            resumed = ctl.now()
             await engine.resume_memory()
-            engine.resume_accepting()
             phases["resume"] = ctl.now() - resumed
-        else:
-            version, weights = self.published
-            phases.update(await return_to_rollout(engine, weights, version=version))
+        except BaseException as error:
+            self.publication.joining_failed(cell, error)
+            raise
+        loading = ctl.now()
+        await self.publication.join(cell, engine)  # the engine accepts only once it holds the published version
+        engine.resume_accepting()
+        phases["load_weights"] = ctl.now() - loading
         self._ends(cell, phases)
 
     def _ends(self, cell: int, phases: dict[str, float] | None = None) -> None:
@@ -201,22 +199,7 @@ class Cells:
 
         await asyncio.to_thread(wait)
 
-    # -- publication --------------------------------------------------------------------------------------
-    async def _published_weights(self) -> None:
-        """Until the publication of the same action list has its weights (`self.published`), not until it ends: a
-        returning cell loads them while `policy/` is written and the engines that stayed are updated, and is back
-        before the next dispatch's harnesses start (docs/runtime.md, "What happens at a transition"). A publication
-        that fails before it has them raises its error here."""
-        if self.publishing is None or self.weights_ready is None:
-            return
-        waiter = asyncio.ensure_future(self.weights_ready.wait())
-        try:
-            await asyncio.wait({waiter, self.publishing}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-        if not self.weights_ready.is_set():
-            await asyncio.shield(self.publishing)  # it ended without weights: its error
-
+    # -- the core's whole model (the held-out evaluation, checkpoints) ---------------------------------------
     async def core_weights(self) -> FlatWeights:
         """The core's whole weights now, in HF names and the engines' dtype (`engine.dtype`: a bf16 trainer's
         weights serve fp32 engines, cast once here): on the trainer thread after the work submitted before; a
@@ -238,26 +221,6 @@ class Cells:
         trainer's needs no copy of its weights."""
         native = isinstance(self.trainer.model, DecoderLM)
         return self.as_model(None if native else await self.core_weights())
-
-    async def _publish(self, version: int) -> None:
-        ctl = self.ctl
-        begun = ctl.now()
-        weights = await self.core_weights()
-        self.published = (version, weights)
-        if self.weights_ready is not None:
-            self.weights_ready.set()  # the returning cells load them now (to_rollout)
-        gathered = ctl.now()
-        await asyncio.to_thread(
-            write_policy, self.as_model(weights), source_dir=ctl.parts.model_dir, run_dir=ctl.run_dir, version=version
-        )
-        written = ctl.now()
-        staying = [ctl.parts.engines[c] for c, role in enumerate(ctl.sched.roles) if role is Role.ROLLOUT]
-        if POOL in ctl.parts.engines:  # the separate rollout pool never leaves rollout: updated as a staying cell
-            staying.append(ctl.parts.engines[POOL])
-        await publish_to_engines(staying, weights, version=version)  # returning cells load it in to_rollout
-        phases = {"weights": gathered - begun, "policy_dir": written - gathered, "engines": ctl.now() - written}
-        ctl.trace.publication(begun, ctl.now() - begun, version, phases)
-        ctl.apply(ctl.sched.publish_finished(ctl.now()))
 
     def engine_lost(self, event) -> None:
         """The proxy counted a cell's engine lost (its endpoint gone: docs/proxy.md, "An engine that dies"): its

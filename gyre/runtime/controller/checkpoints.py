@@ -13,9 +13,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from gyre.models.hf_weights import load_pretrained
 from gyre.obs.record import record_from_dict
-from gyre.runtime.cell.trainers import SAVE_OPTIMIZER, policy_model
+from gyre.runtime.cell.trainers import SAVE_OPTIMIZER
 from gyre.runtime.controller.parts import StepBook
 from gyre.runtime.controller.trace import RoleTrace
 from gyre.runtime.job.checkpoint import Checkpoint, CheckpointError, discard_staging, stage_checkpoint, write_checkpoint
@@ -74,12 +73,17 @@ async def write(ctl: Controller) -> None:
     trainer_model = await ctl.cells.core_model()
     engine_model = None
     if published not in (0, step):  # inside a burst: the engines serve the last publication
-        if ctl.cells.published is not None:
-            version, weights = ctl.cells.published
-            assert version == published, (version, published)
-            engine_model = policy_model(weights, ctl.parts.model_config)
+        publication = ctl.cells.publication
+        if publication.version is not None:  # its policy directory (docs/runtime.md, "Publication")
+            assert publication.version == published, (publication.version, published)
+            engine_model = await publication.policy_dir(published)
+            if engine_model is None:
+                raise RuntimeError(
+                    f"checkpoint {step} needs the engines' weights, policy version {published}, which is not on disk "
+                    f"(publication.policy_every={ctl.cfg.publication.policy_every}): set publication.policy_every=1"
+                )
         else:  # a resumed run before its first publication: the weights its engines started with
-            engine_model = await asyncio.to_thread(load_pretrained, ctl.parts.engine_dir)
+            engine_model = ctl.parts.engine_dir
     staged = ctl.parts.save_optimizer is not None
     if staged:
         await _save_optimizer(ctl, step)

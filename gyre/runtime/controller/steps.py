@@ -24,7 +24,6 @@ from gyre.runtime.controller import checkpoints
 from gyre.runtime.controller.claims import claim_and_pull
 from gyre.runtime.controller.parts import StepBook
 from gyre.runtime.held_out_tasks import PASS_REWARD
-from gyre.runtime.job.policy_dir import write_policy
 from gyre.runtime.job.spmd import step_stats_key
 
 if TYPE_CHECKING:
@@ -137,7 +136,7 @@ class Steps:
         ctl = self.ctl
         done = len(ctl.records) >= ctl.cfg.steps
         evaluates = ctl.held_out is not None and (done or len(ctl.records) % ctl.cfg.tasks.eval_every == 0)
-        policy = await ctl.cells.core_model() if done or evaluates else None
+        policy = await ctl.cells.core_model() if evaluates else None
         if evaluates:
             evaluation = ctl.held_out.evaluate(policy, version=version, wall_time_s=ctl.now())
             if done:
@@ -148,9 +147,7 @@ class Steps:
         if done or (every > 0 and len(ctl.records) % every == 0):
             await checkpoints.write(ctl)
         if done:
-            await asyncio.to_thread(
-                write_policy, policy, source_dir=ctl.parts.model_dir, run_dir=ctl.run_dir, version=version
-            )
+            await ctl.cells.publication.write_policy(version)  # the run's last policy, whatever policy_every says
             ctl.finish("completed")
             return
         ctl.apply(ctl.sched.step_finished(ctl.now()))

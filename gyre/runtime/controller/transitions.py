@@ -11,10 +11,17 @@
   holds the published version. `Publish(version)` and the cell's `BeginTransition(ROLLOUT)` arrive in one action
   list; the controller runs this for the returning cell and `publish_to_engines` for the engines that stayed in
   rollout.
-- `publish_to_engines(engines, weights, version=)`: the core's publication (`gyre.trainer.publish.engine_weights`)
-  handed to each engine that stayed in rollout (`Engine.update_weights`: in process, or over HTTP through
-  `RemoteEngine`), concurrently; every engine checks names, shapes and the version before applying anything. One
-  rank of the core publishes.
+- `publish_to_engines(engines, weights, version=)`: whole weights handed to each engine (`Engine.update_weights`: in
+  process, or over HTTP through `RemoteEngine`), concurrently; every engine checks names, shapes and the version
+  before applying anything.
+- `stream_to_engines(engines, pipe, start, version=)`: a publication by the weight stream
+  (`gyre.trainer.weight_stream`): every engine opens an update (`begin_update`), `start()` starts the producer, each
+  bucket from `pipe` goes to every engine at once (`load_bucket`) and its slot is returned before the next is taken,
+  then `end_update`. An engine that fails is left out of the rest and its update aborted (`abort_update`: it stays
+  not accepting); the stream still runs to its end (the core's ranks are inside its collectives), then the first
+  failure is raised.
+- `stream_checkpoint_to_engine(engine, path, version=, dtype=, bucket_bytes=)`: the same session from an HF-layout
+  directory on disk (a policy directory), read in buckets.
 
 Failures leave the engine not accepting: if `update_weights` refuses (an unknown name, a wrong shape, an older
 version: `ValueError`, nothing applied), its error propagates with the memory resumed and the engine still not
@@ -29,17 +36,31 @@ they import no engine module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gyre.config.checks import require_duration
 
 if TYPE_CHECKING:
+    import torch
+
     from gyre.engine.protocol import Engine
     from gyre.models.flat_weights import FlatWeights
+    from gyre.trainer.weight_stream import BucketPipe
 
-__all__ = ["leave_rollout", "publish_to_engines", "return_to_rollout"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "leave_rollout",
+    "publish_to_engines",
+    "return_to_rollout",
+    "stream_checkpoint_to_engine",
+    "stream_to_engines",
+]
 
 
 async def leave_rollout(engine: Engine, *, drain_s: float) -> dict[str, float]:
@@ -76,3 +97,104 @@ async def publish_to_engines(engines: Sequence[Engine], weights: FlatWeights, *,
     for engine, result in zip(engines, results, strict=True):
         if isinstance(result, BaseException):
             raise RuntimeError(f"publishing version {version} to {engine!r} failed: {result}") from result
+
+
+async def _abort(engines: Sequence[Engine]) -> None:
+    for engine in engines:
+        try:
+            await engine.abort_update()
+        except Exception as error:  # the engine is gone or refuses: it is not accepting either way
+            log.warning("aborting the update of %r failed: %s", engine, error)
+
+
+async def stream_to_engines(
+    engines: Sequence[Engine],
+    pipe: BucketPipe,
+    start: Callable[[], asyncio.Future],
+    *,
+    version: int,
+    timeout_s: float,
+) -> dict[str, float]:
+    """Publish `version` to `engines` by the weight stream (module docstring); the seconds it took to `open` the
+    updates, `stream` the buckets and `end` the updates, and `bytes` sent (each bucket counted once)."""
+    begun = time.monotonic()
+    opened = await asyncio.gather(*(e.begin_update(version=version) for e in engines), return_exceptions=True)
+    refused = [(e, r) for e, r in zip(engines, opened, strict=True) if isinstance(r, BaseException)]
+    if refused:
+        await _abort([e for e, r in zip(engines, opened, strict=True) if not isinstance(r, BaseException)])
+        engine, error = refused[0]
+        raise RuntimeError(f"publishing version {version} to {engine!r} failed: {error}") from error
+    streaming = time.monotonic()
+    failed: dict[int, BaseException] = {}
+    sent = 0
+    producing = start()
+    try:
+        while True:
+            bucket = await asyncio.to_thread(pipe.get, timeout_s)
+            if bucket is None:
+                break
+            live = [i for i in range(len(engines)) if i not in failed]
+            loads = await asyncio.gather(*(engines[i].load_bucket(bucket) for i in live), return_exceptions=True)
+            for i, result in zip(live, loads, strict=True):
+                if isinstance(result, BaseException):
+                    failed[i] = result
+                    log.error("publishing version %d to %r failed: %s", version, engines[i], result)
+            sent += bucket.buffer.numel()
+            del bucket, loads
+            pipe.release()
+        await producing
+    except BaseException as error:
+        pipe.fail(error)
+        with contextlib.suppress(BaseException):
+            await producing
+        await _abort(engines)
+        raise
+    streamed = time.monotonic()
+    live = [i for i in range(len(engines)) if i not in failed]
+    ends = await asyncio.gather(*(engines[i].end_update(version=version) for i in live), return_exceptions=True)
+    failed |= {i: r for i, r in zip(live, ends, strict=True) if isinstance(r, BaseException)}
+    if failed:
+        await _abort([engines[i] for i in failed])
+        i = min(failed)
+        raise RuntimeError(f"publishing version {version} to {engines[i]!r} failed: {failed[i]}") from failed[i]
+    ended = time.monotonic()
+    return {"open": streaming - begun, "stream": streamed - streaming, "end": ended - streamed, "bytes": sent}
+
+
+def checkpoint_buckets(path: Path, *, dtype: torch.dtype, bucket_bytes: int) -> Iterator[FlatWeights]:
+    """The tensors of the HF-layout directory `path`, cast to `dtype`, in buckets of about `bucket_bytes` (a tensor
+    at a time is read; a bigger one alone)."""
+    from safetensors import safe_open
+
+    from gyre.models.flat_weights import flatten_weights
+    from gyre.models.hf_weights import checkpoint_files
+
+    held: dict = {}
+    size = 0
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensor = tensors.get_tensor(name)
+                tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                if held and size + tensor.nbytes > bucket_bytes:
+                    yield flatten_weights(held)
+                    held, size = {}, 0
+                held[name] = tensor
+                size += tensor.nbytes
+    if held:
+        yield flatten_weights(held)
+
+
+async def stream_checkpoint_to_engine(
+    engine: Engine, path: Path, *, version: int, dtype: torch.dtype, bucket_bytes: int
+) -> None:
+    """Load the HF-layout directory `path` into `engine` as `version`, in buckets (module docstring)."""
+    await engine.begin_update(version=version)
+    try:
+        buckets = checkpoint_buckets(Path(path), dtype=dtype, bucket_bytes=bucket_bytes)
+        while (bucket := await asyncio.to_thread(next, buckets, None)) is not None:
+            await engine.load_bucket(bucket)
+        await engine.end_update(version=version)
+    except BaseException:
+        await _abort([engine])
+        raise

@@ -154,6 +154,19 @@ def _fsync_tree(directory: Path) -> None:
     _fsync_path(directory)
 
 
+def _copy_weights_dir(source: Path, target: Path) -> None:
+    """`source`'s files into `target`: hard links where the filesystem allows (a policy directory's files are never
+    rewritten in place), else copies."""
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if not path.is_file():
+            continue
+        try:
+            os.link(path, target / path.name)
+        except OSError:
+            shutil.copy2(path, target / path.name)
+
+
 def write_checkpoint(
     run_dir: Path,
     step: int,
@@ -167,10 +180,11 @@ def write_checkpoint(
     staged: bool = False,
 ) -> Path:
     """Write checkpoint `step` (module docstring): `trainer_model` and `engine_model` are `DecoderLM`s (`engine_model`
-    None: the engines serve `trainer_model`'s weights or the starting checkpoint's, as `state` says). `staged`: into
-    the staging directory `stage_checkpoint` made, keeping the optimizer files written there (else a fresh one, with
-    no optimizer state). `protect`: a checkpoint the pruning keeps (the one the run resumed from: its ranks may still
-    load their trainers from it). Its path."""
+    may also be an HF-layout directory, whose files are linked or copied; None: the engines serve `trainer_model`'s
+    weights or the starting checkpoint's, as `state` says). `staged`: into the staging directory `stage_checkpoint`
+    made, keeping the optimizer files written there (else a fresh one, with no optimizer state). `protect`: a
+    checkpoint the pruning keeps (the one the run resumed from: its ranks may still load their trainers from it).
+    Its path."""
     from gyre.models.hf_weights import save_pretrained
 
     root = Path(run_dir) / CHECKPOINTS_DIR
@@ -185,7 +199,9 @@ def write_checkpoint(
             raise FileNotFoundError(f"{staging / TRAINER_DIR}: the staged checkpoint is gone")
         save_pretrained(trainer_model, staging / TRAINER_DIR)
         copy_side_files(Path(source_dir), staging / TRAINER_DIR)
-        if engine_model is not None:
+        if isinstance(engine_model, (str, Path)):  # a directory in HF layout (a policy directory): its files
+            _copy_weights_dir(Path(engine_model), staging / ENGINE_DIR)
+        elif engine_model is not None:
             save_pretrained(engine_model, staging / ENGINE_DIR)
             copy_side_files(Path(source_dir), staging / ENGINE_DIR)
         (staging / STATE_FILE).write_text(json.dumps(state) + "\n")
