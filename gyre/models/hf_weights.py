@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -255,3 +255,24 @@ def tensor_file_specs(file: str | Path) -> dict[str, tuple[str, tuple[int, ...],
             }
         except (struct.error, ValueError, KeyError, TypeError, IndexError) as error:
             raise ValueError(f"{file} is not a readable safetensors file: {error}") from error
+
+
+def checkpoint_buckets(path: Path, *, dtype: torch.dtype, bucket_bytes: int) -> Iterator:
+    """The tensors of the HF-layout directory `path`, cast to `dtype`, as `FlatWeights` buckets of about
+    `bucket_bytes` (a tensor at a time is read; a bigger one alone): what an engine loads a policy directory from."""
+    from gyre.models.flat_weights import flatten_weights
+
+    held: dict = {}
+    size = 0
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensor = tensors.get_tensor(name)
+                tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                if held and size + tensor.nbytes > bucket_bytes:
+                    yield flatten_weights(held)
+                    held, size = {}, 0
+                held[name] = tensor
+                size += tensor.nbytes
+    if held:
+        yield flatten_weights(held)

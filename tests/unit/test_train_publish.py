@@ -235,8 +235,8 @@ def test_an_engine_that_refuses_a_bucket_is_left_out_and_the_others_still_get_th
 
 def test_a_policy_directory_streams_into_an_engine_in_buckets(tmp_path):
     """A cell that returns inside a burst loads the last publication from its policy directory, in buckets."""
-    from gyre.models.hf_weights import save_pretrained
-    from gyre.runtime.controller.transitions import checkpoint_buckets, stream_checkpoint_to_engine
+    from gyre.models.hf_weights import checkpoint_buckets, save_pretrained
+    from gyre.runtime.controller.transitions import stream_checkpoint_to_engine
 
     trained = build_model(CONFIG, seed=5)
     save_pretrained(trained, tmp_path / "v4", max_shard_bytes=8192)

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -161,36 +161,14 @@ async def stream_to_engines(
     return {"open": streaming - begun, "stream": streamed - streaming, "end": ended - streamed, "bytes": sent}
 
 
-def checkpoint_buckets(path: Path, *, dtype: torch.dtype, bucket_bytes: int) -> Iterator[FlatWeights]:
-    """The tensors of the HF-layout directory `path`, cast to `dtype`, in buckets of about `bucket_bytes` (a tensor
-    at a time is read; a bigger one alone)."""
-    from safetensors import safe_open
-
-    from gyre.models.flat_weights import flatten_weights
-    from gyre.models.hf_weights import checkpoint_files
-
-    held: dict = {}
-    size = 0
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as tensors:
-            for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensor = tensors.get_tensor(name)
-                tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
-                if held and size + tensor.nbytes > bucket_bytes:
-                    yield flatten_weights(held)
-                    held, size = {}, 0
-                held[name] = tensor
-                size += tensor.nbytes
-    if held:
-        yield flatten_weights(held)
-
-
 async def stream_checkpoint_to_engine(
     engine: Engine, path: Path, *, version: int, dtype: torch.dtype, bucket_bytes: int
 ) -> None:
     """Load the HF-layout directory `path` into `engine` as `version`, in buckets (module docstring)."""
     await engine.begin_update(version=version)
     try:
+        from gyre.models.hf_weights import checkpoint_buckets
+
         buckets = checkpoint_buckets(Path(path), dtype=dtype, bucket_bytes=bucket_bytes)
         while (bucket := await asyncio.to_thread(next, buckets, None)) is not None:
             await engine.load_bucket(bucket)
