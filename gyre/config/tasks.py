@@ -32,7 +32,8 @@ class TasksConfig:
     (0: all of them)."""
     eval_every: int = 5
     """Greedy held-out evaluation (temperature 0) before the first step, every this many steps and after the last;
-    0: never."""
+    with a held_out_dir, of the published versions (on the rollout engines): publication v when a multiple of this
+    lies in (the version published before it, v]; 0: never."""
 
     def __post_init__(self) -> None:
         for name in ("task_dir", "held_out_dir"):

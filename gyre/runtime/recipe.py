@@ -36,11 +36,12 @@ class HeldOutSet:
     meanwhile) and its chat template, on a worker thread without an event loop, and returns a report with at least
     `episodes` and `success_rate` (`tool_call_rate`, `mean_score`, `failed` too where the player knows them);
     gyre.runtime.controller.held_out writes one line of it per policy version. `tasks`: held-out tasks in the task
-    format, if
-    the set is made of them (the harness preflight checks their evaluators too)."""
+    format, if the set is made of them (the harness preflight checks their evaluators too). A set of tasks without a
+    player (`play=None`: a `tasks.held_out_dir`) is played by the runtime through the harness on the run's rollout
+    engines (gyre.runtime.controller.held_out_engines)."""
 
     size: int
-    play: Callable[..., dict]
+    play: Callable[..., dict] | None = None
     tasks: tuple[Task, ...] = ()
 
 

@@ -15,8 +15,9 @@ machine, and a rank that dies ends the job, under torchrun and in a plainly laun
   Signal 9 (SIGKILL) ...`, exit 3); under two torchrun nodes (rank 1, the other node's) in
   `test_harness_nodes.py`, which then resumes the job.
 - `launch/slurm.sbatch` with stand-ins for srun and scontrol runs a 2-task job through gyre's srun path, in the
-  run directory of the job's id; its tasks come from directories, and its held-out task directories are played
-  before the first step and after the last, never trained on (the run of `test_train_held_out_tasks.py`, folded in).
+  run directory of the job's id; its tasks come from directories, and its held-out task directories are played on
+  the rollout engines before the first step and after the last, never trained on (the run of
+  `test_train_held_out_tasks.py`, folded in).
 
 Processes are real and started in sessions of their own; torchrun's workers start sessions of their own too, so
 every process that carries the test's marker (or runs in its run directory) is killed by PID at the end.
@@ -208,10 +209,10 @@ def test_the_sbatch_script_runs_a_job_through_srun_that_plays_held_out_task_dire
     process group over tcp://MASTER_ADDR:MASTER_PORT), the run directory of the job's id.
 
     The job's tasks come from directories (`tasks.task_dir`, and `tasks.held_out_dir`: docs/runtime.md, "Tasks and
-    the held-out evaluation"): the held-out task directories are played through the run's harness and scored by
-    their evaluators, greedily, before the first step and after the last, and never trained on. Folded in from
-    `test_train_held_out_tasks.py`, whose own run it was (docs/testing.md, "Seventh round"): the held-out path is
-    rank 0's, the same under any launcher."""
+    the held-out evaluation"): the held-out task directories are played through the run's harness on its rollout
+    engines and scored by their evaluators, greedily, before the first step and after the last, and never trained
+    on. Folded in from `test_train_held_out_tasks.py`, whose own run it was (docs/testing.md, "Seventh round"): the
+    held-out path is rank 0's, the same under any launcher."""
     from test_train_held_out_tasks import make_sets
 
     train_tasks, held = make_sets(tmp_path)
@@ -269,14 +270,14 @@ def test_the_sbatch_script_runs_a_job_through_srun_that_plays_held_out_task_dire
     lines = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
     assert [line["version"] for line in lines] == [0, 1]
     for line in lines:
-        assert line["episodes"] == 3 and line["failed"] == 0, line
+        assert line["episodes"] == 3 and line["failed"] == 0 and line["engines"] is True, line
         assert 0 <= line["pass_rate"] <= line["mean_score"] <= 1 and "tool_call_rate" not in line
     played = sorted(p.name for p in (run_dir / "held_out_executions" / "v0").iterdir() if p.is_dir())
     assert played == ["held-out-v0-0", "held-out-v0-1", "held-out-v0-2"], played
     trained_on = {json.loads(line)["task"] for line in (run_dir / "executions.jsonl").read_text().splitlines()}
     assert trained_on and trained_on <= {t.id for t in train_tasks}
     assert trained_on.isdisjoint({t.id for t in held})
-    assert "held-out: policy version 1: pass" in out, out[-3000:]
+    assert "held-out: policy version 1 on the rollout engines: pass" in out, out[-3000:]
 
 
 def wait_for_a_satellite_training(run_dir: Path, alive, timeout_s: float) -> tuple[int, int]:

@@ -1,17 +1,24 @@
-"""`tasks.held_out_dir` in `python -m gyre.train` (docs/runtime.md, "Tasks and the held-out evaluation"): a held-out
-task that is also a training task stops the run at start (exit 2, one line).
+"""`tasks.held_out_dir` in `python -m gyre.train` (docs/runtime.md, "Tasks and the held-out evaluation"):
 
-That held-out task directories are played through the run's harness and scored by their evaluators, greedily, before
-the first step and after the last, and never trained on, is checked in a run that happens anyway: the sbatch job of
-`test_launch.py` (`test_the_sbatch_script_runs_a_job_through_srun_that_plays_held_out_task_directories`, with
-`make_sets` below; docs/testing.md, "Seventh round")."""
+- a held-out task that is also a training task stops the run at start (exit 2, one line);
+- one cell in one process, colocate, a step per burst, `tasks.eval_every=1`: the held-out directory is evaluated on
+  the run's engine at version 0 (beside the first burst), at each publication and at the run's end (the final
+  version streamed to cell 0's engine, brought back: every cell trained the last step); each line says
+  `"engines": true`. The engine is the run's only one, so each move of the cell to training waits for the evaluation
+  in flight (a transition's `held_out` phase) and no publication ever waits.
+
+That held-out task directories are played through the run's harness and scored by their evaluators, greedily, and
+never trained on, with several cells, is checked in a run that happens anyway: the sbatch job of `test_launch.py`
+(`test_the_sbatch_script_runs_a_job_through_srun_that_plays_held_out_task_directories`, with `make_sets` below;
+docs/testing.md, "Seventh round")."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
-from test_train_program import finish, train
+from test_train_program import PAIRS, SMALL, finish, left_of, train
 
 from gyre.config.demo import DemoConfig
 from gyre.tasks.demo import generate_demo_tasks
@@ -39,3 +46,36 @@ def test_a_held_out_task_that_is_also_a_training_task_exits_2(tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("gyre.train:")]
     assert code == 2 and len(lines) == 1, err[-2000:]
     assert "tasks.held_out_dir" in lines[0] and "never trained on" in lines[0] and "Traceback" not in err
+
+
+def test_held_out_task_directories_are_evaluated_on_the_rollout_engine_at_its_versions(tmp_path):
+    train_tasks, held = make_sets(tmp_path)
+    args = [*SMALL, *PAIRS, "cluster=one_cell", "algo=colocate", "algo.mu=1", "steps=2", "logging.wandb=disabled"]
+    args += [
+        f"tasks.task_dir={tmp_path / 'train'}",
+        f"tasks.held_out_dir={tmp_path / 'held'}",
+        "tasks.num_held_out=0",  # all 3
+        "tasks.eval_every=1",
+        "harness.isolate_user=false",  # demo tasks from a directory are untrusted; pytest's tmp_path is mode 700
+    ]
+    run_dir = tmp_path / "run"
+    process = train(args, run_dir)
+    code, out, err = finish(process, 900)
+    assert code == 0, err[-3000:]
+    assert left_of(process) == []
+    lines = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
+    assert [line["version"] for line in lines] == [0, 1, 2], lines
+    for line in lines:
+        assert line["engines"] is True and line["episodes"] == 3 and line["failed"] == 0, line
+        assert 0 <= line["pass_rate"] <= line["mean_score"] <= 1
+    for version in (0, 1, 2):
+        assert f"held-out: policy version {version} on the rollout engines: pass" in out, out[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "final version 2 streamed to cell-0" in log
+    # The cell's moves to training that found an evaluation in flight waited for it (its engine kept for it).
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kept = [t for step in steps for t in step["transitions"] if "held_out" in t["phases"]]
+    assert kept == [] or all(t["to"] == "training" and t["cell"] == 0 for t in kept), kept
+    assert ("engine cell-0 kept in rollout" in log) == bool(kept)
+    trained_on = {json.loads(line)["task"] for line in (run_dir / "executions.jsonl").read_text().splitlines()}
+    assert trained_on and trained_on <= {t.id for t in train_tasks} and trained_on.isdisjoint({t.id for t in held})

@@ -30,7 +30,7 @@ from gyre.runtime.controller.publication import Publication
 from gyre.runtime.controller.transitions import leave_rollout
 from gyre.runtime.ids import engine_name
 from gyre.runtime.job.spmd import ack_key
-from gyre.sched import Reroute, Role
+from gyre.sched import POOL, Reroute, Role
 from gyre.trainer.publish import engine_weights
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ class Cells:
         ctl.trace.role(ctl.now(), cell, "to_training" if to is Role.TRAINING else "to_rollout")
         if to is Role.TRAINING:
             ctl.parts.engines[cell].stop_accepting()
+            if ctl.held_out_engines is not None:  # it leaves the held-out evaluation in flight (or is kept for it)
+                ctl.held_out_engines.leaving(engine_name(cell))
             ctl.spawn(self.to_training(cell))
         else:
             self.publication.expect(cell)
@@ -87,6 +89,16 @@ class Cells:
             await leave_rollout(ctl.parts.engines[cell], drain_s=0.0)
             await self.tell_training(cell)
 
+    def rollout_engines(self) -> dict[str, object]:
+        """The engines in rollout now (the cells in the rollout role, not moving, and the separate pool's), by routing
+        name."""
+        ctl = self.ctl
+        roles = enumerate(ctl.sched.roles)
+        engines = {engine_name(c): ctl.parts.engines[c] for c, role in roles if role is Role.ROLLOUT}
+        if POOL in ctl.parts.engines:  # the separate rollout pool never leaves rollout
+            engines[engine_name(POOL)] = ctl.parts.engines[POOL]
+        return engines
+
     def release(self, reason: str) -> None:
         """The `stop` decision with the run's end: every satellite leaves its loop and stops its engine."""
         self.ctl.control.publish(STOP, reason=reason)
@@ -106,7 +118,13 @@ class Cells:
         moves = self.reroutes.pop(cell, [])
         await asyncio.gather(*moves)  # its executions moved before the drain
         moved = ctl.now()
-        phases = {"reroute": moved - begun, **await leave_rollout(ctl.parts.engines[cell], drain_s=DRAIN_S)}
+        phases = {"reroute": moved - begun}
+        if ctl.held_out_engines is not None:  # its engine kept for the held-out evaluation in flight, if the last one
+            held = await ctl.held_out_engines.hold(engine_name(cell), ctl.parts.engines[cell])
+            if held > 0:
+                phases["held_out"] = held
+        leaving = ctl.now()
+        phases |= await leave_rollout(ctl.parts.engines[cell], drain_s=DRAIN_S)
         released = ctl.now()
         await self.tell_training(cell)
         phases["restore"] = ctl.now() - released
@@ -116,7 +134,7 @@ class Cells:
             cell,
             len(moves),
             moved - begun,
-            released - moved,
+            released - leaving,
             phases["restore"],
         )
         self._ends(cell, phases)

@@ -11,16 +11,19 @@ nothing moves without an action. In the order a step goes through them:
 2. `BeginTransition(c, TRAINING)` with its `Reroute`s -> `cells.py`: a cell leaves rollout (its executions moved
    with their calls in flight), its ranks take the training role.
 3. `BeginStep` -> `steps.py`: the cells claim micro-steps from one queue, satellites join in flight, the core
-   updates; the step's record; the held-out evaluation; a checkpoint (`checkpoints.py`).
-4. `Publish` -> `cells.py`: the core's weights to `<run dir>/policy/` and to the engines still serving.
+   updates; the step's record; the demo's held-out evaluation; a checkpoint (`checkpoints.py`).
+4. `Publish` -> `cells.py`: the core's weights to the engines still serving and to `<run dir>/policy/`; a held-out
+   directory's evaluation on those engines (`held_out_engines.py`).
 5. `BeginTransition(c, ROLLOUT)` -> `cells.py`: the satellites return with the published weights.
 6. `WakeAt` -> a timer, then `tick` (the supply timer).
 
 The run ends after `steps` optimizer steps, at `request_stop()` (Ctrl-C, SIGTERM) or at the first error of any of
 its tasks; `run()` then closes a step in flight (its update is never published), cancels the executions still
-running (their harness and evaluator processes are stopped by `run_episode`) and returns a `RunEnd`. A rank whose
-lifeline closes (`gyre.runtime.job.lifeline`) ends it with `RankLost`. Between step ends, every
-`logging.progress_every_s`, the live line (`live_line`: executions, the proxy's calls in prefill and decoding).
+running (their harness and evaluator processes are stopped by `run_episode`), after a completed run evaluates a
+held-out directory on the engines at the last version (`held_out_engines.evaluate_final`), and returns a
+`RunEnd`. A rank whose lifeline closes (`gyre.runtime.job.lifeline`) ends it with `RankLost`. Between step ends,
+every `logging.progress_every_s`, the live line (`live_line`: executions, the proxy's calls in prefill and
+decoding).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from gyre.runtime.controller.cells import Cells
 from gyre.runtime.controller.episodes import Episodes
 from gyre.runtime.controller.execution_log import EXECUTIONS_FILE, ExecutionLog
 from gyre.runtime.controller.held_out import HeldOutEvaluator
+from gyre.runtime.controller.held_out_engines import PinnedEvaluation, evaluate_final
 from gyre.runtime.controller.parts import SLOW_STOP_S, ControllerParts, RunEnd, StepBook
 from gyre.runtime.controller.steps import Steps
 from gyre.runtime.controller.trace import RoleTrace
@@ -82,9 +86,12 @@ class Controller:
         run_dir: Path,
         echo: Callable[[str], None] = print,
         checkpoint: Checkpoint | None = None,
+        held_out_engines: PinnedEvaluation | None = None,
     ) -> None:
         self.cfg, self.parts = cfg, parts
         self.held_out, self.metrics, self.run_dir, self.echo = held_out, metrics, run_dir, echo
+        self.held_out_engines = held_out_engines  # a tasks.held_out_dir's evaluation, on the rollout engines
+        self.final_version: int | None = None  # set after the last step: the version the run's end evaluates
         spec = spec_from_config(cfg.cluster, cfg.algo, buffer_verdicts=True)
         self.resumed_from = checkpoint
         self.sched = resumed_scheduler(spec, checkpoint.state["scheduler"]) if checkpoint else Scheduler(spec)
@@ -127,6 +134,7 @@ class Controller:
         # program tells the ranks to stop, so their ends after that are no loss.
         watch = self.spawn(watch_lifelines(self.parts.job.lifelines))
         proxy_watch = self.spawn(self.parts.proxy.watch())  # a proxy shard that dies ends the run (ShardError)
+        reason, error = "error", None
         try:
             reason, error = await self.end
             if reason == "error" and not isinstance(error, RankLost) and self.parts.job.lifelines:
@@ -137,10 +145,14 @@ class Controller:
             proxy_watch.cancel()
             self.stopping = True
             self.steps.abandon()
+            if self.held_out_engines is not None and reason != "completed":
+                self.held_out_engines.cancel()
             stopping = time.monotonic()
             await self.episodes.cancel_all(self.background)
             if (elapsed := time.monotonic() - stopping) >= SLOW_STOP_S:  # a slow exit after Ctrl-C names its step
                 log.info("stopping: the executions still running took %.1fs to stop", elapsed)
+            if reason == "completed" and self.final_version is not None:
+                reason, error = await self._final_evaluation(self.final_version)
             self.executions.close()
             self.trainer_thread.submit(self.parts.core_step.close)  # its transport, after the last step
             self.trainer_thread.close()
@@ -153,8 +165,25 @@ class Controller:
             await self.held_out.evaluate(self.parts.model_dir, version=0, wall_time_s=0.0)
         self.t0 = time.monotonic()  # the scheduler's clock starts with the first dispatch
         await self.cells.initial_roles()
+        if self.held_out_engines is not None and self.resumed_from is None and not self.stopping:
+            # the baseline on the engines in rollout, beside the first burst (the first publication waits for it)
+            self.held_out_engines.start(0, self.cells.rollout_engines(), wall_time_s=self.now(), spawn=self.spawn)
         if not self.stopping:
             self.apply(resume(self.sched, self.now()) if self.resumed_from else self.sched.start(self.now()))
+
+    async def _final_evaluation(self, version: int) -> tuple[str, BaseException | None]:
+        """After a completed run's last step, its executions stopped: the held-out evaluation of its last version on
+        the engines (`held_out_engines.evaluate_final`); how the run ends then (stopped if a stop cut it, an error
+        if it failed)."""
+        begun = time.monotonic()
+        try:
+            line = await evaluate_final(self, version)
+        except Exception as error:
+            log.error("the final held-out evaluation failed: %r", error)
+            return "error", error
+        if (elapsed := time.monotonic() - begun) >= SLOW_STOP_S:
+            log.info("the final held-out evaluation took %.1fs", elapsed)
+        return ("completed", None) if line is not None else ("stopped", None)
 
     def apply(self, actions) -> None:
         """Carry out the scheduler's actions, in the order it returned them."""
@@ -195,7 +224,10 @@ class Controller:
 
     # -- the run's end ------------------------------------------------------------------------------------
     def request_stop(self) -> None:
-        """End the run soon (Ctrl-C, SIGTERM): the step in flight is not published, the executions are cancelled."""
+        """End the run soon (Ctrl-C, SIGTERM): the step in flight is not published, the executions are cancelled (a
+        held-out evaluation's too)."""
+        if self.held_out_engines is not None:
+            self.held_out_engines.cancel()
         self.finish("stopped")
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:

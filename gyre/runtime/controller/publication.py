@@ -1,6 +1,8 @@
 """The core's publications as the controller runs them (docs/runtime.md, "Publication").
 
 `Publication.publish(version)` (the scheduler's `Publish`):
+0. a held-out evaluation in flight ends first (`held_out_wait`): it is pinned to the version its engines hold
+   (`gyre.runtime.controller.held_out_engines`);
 1. the staying engines (in rollout, and the separate pool's) get the core's weights as `version` by the weight
    stream (`gyre.trainer.weight_stream`): every engine opens an update (`begin_update`), the core's ranks stream the
    weights in buckets of whole HF tensors, rank 0 hands each bucket to every engine at once (`load_bucket`) while the
@@ -8,9 +10,14 @@
 2. the cells coming back from training in the same burst end (`join`, from `Cells.to_rollout` once their memory is
    resumed) get a second stream of the same weights: the scheduler begins no step while it publishes, so the core's
    weights are still `version`;
-3. `publish_finished`; then, if due (`publication.policy_every`), the policy directory: the core's stage leaders
-   write their stages' buckets as part files in the background while rollouts go on, rank 0 finishes the directory
-   (`gyre.runtime.job.policy_dir`). The core's next step starts after the writers' work on the core's threads.
+3. if due (`publication.policy_every`), the policy directory: the core's stage leaders write their stages' buckets
+   as part files in the background while rollouts go on, rank 0 finishes the directory
+   (`gyre.runtime.job.policy_dir`). The core's next step starts after the writers' work on the core's threads. If
+   due (`tasks.eval_every`), the held-out evaluation of `version` on the engines of 1 and 2; then
+   `publish_finished`.
+
+`stream_final(engines, version)`: the same stream, the scheduler not told (the run's last version, for its final
+held-out evaluation).
 
 A cell that comes back inside a burst (no publication in flight: a cell sent back mid-step to make room) loads the
 last publication from its policy directory (`policies/v<version>`, streamed from the files in buckets), waiting for
@@ -36,8 +43,8 @@ import torch
 
 from gyre.runtime.cell.stream import STREAM, PolicyParts, policy_key, stage_leaders
 from gyre.runtime.controller.transitions import stream_to_engines
+from gyre.runtime.ids import engine_name
 from gyre.runtime.job.policy_dir import POLICIES_DIR, finish_policy, stage_policy
-from gyre.sched import POOL, Role
 from gyre.trainer.weight_stream import BucketPipe, stream_weights
 
 if TYPE_CHECKING:
@@ -138,35 +145,53 @@ class Publication:
     async def _publish_to_all(self, version: int) -> None:
         ctl = self.ctl
         begun = ctl.now()
-        staying = [ctl.parts.engines[c] for c, role in enumerate(ctl.sched.roles) if role is Role.ROLLOUT]
-        if POOL in ctl.parts.engines:  # the separate rollout pool never leaves rollout: updated as a staying cell
-            staying.append(ctl.parts.engines[POOL])
-        phases = {f"staying_{k}": v for k, v in (await self._stream(staying, version) if staying else {}).items()}
+        evaluation = ctl.held_out_engines
+        if evaluation is not None:  # the held-out evaluation in flight is pinned to the engines' version: it ends first
+            await evaluation.settled()
+        waited = ctl.now()
+        staying = ctl.cells.rollout_engines()  # with the separate pool's: it never leaves rollout
+        streamed_to = list(staying.values())
+        phases = {f"staying_{k}": v for k, v in (await self._stream(streamed_to, version) if staying else {}).items()}
         streamed = ctl.now()
         self._accepting = False
         self._taken, self._joining = self._joining, {}
-        engines = [await ready for ready, _ in self._taken.values()]
+        returning = {engine_name(cell): await ready for cell, (ready, _) in self._taken.items()}
         ready = ctl.now()
-        if engines:
-            phases |= {f"returning_{k}": v for k, v in (await self._stream(engines, version)).items()}
+        if returning:
+            phases |= {f"returning_{k}": v for k, v in (await self._stream(list(returning.values()), version)).items()}
         for _, loaded in self._taken.values():
             loaded.set_result(None)
         self.version = version
         self.count += 1
-        phases |= {"staying": streamed - begun, "returning_wait": ready - streamed, "returning": ctl.now() - ready}
+        phases |= {
+            "held_out_wait": waited - begun,
+            "staying": streamed - waited,
+            "returning_wait": ready - streamed,
+            "returning": ctl.now() - ready,
+        }
         ctl.trace.publication(begun, ctl.now() - begun, version, phases)
         log.info(
-            "published version %d: %d staying engines in %.2fs, %d returning in %.2fs",
+            "published version %d: %d staying engines in %.2fs, %d returning in %.2fs%s",
             version,
             len(staying),
-            streamed - begun,
-            len(engines),
+            streamed - waited,
+            len(returning),
             ctl.now() - ready,
+            f" (after the held-out evaluation's end: {waited - begun:.2f}s)" if waited - begun >= 0.01 else "",
         )
         every = ctl.cfg.publication.policy_every
         if every and self.count % every == 0:
             self.write_policy(version)  # its stream is ordered before any later step on every core rank
+        if evaluation is not None and evaluation.due(version, ctl.sched.published_version):
+            # before publish_finished: a cell the scheduler sends to training in its answer leaves the evaluation
+            evaluation.start(version, {**staying, **returning}, wall_time_s=ctl.now(), spawn=ctl.spawn)
         ctl.apply(ctl.sched.publish_finished(ctl.now()))
+
+    async def stream_final(self, engines: list, version: int) -> dict[str, float]:
+        """The core's weights now to `engines` as `version`, by the same stream as a publication, the scheduler not
+        told: the run's last version, after its last step, for its final held-out evaluation
+        (`gyre.runtime.controller.held_out_engines.evaluate_final`)."""
+        return await self._stream(engines, version)
 
     # -- the policy directory ------------------------------------------------------------------------------
     def write_policy(self, version: int) -> asyncio.Task:

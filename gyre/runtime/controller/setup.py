@@ -29,7 +29,7 @@ from typing import Any
 from gyre.config import TrainConfig
 from gyre.obs.timeline import preload_plotting
 from gyre.runtime.controller.agent_trajectory import atif_writer
-from gyre.runtime.controller.held_out import HELD_OUT_FILE, HeldOutEvaluator
+from gyre.runtime.controller.held_out import HELD_OUT_FILE, HeldOutEvaluator, HeldOutLog
 from gyre.runtime.controller.loop import Controller
 from gyre.runtime.controller.outputs import write_outputs
 from gyre.runtime.controller.parts import SLOW_STOP_S, ControllerParts, RunResult
@@ -158,10 +158,7 @@ async def run_controller(plan: RunPlan, job, echo: Callable[[str], None], *, hos
             engine_dir=start.engine_dir,
             agent_trajectory=atif_writer(plan, template) if plan.records_dir is not None else None,
         )
-        held_out = None
-        if task_sets.held_out is not None:
-            held_out = HeldOutEvaluator(task_sets.held_out, template, out_path=run_dir / HELD_OUT_FILE, echo=echo)
-            held_out.results = list(kept["held_out"]) if kept else []
+        held_out, held_out_engines = _held_out(plan, template, echo, kept=kept["held_out"] if kept else [])
         controller = Controller(
             cfg,
             parts,
@@ -171,6 +168,7 @@ async def run_controller(plan: RunPlan, job, echo: Callable[[str], None], *, hos
             run_dir=run_dir,
             echo=echo,
             checkpoint=checkpoint,
+            held_out_engines=held_out_engines,
         )
         front.on_engine_lost = controller.engine_lost
         loop = asyncio.get_running_loop()
@@ -181,7 +179,8 @@ async def run_controller(plan: RunPlan, job, echo: Callable[[str], None], *, hos
         summary = write_outputs(cfg, controller, run_dir, end)
         if (elapsed := time.monotonic() - writing) >= SLOW_STOP_S:
             log.info("writing the run's outputs took %.1fs", elapsed)
-        return RunResult(end=end, summary=summary, held_out=held_out.results if held_out else [], run_dir=run_dir)
+        evaluator = held_out or held_out_engines
+        return RunResult(end=end, summary=summary, held_out=evaluator.results if evaluator else [], run_dir=run_dir)
     finally:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -206,6 +205,23 @@ async def run_controller(plan: RunPlan, job, echo: Callable[[str], None], *, hos
         async with _closing_step("the executions' sandbox"):
             await asyncio.to_thread(sandbox.shutdown)  # a container sandbox: what is left of the run's
         await asyncio.to_thread(server.stop)
+
+
+def _held_out(plan: RunPlan, template, echo, *, kept: list[dict]):
+    """The held-out evaluator: a recipe's own set with its player, in process (`HeldOutEvaluator`); a set of tasks
+    without one (a `tasks.held_out_dir`), on the rollout engines (`PinnedEvaluation`); (None, None) without a set."""
+    from gyre.runtime.controller.held_out_engines import PinnedEvaluation
+    from gyre.runtime.held_out_tasks import HELD_OUT_EXECUTIONS_DIR, TaskPlayer
+
+    held_out = plan.task_sets.held_out
+    if held_out is None:
+        return None, None
+    out = HeldOutLog(plan.run_dir / HELD_OUT_FILE, echo=echo, results=kept)
+    if held_out.play is not None:
+        return HeldOutEvaluator(held_out, template, out=out), None
+    root = plan.run_dir / HELD_OUT_EXECUTIONS_DIR
+    player = TaskPlayer(tasks=held_out.tasks, cfg=plan.cfg, root=root, model_dir=plan.model_dir)
+    return None, PinnedEvaluation(player, template, out=out, every=plan.cfg.tasks.eval_every)
 
 
 async def _harness_hosts(job, hosts: dict[int, int]):

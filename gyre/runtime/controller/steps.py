@@ -3,8 +3,9 @@
 `BeginStep`: the step's board and pump (`gyre.distributed.step_pump`: groups claimed from the scheduler lazily, as
 the simulator's cells claim), the `step` decision to the cells, the core's `train_claimed_step` on the trainer
 thread; satellites the scheduler lets in are admitted while it runs (`admit`). At its end: the satellites' shares,
-the step's record and progress line, the held-out evaluation every `tasks.eval_every` steps, a checkpoint every
-`checkpoint.every_steps` steps and after the last; then `step_finished`, or the run completes.
+the step's record and progress line, the in-process held-out evaluation every `tasks.eval_every` steps (a recipe's
+own held-out set: the demo's), a checkpoint every `checkpoint.every_steps` steps and after the last; then
+`step_finished`, or the run completes.
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ class Steps:
         await self._after(version)
 
     async def _after(self, version: int) -> None:
-        """After a step's record: the held-out evaluation, a checkpoint, then the next step or the run's end."""
+        """After a step's record: the in-process held-out evaluation, a checkpoint, then the next step or the run's
+        end (a `tasks.held_out_dir` is evaluated on the engines at publications and after the run's end instead:
+        `gyre.runtime.controller.held_out_engines`)."""
         ctl = self.ctl
         done = len(ctl.records) >= ctl.cfg.steps
         evaluates = ctl.held_out is not None and (done or len(ctl.records) % ctl.cfg.tasks.eval_every == 0)
@@ -148,6 +151,9 @@ class Steps:
             await checkpoints.write(ctl)
         if done:
             await ctl.cells.publication.write_policy(version)  # the run's last policy, whatever policy_every says
+            if ctl.held_out_engines is not None:  # the last publication's evaluation ends; the run's end evaluates this
+                await ctl.held_out_engines.settled()
+                ctl.final_version = version
             ctl.finish("completed")
             return
         ctl.apply(ctl.sched.step_finished(ctl.now()))

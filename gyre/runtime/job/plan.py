@@ -152,7 +152,7 @@ def build_plan(
     if held_out_dir_tasks:
         from gyre.runtime.held_out_tasks import held_out_tasks
 
-        task_sets = replace(task_sets, held_out=held_out_tasks(cfg, run_dir, held_out_dir_tasks, model_dir))
+        task_sets = replace(task_sets, held_out=held_out_tasks(held_out_dir_tasks))
     proxy = cfg.proxy
     if cfg.trainer.routing_replay and not proxy.record_routed_experts:
         proxy = replace(proxy, record_routed_experts=True)
