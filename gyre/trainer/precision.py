@@ -69,7 +69,8 @@ class MainWeights:
     def drop_gradients(self) -> None:
         for tensor in (*(self.main or ()), *self.params):
             tensor.grad = None
-        self.grads = [None] * len(self.grads)
+        for i in range(len(self.grads)):  # in place: the hooks add into this very list
+            self.grads[i] = None
 
     def copy_to_model(self) -> None:
         """After the optimizer stepped `main`: the model's parameters become the main weights, rounded."""

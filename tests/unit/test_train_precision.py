@@ -74,6 +74,21 @@ def test_a_satellite_keeps_fp32_gradients_only_and_they_equal_the_cores():
         satellite.weights.copy_to_model()
 
 
+def test_a_satellites_gradients_start_afresh_at_each_step():
+    """After `drop_gradients` (a satellite's end of step) the next micro-steps accumulate into fresh fp32
+    gradients, equal to the core's of the same micro-steps: dropping them must not cut the accumulation hooks off."""
+    core = bf16_trainable()
+    satellite = NativeTrainable(build_model(CONFIG, seed=1).to(torch.bfloat16), lr=1e-3, max_grad_norm=0.0, steps=False)
+    for seed in (0, 1):
+        for trainable in (core, satellite):
+            trainable.logprobs(microstep(seed)).sum().backward()
+        for got, want in zip(satellite.gradients(), core.gradients(), strict=True):
+            assert torch.equal(got, want)
+        assert any(bool(g.abs().sum() > 0) for g in satellite.gradients())
+        core.drop_gradients()
+        satellite.drop_gradients()
+
+
 def test_the_update_is_fp32_and_the_model_holds_it_rounded():
     trainable = bf16_trainable(lr=1e-2)
     logp = trainable.logprobs(microstep(0))
