@@ -152,6 +152,10 @@ class TrainerConfig:
     logprob_chunk_tokens: int = 1024
     """Log-probs are taken from the final hidden states this many tokens at a time, so the [tokens, vocab] logits
     never exist whole; peak extra memory ~3 x chunk x vocab / TP x 4 bytes (docs/training.md, "Long rows")."""
+    optimizer_offload_fraction: float = 0.0
+    """The share of the core's parameters whose AdamW state and fp32 main weights live and step in host memory
+    (megatron-core's `HybridDeviceOptimizer`), in [0, 1]; 0: all on the device. Megatron on CUDA only: on a CPU
+    trainer they are in host memory already (docs/training.md, "Optimizer offload")."""
 
     weight_transport: str = "store"
     """How a satellite joining a step in flight pulls the core's weights (one-sided reads, docs/distributed.md):
@@ -183,6 +187,7 @@ class TrainerConfig:
         require_choice("trainer.dtype", self.dtype, TRAINER_DTYPES)
         require_choice("trainer.recompute", self.recompute, RECOMPUTE_CHOICES)
         require_int("trainer.logprob_chunk_tokens", self.logprob_chunk_tokens, ge=1)
+        require_number("trainer.optimizer_offload_fraction", self.optimizer_offload_fraction, ge=0, le=1)
         require(
             device_kind(self.device) in DEVICE_KINDS,
             "trainer.device",
@@ -198,6 +203,20 @@ class TrainerConfig:
             ):
                 value = getattr(self, name)
                 require(value == 1, f"trainer.{name}", value, "1 with trainer.backend=native (no model parallelism)")
+        if self.optimizer_offload_fraction > 0:
+            require(
+                device_kind(self.device) == "cuda",
+                "trainer.optimizer_offload_fraction",
+                self.optimizer_offload_fraction,
+                f"0 with trainer.device={self.device} (a CPU trainer's optimizer state is in host memory already)",
+            )
+            require(
+                self.backend == "megatron",
+                "trainer.optimizer_offload_fraction",
+                self.optimizer_offload_fraction,
+                "0 with trainer.backend=native (offload is megatron-core's HybridDeviceOptimizer: "
+                "trainer.backend=megatron)",
+            )
         check_expert_layout(
             self.tensor_parallel_size,
             self.pipeline_parallel_size,

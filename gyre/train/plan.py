@@ -34,8 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from gyre.config import ConfigError, TrainConfig, register_configs
     from gyre.config.hydra_errors import CONF_DIR, describe_config_error, to_config
-    from gyre.models.decoder_config import read_config
-    from gyre.runtime.job.plan import PlanError, check_model_layout
+    from gyre.runtime.job.plan import PlanError, check_model_layout, starting_model_config
     from gyre.trainer.memory_plan import memory_inputs, memory_plan
 
     overrides = list(sys.argv[1:] if argv is None else argv)
@@ -48,21 +47,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         return _fail(f"config error: {error}")
     if cfg.model.model_dir:
-        try:
-            model = read_config(Path(cfg.model.model_dir).expanduser())
-        except (OSError, ValueError) as error:
-            return _fail(f"model.model_dir={cfg.model.model_dir!r}: no readable config.json ({error})")
-    else:
-        from gyre.models.tiny import decoder_config
-
-        spec = cfg.model.tiny
-        model = decoder_config(spec, vocab_size=spec.vocab_size, bos_token_id=0, eos_token_id=1)
+        cfg.model.model_dir = str(Path(cfg.model.model_dir).expanduser())
     try:
+        model = starting_model_config(cfg)
         check_model_layout(cfg, model)
     except PlanError as error:
         return _fail(f"config error: {error}")
     plan = memory_plan(memory_inputs(cfg, model))
     print(plan.table())
+    if plan.offload_note():
+        print(plan.offload_note().removeprefix("; "))
     misfit = plan.misfit()
     return 0 if misfit is None else _fail(misfit)
 

@@ -23,6 +23,16 @@ optimizers). A cell with R = EP / TP > 1 copies of the dense model averages each
 `logprobs(step)` replays the micro-step's recorded routing (`step.routed_experts_ULK`, integer `[U,
 num_hidden_layers, top_k]` aligned with `step.ids_U`; `gyre.trainer.routing`) in the forward and in its
 backward's recompute.
+
+Optimizer offload (`offload_fraction` > 0, CUDA only; docs/training.md, "Optimizer offload"): the optimizer is
+megatron-core's `HybridDeviceOptimizer` (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py, called as
+megatron's own `get_megatron_optimizer` calls it, with torch's AdamW on both sides) over the model's parameters: the
+first parameters, up to that share of the numbers, get their fp32 main weights, AdamW moments and a pinned gradient
+buffer in host memory and step there (copied back to the device after); the rest step on the device. It keeps the
+fp32 main weights itself (`param_update_in_fp32` for a bf16 model), so `MainWeights` keeps only the fp32 gradient
+accumulators, handed to it as each parameter's `decoupled_grad`. Written against megatron-core 0.16's source; run
+on CPU: the contract (its keywords, tests/unit/test_train_optimizer_offload.py); not run here: a step on a GPU
+(tests/gpu/test_optimizer_offload_cuda.py).
 """
 
 from __future__ import annotations
@@ -44,26 +54,40 @@ from gyre.trainer.moe import is_expert_param, is_router_param
 from gyre.trainer.precision import MainWeights
 from gyre.trainer.routing import step_routes
 
-__all__ = ["MegatronTrainable", "all_reduce_grads", "global_grad_norm", "sum_head_shares"]
+__all__ = [
+    "MegatronTrainable",
+    "all_reduce_tensors",
+    "global_grad_norm",
+    "hybrid_optimizer",
+]
 
 
-def global_grad_norm(params: list[Tensor], expert_params: list[Tensor] = ()) -> Tensor:
+def global_grad_norm(
+    params: list[Tensor],
+    expert_params: list[Tensor] = (),
+    *,
+    grads: list[Tensor | None] | None = None,
+    expert_grads: list[Tensor | None] | None = None,
+) -> Tensor:
     """The L2 norm of the whole model's gradient from this rank's shards (fp32), each tensor counted once: `params`
     (dense) summed over the model-parallel group (TP x PP), TP-replicated tensors on TP rank 0 only, the copy of
     tied embeddings on the last pipeline stage not at all (as Megatron's own `clip_grads` counts); `expert_params`
-    (routed experts, whole on their EP rank) summed over the expert model-parallel group (EP x PP)."""
+    (routed experts, whole on their EP rank) summed over the expert model-parallel group (EP x PP). The gradients
+    are each parameter's `.grad`, or `grads` / `expert_grads` in the same order (fp32 accumulators kept apart)."""
+    grads = [p.grad for p in params] if grads is None else grads
     squares = torch.zeros(1, dtype=torch.float32)
-    for p in params:
-        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-            squares += p.grad.detach().float().pow(2).sum().cpu()
+    for p, grad in zip(params, grads, strict=True):
+        if grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            squares += grad.detach().float().pow(2).sum().cpu()
     group = parallel_state.get_model_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(squares, group=group)
     if expert_params:
+        expert_grads = [p.grad for p in expert_params] if expert_grads is None else expert_grads
         expert_squares = torch.zeros(1, dtype=torch.float32)
-        for p in expert_params:
-            if p.grad is not None:
-                expert_squares += p.grad.detach().float().pow(2).sum().cpu()
+        for grad in expert_grads:
+            if grad is not None:
+                expert_squares += grad.detach().float().pow(2).sum().cpu()
         group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
         if dist.get_world_size(group) > 1:
             dist.all_reduce(expert_squares, group=group)
@@ -71,15 +95,10 @@ def global_grad_norm(params: list[Tensor], expert_params: list[Tensor] = ()) -> 
     return squares.sqrt()[0]
 
 
-def all_reduce_grads(params: list[Tensor], group: dist.ProcessGroup | None, *, average: bool = False) -> None:
-    """Sum (or average) the gradients of `params` over `group`, in place, through one flat buffer (a missing gradient
-    counts as zeros: every rank sends the same tensors); nothing for a group of one (or None)."""
-    if not params or group is None or dist.get_world_size(group) == 1:
+def all_reduce_tensors(grads: list[Tensor], group: dist.ProcessGroup | None, *, average: bool = False) -> None:
+    """Sum (or average) `grads` over `group`, in place, through one flat buffer; nothing for a group of one."""
+    if not grads or group is None or dist.get_world_size(group) == 1:
         return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     if average:
@@ -94,17 +113,33 @@ def _is_head_norm(name: str) -> bool:
     return ".q_layernorm." in name or ".k_layernorm." in name
 
 
-def sum_head_shares(params: list[Tensor]) -> None:
-    """Sum the gradients of `params` (the query and key norms) over the tensor-parallel group, in place: each rank
-    computed its heads' share (module docstring)."""
-    all_reduce_grads(params, parallel_state.get_tensor_model_parallel_group())
+def hybrid_optimizer(params: list[Tensor], *, offload_fraction: float, lr: float, weight_decay: float):
+    """Megatron-core's `HybridDeviceOptimizer` over `params` (CUDA tensors) as `get_megatron_optimizer` builds it
+    with `optimizer_cpu_offload` (module docstring): torch's AdamW on the host and on the device, fp32 main weights
+    of its own for low-precision parameters, the host's gradients in pinned buffers, no side streams."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    return HybridDeviceOptimizer(
+        params,
+        offload_fraction=offload_fraction,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=any(p.dtype != torch.float32 for p in params),
+        pin_cpu_grads=True,
+        pin_cpu_params=True,
+        overlap_cpu_optimizer_d2h_h2d=False,
+        lr=lr,
+        weight_decay=weight_decay,
+    )
 
 
 class MegatronTrainable:
     """AdamW on a (TP-sharded) GPTModel; `update` clips the global gradient norm to `max_grad_norm` (0: off).
     `chunk_tokens`: log-probs a chunk of tokens at a time (`gyre.trainer.logprobs`). `pipeline`: the stage's
     `StreamingPipeline` when the model is one pipeline stage of several (module docstring). `steps=False`: a
-    satellite's, which never steps: no AdamW and no fp32 main weights (`gyre.trainer.precision`); `update` raises."""
+    satellite's, which never steps: no AdamW and no fp32 main weights (`gyre.trainer.precision`); `update` raises.
+    `offload_fraction` > 0: megatron's `HybridDeviceOptimizer` steps that share of the parameters in host memory
+    (module docstring; CUDA parameters)."""
 
     def __init__(
         self,
@@ -117,6 +152,7 @@ class MegatronTrainable:
         pipeline=None,
         routing_replay: bool = False,
         steps: bool = True,
+        offload_fraction: float = 0.0,
     ):
         self.model = model
         self.pipeline = pipeline
@@ -132,9 +168,17 @@ class MegatronTrainable:
         self._head_shares = [i for i, (name, _) in enumerate(named) if _is_head_norm(name)]  # summed over TP
         self._experts = [i for i, (name, _) in enumerate(named) if is_expert_param(name)]  # whole on their EP rank
         self._routers = [i for i, (name, _) in enumerate(named) if is_router_param(name)]  # summed over EP
-        # fp32 main weights when the model computes in bf16; a satellite (steps=False) has neither them nor AdamW
-        self.weights = MainWeights(self._params, steps=steps)
-        self.optimizer = torch.optim.AdamW(self.weights.main, lr=lr, weight_decay=weight_decay) if steps else None
+        # fp32 main weights when the model computes in bf16; a satellite (steps=False) has neither them nor AdamW;
+        # with offload the optimizer keeps its own (a share of them in host memory)
+        offload = steps and offload_fraction > 0
+        self.weights = MainWeights(self._params, steps=steps, main_copy=not offload)
+        self.optimizer = None
+        if offload:
+            self.optimizer = hybrid_optimizer(
+                self._params, offload_fraction=offload_fraction, lr=lr, weight_decay=weight_decay
+            )
+        elif steps:
+            self.optimizer = torch.optim.AdamW(self.weights.main, lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, step: MicroStep) -> Tensor:
@@ -152,34 +196,64 @@ class MegatronTrainable:
     def drop_gradients(self) -> None:
         self.weights.drop_gradients()
 
-    def reduce_cell_gradients(self) -> None:
+    def reduce_cell_gradients(self) -> list[Tensor | None]:
         """The in-cell sums `update` starts with (module docstring): the query and key norms over TP, the routers
-        over EP, each dense gradient averaged over the cell's copies of the dense model. Collective over the cell."""
-        main = self.weights.main
-        sum_head_shares([main[i] for i in self._head_shares])
+        over EP, each dense gradient averaged over the cell's copies of the dense model. Collective over the cell.
+        Returns the gradients (None where none came and no reduction needed one), reduced in place."""
+        grads = self.weights.gradients(dense=False)
+
+        def reduce(indices: list[int], group, *, average: bool = False) -> None:
+            if not indices or group is None or dist.get_world_size(group) == 1:
+                return
+            for i in indices:  # a missing gradient counts as zeros: every rank sends the same tensors
+                grads[i] = self.weights.dense_gradient(i)
+            all_reduce_tensors([grads[i] for i in indices], group, average=average)
+
+        reduce(self._head_shares, parallel_state.get_tensor_model_parallel_group())
         if self._routers:
-            all_reduce_grads([main[i] for i in self._routers], parallel_state.get_expert_model_parallel_group())
+            reduce(self._routers, parallel_state.get_expert_model_parallel_group())
         experts = set(self._experts)
-        all_reduce_grads([p for i, p in enumerate(main) if i not in experts], dense_replica_group(), average=True)
+        reduce([i for i in range(len(grads)) if i not in experts], dense_replica_group(), average=True)
+        return grads
 
     def update(self) -> dict[str, float]:
         if self.optimizer is None:
             raise RuntimeError("a satellite does not step: only the core's trainer updates the weights")
-        main = self.weights.main
-        self.reduce_cell_gradients()
+        grads = self.reduce_cell_gradients()
         experts = set(self._experts)
-        dense = [p for i, p in enumerate(main) if i not in experts]
-        norm = float(global_grad_norm(dense, [main[i] for i in self._experts]))
+        dense = [i for i in range(len(grads)) if i not in experts]
+        norm = float(
+            global_grad_norm(
+                [self._params[i] for i in dense],
+                [self._params[i] for i in self._experts],
+                grads=[grads[i] for i in dense],
+                expert_grads=[grads[i] for i in self._experts],
+            )
+        )
         if not math.isfinite(norm):
             self.weights.drop_gradients()
             raise FloatingPointError(f"gradient norm is {norm}: the step is skipped, parameters unchanged")
         if self.max_grad_norm > 0:
             scale = self.max_grad_norm / (norm + 1e-6)  # the coefficient torch.nn.utils.clip_grad_norm_ uses
             if scale < 1.0:
-                for p in main:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-        self.optimizer.step()
-        self.weights.copy_to_model()
+                for grad in grads:
+                    if grad is not None:
+                        grad.mul_(scale)
+        if self.weights.main is None:  # the hybrid optimizer keeps the main weights: it reads the fp32 gradients
+            self._step_hybrid(grads)
+        else:
+            self.optimizer.step()
+            self.weights.copy_to_model()
         self.weights.drop_gradients()
         return {"grad_norm": norm}
+
+    def _step_hybrid(self, grads: list[Tensor | None]) -> None:
+        """One step of megatron's `HybridDeviceOptimizer`: the fp32 gradients as each parameter's `decoupled_grad`
+        (what it reads before `.grad`); it writes the updated weights into the model itself. Then no gradient is
+        left referenced: neither the parameters' nor its device-side fp32 copies' (its host buffers stay)."""
+        for p, grad in zip(self._params, grads, strict=True):
+            p.decoupled_grad = grad
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the parameters' .grad and decoupled_grad
+        if self.optimizer.gpu_optimizer is not None:
+            self.optimizer.gpu_optimizer.zero_grad(set_to_none=True)

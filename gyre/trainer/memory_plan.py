@@ -2,11 +2,12 @@
 the token budget (docs/training.md, "The memory plan").
 
 `memory_plan(MemoryInputs(...))` returns a `MemoryPlan`: one `RankMemory` per distinct rank (the core's stage s, a
-satellite's stage s, a cell's leader, which also serves), each a list of `Term`s (bytes, and where the number comes
-from). On a CPU the roles of a rank are resident together (its engine, its trainer, rank 0's controller: one
-process), so its peak is their sum; on a GPU a cell swaps between rollout and training, so its peak is the larger of
-the two plus what stays. `MemoryPlan.misfit()` is None, or one line naming the worst rank, its peak against the
-device's memory less the headroom, and the first setting that makes it fit (found by planning again with it).
+satellite's stage s, a cell's leader, which also serves, the separate rollout pool's serving rank and its others),
+each a list of `Term`s (bytes, and where the number comes from). On a CPU the roles of a rank are resident together
+(its engine, its trainer, rank 0's controller: one process), so its peak is their sum; on a GPU a cell swaps between
+rollout and training, so its peak is the larger of the two plus what stays. `MemoryPlan.misfit()` is None, or one
+line naming the worst rank, its peak against the device's memory less the headroom, and the first setting that makes
+it fit (found by planning again with it).
 
 The terms follow gyre's own code, today's:
 - training (`gyre.trainer.precision`, `megatron_trainable`, `streaming`): the model's weights in the trainer's dtype;
@@ -17,8 +18,9 @@ The terms follow gyre's own code, today's:
 - publication, as gyre does it: every core rank gathers the whole model in the engine's dtype, and rank 0 also
   builds an fp32 copy of it for `policy/`;
 - rollout (`gyre.engine.native`): the whole model in the engine's dtype on the cell's leader (SGLang: its share at
-  tp_size = the cell's size), and KV caches of `2 x layers x kv_heads x head_dim` values a token, for the engine's
-  token budget plus the decode batch's own copy;
+  tp_size = the cell's size on each of its ranks), and KV caches of `2 x layers x kv_heads x head_dim` values a
+  token, for the engine's token budget plus the decode batch's own copy; the separate pool's ranks hold this role
+  only (its engine on its first rank; SGLang's share on each at tp_size = `separate_size`);
 - a process's own: the interpreter with torch, megatron and gyre imported (measured on CPU), or a CUDA context.
 
 Pure: stdlib and `gyre.models.decoder_config`; no torch.
@@ -78,6 +80,8 @@ class MemoryInputs:
     logprob_chunk_tokens: int = 1024
     max_running: int = 16
     max_total_tokens: int = 0  # 0: max_running x the model's positions (the native engine's default)
+    separate_size: int = 0  # the separate rollout pool's ranks (after the cells'): they serve, never train
+    optimizer_offload_fraction: float = 0.0  # the core's share of main weights and AdamW state in host memory (cuda)
     device_memory_bytes: int = 0  # 0: unknown: the plan is reported, never refused
     headroom: float = 0.1
 
@@ -173,6 +177,19 @@ class MemoryPlan:
                 f"{self.inputs.headroom:.0%} kept free)"
             )
         return "\n".join(lines)
+
+    def offload_note(self) -> str:
+        """With optimizer offload, what of a core rank's optimizer it moves to host memory (text for the plan's
+        line); empty without."""
+        f = self.inputs.optimizer_offload_fraction
+        if not f:
+            return ""
+        core = self.ranks[0]
+        moved = sum(term.bytes for term in core.training if term.host and term.name.startswith("offloaded"))
+        return (
+            f"; trainer.optimizer_offload_fraction={f:g}: {f:.0%} of a core rank's fp32 main weights and AdamW "
+            f"moments step in host memory ({moved / GIB:.2f} GiB of host memory on {core.name})"
+        )
 
     def misfit(self) -> str | None:
         """None when every rank fits (or the device's memory is unknown); else one line: the worst rank, its peak
@@ -291,9 +308,16 @@ def _training(inputs: MemoryInputs, *, stage: int, core: bool) -> tuple[Term, ..
         ),
     ]
     if core:
+        f = inputs.optimizer_offload_fraction
+        on_host = math.floor(params * f)  # the hybrid optimizer's host share, in parameters
+        on_device = params - on_host
+        hybrid = "megatron HybridDeviceOptimizer, trainer.optimizer_offload_fraction"
         terms += [
-            Term("main weights (fp32)", params * 4 if mixed else 0, where),
-            Term("AdamW moments (fp32)", params * 8, "torch.optim.AdamW"),
+            Term("main weights (fp32)", on_device * 4 if mixed else 0, where if not f else hybrid),
+            Term("AdamW moments (fp32)", on_device * 8, "torch.optim.AdamW" if not f else hybrid),
+            Term("offloaded main weights (fp32)", on_host * 4, hybrid, host=True),
+            Term("offloaded AdamW moments (fp32)", on_host * 8, hybrid, host=True),
+            Term("offloaded gradients (pinned fp32)", on_host * 4, hybrid, host=True),
             Term("published snapshot", params * b_w, "gyre/trainer/streaming.py publish_parameters"),
             Term(
                 "publication gather (whole model)",
@@ -305,11 +329,13 @@ def _training(inputs: MemoryInputs, *, stage: int, core: bool) -> tuple[Term, ..
     return tuple(terms)
 
 
-def _rollout(inputs: MemoryInputs) -> tuple[Term, ...]:
+def _rollout(inputs: MemoryInputs, *, ranks: int, field: str = "cluster.cell_size") -> tuple[Term, ...]:
+    """What one rank of an engine of `ranks` ranks holds to serve: the native engine runs on its first rank alone
+    (call it for that rank); SGLang's tensor-parallel group spans all of them, a share each."""
     model, b_e = inputs.model, DTYPE_BYTES[inputs.engine_dtype]
     whole = total_parameters(model) * b_e
     if inputs.engine_backend == "sglang":
-        return (Term("engine weights", whole // inputs.cell_size, "SGLang at tp_size = cluster.cell_size"),)
+        return (Term("engine weights", whole // ranks, f"SGLang at tp_size = {field}"),)
     budget = inputs.max_total_tokens or inputs.max_running * model.max_position_embeddings
     per_token = kv_bytes_per_token(model, inputs.engine_dtype)
     batch = inputs.max_running * (min(budget, model.max_position_embeddings) + DECODE_GROW)
@@ -353,6 +379,7 @@ def memory_plan(inputs: MemoryInputs) -> MemoryPlan:
     """Each kind of rank's terms (module docstring). A Megatron cell's ranks differ by pipeline stage; the ranks of a
     stage hold the same (TP and EP split evenly). The cell's leader (coordinate 0, stage 0) also serves."""
     megatron = inputs.trainer_backend == "megatron"
+    sglang = inputs.engine_backend == "sglang"
     stages = inputs.pp if megatron else 1
     per_stage = inputs.cell_size // stages
     kinds = []
@@ -372,7 +399,7 @@ def memory_plan(inputs: MemoryInputs) -> MemoryPlan:
                         name=name,
                         ranks=cells,
                         training=training,
-                        rollout=_rollout(inputs),
+                        rollout=_rollout(inputs, ranks=inputs.cell_size),
                         resident=_resident(inputs, controller=core),
                     )
                 )
@@ -383,11 +410,43 @@ def memory_plan(inputs: MemoryInputs) -> MemoryPlan:
                         name=f"{role} rank{where}",
                         ranks=cells * others,
                         training=training,
-                        rollout=(),
+                        rollout=_rollout(inputs, ranks=inputs.cell_size) if sglang else (),
                         resident=_resident(inputs, controller=False),
                     )
                 )
+    kinds += _pool(inputs)
     return MemoryPlan(inputs=inputs, ranks=tuple(kinds))
+
+
+def _pool(inputs: MemoryInputs) -> list[RankMemory]:
+    """The separate rollout pool's ranks (`gyre.runtime.cell.pool`): the rollout role only, never a trainer. Its
+    first rank serves the pool's engine (the cells' engine config; SGLang at tp_size = the pool's size, a share on
+    each of its ranks; the native engine on the first rank alone, the others waiting)."""
+    size = inputs.separate_size
+    if size == 0:
+        return []
+    first = inputs.num_cells * inputs.cell_size
+    serving = _rollout(inputs, ranks=size, field="cluster.separate_size")
+    kinds = [
+        RankMemory(
+            name=f"rank {first} (separate rollout pool, serves)",
+            ranks=1,
+            training=(),
+            rollout=serving,
+            resident=_resident(inputs, controller=False),
+        )
+    ]
+    if size > 1:
+        kinds.append(
+            RankMemory(
+                name="separate rollout pool rank",
+                ranks=size - 1,
+                training=(),
+                rollout=serving if inputs.engine_backend == "sglang" else (),
+                resident=_resident(inputs, controller=False),
+            )
+        )
+    return kinds
 
 
 def _first_fix(inputs: MemoryInputs) -> str | None:
@@ -395,6 +454,15 @@ def _first_fix(inputs: MemoryInputs) -> str | None:
     candidates: list[tuple[str, MemoryInputs]] = []
     if inputs.recompute != "full":
         candidates.append(("set trainer.recompute=full", replace(inputs, recompute="full")))
+    if inputs.device == "cuda" and inputs.trainer_backend == "megatron":
+        for fraction in (0.25, 0.5, 0.75, 1.0):
+            if fraction > inputs.optimizer_offload_fraction:
+                candidates.append(
+                    (
+                        f"set trainer.optimizer_offload_fraction={fraction:g} (AdamW steps that share in host memory)",
+                        replace(inputs, optimizer_offload_fraction=fraction),
+                    )
+                )
     tokens = inputs.tokens_per_microstep
     while tokens > 1024:
         tokens //= 2
@@ -435,6 +503,8 @@ def memory_inputs(cfg: TrainConfig, model: DecoderConfig) -> MemoryInputs:
         logprob_chunk_tokens=t.logprob_chunk_tokens,
         max_running=e.max_running,
         max_total_tokens=e.max_total_tokens,
+        separate_size=cfg.cluster.separate_size,
+        optimizer_offload_fraction=t.optimizer_offload_fraction,
         device_memory_bytes=math.floor(cfg.cluster.device_memory_gib * GIB),
         headroom=cfg.cluster.memory_headroom,
     )

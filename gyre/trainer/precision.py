@@ -16,6 +16,10 @@ weights every rank computes with, and half the bytes.
 `MainWeights(params, steps=False)` is a satellite's (docs/training.md, "Precision"): it never steps, so it keeps no
 fp32 copy of the weights, only each parameter's fp32 gradient accumulator (`gradients`), which the step sums onto
 the core: 4 bytes a parameter instead of 8 beside the bf16 weights. `main` is None then and `copy_to_model` raises.
+
+`MainWeights(params, main_copy=False)` is a core's whose optimizer keeps the fp32 main weights itself (megatron's
+`HybridDeviceOptimizer` with optimizer offload, `gyre.trainer.megatron_trainable`): the same fp32 accumulators as a
+satellite's, and `main` None; the optimizer writes the updated weights into the model.
 """
 
 from __future__ import annotations
@@ -31,15 +35,15 @@ __all__ = ["MainWeights"]
 class MainWeights:
     """The fp32 weights an optimizer steps for `params` (module docstring)."""
 
-    def __init__(self, params: Sequence[Tensor], *, steps: bool = True):
+    def __init__(self, params: Sequence[Tensor], *, steps: bool = True, main_copy: bool = True):
         self.params = list(params)
         self.steps = steps
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.grads: list[Tensor | None] = []  # a satellite's fp32 accumulators (mixed, steps=False)
+        self.grads: list[Tensor | None] = []  # fp32 accumulators without main weights (mixed, no main copy)
         if not self.mixed:
             self.main = self.params
             return
-        if not steps:
+        if not steps or not main_copy:
             self.main = None
             self.grads = [None] * len(self.params)
             for i, p in enumerate(self.params):
@@ -53,9 +57,12 @@ class MainWeights:
             p.register_post_accumulate_grad_hook(_into_main(main))
             self.main.append(main)
 
-    def gradients(self) -> list[Tensor]:
-        """The accumulated gradient of each parameter, dense (zeros where none came), fp32 when mixed, in the order
-        of `params`: the tensors themselves, so summing into them in place is the step's reduction."""
+    def gradients(self, *, dense: bool = True) -> list[Tensor | None]:
+        """The accumulated gradient of each parameter, dense (zeros where none came; None there with `dense`
+        False), fp32 when mixed, in the order of `params`: the tensors themselves, so summing into them in place is
+        the step's reduction."""
+        if not dense:
+            return list(self.grads) if self.main is None else [main.grad for main in self.main]
         if self.main is None:
             for i, p in enumerate(self.params):
                 if self.grads[i] is None:
@@ -65,6 +72,17 @@ class MainWeights:
             if main.grad is None:
                 main.grad = torch.zeros_like(main)
         return [main.grad for main in self.main]
+
+    def dense_gradient(self, index: int) -> Tensor:
+        """Parameter `index`'s accumulated gradient, zeros kept first where none came."""
+        if self.main is None:
+            if self.grads[index] is None:
+                self.grads[index] = torch.zeros_like(self.params[index], dtype=torch.float32)
+            return self.grads[index]
+        main = self.main[index]
+        if main.grad is None:
+            main.grad = torch.zeros_like(main)
+        return main.grad
 
     def drop_gradients(self) -> None:
         for tensor in (*(self.main or ()), *self.params):
@@ -76,6 +94,8 @@ class MainWeights:
         """After the optimizer stepped `main`: the model's parameters become the main weights, rounded."""
         if not self.steps:
             raise RuntimeError("a satellite's weights do not step: only the core's optimizer updates them")
+        if self.main is None:
+            raise RuntimeError("no main weights here: the optimizer keeps them and updates the model itself")
         if self.mixed:
             with torch.no_grad():
                 for p, main in zip(self.params, self.main, strict=True):

@@ -147,4 +147,83 @@ def test_the_cli(tmp_path):
     done = plan("cluster.device_memory_gib=-1")
     assert done.returncode == 2 and "cluster.device_memory_gib=-1" in done.stderr and "Traceback" not in done.stderr
     done = plan(f"model.model_dir={tmp_path / 'nowhere'}")
-    assert done.returncode == 2 and "no readable config.json" in done.stderr
+    assert done.returncode == 2 and "no config.json there" in done.stderr
+
+
+def test_optimizer_offload_moves_its_share_of_main_weights_and_adamw_to_the_host():
+    """f of a core rank's parameters: their fp32 main weights (4 B), AdamW moments (8 B) and pinned fp32 gradient
+    buffers (4 B) in host memory, the rest on the device; the plan's line says so."""
+    inputs = MemoryInputs(
+        model=QWEN3_0_6B,
+        trainer_backend="megatron",
+        device="cuda",
+        trainer_dtype="bfloat16",
+        engine_dtype="bfloat16",
+        max_total_tokens=4096,  # training is the larger role
+    )
+    params = total_parameters(QWEN3_0_6B)
+    whole = memory_plan(inputs).ranks[0]
+    half = memory_plan(replace(inputs, optimizer_offload_fraction=0.5)).ranks[0]
+    on_host = params // 2
+    assert whole.held("training") - half.held("training") == 12 * on_host  # main 4 + AdamW 8 off the device
+    assert half.held("training", host=True) == 16 * on_host and whole.held("training", host=True) == 0
+    assert whole.peak("cuda") - half.peak("cuda") == 12 * on_host
+    fp32 = replace(inputs, trainer_dtype="float32", optimizer_offload_fraction=0.5)
+    assert (
+        memory_plan(replace(fp32, optimizer_offload_fraction=0)).ranks[0].held("training")
+        - memory_plan(fp32).ranks[0].held("training")
+        == 8 * on_host
+    )  # fp32: the weights are the main weights; AdamW only
+    note = memory_plan(replace(inputs, optimizer_offload_fraction=0.5)).offload_note()
+    assert note.startswith("; trainer.optimizer_offload_fraction=0.5: 50% of a core rank's fp32 main weights")
+    assert f"({16 * on_host / GIB:.2f} GiB of host memory on rank 0" in note
+    assert memory_plan(inputs).offload_note() == ""
+
+
+def test_a_megatron_gpu_layout_that_fits_with_offload_is_told_so():
+    inputs = MemoryInputs(
+        model=QWEN3_0_6B,
+        trainer_backend="megatron",
+        device="cuda",
+        trainer_dtype="bfloat16",
+        engine_dtype="bfloat16",
+        recompute="full",
+        tokens_per_microstep=1024,
+        max_total_tokens=4096,
+    )
+    peak = memory_plan(inputs).worst().peak("cuda")
+    saved = 12 * (total_parameters(QWEN3_0_6B) // 4)  # a quarter offloaded
+    device = int((peak - saved // 2) / 0.9)  # fits once a quarter is off the device
+    line = memory_plan(replace(inputs, device_memory_bytes=device)).misfit()
+    assert line is not None and "set trainer.optimizer_offload_fraction=0.25" in line, line
+    assert memory_plan(replace(inputs, device_memory_bytes=device, optimizer_offload_fraction=0.25)).misfit() is None
+
+
+def test_the_separate_pool_serves_and_holds_no_trainer():
+    """`cluster.separate_size` ranks after the cells': the first serves the pool's engine (the native engine: the
+    whole model and its KV), the others wait (native) or hold their SGLang share; none trains."""
+    inputs = MemoryInputs(model=QWEN3_0_6B, num_cells=2, separate_size=2, max_total_tokens=8192)
+    kinds = {rank.name: rank for rank in memory_plan(inputs).ranks}
+    serving, waiting = kinds["rank 2 (separate rollout pool, serves)"], kinds["separate rollout pool rank"]
+    assert serving.ranks == 1 and waiting.ranks == 1
+    assert serving.training == () and waiting.training == () and waiting.rollout == ()
+    leader = kinds["rank 1 (satellite, cell leader)"]
+    assert serving.rollout == leader.rollout  # the cells' engine config
+    assert serving.peak("cpu") == serving.held("resident") + serving.held("rollout") + serving.phase("rollout")
+    sglang = {
+        rank.name: rank
+        for rank in memory_plan(replace(inputs, engine_backend="sglang", device="cuda", cell_size=2)).ranks
+    }
+    share = total_parameters(QWEN3_0_6B) * 4 // 2
+    pool = sglang["separate rollout pool rank"]
+    assert pool.training == () and [t.bytes for t in pool.rollout] == [share]
+    assert [t.bytes for t in sglang["satellite rank"].rollout] == [share]  # SGLang's group spans the cell
+
+
+def test_a_satellite_holds_no_main_weights_and_no_adamw_in_either_dtype():
+    for dtype in ("float32", "bfloat16"):
+        inputs = MemoryInputs(model=QWEN3_0_6B, num_cells=3, trainer_dtype=dtype)
+        satellite = memory_plan(inputs).ranks[1]
+        assert satellite.ranks == 2 and satellite.name == "rank 1 (satellite, cell leader)"
+        names = {t.name for t in satellite.training if t.bytes}
+        assert names == {"weights", "gradients (fp32)", "step's flat gradients", "activations"}, names

@@ -107,6 +107,7 @@ def build_trainable(cfg: TrainConfig, model_dir: Path, *, core: bool = True):
         pipeline=pipeline,
         routing_replay=t.routing_replay,
         steps=core,
+        offload_fraction=t.optimizer_offload_fraction,
     )
 
 
@@ -117,7 +118,7 @@ def optimizer_state(trainer) -> dict[str, Any]:
     weights only round (docs/runtime.md, "Checkpoints and resume")."""
     state: dict[str, Any] = {"optimizer": trainer.optimizer.state_dict(), "rng": torch.get_rng_state()}
     weights = getattr(trainer, "weights", None)
-    if weights is not None and weights.mixed:
+    if weights is not None and weights.mixed and weights.main is not None:  # offload: in the optimizer's state
         state["main"] = [main.detach().cpu().clone() for main in weights.main]
     return state
 
@@ -125,7 +126,7 @@ def optimizer_state(trainer) -> dict[str, Any]:
 def _restore_main(trainer, saved: list | None, path: Path) -> None:
     """The fp32 main weights of a mixed-precision trainer, bit for bit, then the model rounded from them."""
     weights = getattr(trainer, "weights", None)
-    if weights is None or not weights.mixed:
+    if weights is None or not weights.mixed or weights.main is None:  # offload: the optimizer's state held them
         return
     if saved is None:
         log.warning("%s: no fp32 main weights kept (an older checkpoint): rebuilt from the bf16 weights", path)

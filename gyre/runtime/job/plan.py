@@ -8,12 +8,16 @@ the proxy's settings as served. Every rank receives the plan, not the raw config
 it by the app); nothing after the plan checks the config again.
 
 `plan_layout(cfg, world_size)` is the first part: the job's size fits the cells (`layout_fields`), the launcher's secret
-can be sent, a backend that runs here, no context parallelism. Under torchrun or srun every rank makes it (the process
-groups need it) and rank 0 builds the rest and sends the plan to the others; run plainly, the launching process builds
-the whole plan once and hands it to its workers. `build_plan(cfg, recipe, run_dir, layout=...)` is the rest, in this
-order: the run directory can be written, the proxy's port is free, the checkpoint `resume` names can be resumed, the
-recipe's task sets (and the held-out task directory's), the harness and its sandbox run here, then the starting model
-(`model.model_dir` or the recipe's: its config.json, its context limit, the trainer's layout, the recipe's own rules).
+can be sent, a backend that runs here, no context parallelism, the trainer can shard the starting model, and every
+rank's memory fits the device (`check_memory`, `gyre.trainer.memory_plan`), from the starting model's config alone
+(`starting_model_config`: `model.model_dir`'s config.json, or the tiny model's spec, which the recipes start from when
+it is empty). Under torchrun or srun every rank makes it before its process group exists (so a layout that cannot fit
+is refused by every rank alike, with nothing begun) and rank 0 builds the rest and sends the plan to the others; run
+plainly, the launching process builds the whole plan once and hands it to its workers. `build_plan(cfg, recipe,
+run_dir, layout=...)` is the rest, in this order: the run directory can be written, the proxy's port is free, the
+checkpoint `resume` names can be resumed, the recipe's task sets (and the held-out task directory's), the harness and
+its sandbox run here, then the starting model (`model.model_dir` or the recipe's: its config.json, its context limit,
+the recipe's own rules).
 Each check runs once (`CHECKS`, counted by tests/unit/test_run_plan.py) and raises `PlanError`, one line naming the
 field; the app prints it and exits 2. Building the plan imports no torch; a recipe that must build its starting model
 (the demo's warm start, cached after its first run) does so with torch in `starting_model`.
@@ -37,6 +41,7 @@ from gyre.config.trainer import device_kind
 from gyre.distributed.layout import Layout
 from gyre.engine.sglang_standin import PATH as STANDIN_PATH  # gyre's stand-in for SGLang in tests (docs/sglang.md)
 from gyre.models.decoder_config import DecoderConfig, read_config
+from gyre.obs.logging import FILE_ONLY
 from gyre.runtime.job.checkpoint import Checkpoint, StartingPoint
 from gyre.runtime.job.harness_setup import (
     HarnessSetupError,
@@ -108,25 +113,54 @@ CHECKS = (
     "check_job_secret",
     "check_engine_backend",
     "check_context_parallel",
+    "check_model_layout",
+    "check_memory",
     "check_run_dir",
     "check_proxy_port",
     "resolve_checkpoint",
     "load_task_sets",
     "check_harness_here",
     "resolve_model",
-    "check_model_layout",
-    "check_memory",
     "check_recipe",
 )
 
 
-def plan_layout(cfg: TrainConfig, world_size: int) -> Layout:
-    """The job's layout for `world_size` processes, and what this runtime runs on it (PlanError)."""
+def plan_layout(cfg: TrainConfig, world_size: int, *, echo: Callable[[str], None] | None = None) -> Layout:
+    """The job's layout for `world_size` processes, and what this runtime runs on it, the memory of its ranks among
+    it (PlanError). `echo` gets the memory plan's line and the log its table; None: neither (a rank under a launcher
+    other than rank 0, which says them)."""
     layout = check_job_size(cfg, world_size)
     check_job_secret()
     check_engine_backend(cfg)
     check_context_parallel(cfg)
+    model = starting_model_config(cfg)
+    check_model_layout(cfg, model)
+    check_memory(cfg, model, echo)
     return layout
+
+
+def starting_model_config(cfg: TrainConfig) -> DecoderConfig:
+    """The starting model's config without building it: `model.model_dir`'s config.json, or, with it empty, the tiny
+    model's spec (what the recipes start from: `gyre.models.tiny`)."""
+    if cfg.model.model_dir:
+        return _read_model_config(Path(cfg.model.model_dir), "model.model_dir")
+    from gyre.models.tiny import decoder_config
+
+    spec = cfg.model.tiny
+    return decoder_config(spec, vocab_size=spec.vocab_size, bos_token_id=0, eos_token_id=1)
+
+
+def _read_model_config(model_dir: Path, field: str) -> DecoderConfig:
+    """`model_dir`'s config.json (PlanError naming `field` when it is missing or unreadable)."""
+    if not (model_dir / "config.json").is_file():
+        raise PlanError(
+            f"{field}={str(model_dir)!r}: no config.json there (expected an HF-layout checkpoint directory: "
+            "config.json, safetensors, tokenizer files with a chat template)"
+        )
+    try:
+        return read_config(model_dir)
+    except (OSError, ValueError) as error:
+        raise PlanError(f"{field}: {model_dir / 'config.json'} cannot be read as a model config ({error})") from None
 
 
 def build_plan(
@@ -146,8 +180,6 @@ def build_plan(
         context_limit = cfg.proxy.context_limit or model.max_position_embeddings
     else:
         context_limit = _plan_call(check_context_limit, cfg, model.max_position_embeddings)
-    check_model_layout(cfg, model)
-    check_memory(cfg, model, echo)
     check_recipe(recipe, cfg, model_dir, context_limit)
     if held_out_dir_tasks:
         from gyre.runtime.held_out_tasks import held_out_tasks
@@ -351,21 +383,12 @@ def resolve_model(cfg: TrainConfig, recipe: Recipe, echo: Callable[[str], None])
     """The starting checkpoint: `model.model_dir`, or the recipe's starting model; and its config.json."""
     if cfg.model.model_dir:
         model_dir = Path(cfg.model.model_dir)
-        if not (model_dir / "config.json").is_file():
-            raise PlanError(
-                f"model.model_dir={cfg.model.model_dir!r}: no config.json there (expected an HF-layout checkpoint "
-                "directory: config.json, safetensors, tokenizer files with a chat template)"
-            )
-    else:
-        try:
-            model_dir = Path(recipe.starting_model(cfg, echo))
-        except RecipeError as error:
-            raise PlanError(str(error)) from None
+        return model_dir, _read_model_config(model_dir, "model.model_dir")
     try:
-        return model_dir, read_config(model_dir)
-    except (OSError, ValueError) as error:
-        field = "model.model_dir" if cfg.model.model_dir else f"recipe.name={recipe.name!r}: the starting model"
-        raise PlanError(f"{field}: {model_dir / 'config.json'} cannot be read as a model config ({error})") from None
+        model_dir = Path(recipe.starting_model(cfg, echo))
+    except RecipeError as error:
+        raise PlanError(str(error)) from None
+    return model_dir, _read_model_config(model_dir, f"recipe.name={recipe.name!r}: the starting model")
 
 
 def check_model_layout(cfg: TrainConfig, model: DecoderConfig) -> None:
@@ -389,16 +412,21 @@ def check_model_layout(cfg: TrainConfig, model: DecoderConfig) -> None:
         raise PlanError(f"{fields}: {error}") from None
 
 
-def check_memory(cfg: TrainConfig, model: DecoderConfig, echo: Callable[[str], None]) -> None:
-    """Each rank's memory, planned (`gyre.trainer.memory_plan`): its peaks echoed, the whole table logged; a layout
-    that cannot fit `cluster.device_memory_gib` refused in one line naming the setting that makes it fit."""
+def check_memory(cfg: TrainConfig, model: DecoderConfig, echo: Callable[[str], None] | None) -> None:
+    """Each rank's memory, planned (`gyre.trainer.memory_plan`): its peaks echoed, the whole table logged (neither
+    with `echo` None); a layout that cannot fit `cluster.device_memory_gib` refused in one line naming the setting
+    that makes it fit."""
     from gyre.trainer.memory_plan import GIB, memory_inputs, memory_plan  # arithmetic: no torch
 
     plan = memory_plan(memory_inputs(cfg, model))
-    log.info("memory plan:\n%s", plan.table())
-    peaks = ", ".join(f"{rank.name} {rank.peak(plan.inputs.device) / GIB:.2f} GiB" for rank in plan.ranks)
-    budget = f" of {plan.budget() / GIB:.2f}" if plan.budget() else " (cluster.device_memory_gib unset: not checked)"
-    echo(f"memory plan: peak per rank{budget}: {peaks} (python -m gyre.train.plan shows every term)")
+    if echo is not None:
+        log.info("memory plan:\n%s", plan.table(), extra=FILE_ONLY)  # train.log; the line below says enough
+        peaks = ", ".join(f"{rank.name} {rank.peak(plan.inputs.device) / GIB:.2f} GiB" for rank in plan.ranks)
+        budget = (
+            f" of {plan.budget() / GIB:.2f}" if plan.budget() else " (cluster.device_memory_gib unset: not checked)"
+        )
+        shows = "python -m gyre.train.plan shows every term"
+        echo(f"memory plan: peak per rank{budget}: {peaks}{plan.offload_note()} ({shows})")
     misfit = plan.misfit()
     if misfit is not None:
         raise PlanError(misfit)

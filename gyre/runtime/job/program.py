@@ -46,9 +46,10 @@ def run_training(cfg: TrainConfig, run_dir: Path, recipe: Recipe, *, echo: Calla
     run_dir = Path(run_dir)
     launched = job_env(os.environ)
     if launched is not None:  # torchrun or srun: this process is one rank; rank 0 builds the plan (`run_rank`)
-        layout = plan_layout(cfg, launched.world_size)
+        # every rank checks the layout and its memory before its process group exists: a refusal is every rank's
+        layout = plan_layout(cfg, launched.world_size, echo=echo if launched.rank == 0 else None)
         return run_rank(None, echo=echo, launched=(cfg, recipe, run_dir, layout))
-    plan = build_plan(cfg, recipe, run_dir, layout=plan_layout(cfg, cfg.world_size), echo=echo)
+    plan = build_plan(cfg, recipe, run_dir, layout=plan_layout(cfg, cfg.world_size, echo=echo), echo=echo)
     if plan.world_size == 1:
         return run_rank(plan, echo=echo)
     cl = cfg.cluster

@@ -42,4 +42,6 @@ def trainer_layout(cfg: TrainConfig) -> dict[str, Any]:
     }
     if t.expert_parallel_size > 1:  # absent at 1, so checkpoints written before the field existed still resume
         layout["trainer.expert_parallel_size"] = t.expert_parallel_size
+    if t.optimizer_offload_fraction > 0:  # the hybrid optimizer's state: its own main weights, its host share
+        layout["trainer.optimizer_offload_fraction"] = t.optimizer_offload_fraction
     return layout
