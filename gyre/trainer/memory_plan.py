@@ -11,10 +11,12 @@ it fit (found by planning again with it).
 
 The terms follow gyre's own code, today's:
 - training (`gyre.trainer.precision`, `megatron_trainable`, `streaming`): the model's weights in the trainer's dtype;
-  fp32 gradients (a bf16 model's go to fp32 accumulators); on the core, fp32 main weights (bf16) and AdamW's two fp32
-  moments; the step's flat copy of the gradients (`reduce_gradients`); activations of the micro-step's tokens under
-  the recompute mode (bytes per token and layer measured by counting what each forward saves for its backward:
-  docs/training.md), times the micro-steps in flight on pipeline stage s (1F1B: PP - s); the log-probs' chunk;
+  fp32 gradients (a bf16 model's go to fp32 accumulators); on the core only (a satellite never steps), fp32 main
+  weights (bf16) and AdamW's two fp32 moments, with optimizer offload their share f in host memory beside pinned
+  gradient buffers (megatron's `HybridDeviceOptimizer`); the step's flat copy of the gradients
+  (`reduce_gradients`); activations of the micro-step's tokens under the recompute mode (bytes per token and layer
+  measured by counting what each forward saves for its backward: docs/training.md; a MoE layer's expert part split
+  over EP), times the micro-steps in flight on pipeline stage s (1F1B: PP - s); the log-probs' chunk (last stage);
 - publication, as gyre does it: every core rank gathers the whole model in the engine's dtype, and rank 0 also
   builds an fp32 copy of it for `policy/`;
 - rollout (`gyre.engine.native`): the whole model in the engine's dtype on the cell's leader (SGLang: its share at
@@ -43,6 +45,7 @@ __all__ = [
     "memory_inputs",
     "memory_plan",
     "rank_parameters",
+    "training_terms",
 ]
 
 GIB = 1 << 30
@@ -58,6 +61,12 @@ ACTIVATION_R = {("float32", "none"): 24.03, ("bfloat16", "none"): 22.03}
 ACTIVATION_S = {("float32", "none"): 5.397, ("bfloat16", "none"): 2.759}
 SELECTIVE_SHARE = {"float32": 0.92, "bfloat16": 0.985}  # selective recompute keeps this share (SDPA makes no scores)
 LAYER_FREE_PER_H = 12.5  # bytes per token per unit of h outside the layers (embedding out, final norm), fp32
+# A MoE layer: its attention as a dense layer's; then each token-expert pair on an EP rank (top_k / EP a token: the
+# layer splits the tokens over the EP group) keeps EXPERT_PAIR_S units of S per unit of the expert's width and its
+# hidden state (dtype bytes x h); the router and the combine keep MOE_ROUTER_PER_H bytes per unit of h of a token,
+# split over EP (fitted the same way, fp32, h=256, 8 experts, top 2 and 4, width 256 and 512, EP 1 and 2).
+EXPERT_PAIR_S = 4.447
+MOE_ROUTER_PER_H = 4.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,32 +267,47 @@ def kv_bytes_per_token(model: DecoderConfig, dtype: str) -> int:
     return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * DTYPE_BYTES[dtype]
 
 
+def layer_activation_bytes(model: DecoderConfig, index: int, *, tp: int, ep: int, dtype: str) -> float:
+    """Bytes a token of one micro-step keeps for the backward in layer `index`, without recompute (module
+    docstring; the coefficients above)."""
+    h, a, k, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
+    r, s = ACTIVATION_R[(dtype, "none")], ACTIVATION_S[(dtype, "none")]
+    attention = r * h + s * (2 * (a + 2 * k) * d + 3 * a * d) / tp
+    if not _is_moe_layer(model, index):
+        return attention + s * 4 * model.intermediate_size / tp
+    pairs = model.num_experts_per_tok / ep  # a token's expert pairs on this rank
+    experts = pairs * (s * EXPERT_PAIR_S * model.moe_intermediate_size + DTYPE_BYTES[dtype] * h)
+    shared = s * 4 * model.shared_expert_intermediate_size / tp  # qwen2_moe's shared expert: every token, TP-split
+    return attention + experts + MOE_ROUTER_PER_H * h / ep + shared
+
+
 def activation_bytes(model: DecoderConfig, inputs: MemoryInputs, *, stage: int) -> int:
     """Activations of stage `stage` for one step's micro-steps in flight (module docstring)."""
-    h, a, k, d = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, model.head_dim
     dtype = inputs.trainer_dtype if inputs.trainer_dtype in ("float32", "bfloat16") else "bfloat16"
-    tp = inputs.tp if inputs.trainer_backend == "megatron" else 1
-    layer_none = (
-        ACTIVATION_R[(dtype, "none")] * h
-        + ACTIVATION_S[(dtype, "none")]
-        * (2 * (a + 2 * k) * d + 3 * a * d + 4 * (model.moe_intermediate_size or model.intermediate_size))
-        / tp
-    )
-    if model.num_experts:
-        layer_none += model.num_experts_per_tok * (h + 4 * model.moe_intermediate_size) * DTYPE_BYTES[dtype]
-    layers = model.num_hidden_layers // (inputs.pp if inputs.trainer_backend == "megatron" else 1)
+    megatron = inputs.trainer_backend == "megatron"
+    tp, ep, stages = (inputs.tp, inputs.ep, inputs.pp) if megatron else (1, 1, 1)
+    per_stage = model.num_hidden_layers // stages
+    layers = [
+        layer_activation_bytes(model, index, tp=tp, ep=ep, dtype=dtype)
+        for index in range(stage * per_stage, (stage + 1) * per_stage)
+    ]
     if inputs.recompute == "full":
-        kept = layers * DTYPE_BYTES[dtype] * h + layer_none  # each layer's input, and one layer rebuilt
+        kept = len(layers) * DTYPE_BYTES[dtype] * model.hidden_size + max(layers)  # inputs, and one layer rebuilt
     else:
         share = SELECTIVE_SHARE[dtype] if inputs.recompute == "selective" else 1.0
-        kept = layers * layer_none * share
-    kept += LAYER_FREE_PER_H * h
-    in_flight = (inputs.pp - stage) if inputs.trainer_backend == "megatron" and inputs.pp > 1 else 1
-    logits = 3 * inputs.logprob_chunk_tokens * model.vocab_size // tp * 4
+        kept = sum(layers) * share
+    kept += LAYER_FREE_PER_H * model.hidden_size
+    in_flight = stages - stage  # 1F1B: stage s holds PP - s micro-steps' activations (one at PP 1)
+    logits = 3 * inputs.logprob_chunk_tokens * model.vocab_size // tp * 4 if stage == stages - 1 else 0
     return int(inputs.tokens_per_microstep * kept * in_flight + logits)
 
 
 # -- the plan -----------------------------------------------------------------------------------------------------
+
+
+def training_terms(inputs: MemoryInputs, *, stage: int = 0, core: bool = True) -> tuple[Term, ...]:
+    """The training role's terms of a rank of pipeline stage `stage`, the core's or a satellite's."""
+    return _training(inputs, stage=stage, core=core)
 
 
 def _training(inputs: MemoryInputs, *, stage: int, core: bool) -> tuple[Term, ...]:

@@ -3,6 +3,8 @@
 
 `open_job(cfg, layout)` runs on every rank, right after the process starts:
 
+0. on a CPU trainer (`trainer.device=cpu`), glibc is told to give freed memory back to the system
+   (`gyre.runtime.job.allocator`), so a rank's peak is what it holds, as the memory plan counts it;
 1. the backends (`job_backends`, gyre.distributed.backends): gloo on CPU cells; on GPUs (`engine.device` and
    `trainer.device` `cuda`) `cpu:gloo,cuda:nccl` with the rank's own GPU made the current CUDA device
    (`local_gpu`: its LOCAL_RANK when it sees the node's GPUs, as under torchrun; the one it sees under
@@ -52,6 +54,7 @@ from gyre.distributed.groups import ProcessGroups, build_process_groups
 from gyre.distributed.layout import Layout
 from gyre.distributed.local import HOST
 from gyre.runtime.ids import engine_name
+from gyre.runtime.job.allocator import return_freed_memory
 from gyre.runtime.job.launch import JOB_SECRET_ENV, LaunchError, job_env, job_secret
 from gyre.runtime.job.lifeline import LifelineServer, connect_lifeline
 
@@ -231,6 +234,8 @@ def job_backends(cfg: TrainConfig, local_rank: int | None) -> Backends:
 def open_job(cfg: TrainConfig, layout: Layout) -> Job:
     """Initialize this rank's part of the job (module docstring) on the run plan's `layout` (checked there:
     `gyre.runtime.job.plan.plan_layout`)."""
+    if device_kind(cfg.trainer.device) == "cpu":
+        return_freed_memory()
     launched = job_env(os.environ)
     backends = job_backends(cfg, launched.local_rank if launched is not None else None)
     init = {"backend": backends.default}
