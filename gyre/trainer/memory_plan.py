@@ -91,6 +91,8 @@ class MemoryInputs:
     max_total_tokens: int = 0  # 0: max_running x the model's positions (the native engine's default)
     separate_size: int = 0  # the separate rollout pool's ranks (after the cells'): they serve, never train
     optimizer_offload_fraction: float = 0.0  # the core's share of main weights and AdamW state in host memory (cuda)
+    bucket_bytes: int = 512 << 20  # the weight stream's bucket (publication.bucket_mib)
+    weight_transport: str = "store"  # trainer.weight_transport: the satellites' pull of the core's weights
     device_memory_bytes: int = 0  # 0: unknown: the plan is reported, never refused
     headroom: float = 0.1
 
@@ -267,6 +269,19 @@ def kv_bytes_per_token(model: DecoderConfig, dtype: str) -> int:
     return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * DTYPE_BYTES[dtype]
 
 
+def publication_bytes(inputs: MemoryInputs) -> int:
+    """A core rank's most during a publication by the weight stream: two buckets, each at least the largest HF tensor,
+    in the engines' dtype, and on a stage leader one unit's gathered parts in the trainer's dtype (docs/training.md,
+    "Publication")."""
+    m = inputs.model
+    h = m.hidden_size
+    largest = max(m.vocab_size * h, m.intermediate_size * h, m.num_attention_heads * m.head_dim * h)
+    attention = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim * h
+    unit = max(m.vocab_size * h, attention, 2 * m.intermediate_size * h, inputs.ep * 2 * m.moe_intermediate_size * h)
+    bucket = max(inputs.bucket_bytes, largest * DTYPE_BYTES[inputs.engine_dtype])
+    return 2 * bucket + unit * DTYPE_BYTES[inputs.trainer_dtype]
+
+
 def layer_activation_bytes(model: DecoderConfig, index: int, *, tp: int, ep: int, dtype: str) -> float:
     """Bytes a token of one micro-step keeps for the backward in layer `index`, without recompute (module
     docstring; the coefficients above)."""
@@ -344,9 +359,17 @@ def _training(inputs: MemoryInputs, *, stage: int, core: bool) -> tuple[Term, ..
             Term("offloaded gradients (pinned fp32)", on_host * 4, hybrid, host=True),
             Term("published snapshot", params * b_w, "gyre/trainer/streaming.py publish_parameters"),
             Term(
-                "publication gather (whole model)",
+                "publication buckets",
+                publication_bytes(inputs),
+                "gyre/trainer/weight_stream.py: two buckets (publication.bucket_mib, at least the largest tensor) "
+                "and a unit's gathered parts",
+                transient=True,
+            ),
+            Term(
+                "checkpoint's whole model",
                 total_parameters(inputs.model) * DTYPE_BYTES[inputs.engine_dtype],
-                "gyre/trainer/convert.py gather_hf_state_dict (the whole model, on every core rank)",
+                "gyre/trainer/convert.py gather_hf_state_dict: a checkpoint's trainer/ (and the demo's held-out "
+                "evaluation) gather the whole model on every core rank",
                 transient=True,
             ),
         ]
@@ -390,12 +413,22 @@ def _resident(inputs: MemoryInputs, *, controller: bool) -> tuple[Term, ...]:
         terms.append(Term("controller", CONTROLLER_BYTES, "rank 0: proxy, buffers, scheduler"))
         terms.append(
             Term(
-                "policy/ copy (fp32)",
+                "checkpoint's trainer/ copy (fp32)",
                 total_parameters(inputs.model) * 4,
                 "gyre/runtime/cell/trainers.py policy_model (an fp32 copy of the whole model, on rank 0)",
                 host=True,
             )
         )
+        if inputs.weight_transport == "store" and inputs.num_cells > 1:
+            terms.append(
+                Term(
+                    "weight store (2 versions)",
+                    2 * total_parameters(inputs.model) * DTYPE_BYTES[inputs.trainer_dtype],
+                    "gyre/distributed/transport_store.py: the job's store, in rank 0's process, keeps the core's "
+                    "weights of the last 2 steps for the satellites (trainer.weight_transport=mooncake: none)",
+                    host=True,
+                )
+            )
     return tuple(terms)
 
 
@@ -496,6 +529,13 @@ def _first_fix(inputs: MemoryInputs) -> str | None:
                 replace(inputs, tokens_per_microstep=tokens),
             )
         )
+    if inputs.weight_transport == "store" and inputs.num_cells > 1:
+        candidates.append(
+            (
+                "set trainer.weight_transport=mooncake (the store keeps the satellites' weights in rank 0)",
+                replace(inputs, weight_transport="mooncake"),
+            )
+        )
     if inputs.engine_backend == "native":
         budget = inputs.max_total_tokens or inputs.max_running * inputs.model.max_position_embeddings
         while budget > 4096:
@@ -529,6 +569,8 @@ def memory_inputs(cfg: TrainConfig, model: DecoderConfig) -> MemoryInputs:
         max_total_tokens=e.max_total_tokens,
         separate_size=cfg.cluster.separate_size,
         optimizer_offload_fraction=t.optimizer_offload_fraction,
+        bucket_bytes=cfg.publication.bucket_bytes,
+        weight_transport=t.weight_transport,
         device_memory_bytes=math.floor(cfg.cluster.device_memory_gib * GIB),
         headroom=cfg.cluster.memory_headroom,
     )

@@ -76,7 +76,7 @@ def test_the_core_holds_main_weights_and_adamw_and_a_satellite_neither():
     params = total_parameters(QWEN3_0_6B)
     assert core.held("training") == (2 + 4 + 4 + 8 + 2) * params  # weights, grads, main, AdamW, the published copy
     assert satellite.held("training") == (2 + 4) * params  # bf16 weights and fp32 gradient accumulators
-    assert {t.name for t in core.training if t.transient} >= {"activations", "publication gather (whole model)"}
+    assert {t.name for t in core.training if t.transient} >= {"activations", "publication buckets"}
 
 
 def test_a_gpu_rank_swaps_roles_and_keeps_host_terms_apart():
@@ -227,3 +227,19 @@ def test_a_satellite_holds_no_main_weights_and_no_adamw_in_either_dtype():
         assert satellite.ranks == 2 and satellite.name == "rank 1 (satellite, cell leader)"
         names = {t.name for t in satellite.training if t.bytes}
         assert names == {"weights", "gradients (fp32)", "step's flat gradients", "activations"}, names
+
+
+def test_a_publication_costs_two_buckets_and_the_store_transport_is_charged_to_rank_0():
+    from gyre.trainer.memory_plan import publication_bytes
+
+    model = QWEN3_0_6B
+    inputs = MemoryInputs(model=model, num_cells=2, trainer_dtype="bfloat16", engine_dtype="bfloat16", bucket_bytes=1)
+    largest = model.vocab_size * model.hidden_size  # the embedding: a bucket is at least the largest tensor
+    assert publication_bytes(inputs) == 2 * largest * 2 + largest * 2
+    big = MemoryInputs(model=model, bucket_bytes=1 << 30)  # fp32: a bucket above the embedding's 0.62 GB
+    assert publication_bytes(big) == 2 * (1 << 30) + largest * 4
+    rank0 = memory_plan(inputs).ranks[0]
+    store = [t for t in rank0.resident if t.name.startswith("weight store")]
+    assert store and store[0].bytes == 2 * total_parameters(model) * 2 and store[0].host
+    mooncake = memory_plan(replace(inputs, weight_transport="mooncake")).ranks[0]
+    assert not [t for t in mooncake.resident if t.name.startswith("weight store")]
