@@ -17,8 +17,9 @@ endpoint (`python -m gyre.engine serve`). Then the measured publication, after e
 Reported per rank: resident memory before the publication, its peak during it (`VmHWM`), the growth (peak -
 before) and the bound the stream must hold: two buckets, a bucket being max(`--bucket-mib`, the largest HF tensor),
 plus `CONSTANT_MIB` (a stage leader's gathered unit, gloo's buffers, the HTTP client's). And on rank 0 the critical
-path: from the call to the engine's last update done. The engine's weights are checked equal to the HF files after
-each publication (a checksum).
+path: from the call to the engine's last update done. The engine refuses an incomplete stream (`end_update` checks
+that every parameter was loaded); that the streamed tensors are the trainer's, bit for bit, is the tests' part
+(tests/integration/test_train_weight_stream.py).
 
     python benchmarks/publication_memory.py [--bucket-mib 64] [--out benchmarks/results/publication_memory.json]
 """
