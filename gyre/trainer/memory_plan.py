@@ -271,15 +271,16 @@ def kv_bytes_per_token(model: DecoderConfig, dtype: str) -> int:
 
 def publication_bytes(inputs: MemoryInputs) -> int:
     """A core rank's most during a publication by the weight stream: two buckets, each at least the largest HF tensor,
-    in the engines' dtype, and on a stage leader one unit's gathered parts in the trainer's dtype (docs/training.md,
-    "Publication")."""
+    in the engines' dtype (never more than the whole model), and on a stage leader one unit's gathered parts in the
+    trainer's dtype (docs/training.md, "Publication")."""
     m = inputs.model
     h = m.hidden_size
     largest = max(m.vocab_size * h, m.intermediate_size * h, m.num_attention_heads * m.head_dim * h)
     attention = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim * h
     unit = max(m.vocab_size * h, attention, 2 * m.intermediate_size * h, inputs.ep * 2 * m.moe_intermediate_size * h)
-    bucket = max(inputs.bucket_bytes, largest * DTYPE_BYTES[inputs.engine_dtype])
-    return 2 * bucket + unit * DTYPE_BYTES[inputs.trainer_dtype]
+    b_e = DTYPE_BYTES[inputs.engine_dtype]
+    bucket = max(inputs.bucket_bytes, largest * b_e)
+    return min(2 * bucket, total_parameters(m) * b_e) + unit * DTYPE_BYTES[inputs.trainer_dtype]
 
 
 def layer_activation_bytes(model: DecoderConfig, index: int, *, tp: int, ep: int, dtype: str) -> float:
@@ -529,6 +530,10 @@ def _first_fix(inputs: MemoryInputs) -> str | None:
                 replace(inputs, tokens_per_microstep=tokens),
             )
         )
+    bucket = inputs.bucket_bytes
+    while bucket > 64 << 20:
+        bucket //= 2
+        candidates.append((f"set publication.bucket_mib={bucket >> 20}", replace(inputs, bucket_bytes=bucket)))
     if inputs.weight_transport == "store" and inputs.num_cells > 1:
         candidates.append(
             (

@@ -350,6 +350,8 @@ def test_megatron_cells_of_two_tensor_parallel_ranks_train_with_a_satellite_and_
     for rank, line in ((1, "(cell 0): trained steps [0, 1]"), (2, "(cell 1): trained steps [0, 1]")):
         assert f"rank {rank} {line}" in log, log[-3000:]  # the core's second rank, the satellite's leader
     assert "rank 3 (cell 1): trained steps [0, 1], pulled the core's weights at [0, 1]" in log, log[-3000:]
+    # the policy directory is written after the engines have the version, by the core's stage leader
+    assert log.index("published version 1:") < log.index("policy 1 written"), log[-3000:]
     held = [json.loads(line) for line in (run_dir / "held_out.jsonl").read_text().splitlines()]
     assert [line["version"] for line in held] == [0, 1, 2]
     policy = run_dir / "policy"

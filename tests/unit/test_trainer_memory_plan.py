@@ -238,6 +238,8 @@ def test_a_publication_costs_two_buckets_and_the_store_transport_is_charged_to_r
     assert publication_bytes(inputs) == 2 * largest * 2 + largest * 2
     big = MemoryInputs(model=model, bucket_bytes=1 << 30)  # fp32: a bucket above the embedding's 0.62 GB
     assert publication_bytes(big) == 2 * (1 << 30) + largest * 4
+    whole = total_parameters(model) * 4  # two buckets never hold more than the whole model
+    assert publication_bytes(MemoryInputs(model=model, bucket_bytes=4 << 30)) == whole + largest * 4
     rank0 = memory_plan(inputs).ranks[0]
     store = [t for t in rank0.resident if t.name.startswith("weight store")]
     assert store and store[0].bytes == 2 * total_parameters(model) * 2 and store[0].host
