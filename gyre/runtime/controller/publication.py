@@ -21,9 +21,9 @@ held-out evaluation).
 
 A cell that comes back inside a burst (no publication in flight: a cell sent back mid-step to make room) loads the
 last publication from its policy directory (`policies/v<version>`, streamed from the files in buckets), waiting for
-its write if it is still going; a run that writes policies less often (`publication.policy_every` > 1) and has no
-such directory stops with one line naming the setting. Before any publication a returning cell serves the weights
-it started with.
+its write if it is still going (so `publication.policy_every` other than 1 is refused where that can happen:
+`gyre.config.train.check_policy_every`). Before any publication a returning cell serves the weights it started
+with.
 
 A failed engine update stops the run: the engine was left out of the rest of the stream, its update aborted, and
 it never accepts a call under weights that were not published (`gyre.engine.protocol.Engine.abort_update`).
