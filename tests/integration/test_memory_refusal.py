@@ -45,8 +45,10 @@ def tight_budget_gib(overrides: list[str]) -> float:
 
 
 def assert_refused(stderr: str, ranks: int) -> None:
+    """One refusal line from each of `ranks` ranks, at most, and at least one: under torchrun the first rank to exit
+    makes torchrun SIGTERM the others, which may not have printed theirs yet."""
     lines = [line for line in stderr.splitlines() if line.startswith("gyre.train:")]
-    assert len(lines) == ranks, stderr[-3000:]
+    assert 1 <= len(lines) <= ranks, stderr[-3000:]
     for line in lines:
         assert line.startswith("gyre.train: config error: rank 0 (core, cell leader, controller) needs"), line
         assert ": set " in line and "GiB" in line, line
@@ -121,6 +123,6 @@ def test_every_rank_under_torchrun_refuses_before_its_process_group(tmp_path):
     )
     elapsed = time.monotonic() - started
     assert done.returncode != 0 and elapsed < 2 * REFUSED_WITHIN_S, (elapsed, done.stderr[-3000:])
-    assert_refused(done.stderr, 2)  # each rank's own line
+    assert_refused(done.stderr, 2)  # each rank's own line (one may be cut off by torchrun's SIGTERM)
     assert done.stderr.count("exitcode  : 2") + done.stderr.count("exitcode : 2") >= 1, done.stderr[-3000:]
     assert_nothing_began(run_dir)
