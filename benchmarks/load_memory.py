@@ -56,14 +56,15 @@ def model_config():
     )
 
 
-def write_checkpoint(path: Path) -> int:
-    """Random bf16 weights of `model_config()` in HF layout under `path`; returns the parameter count."""
+def write_checkpoint(path: Path, config=None) -> int:
+    """Random bf16 weights of `config` (default `model_config()`) in HF layout under `path`, in files of at most
+    1 GB with an index; returns the parameter count."""
     import torch
 
     from gyre.models.decoder import DecoderLM
     from gyre.models.hf_weights import save_pretrained
 
-    config = model_config()
+    config = config or model_config()
     with torch.device("meta"):
         model = DecoderLM(config)
     generator = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """Peak memory per core rank, and the critical path, of one publication: the whole-model gather (before) against the
 weight stream (after), side by side in one run (docs/training.md, "Publication").
 
-Two models with random bf16 weights written once to temporary directories (`load_memory.write_checkpoint`'s way):
+Two models with random bf16 weights written once to temporary directories (`load_memory.write_checkpoint`):
 `dense`, Qwen3-0.6B's layout (596M parameters, tied embeddings), and `moe`, a Qwen3-MoE layout scaled to about the
 same size (`moe_config()`). For each layout (TP 2 and TP 2 x PP 2 on `dense`, EP 2 on `moe`) and each path, one fresh
 run of `gyre.distributed.local` ranks over gloo builds its Megatron shard in bf16 and loads it from the files
@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from load_memory import model_config, resident_bytes, write_checkpoint
 from report import emit
 
 from gyre.distributed.local import LocalRunError, run_local
@@ -50,8 +51,6 @@ TIMEOUT_S = 1800
 
 
 def dense_config():
-    from load_memory import model_config
-
     return model_config()
 
 
@@ -78,35 +77,9 @@ def moe_config():
     )
 
 
-def write_model(path: Path, config) -> int:
-    """Random bf16 weights of `config` in HF layout under `path` (files of at most 1 GB); the parameter count."""
-    import torch
-
-    from gyre.models.decoder import DecoderLM
-    from gyre.models.hf_weights import save_pretrained
-
-    with torch.device("meta"):
-        model = DecoderLM(config)
-    generator = torch.Generator().manual_seed(0)
-    state = {
-        name: (torch.randn(t.shape, generator=generator) * 0.02).to(torch.bfloat16)
-        for name, t in model.state_dict().items()
-    }
-    model.load_state_dict(state, assign=True)
-    save_pretrained(model, path, max_shard_bytes=GIB)
-    return sum(t.numel() for t in state.values())
-
-
 def write_worker(rank: int, world_size: int, *, path: str, model: str) -> int:
-    """`write_model` in a process of its own (its memory is gone when it ends)."""
-    return write_model(Path(path), dense_config() if model == "dense" else moe_config())
-
-
-def resident_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    """`load_memory.write_checkpoint` in a process of its own (its memory is gone when it ends)."""
+    return write_checkpoint(Path(path), dense_config() if model == "dense" else moe_config())
 
 
 def publication_worker(

@@ -108,7 +108,9 @@ def test_two_shards_serve_their_executions_and_move_their_calls_with_kv_on_a_rer
             deadline = time.monotonic() + 60
             while len(shards.in_flight) < CLIENTS:  # the shards' start events reach the controller
                 heard.append(len(shards.in_flight))
-                assert time.monotonic() < deadline, "the controller did not hear every call start"
+                if time.monotonic() > deadline:  # say what each side saw, so a miss can be told from a slow shard
+                    seen = {"controller": sorted(shards.in_flight._calls), "shards": await shards.stats()}
+                    raise AssertionError(f"the controller did not hear every call start: {seen}")
                 await asyncio.sleep(0.01)
             heard.append(len(shards.in_flight))
             source.stop_accepting()  # the cell leaves rollout

@@ -8,39 +8,16 @@ import dataclasses
 
 import pytest
 import torch
+from test_train_convert import CONFIG as DENSE  # qk-norm and q/k/v bias: every dense unit kind
+from test_train_moe import QWEN2_MOE, QWEN3_MOE  # a shared expert, dense and sparse layers
 
 from gyre.config.trainer import dense_replicas
 from gyre.models.decoder import build_model
 from gyre.models.decoder_config import DecoderConfig
-from gyre.models.flat_weights import unflatten_weights
-from gyre.models.moe import tiny_qwen3_moe_config
+from gyre.models.flat_weights import FlatWeights, unflatten_weights
 from gyre.trainer.convert import hf_shapes, hf_to_megatron
 from gyre.trainer.stream_plan import EP, TP, assemble, native_units, plan_buckets, stage_units
 
-DENSE = DecoderConfig(
-    model_type="qwen3",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=12,
-    qk_norm=True,
-    attention_qkv_bias=True,
-)
-QWEN3_MOE = tiny_qwen3_moe_config(vocab_size=96, bos_token_id=None, eos_token_id=None)
-QWEN2_MOE = dataclasses.replace(
-    QWEN3_MOE,
-    model_type="qwen2_moe",
-    qk_norm=False,
-    attention_qkv_bias=True,
-    norm_topk_prob=False,
-    shared_expert_intermediate_size=48,
-    tie_word_embeddings=False,
-    mlp_only_layers=(),
-    decoder_sparse_step=2,
-)
 CASES = [
     (DENSE, 1, 1, 1),
     (DENSE, 2, 1, 1),
@@ -80,8 +57,6 @@ def stream_back(config, tp, pp, ep, *, dtype, bucket_bytes):
     back: dict[str, torch.Tensor] = {}
     for bucket in buckets:
         buffer = torch.full((bucket.nbytes,), 0xFF, dtype=torch.uint8)  # garbage a missed write would leave
-        from gyre.models.flat_weights import FlatWeights
-
         out = unflatten_weights(FlatWeights(buffer=buffer, manifest=bucket.manifest))
         for unit in bucket.units:
             group = {TP: range(tp), EP: range(ep), None: range(1)}[unit.group]

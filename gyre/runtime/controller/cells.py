@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +24,7 @@ from gyre.models.decoder import DecoderLM
 from gyre.models.flat_weights import FlatWeights
 from gyre.obs.record import TransitionRecord
 from gyre.runtime.cell.trainers import GATHER, policy_model
-from gyre.runtime.controller.parts import StopRun
+from gyre.runtime.controller.parts import wait_for_keys
 from gyre.runtime.controller.publication import Publication
 from gyre.runtime.controller.transitions import leave_rollout
 from gyre.runtime.ids import engine_name
@@ -206,14 +205,8 @@ class Cells:
         job = ctl.parts.job
 
         def wait() -> None:  # a client of its own (dropped when it returns: TCPStore has no close)
-            client = job.store()
-            deadline = time.monotonic() + ACK_TIMEOUT_S
-            while not client.check(keys):
-                if ctl.stopping:
-                    raise StopRun(f"the run stopped while cell {cell} applied control decision {seq}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"cell {cell} did not apply control decision {seq} in {ACK_TIMEOUT_S:g}s")
-                time.sleep(0.01)
+            what = f"cell {cell} applied control decision {seq}"
+            wait_for_keys(job.store(), keys, timeout_s=ACK_TIMEOUT_S, stopping=lambda: ctl.stopping, what=what)
 
         await asyncio.to_thread(wait)
 

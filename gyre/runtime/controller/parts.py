@@ -21,6 +21,20 @@ class StopRun(Exception):
     """A wait ended because the run is stopping (not an error of the run)."""
 
 
+def wait_for_keys(client, keys: list[str], *, timeout_s: float, stopping: Callable[[], bool], what: str) -> None:
+    """Until every key of `keys` is in the job's store (`client`, a store client of the calling thread's own):
+    `StopRun` once `stopping()`, `TimeoutError` after `timeout_s`; `what` names the wait in both."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not client.check(keys):
+        if stopping():
+            raise StopRun(f"the run stopped while {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not done in {timeout_s:g}s")
+        time.sleep(0.01)
+
+
 @dataclass
 class ControllerParts:
     """What the controller drives, built and closed by the rank-0 set-up (`gyre.runtime.controller.setup`)."""

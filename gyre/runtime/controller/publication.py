@@ -35,13 +35,13 @@ import asyncio
 import functools
 import json
 import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from gyre.runtime.cell.stream import STREAM, PolicyParts, policy_key, stage_leaders
+from gyre.runtime.controller.parts import wait_for_keys
 from gyre.runtime.controller.transitions import stream_to_engines
 from gyre.runtime.ids import engine_name
 from gyre.runtime.job.policy_dir import POLICIES_DIR, finish_policy, stage_policy
@@ -235,13 +235,8 @@ class Publication:
 
             def read() -> list[dict]:
                 client = job.store()
-                deadline = time.monotonic() + POLICY_TIMEOUT_S
-                while not client.check(keys):
-                    if ctl.stopping:
-                        raise RuntimeError(f"the run stopped while policy {version} was written")
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"policy {version}: the stage leaders' parts did not come in time")
-                    time.sleep(0.05)
+                what = f"policy {version}'s parts were written by the stage leaders"
+                wait_for_keys(client, keys, timeout_s=POLICY_TIMEOUT_S, stopping=lambda: ctl.stopping, what=what)
                 maps = [json.loads(client.get(key)) for key in keys]
                 for key in keys:
                     client.delete_key(key)
