@@ -1,7 +1,6 @@
-"""What the core publishes to the rollout engines after the final update of a burst: its weights as one flat buffer
-and manifest, in the engines' own parameter names (HF layout).
+"""The core's whole model as one flat buffer and manifest, in the engines' own parameter names (HF layout).
 
-`engine_weights(trainable)` is the one call for both trainables (docs/training.md, "Publication"):
+`engine_weights(trainable)` is the one call for both trainables (docs/training.md, "Publishing to the engines"):
 - a native trainable (`gyre.trainer.native_trainable.NativeTrainable`, or its `DecoderLM`): the model's own
   `state_dict`, whose names are the HF names the engines take (the shared decoder, `gyre.models.decoder`); local,
   no collective, and Megatron is never imported;
@@ -10,9 +9,10 @@ and manifest, in the engines' own parameter names (HF layout).
   on this first call): every rank of the core calls it; all get the same `FlatWeights`.
 The result is a copy (one contiguous buffer): later updates of the trainer do not reach what was published.
 
-The runtime hands it to the engines (`gyre.runtime.controller.transitions.publish_to_engines`): trainers and engines
-meet only
-there. Importing this module loads neither Megatron nor any gyre.engine module (tests/unit/test_train_publish.py
+A publication no longer takes this path: it streams the weights in buckets (`gyre.trainer.weight_stream`). The
+runtime gathers the whole model only for a checkpoint's `trainer/` and the demo's in-process held-out evaluation;
+`gyre.runtime.controller.transitions.publish_to_engines` hands whole weights to engines (tests, tools).
+Importing this module loads neither Megatron nor any gyre.engine module (tests/unit/test_train_publish.py
 checks it in a fresh interpreter).
 """
 

@@ -9,7 +9,7 @@ endpoint bound to `job.host` that requires `job.secret`, and writes its address 
 on the controller drives that engine as it drives a rollout cell that never trains: the proxy routes the
 executions the scheduler places there (the pool first: docs/scheduler.md, "Placement"), and each publication
 reaches it with the cells that stayed in rollout
-(`gyre.runtime.controller.transitions.publish_to_engines`). The pool's ranks
+(the weight stream: `gyre.runtime.controller.publication`). The pool's ranks
 hold no trainer, take part in no step and apply no role decision: they read the control log only for its `stop`,
 then stop the engine.
 """
